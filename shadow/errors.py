@@ -1,0 +1,5 @@
+"""Errors a user can cause. The CLI prints their message and exits 2; serve answers 4xx."""
+
+
+class ShadowInputError(ValueError):
+    """Bad input (a preset, a path, a file, ids, a grid, choices). Raised before any state changes."""

@@ -1,0 +1,140 @@
+"""Reference kernels: plain, readable PyTorch that runs anywhere (float32 on the CPU).
+
+Every function is a pure function of its inputs: the same inputs at the same shapes give the
+same bits, which is what exact grid reading rests on. A fast path (flash-linear-attention on
+CUDA) must offer the same signatures; `Kernels` is the seam the model takes.
+
+Shapes use T for the new rows, L for the rows attended over, H for heads, no batch dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+GDN_BLOCK = 64  # the chunk rule's inner block; inputs are zero-padded to a multiple of it
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm, `x * (1 + w)`, computed in float32, returned in x's dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """GDN output norm: RMSNorm(x) * w, then times silu(gate); float32 inside."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xf.to(dtype)
+    return (y * F.silu(gate.float())).to(dtype)
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv with silu, continuing from `state`.
+
+    x: [T, C]; state: [C, K-1], the last K-1 inputs before x (zeros at a session's start);
+    weight: [C, K]. Returns (y [T, C], new state [C, K-1]).
+    """
+    k = weight.shape[-1]
+    seq = torch.cat([state.to(x.dtype), x.t()], dim=-1)  # [C, K-1+T]
+    y = F.conv1d(seq.unsqueeze(0), weight.unsqueeze(1).to(x.dtype), groups=seq.shape[0]).squeeze(0)
+    return F.silu(y).t(), seq[:, seq.shape[-1] - (k - 1):]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gdn_chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule over T rows in blocks of 64, from `state`, all in float32.
+
+    q, k: [T, H, Dk] (already l2-normalised, q scaled by Dk^-0.5); v: [T, H, Dv];
+    g: [T, H] log-decay (<= 0); beta: [T, H]; state: [H, Dk, Dv].
+    Returns (out [T, H, Dv], new state [H, Dk, Dv]). Same maths as `gdn_recurrent`.
+    """
+    t = q.shape[0]
+    pad = (-t) % GDN_BLOCK
+    q, k, v = (F.pad(x.float().transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))  # [H, T', D]
+    g, beta = (F.pad(x.float().t(), (0, pad)) for x in (g, beta))  # [H, T']
+    h, n = q.shape[0], q.shape[1] // GDN_BLOCK
+    q, k, v = (x.reshape(h, n, GDN_BLOCK, x.shape[-1]) for x in (q, k, v))
+    g, beta = g.reshape(h, n, GDN_BLOCK), beta.reshape(h, n, GDN_BLOCK)
+
+    decay = g.cumsum(-1)  # log decay from the block start to each row
+    future = torch.ones(GDN_BLOCK, GDN_BLOCK, dtype=torch.bool, device=q.device).triu(1)
+    pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(future, float("-inf")).exp()
+    k_beta, v_beta = k * beta.unsqueeze(-1), v * beta.unsqueeze(-1)
+    # Solve the block's delta-rule system (I + tril(A)) U = V, unit lower triangular.
+    system = (k_beta @ k.transpose(-1, -2)) * pair
+    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(
+        system, k_beta * decay.exp().unsqueeze(-1), upper=False, unitriangular=True
+    )
+    inner = (q @ k.transpose(-1, -2)) * pair
+    q_decayed = q * decay.exp().unsqueeze(-1)
+    k_to_end = k * (decay[..., -1:] - decay).exp().unsqueeze(-1)
+    block_decay = decay[..., -1].exp()[..., None, None]
+
+    s = state.float()
+    out = torch.empty_like(v)
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ s
+        out[:, i] = q_decayed[:, i] @ s + inner[:, i] @ v_new
+        s = s * block_decay[:, i] + k_to_end[:, i].transpose(-1, -2) @ v_new
+    out = out.reshape(h, n * GDN_BLOCK, -1)[:, :t].transpose(0, 1)
+    return out, s
+
+
+def gdn_recurrent(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule one row at a time (the definition; slow). Same contract as `gdn_chunked`."""
+    s = state.float().clone()
+    out = []
+    for i in range(q.shape[0]):
+        s = s * g[i].float().exp()[:, None, None]
+        kt, vt = k[i].float(), v[i].float()
+        delta = (vt - (s * kt[:, :, None]).sum(1)) * beta[i].float()[:, None]
+        s = s + kt[:, :, None] * delta[:, None, :]
+        out.append((s * q[i].float()[:, :, None]).sum(1))
+    return torch.stack(out), s
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of T new rows over L = P + T cached rows (the new ones last).
+
+    q: [Hq, T, D]; k, v: [Hkv, L, D] (exactly the valid rows); returns [T, Hq, D].
+    Row t sees cached rows 0 .. P + t (a lower-right causal mask).
+    """
+    hq, t, _ = q.shape
+    groups = hq // k.shape[0]
+    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+    length = k.shape[1]
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    rows = torch.arange(t, device=q.device)[:, None] + (length - t)
+    cols = torch.arange(length, device=q.device)[None, :]
+    scores = scores.masked_fill(cols > rows, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return (probs @ v).transpose(0, 1)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels the model calls; the reference set, or a fast set with the same contracts."""
+
+    name: str
+    gdn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    conv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    attention: Callable[..., torch.Tensor]
+
+
+REFERENCE = Kernels(name="reference", gdn=gdn_chunked, conv=causal_conv, attention=attention)

@@ -1,0 +1,189 @@
+"""The project's own Qwen3.5 text forward with explicit state.
+
+Parameter names follow the Hugging Face text model (`embed_tokens`, `layers.N.linear_attn.*`,
+`layers.N.self_attn.*`, `layers.N.mlp.*`, `norm`, `lm_head`), so a checkpoint loads with
+`load_state_dict` once its prefix is stripped. No batch dimension: one session, T new rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shadow.model import ops
+from shadow.model.config import ModelConfig
+from shadow.state import AttentionState, DeltaState, ModelState
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Norm(nn.Module):
+    """Zero-centred RMSNorm weight holder (`x * (1 + w)`)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+        self.in_proj_qkv = nn.Linear(c.hidden_size, 2 * key_dim + c.value_dim, bias=False)
+        self.in_proj_z = nn.Linear(c.hidden_size, c.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(c.hidden_size, c.linear_num_value_heads, bias=False)
+        self.in_proj_a = nn.Linear(c.hidden_size, c.linear_num_value_heads, bias=False)
+        self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.linear_conv_kernel_dim, groups=c.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(c.linear_num_value_heads))
+        self.A_log = nn.Parameter(torch.zeros(c.linear_num_value_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(c.linear_value_head_dim))
+        self.out_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, state: DeltaState, kernels: ops.Kernels) -> torch.Tensor:
+        c, t = self.c, x.shape[0]
+        mixed, conv = kernels.conv(self.in_proj_qkv(x), state.conv, self.conv1d.weight.squeeze(1))
+        key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+        q, k, v = mixed.split([key_dim, key_dim, c.value_dim], dim=-1)
+        q = q.reshape(t, c.linear_num_key_heads, c.linear_key_head_dim)
+        k = k.reshape(t, c.linear_num_key_heads, c.linear_key_head_dim)
+        v = v.reshape(t, c.linear_num_value_heads, c.linear_value_head_dim)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        repeat = c.linear_num_value_heads // c.linear_num_key_heads
+        if repeat > 1:
+            q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+        q = ops.l2norm(q.float()) * c.linear_key_head_dim ** -0.5
+        k = ops.l2norm(k.float())
+        out, recurrent = kernels.gdn(q, k, v, g, beta, state.recurrent)
+        state.conv.copy_(conv)
+        state.recurrent.copy_(recurrent)
+        z = self.in_proj_z(x).reshape(t, c.linear_num_value_heads, c.linear_value_head_dim)
+        out = ops.gated_rms_norm(out.to(x.dtype), z, self.norm.weight, c.rms_norm_eps)
+        return self.out_proj(out.reshape(t, c.value_dim))
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, 2 * c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = Norm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = Norm(c.head_dim, c.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], start: int,
+        state: AttentionState, kernels: ops.Kernels,
+    ) -> torch.Tensor:
+        c, t = self.c, x.shape[0]
+        q, gate = self.q_proj(x).view(t, c.num_attention_heads, 2 * c.head_dim).chunk(2, dim=-1)
+        q = apply_rope(self.q_norm(q), *rope).transpose(0, 1)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim)), *rope)
+        v = self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim)
+        state.write(start, k.transpose(0, 1), v.transpose(0, 1))
+        end = start + t
+        out = kernels.attention(q, state.k[:, :end], state.v[:, :end], c.head_dim ** -0.5)
+        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
+        return self.o_proj(out)
+
+
+def rope_tables(c: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, rotary_dim] for absolute positions; text-only M-RoPE is plain RoPE."""
+    dim = c.rotary_dim
+    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first rotary_dim features of x [T, H, D]; the rest pass through."""
+    dim = cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    half = dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class Layer(nn.Module):
+    def __init__(self, c: ModelConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        if kind == "full_attention":
+            self.self_attn = Attention(c)
+        else:
+            self.linear_attn = GatedDeltaNet(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
+
+
+class Qwen35(nn.Module):
+    """Qwen3.5 text model. `forward(ids, state)` reads ids at rows state.length.. and advances the state."""
+
+    def __init__(self, config: ModelConfig, kernels: ops.Kernels = ops.REFERENCE):
+        super().__init__()
+        self.config = config
+        self.kernels = kernels
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([Layer(config, kind) for kind in config.layer_types])
+        self.norm = Norm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def new_state(self) -> ModelState:
+        return ModelState(self.config, self.dtype, self.device)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, state: ModelState) -> torch.Tensor:
+        """Read ids [T] at absolute rows state.length .. +T; returns final-norm hidden rows [T, hidden].
+
+        Writes KV rows and replaces the GDN state in place; state.length grows by T.
+        """
+        start = state.length
+        x = self.embed_tokens(ids)
+        positions = torch.arange(start, start + ids.shape[0], device=ids.device)
+        rope = rope_tables(self.config, positions, x.dtype)
+        for layer, layer_state in zip(self.layers, state.layers):
+            h = layer.input_layernorm(x)
+            if layer.kind == "full_attention":
+                h = layer.self_attn(h, rope, start, layer_state, self.kernels)
+            else:
+                h = layer.linear_attn(h, layer_state, self.kernels)
+            x = x + h
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        state.length = start + ids.shape[0]
+        return self.norm(x)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [T, vocab] for hidden rows [T, hidden]."""
+        head = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, head).float()

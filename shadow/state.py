@@ -1,0 +1,134 @@
+"""Per-session model state: attention KV rows and Gated DeltaNet conv and recurrent state.
+
+One small object per layer, as in mlx-lm's cache protocol. The forward writes into these objects
+in place (fixed addresses, so a CUDA graph can hold them); nothing lives on the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shadow.model.config import ModelConfig
+
+KV_STEP = 8192  # the KV buffer grows in steps of this many rows
+
+
+class AttentionState:
+    """KV rows of one attention layer: k, v are [kv_heads, capacity, head_dim]; rows >= length are junk."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.k = torch.zeros(kv_heads, 0, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def reserve(self, rows: int) -> None:
+        """Make room for `rows` rows, growing in steps of KV_STEP; rows already held keep their bits."""
+        if rows <= self.capacity:
+            return
+        capacity = -(-rows // KV_STEP) * KV_STEP
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.zeros(old.shape[0], capacity, old.shape[2], dtype=old.dtype, device=old.device)
+            new[:, : old.shape[1]] = old
+            setattr(self, name, new)
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([kv_heads, T, head_dim]) at rows start .. start+T."""
+        self.reserve(start + k.shape[1])
+        self.k[:, start : start + k.shape[1]] = k
+        self.v[:, start : start + v.shape[1]] = v
+
+    def nbytes(self, length: int) -> int:
+        return 2 * self.k[:, :length].numel() * self.k.element_size()
+
+
+class DeltaState:
+    """Gated DeltaNet state of one layer: conv [conv_dim, K-1] (model dtype), recurrent [H, Dk, Dv] float32."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        c = config
+        self.conv = torch.zeros(c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(
+            c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+            dtype=torch.float32, device=device,
+        )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
+
+
+@dataclass
+class DeltaSnapshot:
+    """A copy of every GDN layer's conv and recurrent state at `position` (a checkpoint, or a fork's return point)."""
+
+    position: int
+    conv: list[torch.Tensor]
+    recurrent: list[torch.Tensor]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.conv, *self.recurrent))
+
+
+class ModelState:
+    """The whole state of one session: `layers[i]` matches layer i's kind; `length` rows are valid."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        device = torch.device(device)
+        self.config = config
+        self.length = 0
+        self.layers: list[AttentionState | DeltaState] = [
+            AttentionState(config.num_key_value_heads, config.head_dim, dtype, device)
+            if kind == "full_attention"
+            else DeltaState(config, dtype, device)
+            for kind in config.layer_types
+        ]
+
+    @property
+    def attention(self) -> list[AttentionState]:
+        return [s for s in self.layers if isinstance(s, AttentionState)]
+
+    @property
+    def delta(self) -> list[DeltaState]:
+        return [s for s in self.layers if isinstance(s, DeltaState)]
+
+    def nbytes(self) -> int:
+        return sum(a.nbytes(self.length) for a in self.attention) + sum(d.nbytes() for d in self.delta)
+
+    def snapshot(self) -> DeltaSnapshot:
+        """Copy the GDN state at the current length (KV rows need no copy: rows below a cut stay valid)."""
+        return DeltaSnapshot(
+            position=self.length,
+            conv=[d.conv.clone() for d in self.delta],
+            recurrent=[d.recurrent.clone() for d in self.delta],
+        )
+
+    def restore(self, snap: DeltaSnapshot) -> None:
+        """Go back to `snap`: its GDN state is copied in place and the KV rows above it are dropped."""
+        if snap.position > self.length:
+            raise ValueError(f"snapshot at {snap.position} is past the state's length {self.length}")
+        for d, conv, rec in zip(self.delta, snap.conv, snap.recurrent):
+            d.conv.copy_(conv)
+            d.recurrent.copy_(rec)
+        self.length = snap.position
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the state, KV cut to the valid rows, by a stable name (for compare and save)."""
+        out: dict[str, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, AttentionState):
+                out[f"layers.{i}.k"] = layer.k[:, : self.length]
+                out[f"layers.{i}.v"] = layer.v[:, : self.length]
+            else:
+                out[f"layers.{i}.conv"] = layer.conv
+                out[f"layers.{i}.recurrent"] = layer.recurrent
+        return out
+
+
+def tensor_kind(name: str) -> str:
+    """The kind of a state tensor from its name: "k", "v", "conv" or "recurrent"."""
+    return name.rsplit(".", 1)[-1]
