@@ -129,7 +129,7 @@ PRESETS: dict[str, ModelConfig] = {
     # a few layers, for CPU tests: 3 GDN layers and 1 attention layer, GQA in both kinds
     "tiny": ModelConfig(
         hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
         linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=16,
         mrope_section=(2, 1, 1),

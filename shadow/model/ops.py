@@ -113,18 +113,46 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
     """Causal attention of T new rows over L = P + T cached rows (the new ones last).
 
     q: [Hq, T, D]; k, v: [Hkv, L, D] (exactly the valid rows); returns [T, Hq, D].
-    Row t sees cached rows 0 .. P + t (a lower-right causal mask).
+    Row t sees cached rows 0 .. P + t (a lower-right causal mask). Query head h reads kv head
+    h // (Hq / Hkv); the heads of one kv group are stacked so no kv row is copied.
     """
-    hq, t, _ = q.shape
-    groups = hq // k.shape[0]
-    k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
-    length = k.shape[1]
-    scores = (q @ k.transpose(-1, -2)).float() * scale
-    rows = torch.arange(t, device=q.device)[:, None] + (length - t)
-    cols = torch.arange(length, device=q.device)[None, :]
-    scores = scores.masked_fill(cols > rows, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    return (probs @ v).transpose(0, 1)
+    hq, t, d = q.shape
+    hkv, length, _ = k.shape
+    groups = hq // hkv
+    scores = ((q * scale).reshape(hkv, groups * t, d) @ k.transpose(-1, -2)).view(hkv, groups, t, length)
+    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    scores[..., length - t :].masked_fill_(future, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(hkv, groups * t, length)
+    return (probs @ v).view(hq, t, d).transpose(0, 1)
+
+
+def attention_online(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, block: int = 2048
+) -> torch.Tensor:
+    """`attention` computed over blocks of cached rows with a running softmax (as flash attention
+    does), so the scores stay in cache: about twice as fast on a CPU at long context. Blocks start
+    at absolute row multiples of `block`, so the result is a pure function of (q, k, v)."""
+    hq, t, d = q.shape
+    hkv, length, _ = k.shape
+    groups = hq // hkv
+    qs = (q * scale).reshape(hkv, groups * t, d)
+    row_pos = torch.arange(t, device=q.device).repeat(groups)[:, None] + (length - t)
+    best = torch.full((hkv, groups * t, 1), float("-inf"), device=q.device)
+    total = torch.zeros(hkv, groups * t, 1, device=q.device)
+    acc = torch.zeros(hkv, groups * t, d, device=q.device)
+    for lo in range(0, length, block):
+        kb, vb = k[:, lo : lo + block], v[:, lo : lo + block]
+        scores = (qs @ kb.transpose(-1, -2)).float()
+        if lo + kb.shape[1] > length - t:  # this block holds new rows: mask the future
+            cols = torch.arange(lo, lo + kb.shape[1], device=q.device)[None, :]
+            scores.masked_fill_(cols > row_pos, float("-inf"))
+        new_best = torch.maximum(best, scores.amax(-1, keepdim=True))
+        probs = (scores - new_best).exp_()
+        rescale = (best - new_best).exp()
+        total = total * rescale + probs.sum(-1, keepdim=True)
+        acc = acc * rescale + probs.to(vb.dtype) @ vb
+        best = new_best
+    return (acc / total).to(v.dtype).view(hq, t, d).transpose(0, 1)
 
 
 @dataclass(frozen=True)
@@ -137,4 +165,4 @@ class Kernels:
     attention: Callable[..., torch.Tensor]
 
 
-REFERENCE = Kernels(name="reference", gdn=gdn_chunked, conv=causal_conv, attention=attention)
+REFERENCE = Kernels(name="reference", gdn=gdn_chunked, conv=causal_conv, attention=attention_online)

@@ -1,0 +1,62 @@
+"""What every command shares: option types, user-error handling, the final JSON line."""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Callable
+
+import typer
+from rich.console import Console
+
+from shadow.errors import ShadowInputError
+
+console = Console(stderr=False, highlight=False)
+errors = Console(stderr=True, highlight=False)
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset (tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b: random weights) or a Qwen3.5 checkpoint folder.")]
+GridOpt = Annotated[int, typer.Option(help="Grid G: rows per chunk; the state advances only at multiples of G (a positive multiple of 64).")]
+DeviceOpt = Annotated[str, typer.Option(help="torch device: cpu, cuda, cuda:1 ...")]
+DtypeOpt = Annotated[str, typer.Option(help="Model dtype: float32 (the reference path), bfloat16, or 'auto' (as stored).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="End stdout with one JSON object on its own line.")]
+CsvOpt = Annotated[Path | None, typer.Option("--csv", help="Also write the table as CSV to this path.")]
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn a ShadowInputError into one clear line on stderr and exit code 2 (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ShadowInputError as e:
+            errors.print(f"[bold red]error:[/] {e}")
+            raise typer.Exit(2) from None
+
+    return wrapper
+
+
+def parse_dtype(name: str):
+    import torch
+
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
+    if name not in table:
+        raise ShadowInputError(f"unknown dtype {name!r} (float32, bfloat16, float16, auto)")
+    return table[name]
+
+
+def emit_json(obj: dict) -> None:
+    """The last stdout line: one JSON document."""
+    sys.stdout.flush()
+    print(json.dumps(obj, separators=(",", ":")), flush=True)
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

@@ -1,0 +1,22 @@
+"""`shadow`: the Typer app. Each command lives in its own module."""
+
+import typer
+
+from cli import verify_exact
+
+app = typer.Typer(
+    help="Shadow reader toolkit: a small Qwen3.5 model that keeps an exact state of every session.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command("verify-exact")(verify_exact.verify_exact)
+
+
+@app.callback()
+def shadow() -> None:
+    """Shadow reader toolkit: a small Qwen3.5 model that keeps an exact state of every session."""
+
+
+def main() -> None:
+    app()

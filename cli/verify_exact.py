@@ -1,0 +1,121 @@
+"""`shadow verify-exact`: replay conversations turn by turn and check the state bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cli.common import (
+    CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, ModelOpt, console, emit_json, errors, parse_dtype,
+    user_errors, write_csv,
+)
+
+
+@user_errors
+def verify_exact(
+    conversation: Annotated[list[Path] | None, typer.Option("--conversation", "-c", help="A conversation file (mini-swe-agent .traj.json, SWE-agent .traj, or the project's .jsonl); repeatable. Default: the built-in seeded sample session.")] = None,
+    model: ModelOpt = "tiny",
+    grid: GridOpt = 512,
+    against_grid: Annotated[int, typer.Option(help="Also compare with a fresh prefill in chunks of this size (0: skip).")] = 2048,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "float32",
+    seed: Annotated[int, typer.Option(help="Seed of the random preset weights and of the sample session.")] = 0,
+    csv: CsvOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Replay each conversation as its requests came (prompts re-rendered, so an earlier turn's
+    reasoning drops and the reader rolls back), then compare the state with a fresh prefill of the
+    same ids on the same grid (every tensor, bit for bit) and on another grid (largest differences,
+    question probes). Exit code 1 when a state is not bit-equal."""
+    from shadow.conversations import load_conversation
+    from shadow.model import load_model
+    from shadow.reader import Reader, check_grid
+    from shadow.sample import sample_conversation
+    from shadow.tokenizer import load_tokenizer
+    from shadow.verify import KINDS, verify_conversation
+
+    check_grid(grid)
+    if against_grid:
+        check_grid(against_grid)
+    conversations = [load_conversation(p) for p in conversation] if conversation else [sample_conversation(seed)]
+    started = time.perf_counter()
+    loaded = load_model(model, dtype=parse_dtype(dtype), device=device, seed=seed)
+    reader = Reader(loaded.model, grid)
+    tokenizer = load_tokenizer(loaded.path)
+    verdicts = []
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=errors, transient=True,
+    ) as bar:
+        for conv in conversations:
+            task = bar.add_task(conv.name, total=None)
+
+            def step(done: int, total: int, stage: str, task=task, name=conv.name) -> None:
+                bar.update(task, completed=done, total=total, description=f"{name}: {stage}")
+
+            verdicts.append(verify_conversation(reader, tokenizer, conv, against_grid or None, step))
+    seconds = time.perf_counter() - started
+
+    rows = [_row(v) for v in verdicts]
+    table = Table(title=f"verify-exact · {model} ({loaded.weights_label} weights) · grid {grid} · {device}")
+    for key in rows[0]:
+        table.add_column(key.replace("_", " "), justify="left" if key == "conversation" else "right",
+                         overflow="fold")
+    for row in rows:
+        table.add_row(*(_cell(x) for x in row.values()))
+    console.print(table)
+    if loaded.random:
+        console.print("[yellow]weights are random:[/] exactness holds whatever the weights; probe answers mean nothing.")
+    if csv:
+        write_csv(csv, rows)
+    equal = all(v.same_grid_bit_equal for v in verdicts)
+    console.print(f"same grid bit-equal: [bold]{'yes' if equal else 'NO'}[/] in {seconds:.1f} s")
+    if json_out:
+        others = [v.other_grid for v in verdicts if v.other_grid]
+        emit_json({
+            "command": "verify-exact", "model": model, "weights": loaded.weights_label,
+            "weights_hash": loaded.weights_hash, "device": device, "dtype": str(loaded.model.dtype).removeprefix("torch."),
+            "grid": grid, "turns": sum(v.turns for v in verdicts), "tokens": sum(v.tokens for v in verdicts),
+            "rollbacks": sum(v.rollbacks for v in verdicts), "ids_reread": sum(v.ids_reread for v in verdicts),
+            "same_grid_bit_equal": equal, "tensors_compared": sum(v.tensors_compared for v in verdicts),
+            "other_grid": {
+                "grid": against_grid,
+                "max_abs_diff": {k: max(o.max_abs_diff[k] for o in others) for k in KINDS},
+                "probe_top1_agree": sum(o.probe_top1_agree for o in others),
+                "probes": sum(o.probes for o in others),
+                "probe_max_kl": max(o.probe_max_kl for o in others),
+            } if others else None,
+            "conversations": [dataclasses.asdict(v) for v in verdicts],
+            "seconds": round(seconds, 3),
+        })
+    if not equal:
+        raise typer.Exit(1)
+
+
+def _row(v) -> dict:
+    o = v.other_grid
+    return {
+        "conversation": v.name, "turns": v.turns, "tokens": v.tokens, "rollbacks": v.rollbacks,
+        "reread": v.ids_reread, "bit_equal": v.same_grid_bit_equal,
+        "other_grid": o.grid if o else None,
+        "max_diff_k": o.max_abs_diff["k"] if o else None,
+        "max_diff_rec": o.max_abs_diff["recurrent"] if o else None,
+        "top1": f"{o.probe_top1_agree}/{o.probes}" if o else None,
+        "max_kl": o.probe_max_kl if o else None,
+    }
+
+
+def _cell(x) -> str:
+    if isinstance(x, bool):
+        return "[green]yes[/]" if x else "[red]NO[/]"
+    if isinstance(x, float):
+        return f"{x:.3g}"
+    if isinstance(x, int):
+        return f"{x:,}"
+    return "-" if x is None else str(x)

@@ -1,0 +1,129 @@
+"""Replay a conversation turn by turn and check the exactness contract.
+
+Same grid: the replayed state against a fresh prefill of the same ids, every tensor, torch.equal.
+Other grid: a fresh prefill of the same ids in chunks of another size (largest absolute
+difference per tensor kind) and question probes asked of both states (top token, KL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shadow.chat import render_output, render_prompt, render_question
+from shadow.conversations import Conversation
+from shadow.reader import Reader, Session, check_grid
+from shadow.state import ModelState, tensor_kind
+from shadow.tokenizer import Tokenizer
+
+PROBES = (
+    "What task is the user asking for? Answer in one line.",
+    "Which file was read or changed last?",
+    "Did the last command succeed? Answer yes or no.",
+    "Summarise the latest tool output in one sentence.",
+)
+KINDS = ("k", "v", "recurrent", "conv")
+
+
+@dataclass
+class OtherGrid:
+    grid: int
+    max_abs_diff: dict[str, float]
+    probe_top1_agree: int
+    probes: int
+    probe_max_kl: float
+
+
+@dataclass
+class Verdict:
+    """What verify-exact found for one conversation."""
+
+    name: str
+    turns: int
+    tokens: int  # ids the session holds at the end
+    committed: int
+    rollbacks: int
+    ids_reread: int
+    same_grid_bit_equal: bool
+    tensors_compared: int
+    mismatched: list[str] = field(default_factory=list)
+    other_grid: OtherGrid | None = None
+
+
+def replay(
+    reader: Reader, tokenizer: Tokenizer, conversation: Conversation,
+    on_turn: Callable[[int, int], None] | None = None,
+) -> tuple[Session, int]:
+    """Feed every request (its re-rendered prompt, then its output) and read after each. Returns (session, turns)."""
+    session = reader.new_session(conversation.name)
+    requests = list(conversation.requests())
+    for n, (history, output) in enumerate(requests, start=1):
+        reader.feed_prompt(session, tokenizer.encode(render_prompt(history)))
+        reader.advance(session)
+        reader.feed_output(session, tokenizer.encode(render_output(output)))
+        reader.advance(session)
+        if on_turn:
+            on_turn(n, len(requests))
+    return session, len(requests)
+
+
+def compare_states(a: ModelState, b: ModelState) -> tuple[int, list[str], dict[str, float]]:
+    """(tensors compared, names not bit-equal, largest absolute difference by kind)."""
+    ta, tb = a.tensors(), b.tensors()
+    if ta.keys() != tb.keys() or a.length != b.length:
+        raise ValueError("states of different models or lengths")
+    mismatched, diffs = [], dict.fromkeys(KINDS, 0.0)
+    for name, x in ta.items():
+        y = tb[name]
+        if not torch.equal(x, y):
+            mismatched.append(name)
+            kind = tensor_kind(name)
+            diffs[kind] = max(diffs[kind], (x.float() - y.float()).abs().max().item())
+    return len(ta), mismatched, diffs
+
+
+def probe_agreement(
+    reader: Reader, tokenizer: Tokenizer, session: Session, other: ModelState,
+    probes: Sequence[str] = PROBES,
+) -> tuple[int, float]:
+    """Ask each probe of the session's state and of `other` (same ids); (top-1 agreements, max KL)."""
+    agree, worst = 0, 0.0
+    mirror = Session(name=session.name, state=other, ids=session.ids)
+    for text in probes:
+        question = tokenizer.encode(render_question(text))
+        p = torch.log_softmax(reader.next_logits(session, question).double(), -1)
+        q = torch.log_softmax(reader.next_logits(mirror, question).double(), -1)
+        agree += int(p.argmax() == q.argmax())
+        worst = max(worst, float((p.exp() * (p - q)).sum()))
+    return agree, worst
+
+
+def verify_conversation(
+    reader: Reader, tokenizer: Tokenizer, conversation: Conversation, against_grid: int | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> Verdict:
+    """Replay, then compare with fresh prefills. progress(done, total, stage) is called as it goes
+    (total = turns + 2: the replay's turns, the same-grid prefill, the other-grid prefill)."""
+    if against_grid is not None:
+        check_grid(against_grid)
+    steps = sum(1 for _ in conversation.requests()) + 2
+    report = progress or (lambda done, total, stage: None)
+    session, turns = replay(reader, tokenizer, conversation, lambda n, _: report(n, steps, "replay"))
+    committed = session.committed
+    fresh = reader.prefill(session.ids[:committed])
+    report(turns + 1, steps, "fresh prefill, same grid")
+    compared, mismatched, _ = compare_states(session.state, fresh)
+    verdict = Verdict(
+        name=conversation.name, turns=turns, tokens=len(session.ids), committed=committed,
+        rollbacks=session.rollbacks, ids_reread=session.ids_reread,
+        same_grid_bit_equal=not mismatched, tensors_compared=compared, mismatched=mismatched,
+    )
+    if against_grid is not None:
+        other = reader.prefill(session.ids[:committed], chunk=against_grid)
+        _, _, diffs = compare_states(session.state, other)
+        agree, kl = probe_agreement(reader, tokenizer, session, other)
+        verdict.other_grid = OtherGrid(against_grid, diffs, agree, len(PROBES), kl)
+    report(steps, steps, "fresh prefill, other grid")
+    return verdict
