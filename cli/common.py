@@ -14,7 +14,8 @@ from rich.console import Console
 
 from shadow.errors import ShadowInputError
 
-console = Console(stderr=False, highlight=False)
+# a pipe or file gets a wide table rather than rich's default 80 columns
+console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 errors = Console(stderr=True, highlight=False)
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset (tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b: random weights) or a Qwen3.5 checkpoint folder.")]

@@ -1,0 +1,205 @@
+"""The exactness contract of the reader: grid, pending tail, rollback, checkpoints, forks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shadow.errors import ShadowInputError
+from shadow.reader import MAX_CHECKPOINTS, Reader
+from shadow.state import KV_STEP
+from shadow.verify import compare_states
+
+GRID = 64
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 248044, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_exact(reader: Reader, session) -> None:
+    """The session's state equals a fresh prefill of its committed ids, every tensor bit for bit."""
+    fresh = reader.prefill(session.ids[: session.committed])
+    compared, mismatched, _ = compare_states(session.state, fresh)
+    assert compared > 0 and mismatched == []
+
+
+def snapshot(session) -> dict:
+    return {k: v.clone() for k, v in session.state.tensors().items()} | {
+        "length": session.committed, "ids": list(session.ids), "checkpoints": len(session.checkpoints)
+    }
+
+
+def assert_unchanged(before: dict, session) -> None:
+    after = snapshot(session)
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, after[key]), key
+        else:
+            assert value == after[key], key
+
+
+@pytest.fixture()
+def reader(tiny):
+    return Reader(tiny.model, GRID)
+
+
+def test_commits_whole_chunks_only_and_keeps_pending_tail(reader):
+    s = reader.new_session("a")
+    reader.feed_prompt(s, ids(200, 0))
+    assert reader.advance(s) == 3
+    assert (s.committed, s.pending) == (192, 8)
+    reader.feed_output(s, ids(60, 1))
+    reader.advance(s)
+    assert (s.committed, s.pending) == (256, 4)
+    assert_exact(reader, s)
+
+
+def test_turns_with_growing_prompts_stay_exact(reader):
+    s = reader.new_session("a")
+    history: list[int] = []
+    for turn in range(4):
+        history = history + ids(90 + 17 * turn, 10 + turn)
+        reader.feed_prompt(s, history)
+        reader.advance(s)
+        out = ids(33, 20 + turn)
+        reader.feed_output(s, out)
+        reader.advance(s)
+        history = history + out
+    assert s.rollbacks == 0
+    assert_exact(reader, s)
+
+
+def test_divergence_rolls_back_to_checkpoint_and_rereads(reader):
+    s = reader.new_session("a")
+    prompt = ids(300, 0)  # prompt end 300: checkpoint at 256
+    reader.feed_prompt(s, prompt)
+    reader.advance(s)
+    reader.feed_output(s, ids(200, 1))  # 500 ids: committed 448
+    reader.advance(s)
+    assert s.committed == 448 and [c.position for c in s.checkpoints] == [256]
+    # the next prompt re-renders the answer: it differs from id 300 on
+    feed = reader.feed_prompt(s, prompt + ids(400, 2))
+    assert (feed.first_diff, feed.rolled_back_to, feed.reread) == (300, 256, 192)
+    assert (s.rollbacks, s.ids_reread, s.committed) == (1, 192, 256)
+    reader.advance(s)
+    assert s.committed == 640
+    assert_exact(reader, s)
+
+
+def test_divergence_without_checkpoint_starts_over(reader):
+    s = reader.new_session("a")
+    reader.feed_prompt(s, ids(40, 0))  # prompt end below the first grid line: no checkpoint
+    reader.feed_output(s, ids(200, 1))
+    reader.advance(s)
+    assert s.committed == 192 and s.checkpoints == []
+    reader.feed_prompt(s, ids(40, 0) + ids(100, 3))
+    assert (s.committed, s.rollbacks, s.ids_reread) == (0, 1, 192)
+    reader.advance(s)
+    assert_exact(reader, s)
+
+
+def test_divergence_in_pending_tail_needs_no_rollback(reader):
+    s = reader.new_session("a")
+    reader.feed_prompt(s, ids(100, 0))
+    reader.advance(s)
+    feed = reader.feed_prompt(s, ids(100, 0)[:80] + ids(50, 5))
+    assert feed.first_diff == 80 and feed.rolled_back_to is None and s.rollbacks == 0
+    reader.advance(s)
+    assert_exact(reader, s)
+
+
+def test_at_most_six_checkpoints_newest_kept(reader):
+    s = reader.new_session("a")
+    history: list[int] = []
+    for turn in range(MAX_CHECKPOINTS + 3):
+        history = history + ids(70, turn)
+        reader.feed_prompt(s, history)
+        reader.advance(s)
+    positions = [c.position for c in s.checkpoints]
+    assert len(positions) == MAX_CHECKPOINTS
+    assert positions == sorted(positions) and positions[-1] == len(history) // GRID * GRID
+
+
+def test_ask_is_a_fork_that_changes_nothing(reader):
+    s = reader.new_session("a")
+    reader.feed_prompt(s, ids(230, 0))
+    reader.advance(s)
+    before = snapshot(s)
+    probs = reader.ask(s, ids(29, 1), [32, 33, 34])
+    assert probs.shape == (3,) and abs(probs.sum().item() - 1) < 1e-6
+    assert_unchanged(before, s)
+    again = reader.ask(s, ids(29, 1), [32, 33, 34])
+    assert torch.equal(probs, again)
+    reader.feed_output(s, ids(100, 2))
+    reader.advance(s)
+    assert_exact(reader, s)
+
+
+def test_decode_is_a_fork_and_greedy(reader):
+    s = reader.new_session("a")
+    reader.feed_prompt(s, ids(150, 0))
+    reader.advance(s)
+    before = snapshot(s)
+    prompt = ids(5, 1)
+    out = reader.decode(s, prompt, max_new_tokens=6)
+    assert len(out) == 6
+    assert_unchanged(before, s)
+    assert out[0] == int(reader.next_logits(s, prompt).argmax())
+    assert reader.decode(s, prompt, max_new_tokens=6) == out
+    assert reader.decode(s, prompt, max_new_tokens=6, stop=[out[1]]) == out[:2]
+
+
+def test_kv_capacity_grows_in_steps_and_never_changes_a_result(reader):
+    s = reader.new_session("a")
+    reader.feed_prompt(s, ids(KV_STEP + 2 * GRID, 0))
+    reader.advance(s)
+    assert s.state.attention[0].capacity == 2 * KV_STEP
+    roomy = reader.model.new_state()
+    for layer in roomy.attention:
+        layer.reserve(4 * KV_STEP)
+    for start in range(0, s.committed, GRID):
+        reader.model(torch.tensor(s.ids[start : start + GRID]), roomy)
+    compared, mismatched, _ = compare_states(s.state, roomy)
+    assert mismatched == []
+
+
+@pytest.mark.parametrize(
+    "action",
+    [
+        lambda r, s: r.feed_prompt(s, [1, 2, 248320]),
+        lambda r, s: r.feed_output(s, [-1]),
+        lambda r, s: r.ask(s, [1, 2], []),
+        lambda r, s: r.ask(s, [1, 2], [5, 5]),
+        lambda r, s: r.ask(s, [], [5, 6]),
+        lambda r, s: r.ask(s, [1, 2], [10**9]),
+    ],
+    ids=["prompt-id-out-of-vocab", "output-negative-id", "no-choices", "repeated-choice", "empty-question", "choice-out-of-vocab"],
+)
+def test_bad_input_is_refused_and_changes_nothing(reader, action):
+    s = reader.new_session("a")
+    reader.feed_prompt(s, ids(150, 0))
+    reader.advance(s)
+    before = snapshot(s)
+    with pytest.raises(ShadowInputError):
+        action(reader, s)
+    assert_unchanged(before, s)
+
+
+@pytest.mark.parametrize("grid", [0, -64, 100, 32])
+def test_grid_must_be_positive_multiple_of_64(tiny, grid):
+    with pytest.raises(ShadowInputError, match="multiple of 64"):
+        Reader(tiny.model, grid)
+
+
+def test_compare_states_sees_a_one_ulp_change(reader):
+    """The bit-for-bit check can fail: one float nudged by one ulp is reported by name and kind."""
+    s = reader.new_session("a")
+    reader.feed_prompt(s, ids(128, 0))
+    reader.advance(s)
+    fresh = reader.prefill(s.ids)
+    recurrent = fresh.delta[0].recurrent
+    recurrent.view(-1)[7] = torch.nextafter(recurrent.view(-1)[7], torch.tensor(1e9))
+    _, mismatched, diffs = compare_states(s.state, fresh)
+    assert mismatched == ["layers.0.recurrent"] and 0 < diffs["recurrent"] < 1e-6
