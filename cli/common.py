@@ -22,6 +22,7 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset (tiny, qwen
 GridOpt = Annotated[int, typer.Option(help="Grid G: rows per chunk; the state advances only at multiples of G (a positive multiple of 64).")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device: cpu, cuda, cuda:1 ...")]
 DtypeOpt = Annotated[str, typer.Option(help="Model dtype: float32 (the reference path), bfloat16, or 'auto' (as stored).")]
+KernelsOpt = Annotated[str, typer.Option(help="Kernels: auto (fla on CUDA when installed, else reference), reference (plain PyTorch), fast.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="End stdout with one JSON object on its own line.")]
 CsvOpt = Annotated[Path | None, typer.Option("--csv", help="Also write the table as CSV to this path.")]
 

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from cli.common import (
-    CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, ModelOpt, console, emit_json, errors, parse_dtype,
+    CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, console, emit_json, errors, parse_dtype,
     user_errors, write_csv,
 )
 
@@ -25,6 +25,7 @@ def verify_exact(
     against_grid: Annotated[int, typer.Option(help="Also compare with a fresh prefill in chunks of this size (0: skip).")] = 2048,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "float32",
+    kernels: KernelsOpt = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the random preset weights and of the sample session.")] = 0,
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
@@ -34,8 +35,8 @@ def verify_exact(
     same ids on the same grid (every tensor, bit for bit) and on another grid (largest differences,
     question probes). Exit code 1 when a state is not bit-equal."""
     from shadow.conversations import load_conversation
-    from shadow.model import load_model
-    from shadow.reader import Reader, check_grid
+    from shadow.engine import open_reader
+    from shadow.reader import check_grid
     from shadow.sample import sample_conversation
     from shadow.tokenizer import load_tokenizer
     from shadow.verify import KINDS, verify_conversation
@@ -45,8 +46,9 @@ def verify_exact(
         check_grid(against_grid)
     conversations = [load_conversation(p) for p in conversation] if conversation else [sample_conversation(seed)]
     started = time.perf_counter()
-    loaded = load_model(model, dtype=parse_dtype(dtype), device=device, seed=seed)
-    reader = Reader(loaded.model, grid)
+    loaded, reader = open_reader(
+        model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels, seed=seed
+    )
     tokenizer = load_tokenizer(loaded.path)
     verdicts = []
     with Progress(
@@ -80,7 +82,7 @@ def verify_exact(
         others = [v.other_grid for v in verdicts if v.other_grid]
         emit_json({
             "command": "verify-exact", "model": model, "weights": loaded.weights_label,
-            "weights_hash": loaded.weights_hash, "device": device, "dtype": str(loaded.model.dtype).removeprefix("torch."),
+            "weights_hash": loaded.weights_hash, "device": device, "kernels": loaded.model.kernels.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "grid": grid, "turns": sum(v.turns for v in verdicts), "tokens": sum(v.tokens for v in verdicts),
             "rollbacks": sum(v.rollbacks for v in verdicts), "ids_reread": sum(v.ids_reread for v in verdicts),
             "same_grid_bit_equal": equal, "tensors_compared": sum(v.tensors_compared for v in verdicts),

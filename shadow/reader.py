@@ -55,11 +55,17 @@ class Feed:
 class Reader:
     """Reads sessions on a fixed grid with one model. Holds no session state of its own."""
 
-    def __init__(self, model: Qwen35, grid: int = 512, max_checkpoints: int = MAX_CHECKPOINTS):
+    def __init__(
+        self, model: Qwen35, grid: int = 512, max_checkpoints: int = MAX_CHECKPOINTS,
+        forward: Callable[[torch.Tensor, ModelState], torch.Tensor] | None = None,
+    ):
+        """`forward` runs the model on a state (default: the model itself; on CUDA a
+        `PiecewiseForward`, whose `sizes` are the row counts it has graphs for)."""
         check_grid(grid)
         self.model = model
         self.grid = grid
         self.max_checkpoints = max_checkpoints
+        self.forward = forward or model
 
     def new_session(self, name: str) -> Session:
         return Session(name=name, state=self.model.new_state())
@@ -125,7 +131,7 @@ class Reader:
                 break
             start = session.committed
             chunk = torch.tensor(session.ids[start : start + self.grid], device=self.model.device)
-            self.model(chunk, session.state)
+            self.forward(chunk, session.state)
             done += 1
             if session.marks and session.marks[0] == session.committed:
                 session.marks.pop(0)
@@ -140,7 +146,7 @@ class Reader:
         chunk = chunk or self.grid
         state = self.model.new_state()
         for start in range(0, len(ids), chunk):
-            self.model(torch.tensor(ids[start : start + chunk], device=self.model.device), state)
+            self.forward(torch.tensor(ids[start : start + chunk], device=self.model.device), state)
         return state
 
     # forks -------------------------------------------------------------------------------
@@ -161,7 +167,7 @@ class Reader:
             raise ShadowInputError("the question has no ids")
         tail = session.ids[session.committed :]
         with self.fork(session.state) as state:
-            hidden = self.model(torch.tensor(tail + question, device=self.model.device), state)
+            hidden = self._fork_read(tail + question, state, pad=True)
             return self.model.logits(hidden[-1:])[0]
 
     def ask(self, session: Session, question: Sequence[int], choices: Sequence[int]) -> torch.Tensor:
@@ -183,14 +189,29 @@ class Reader:
         tail = session.ids[session.committed :]
         out: list[int] = []
         with self.fork(session.state) as state:
-            hidden = self.model(torch.tensor(tail + prompt, device=self.model.device), state)
+            hidden = self._fork_read(tail + prompt, state, pad=False)
             while len(out) < max_new_tokens:
                 token = int(self.model.logits(hidden[-1:])[0].argmax())
                 out.append(token)
                 if token in stop or len(out) == max_new_tokens:
                     break
-                hidden = self.model(torch.tensor([token], device=self.model.device), state)
+                hidden = self.forward(torch.tensor([token], device=self.model.device), state)
         return out
+
+    def _fork_read(self, ids: list[int], state: ModelState, pad: bool) -> torch.Tensor:
+        """Hidden rows of `ids` read on top of `state` inside a fork. With a graphed forward, in
+        grid-sized pieces, the last one padded at its end to a graphed size when `pad` (only the
+        last row's logits are used then: causal rows never see the padding after them)."""
+        sizes = sorted(getattr(self.forward, "sizes", ()))
+        if not sizes:
+            return self.forward(torch.tensor(ids, device=self.model.device), state)
+        hidden = []
+        for lo in range(0, len(ids), self.grid):
+            piece = ids[lo : lo + self.grid]
+            fit = next((s for s in sizes if s >= len(piece)), len(piece)) if pad else len(piece)
+            padded = torch.tensor(piece + [0] * (fit - len(piece)), device=self.model.device)
+            hidden.append(self.forward(padded, state)[: len(piece)])
+        return torch.cat(hidden)
 
     # input checks ------------------------------------------------------------------------
 

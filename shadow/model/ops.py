@@ -93,6 +93,21 @@ def gdn_chunked(
     return out, s
 
 
+def gdn_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GDN kernel contract, on raw projections: q, k [T, Hk, Dk] (not normalised), v [T, Hv, Dv],
+    g [T, Hv] float32 log-decay, beta [T, Hv], state [Hv, Dk, Dv] float32. l2-normalises q and k,
+    scales q by Dk^-0.5, maps value head h to key head h // (Hv / Hk), and runs `gdn_chunked`.
+    Returns (out [T, Hv, Dv] float32, new state [Hv, Dk, Dv] float32)."""
+    repeat = v.shape[1] // q.shape[1]
+    if repeat > 1:
+        q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
+    q = l2norm(q.float()) * q.shape[-1] ** -0.5
+    return gdn_chunked(q, l2norm(k.float()), v, g, beta, state)
+
+
 def gdn_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor,
@@ -165,4 +180,4 @@ class Kernels:
     attention: Callable[..., torch.Tensor]
 
 
-REFERENCE = Kernels(name="reference", gdn=gdn_chunked, conv=causal_conv, attention=attention_online)
+REFERENCE = Kernels(name="reference", gdn=gdn_reference, conv=causal_conv, attention=attention_online)

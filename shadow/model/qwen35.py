@@ -65,11 +65,6 @@ class GatedDeltaNet(nn.Module):
         v = v.reshape(t, c.linear_num_value_heads, c.linear_value_head_dim)
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        repeat = c.linear_num_value_heads // c.linear_num_key_heads
-        if repeat > 1:
-            q, k = q.repeat_interleave(repeat, dim=1), k.repeat_interleave(repeat, dim=1)
-        q = ops.l2norm(q.float()) * c.linear_key_head_dim ** -0.5
-        k = ops.l2norm(k.float())
         out, recurrent = kernels.gdn(q, k, v, g, beta, state.recurrent)
         state.conv.copy_(conv)
         state.recurrent.copy_(recurrent)
@@ -89,20 +84,29 @@ class Attention(nn.Module):
         self.q_norm = Norm(c.head_dim, c.rms_norm_eps)
         self.k_norm = Norm(c.head_dim, c.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], start: int,
-        state: AttentionState, kernels: ops.Kernels,
-    ) -> torch.Tensor:
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """q [Hq, T, D] (normed, rotated), k, v [Hkv, T, D], gate [T, Hq * D] from normed rows x [T, hidden]."""
         c, t = self.c, x.shape[0]
         q, gate = self.q_proj(x).view(t, c.num_attention_heads, 2 * c.head_dim).chunk(2, dim=-1)
         q = apply_rope(self.q_norm(q), *rope).transpose(0, 1)
         k = apply_rope(self.k_norm(self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim)), *rope)
         v = self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim)
-        state.write(start, k.transpose(0, 1), v.transpose(0, 1))
-        end = start + t
-        out = kernels.attention(q, state.k[:, :end], state.v[:, :end], c.head_dim ** -0.5)
-        out = out.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(out)
+        return q, k.transpose(0, 1), v.transpose(0, 1), gate.reshape(t, -1)
+
+    def output(self, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attended rows [T, Hq, D], gated by sigmoid(gate)."""
+        return self.o_proj(attended.reshape(gate.shape) * torch.sigmoid(gate))
+
+
+def attend(
+    state: AttentionState, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    kernels: ops.Kernels,
+) -> torch.Tensor:
+    """Store the new rows' k, v at rows start.. of the session's buffer and attend over exactly
+    the valid rows. Never inside a CUDA graph: the buffer is the session's and may move."""
+    state.write(start, k, v)
+    end = start + q.shape[1]
+    return kernels.attention(q, state.k[:, :end], state.v[:, :end], q.shape[-1] ** -0.5)
 
 
 def rope_tables(c: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,7 +178,8 @@ class Qwen35(nn.Module):
         for layer, layer_state in zip(self.layers, state.layers):
             h = layer.input_layernorm(x)
             if layer.kind == "full_attention":
-                h = layer.self_attn(h, rope, start, layer_state, self.kernels)
+                q, k, v, gate = layer.self_attn.project(h, rope)
+                h = layer.self_attn.output(attend(layer_state, start, q, k, v, self.kernels), gate)
             else:
                 h = layer.linear_attn(h, layer_state, self.kernels)
             x = x + h

@@ -1,0 +1,129 @@
+"""The forward split at its attention layers, each piece one CUDA graph per row count.
+
+A session's KV buffer is its own and moves when it grows, so attention (the KV write and the
+attention over the valid rows) runs eagerly between the pieces; everything else (embedding,
+the GDN layers, MLPs, norms, projections) replays from graphs that read and write static
+buffers. The GDN state is copied into the static buffers before a call and back after it.
+
+The arithmetic is the model's own (the same sub-module calls as `Qwen35.forward`), so with
+graphs off the pieces give the same bits as the plain forward; tests check that on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from shadow.model.qwen35 import Qwen35, attend, rope_tables
+from shadow.state import DeltaState, ModelState
+
+
+class _Plan:
+    """Static buffers (and graphs, once captured) for one row count T."""
+
+    def __init__(self, model: Qwen35, t: int):
+        c, dev, dtype = model.config, model.device, model.dtype
+        self.t = t
+        self.ids = torch.zeros(t, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(t, dtype=torch.long, device=dev)
+        self.x = torch.zeros(t, c.hidden_size, dtype=dtype, device=dev)
+        self.q = torch.zeros(c.num_attention_heads, t, c.head_dim, dtype=dtype, device=dev)
+        self.k = torch.zeros(c.num_key_value_heads, t, c.head_dim, dtype=dtype, device=dev)
+        self.v = torch.zeros_like(self.k)
+        self.gate = torch.zeros(t, c.num_attention_heads * c.head_dim, dtype=dtype, device=dev)
+        self.attended = torch.zeros(t, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
+        self.out = torch.zeros_like(self.x)
+        self.delta = [DeltaState(c, dtype, dev) for _ in c.linear_layers]
+        self.graphs: list[torch.cuda.CUDAGraph] | None = None
+
+
+class PiecewiseForward:
+    """Callable like the model: `(ids [T], state) -> hidden [T, hidden]`, advancing the state.
+
+    Row counts in `sizes` get CUDA graphs (captured on first use, when `graphs` is on); other
+    row counts run the same pieces eagerly.
+    """
+
+    def __init__(self, model: Qwen35, sizes: Iterable[int] = (), graphs: bool | None = None):
+        self.model = model
+        self.sizes = set(sizes)
+        self.graphs = model.device.type == "cuda" if graphs is None else graphs
+        self.attention_layers = model.config.attention_layers
+        self._delta_index = {layer: j for j, layer in enumerate(model.config.linear_layers)}
+        self._plans: dict[int, _Plan] = {}
+        self._pool = None
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, state: ModelState) -> torch.Tensor:
+        t, start = ids.shape[0], state.length
+        plan = self._plan(t)
+        plan.ids.copy_(ids)
+        plan.positions.copy_(torch.arange(start, start + t, device=ids.device))
+        for mine, theirs in zip(plan.delta, state.delta):
+            mine.conv.copy_(theirs.conv)
+            mine.recurrent.copy_(theirs.recurrent)
+        for piece in range(len(self.attention_layers) + 1):
+            if plan.graphs is not None:
+                plan.graphs[piece].replay()
+            else:
+                self._piece(plan, piece)
+            if piece < len(self.attention_layers):
+                kv = state.layers[self.attention_layers[piece]]
+                plan.attended.copy_(attend(kv, start, plan.q, plan.k, plan.v, self.model.kernels))
+        for mine, theirs in zip(plan.delta, state.delta):
+            theirs.conv.copy_(mine.conv)
+            theirs.recurrent.copy_(mine.recurrent)
+        state.length = start + t
+        return plan.out.clone()
+
+    def _plan(self, t: int) -> _Plan:
+        plan = self._plans.get(t)
+        if plan is None:
+            plan = self._plans[t] = _Plan(self.model, t)
+            if self.graphs and t in self.sizes:
+                self._capture(plan)
+        return plan
+
+    def _piece(self, plan: _Plan, piece: int) -> None:
+        """Layers from after attention layer `piece - 1` up to attention layer `piece`'s projections."""
+        m, bounds = self.model, self.attention_layers
+        if piece == 0:
+            x, first = m.embed_tokens(plan.ids), 0
+        else:
+            layer = m.layers[bounds[piece - 1]]
+            x = plan.x + layer.self_attn.output(plan.attended, plan.gate)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            first = bounds[piece - 1] + 1
+        last = bounds[piece] if piece < len(bounds) else len(m.layers)
+        for i in range(first, last):
+            layer = m.layers[i]
+            x = x + layer.linear_attn(layer.input_layernorm(x), plan.delta[self._delta_index[i]], m.kernels)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if piece < len(bounds):
+            rope = rope_tables(m.config, plan.positions, x.dtype)
+            q, k, v, gate = m.layers[last].self_attn.project(m.layers[last].input_layernorm(x), rope)
+            for buf, val in ((plan.q, q), (plan.k, k), (plan.v, v), (plan.gate, gate), (plan.x, x)):
+                buf.copy_(val)
+        else:
+            plan.out.copy_(m.norm(x))
+
+    def _capture(self, plan: _Plan) -> None:
+        """Warm each piece up on a side stream (Triton autotunes there), then capture it."""
+        pieces = range(len(self.attention_layers) + 1)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                for piece in pieces:
+                    self._piece(plan, piece)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graphs = []
+        for piece in pieces:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+                self._piece(plan, piece)
+            graphs.append(graph)
+        plan.graphs = graphs
