@@ -19,7 +19,13 @@ def open_reader(
     check_grid(grid)
     chosen = pick(kernels, device)
     loaded = load_model(model, dtype=dtype, device=device, kernels=chosen, seed=seed)
+    return loaded, reader_for(loaded, grid, graphs)
+
+
+def reader_for(loaded: LoadedModel, grid: int, graphs: bool = True) -> Reader:
+    """A Reader on `loaded` for `grid`: piecewise CUDA graphs on a GPU, the plain forward elsewhere."""
+    check_grid(grid)
     forward = None
-    if device.startswith("cuda") and graphs:
+    if loaded.model.device.type == "cuda" and graphs:
         forward = PiecewiseForward(loaded.model, sizes={grid, *FORK_SIZES})
-    return loaded, Reader(loaded.model, grid, forward=forward)
+    return Reader(loaded.model, grid, forward=forward)

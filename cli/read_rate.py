@@ -1,0 +1,152 @@
+"""`shadow read-rate`: how fast the shadow reads, beside the transformers reference path."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from cli.common import (
+    CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelOpt, console, emit_json, errors, parse_dtype,
+    user_errors, write_csv,
+)
+from shadow.errors import ShadowInputError
+
+
+@user_errors
+def read_rate(
+    model: ModelOpt = "tiny",
+    grid: Annotated[list[int] | None, typer.Option(help="Grid(s) to sweep (repeatable); the first one is used for the whole-session read, ask, decode and the reference. Default 512.")] = None,
+    contexts: Annotated[str, typer.Option(help="Context depths for the per-chunk timing, comma-separated.")] = "0,16384,65536",
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+    kernels: KernelsOpt = "auto",
+    repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (the median is reported).")] = 5,
+    full_read_tokens: Annotated[int, typer.Option(help="Session length for the whole read from empty (0: skip).")] = 58_278,
+    ask_tokens: Annotated[int, typer.Option(help="Session length at whose end ask and fork decode are timed (0: skip).")] = 41_802,
+    decode_tokens: Annotated[int, typer.Option(help="Tokens decoded from the fork per timing.")] = 32,
+    reference_tokens: Annotated[int, typer.Option(help="Ids read by both us and the transformers reference for the side-by-side (0: skip the reference).")] = 16_384,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of ms per 1,000 tokens against context.")] = None,
+    csv: CsvOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Time the reader on seeded random ids (speed does not depend on the values): ms per grid
+    chunk and per 1,000 tokens by grid and context depth; a whole session read from empty; an ask
+    (9 choices, a 290-id question, the pending tail) at the end of a long session; fork decode ms
+    per token; and, in the same run on the same ids, transformers' Qwen3_5ForCausalLM read in
+    grid chunks through its cache (with flash-linear-attention when installed). Timings are
+    medians after warm-up, the device synchronised around each."""
+    import torch
+
+    from shadow.bench import readrate as rr
+    from shadow.bench.reference import reference_model, reference_read_ms_per_1k, uses_fla
+    from shadow.engine import open_reader, reader_for
+
+    grids = grid or [512]
+    depths = [int(x) for x in contexts.split(",") if x.strip()]
+    if not depths or min(depths) < 0:
+        raise ShadowInputError("--contexts needs non-negative depths, e.g. 0,16384,65536")
+    if repeats < 1:
+        raise ShadowInputError("--repeats must be at least 1")
+    loaded, reader = open_reader(model, grid=grids[0], device=device, dtype=parse_dtype(dtype), kernels=kernels)
+    dev = loaded.model.device
+    device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    result = rr.ReadRate()
+    started = time.perf_counter()
+    with console.status("") as status:
+        say = lambda text: status.update(f"read-rate: {text}")  # noqa: E731
+        for i, g in enumerate(grids):
+            r = reader if i == 0 else reader_for(loaded, g)
+            result.rows += rr.chunk_times(r, depths, repeats, progress=say)
+        if full_read_tokens:
+            say(f"whole read of {full_read_tokens:,} ids")
+            result.full_read_tokens = full_read_tokens
+            result.full_read_s = rr.full_read_seconds(reader, full_read_tokens, runs=min(3, repeats))
+        if ask_tokens:
+            say(f"ask and fork decode at the end of {ask_tokens:,} ids")
+            result.ask_session_tokens = ask_tokens
+            result.ask_ms, result.fork_decode_ms_per_token = rr.ask_and_decode(reader, ask_tokens, repeats, decode_tokens)
+        if reference_tokens:
+            ids = rr.random_ids(reference_tokens // grids[0] * grids[0], seed=5)
+            result.compare_tokens = len(ids)
+            say(f"ours on {len(ids):,} ids")
+            result.ms_per_1k_tokens_read = rr.ours_read_ms_per_1k(reader, ids, runs=min(3, repeats))
+            say(f"transformers reference on the same {len(ids):,} ids")
+            ref = reference_model(loaded)
+            result.reference_ms_per_1k_tokens = reference_read_ms_per_1k(ref, ids, grids[0], dev, runs=min(3, repeats))
+            del ref
+    seconds = time.perf_counter() - started
+
+    head = _headline(result.rows, grids[0])
+    table = Table(title=f"read-rate · {model} ({loaded.weights_label} weights) · {loaded.model.kernels.name} kernels · {device_name}")
+    for col in ("grid", "context", "ms / chunk", "ms / 1k tokens"):
+        table.add_column(col, justify="right")
+    for row in result.rows:
+        table.add_row(f"{row.grid:,}", f"{row.context:,}", f"{row.ms_per_chunk:.2f}", f"{row.ms_per_1k_tokens:.2f}")
+    console.print(table)
+    if full_read_tokens:
+        console.print(f"whole read of {result.full_read_tokens:,} ids from empty: {result.full_read_s:.3f} s")
+    if ask_tokens:
+        console.print(f"ask at the end of {ask_tokens:,} ids: {result.ask_ms:.2f} ms; fork decode {result.fork_decode_ms_per_token:.2f} ms/token")
+    if result.reference_ms_per_1k_tokens is not None:
+        console.print(
+            f"same {result.compare_tokens:,} ids from empty: ours {result.ms_per_1k_tokens_read:.2f} ms/1k, "
+            f"transformers{' + fla' if uses_fla() else ' (no fla: pure torch GDN)'} {result.reference_ms_per_1k_tokens:.2f} ms/1k, "
+            f"speed-up {result.speedup_vs_reference:.1f}x"
+        )
+    if csv:
+        write_csv(csv, [vars(r) for r in result.rows])
+    if plot:
+        _plot(plot, result, f"{model} on {device_name}")
+    if json_out:
+        emit_json({
+            "command": "read-rate", "device": device_name, "model": model, "weights": loaded.weights_label,
+            "kernels": loaded.model.kernels.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
+            "grid": head.grid, "context": head.context, "ms_per_chunk": round(head.ms_per_chunk, 4),
+            "ms_per_1k_tokens": round(head.ms_per_1k_tokens, 4),
+            "compare_tokens": result.compare_tokens,
+            "ms_per_1k_tokens_same_ids": _r(result.ms_per_1k_tokens_read),
+            "reference_ms_per_1k_tokens": _r(result.reference_ms_per_1k_tokens),
+            "reference": ("transformers+fla" if uses_fla() else "transformers (torch GDN)") if reference_tokens else None,
+            "speedup_vs_reference": _r(result.speedup_vs_reference),
+            "ask_ms": _r(result.ask_ms), "ask_session_tokens": result.ask_session_tokens,
+            "fork_decode_ms_per_token": _r(result.fork_decode_ms_per_token),
+            "full_read_s": _r(result.full_read_s), "full_read_tokens": result.full_read_tokens,
+            "rows": [vars(r) for r in result.rows], "repeats": repeats, "seconds": round(seconds, 2),
+        })
+
+
+def _headline(rows, grid: int):
+    mine = [r for r in rows if r.grid == grid]
+    return min(mine, key=lambda r: abs(r.context - 16384))
+
+
+def _r(x):
+    return None if x is None else round(x, 4)
+
+
+def _plot(path: Path, result, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for g in sorted({r.grid for r in result.rows}):
+        rows = [r for r in result.rows if r.grid == g]
+        ax.plot([r.context for r in rows], [r.ms_per_1k_tokens for r in rows], marker="o", label=f"shadow, grid {g}")
+    if result.reference_ms_per_1k_tokens:
+        ax.axhline(result.reference_ms_per_1k_tokens, ls="--", color="grey",
+                   label=f"transformers reference ({result.compare_tokens:,} ids from empty)")
+    ax.set_xlabel("context depth (tokens)")
+    ax.set_ylabel("ms per 1,000 tokens")
+    ax.set_yscale("log")
+    ax.set_title(f"read rate: {title}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
