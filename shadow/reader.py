@@ -130,8 +130,7 @@ class Reader:
             if (max_chunks is not None and done >= max_chunks) or (should_stop and should_stop()):
                 break
             start = session.committed
-            chunk = torch.tensor(session.ids[start : start + self.grid], device=self.model.device)
-            self.forward(chunk, session.state)
+            self.forward(self._ids(session.ids[start : start + self.grid]), session.state)
             done += 1
             if session.marks and session.marks[0] == session.committed:
                 session.marks.pop(0)
@@ -146,8 +145,15 @@ class Reader:
         chunk = chunk or self.grid
         state = self.model.new_state()
         for start in range(0, len(ids), chunk):
-            self.forward(torch.tensor(ids[start : start + chunk], device=self.model.device), state)
+            self.forward(self._ids(ids[start : start + chunk]), state)
         return state
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        """ids as a tensor on the model's device, copied without waiting for the device."""
+        tensor = torch.tensor(ids, dtype=torch.long)
+        if self.model.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.model.device, non_blocking=True)
 
     # forks -------------------------------------------------------------------------------
 
@@ -195,7 +201,7 @@ class Reader:
                 out.append(token)
                 if token in stop or len(out) == max_new_tokens:
                     break
-                hidden = self.forward(torch.tensor([token], device=self.model.device), state)
+                hidden = self.forward(self._ids([token]), state)
         return out
 
     def _fork_read(self, ids: list[int], state: ModelState, pad: bool) -> torch.Tensor:
@@ -204,13 +210,12 @@ class Reader:
         last row's logits are used then: causal rows never see the padding after them)."""
         sizes = sorted(getattr(self.forward, "sizes", ()))
         if not sizes:
-            return self.forward(torch.tensor(ids, device=self.model.device), state)
+            return self.forward(self._ids(ids), state)
         hidden = []
         for lo in range(0, len(ids), self.grid):
             piece = ids[lo : lo + self.grid]
             fit = next((s for s in sizes if s >= len(piece)), len(piece)) if pad else len(piece)
-            padded = torch.tensor(piece + [0] * (fit - len(piece)), device=self.model.device)
-            hidden.append(self.forward(padded, state)[: len(piece)])
+            hidden.append(self.forward(self._ids(piece + [0] * (fit - len(piece))), state)[: len(piece)])
         return torch.cat(hidden)
 
     # input checks ------------------------------------------------------------------------

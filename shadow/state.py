@@ -101,19 +101,16 @@ class ModelState:
 
     def snapshot(self) -> DeltaSnapshot:
         """Copy the GDN state at the current length (KV rows need no copy: rows below a cut stay valid)."""
-        return DeltaSnapshot(
-            position=self.length,
-            conv=[d.conv.clone() for d in self.delta],
-            recurrent=[d.recurrent.clone() for d in self.delta],
-        )
+        conv = [torch.empty_like(d.conv) for d in self.delta]
+        recurrent = [torch.empty_like(d.recurrent) for d in self.delta]
+        copy_all(conv + recurrent, [d.conv for d in self.delta] + [d.recurrent for d in self.delta])
+        return DeltaSnapshot(position=self.length, conv=conv, recurrent=recurrent)
 
     def restore(self, snap: DeltaSnapshot) -> None:
         """Go back to `snap`: its GDN state is copied in place and the KV rows above it are dropped."""
         if snap.position > self.length:
             raise ValueError(f"snapshot at {snap.position} is past the state's length {self.length}")
-        for d, conv, rec in zip(self.delta, snap.conv, snap.recurrent):
-            d.conv.copy_(conv)
-            d.recurrent.copy_(rec)
+        copy_all([d.conv for d in self.delta] + [d.recurrent for d in self.delta], snap.conv + snap.recurrent)
         self.length = snap.position
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -127,6 +124,12 @@ class ModelState:
                 out[f"layers.{i}.conv"] = layer.conv
                 out[f"layers.{i}.recurrent"] = layer.recurrent
         return out
+
+
+def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for all i, in one fused launch where the device allows."""
+    if dst:
+        torch._foreach_copy_(dst, src)
 
 
 def tensor_kind(name: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shadow.model import fast, load_model, ops
+from shadow.model import ModelConfig, fast, load_model, ops, write_random_checkpoint
 from shadow.model.piecewise import PiecewiseForward
 from shadow.reader import Reader
 from shadow.verify import compare_states
@@ -52,12 +52,25 @@ def tiny_cuda():
     return load_model("tiny", dtype=torch.bfloat16, device="cuda", kernels=fast.FAST)
 
 
-def test_fast_forward_close_to_reference_forward(tiny_cuda):
-    ref = load_model("tiny", dtype=torch.float32, device="cuda", kernels=ops.REFERENCE)
-    ids = torch.randint(0, 248044, (512,), device="cuda")
-    a = tiny_cuda.model.logits(tiny_cuda.model(ids, tiny_cuda.model.new_state()))
-    b = ref.model.logits(ref.model(ids, ref.model.new_state()))
-    assert rel(a, b) < 3e-2
+# the 0.8B's head shapes (GDN 16/16 x 128, attention 8/2 x 256) in two layers of width 1024
+WIDE = ModelConfig(
+    hidden_size=1024, num_hidden_layers=4, intermediate_size=1024, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+    linear_key_head_dim=128, linear_value_head_dim=128,
+)
+
+
+@pytest.mark.parametrize("config", ["tiny", "wide"])
+def test_fast_forward_close_to_reference_on_the_same_rounded_weights(config, tmp_path):
+    """The fla/SDPA forward in bfloat16 against the reference kernels in float32 on the same
+    bfloat16-rounded weights (so only the kernels and the compute dtype differ)."""
+    name = "tiny" if config == "tiny" else str(write_random_checkpoint(tmp_path / "wide", WIDE, dtype=torch.bfloat16))
+    fast_model = load_model(name, dtype=torch.bfloat16, device="cuda", kernels=fast.FAST).model
+    ref_model = load_model(name, dtype=torch.bfloat16, device="cuda", kernels=ops.REFERENCE).model.float()
+    ids = torch.randint(0, 248044, (512,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    a = fast_model.logits(fast_model(ids, fast_model.new_state()))
+    b = ref_model.logits(ref_model(ids, ref_model.new_state()))
+    assert rel(a, b) < 3e-2, f"{config}: relative error {rel(a, b):.4f}"
 
 
 def test_graphed_reader_is_exact_after_turns_rollback_and_forks(tiny_cuda):

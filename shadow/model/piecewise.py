@@ -16,7 +16,11 @@ from collections.abc import Iterable
 import torch
 
 from shadow.model.qwen35 import Qwen35, attend, rope_tables
-from shadow.state import DeltaState, ModelState
+from shadow.state import DeltaState, ModelState, copy_all
+
+
+def _delta_tensors(state: ModelState) -> list[torch.Tensor]:
+    return [d.conv for d in state.delta] + [d.recurrent for d in state.delta]
 
 
 class _Plan:
@@ -35,6 +39,7 @@ class _Plan:
         self.attended = torch.zeros(t, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
         self.out = torch.zeros_like(self.x)
         self.delta = [DeltaState(c, dtype, dev) for _ in c.linear_layers]
+        self.state_tensors = [d.conv for d in self.delta] + [d.recurrent for d in self.delta]
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
 
 
@@ -58,11 +63,9 @@ class PiecewiseForward:
     def __call__(self, ids: torch.Tensor, state: ModelState) -> torch.Tensor:
         t, start = ids.shape[0], state.length
         plan = self._plan(t)
-        plan.ids.copy_(ids)
-        plan.positions.copy_(torch.arange(start, start + t, device=ids.device))
-        for mine, theirs in zip(plan.delta, state.delta):
-            mine.conv.copy_(theirs.conv)
-            mine.recurrent.copy_(theirs.recurrent)
+        plan.ids.copy_(ids, non_blocking=True)
+        torch.arange(start, start + t, out=plan.positions)
+        copy_all(plan.state_tensors, _delta_tensors(state))
         for piece in range(len(self.attention_layers) + 1):
             if plan.graphs is not None:
                 plan.graphs[piece].replay()
@@ -71,9 +74,7 @@ class PiecewiseForward:
             if piece < len(self.attention_layers):
                 kv = state.layers[self.attention_layers[piece]]
                 plan.attended.copy_(attend(kv, start, plan.q, plan.k, plan.v, self.model.kernels))
-        for mine, theirs in zip(plan.delta, state.delta):
-            theirs.conv.copy_(mine.conv)
-            theirs.recurrent.copy_(mine.recurrent)
+        copy_all(_delta_tensors(state), plan.state_tensors)
         state.length = start + t
         return plan.out.clone()
 

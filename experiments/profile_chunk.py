@@ -1,0 +1,76 @@
+"""Where a grid chunk's time goes on the GPU (0.8B shape, random weights), and whether two
+processes compute the same state. Run on the device: python3 experiments/profile_chunk.py
+Prints: ms per chunk (advance over 32 chunks at 16k), GPU busy time per chunk from the torch
+profiler with the top kernels, attention alone at two depths, and a cross-process state hash."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+import time
+
+import torch
+
+from shadow.bench.readrate import random_ids
+from shadow.engine import open_reader
+from shadow.model import fast
+
+
+def state_hash(state) -> str:
+    h = hashlib.sha256()
+    for name, t in state.tensors().items():
+        h.update(name.encode())
+        h.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> None:
+    if sys.argv[1:] == ["hash"]:
+        loaded, reader = open_reader("qwen3.5-0.8b", device="cuda")
+        s = reader.new_session("h")
+        reader.feed_prompt(s, random_ids(16384, seed=9))
+        reader.advance(s)
+        print(state_hash(s.state))
+        return
+    loaded, reader = open_reader("qwen3.5-0.8b", device="cuda")
+    s = reader.new_session("p")
+    reader.feed_prompt(s, random_ids(16384 + 64 * 512, seed=1))
+    reader.advance(s, max_chunks=32)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    reader.advance(s, max_chunks=24)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) * 1000 / 24
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        reader.advance(s, max_chunks=4)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    gpu_total = sum(e.self_device_time_total for e in events) / 1000 / 4
+    print(f"wall ms per chunk (16k..28k): {wall:.2f}; GPU busy ms per chunk: {gpu_total:.2f}")
+    print(events.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=60))
+
+    q = torch.randn(8, 512, 256, device="cuda", dtype=torch.bfloat16)
+    for length in (16896, 100352):
+        k = torch.randn(2, length, 256, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        for _ in range(3):
+            fast.attention_sdpa(q, k, v, 0.0625)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fast.attention_sdpa(q, k, v, 0.0625)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1000 / 20
+        flops = 4 * 512 * length * 256 * 8
+        print(f"attention T=512 L={length}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s")
+
+    hashes = [subprocess.run([sys.executable, __file__, "hash"], capture_output=True, text=True).stdout.strip().splitlines()[-1] for _ in range(2)]
+    print(json.dumps({"cross_process_hashes": hashes, "cross_process_equal": hashes[0] == hashes[1]}))
+
+
+if __name__ == "__main__":
+    main()
