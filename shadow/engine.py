@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from shadow.model import LoadedModel, load_model
+from shadow.model import LoadedModel, load_model, resolve_checkpoint
+from shadow.model.checkpoint import read_config
 from shadow.model.fast import pick
 from shadow.model.piecewise import PiecewiseForward
 from shadow.reader import Reader, check_grid
@@ -17,7 +18,8 @@ def open_reader(
     """A loaded model and a Reader. On CUDA the forward is piecewise-graphed for the grid and
     the fork sizes; on the CPU it is the plain forward with the reference kernels."""
     check_grid(grid)
-    chosen = pick(kernels, device)
+    config = read_config(resolve_checkpoint(model, seed))
+    chosen = pick(kernels, device, config.linear_key_head_dim)
     loaded = load_model(model, dtype=dtype, device=device, kernels=chosen, seed=seed)
     return loaded, reader_for(loaded, grid, graphs)
 

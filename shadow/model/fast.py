@@ -63,16 +63,51 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out[0].transpose(0, 1)
 
 
-FAST = ops.Kernels(name="fla", gdn=gdn_fla, conv=ops.causal_conv, attention=attention_sdpa)
+def causal_conv_rows(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.causal_conv`'s contract computed in the rows' own layout ([T, C], no transposes):
+    K shifted multiply-adds in float32, then silu; a few elementwise launches instead of a cat
+    of transposes and a depthwise convolution."""
+    t, k = x.shape[0], weight.shape[-1]
+    seq = torch.cat([state.t().to(x.dtype), x], dim=0)  # [K-1+T, C]
+    w = weight.float()
+    acc = seq[0:t].float() * w[:, 0]
+    for i in range(1, k):
+        acc.addcmul_(seq[i : i + t], w[:, i])
+    return F.silu(acc).to(x.dtype), seq[t:].t()
 
 
-def pick(name: str, device: str) -> ops.Kernels:
-    """'reference', 'fast', or 'auto' (fast on CUDA when fla is installed)."""
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`ops.rms_norm`'s contract with torch's fused RMSNorm (the reduction in float32 inside)."""
+    return F.rms_norm(x, (x.shape[-1],), weight=(1.0 + weight.float()).to(x.dtype), eps=eps)
+
+
+def gated_rms_norm_fla(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`ops.gated_rms_norm`'s contract as one fla kernel (norm, weight, silu gate)."""
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    shape = x.shape
+    out = rms_norm_gated(x.reshape(-1, shape[-1]), gate.reshape(-1, shape[-1]), weight, None, "swish", eps=eps)
+    return out.reshape(shape)
+
+
+FAST = ops.Kernels(
+    name="fla", gdn=gdn_fla, conv=causal_conv_rows, attention=attention_sdpa,
+    norm=rms_norm_fused, gated_norm=gated_rms_norm_fla,
+)
+
+
+MIN_FAST_HEAD_DIM = 64  # fla 0.6.0 at the tiny preset's 16-dim GDN heads was off by ~12% on the H200
+
+
+def pick(name: str, device: str, head_dim: int = 128) -> ops.Kernels:
+    """'reference', 'fast', or 'auto' (fast on CUDA when fla is installed and the GDN heads are
+    at least MIN_FAST_HEAD_DIM wide; the reference kernels otherwise)."""
     from shadow.errors import ShadowInputError
 
     if name == "reference":
         return ops.REFERENCE
-    if name == "fast" or (name == "auto" and device.startswith("cuda") and available()):
+    wide = head_dim >= MIN_FAST_HEAD_DIM
+    if name == "fast" or (name == "auto" and device.startswith("cuda") and available() and wide):
         if not available():
             raise ShadowInputError("the fast kernels need CUDA and flash-linear-attention (pip install fla-core)")
         return FAST

@@ -178,6 +178,8 @@ class Kernels:
     gdn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     conv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     attention: Callable[..., torch.Tensor]
+    norm: Callable[..., torch.Tensor] = rms_norm
+    gated_norm: Callable[..., torch.Tensor] = gated_rms_norm
 
 
 REFERENCE = Kernels(name="reference", gdn=gdn_reference, conv=causal_conv, attention=attention_online)

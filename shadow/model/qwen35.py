@@ -28,15 +28,16 @@ class MLP(nn.Module):
 
 
 class Norm(nn.Module):
-    """Zero-centred RMSNorm weight holder (`x * (1 + w)`)."""
+    """Zero-centred RMSNorm (`x * (1 + w)`); `kernel` is the model's kernel set's norm."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.kernel = ops.rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+        return self.kernel(x, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -69,7 +70,7 @@ class GatedDeltaNet(nn.Module):
         state.conv.copy_(conv)
         state.recurrent.copy_(recurrent)
         z = self.in_proj_z(x).reshape(t, c.linear_num_value_heads, c.linear_value_head_dim)
-        out = ops.gated_rms_norm(out.to(x.dtype), z, self.norm.weight, c.rms_norm_eps)
+        out = kernels.gated_norm(out.to(x.dtype), z, self.norm.weight, c.rms_norm_eps)
         return self.out_proj(out.reshape(t, c.value_dim))
 
 
@@ -153,6 +154,9 @@ class Qwen35(nn.Module):
         self.norm = Norm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        for module in self.modules():
+            if isinstance(module, Norm):
+                module.kernel = kernels.norm
 
     @property
     def dtype(self) -> torch.dtype:
