@@ -21,7 +21,7 @@ errors = Console(stderr=True, highlight=False)
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset (tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b: random weights) or a Qwen3.5 checkpoint folder.")]
 GridOpt = Annotated[int, typer.Option(help="Grid G: rows per chunk; the state advances only at multiples of G (a positive multiple of 64).")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device: cpu, cuda, cuda:1 ...")]
-DtypeOpt = Annotated[str, typer.Option(help="Model dtype: float32 (the reference path), bfloat16, or 'auto' (as stored).")]
+DtypeOpt = Annotated[str, typer.Option(help="Model dtype: auto (as stored: float32 for tiny, bfloat16 for the other presets), float32, bfloat16.")]
 KernelsOpt = Annotated[str, typer.Option(help="Kernels: auto (fla on CUDA when installed, else reference), reference (plain PyTorch), fast.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="End stdout with one JSON object on its own line.")]
 CsvOpt = Annotated[Path | None, typer.Option("--csv", help="Also write the table as CSV to this path.")]

@@ -24,7 +24,7 @@ def verify_exact(
     grid: GridOpt = 512,
     against_grid: Annotated[int, typer.Option(help="Also compare with a fresh prefill in chunks of this size (0: skip).")] = 2048,
     device: DeviceOpt = "cpu",
-    dtype: DtypeOpt = "float32",
+    dtype: DtypeOpt = "auto",
     kernels: KernelsOpt = "auto",
     seed: Annotated[int, typer.Option(help="Seed of the random preset weights and of the sample session.")] = 0,
     csv: CsvOpt = None,
