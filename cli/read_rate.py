@@ -46,7 +46,10 @@ def read_rate(
     from shadow.engine import open_reader, reader_for
 
     grids = grid or [512]
-    depths = [int(x) for x in contexts.split(",") if x.strip()]
+    try:
+        depths = [int(x) for x in contexts.split(",") if x.strip()]
+    except ValueError:
+        raise ShadowInputError(f"--contexts must be whole numbers, e.g. 0,16384,65536 (got {contexts!r})") from None
     if not depths or min(depths) < 0:
         raise ShadowInputError("--contexts needs non-negative depths, e.g. 0,16384,65536")
     if repeats < 1:

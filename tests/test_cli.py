@@ -78,3 +78,33 @@ def test_empty_conversation_file_exits_2(tmp_path):
     path.write_text("")
     result = runner.invoke(app, ["verify-exact", "-c", str(path)])
     assert result.exit_code == 2 and "is empty" in result.output
+
+
+def test_read_rate_on_cpu_with_tiny(tmp_path):
+    plot, csv_path = tmp_path / "rate.png", tmp_path / "rate.csv"
+    result = runner.invoke(app, [
+        "read-rate", "--grid", "256", "--grid", "512", "--contexts", "0,1024", "--repeats", "1",
+        "--full-read-tokens", "1500", "--ask-tokens", "900", "--decode-tokens", "2",
+        "--reference-tokens", "512", "--plot", str(plot), "--csv", str(csv_path), "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    doc = last_json(result.output)
+    for key in ("device", "model", "grid", "context", "ms_per_chunk", "ms_per_1k_tokens",
+                "reference_ms_per_1k_tokens", "speedup_vs_reference", "ask_ms",
+                "fork_decode_ms_per_token", "full_read_s", "weights"):
+        assert doc[key] is not None, key
+    assert doc["device"] == "cpu" and doc["weights"] == "random" and doc["grid"] == 256
+    assert [(r["grid"], r["context"]) for r in doc["rows"]] == [(256, 0), (256, 1024), (512, 0), (512, 1024)]
+    assert all(r["ms_per_chunk"] > 0 for r in doc["rows"])
+    assert plot.read_bytes()[:4] == b"\x89PNG" and csv_path.read_text().startswith("grid,context")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [(["--contexts", "a,b"], "whole numbers"), (["--contexts", "-5"], "non-negative"),
+     (["--grid", "100"], "multiple of 64"), (["--kernels", "turbo"], "unknown kernels")],
+    ids=["contexts-not-numbers", "negative-context", "bad-grid", "bad-kernels"],
+)
+def test_read_rate_bad_input(args, message):
+    result = runner.invoke(app, ["read-rate", *args])
+    assert result.exit_code == 2 and message in result.output
