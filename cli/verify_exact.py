@@ -11,6 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from shadow.errors import ShadowInputError
 from cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, console, emit_json, errors, parse_dtype,
     user_errors, write_csv,
@@ -26,42 +27,52 @@ def verify_exact(
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     kernels: KernelsOpt = "auto",
+    cap_gib: Annotated[float | None, typer.Option(help="Resident cap in GiB; past it the least recently used sessions are spilled to --disk (or dropped and read again). Default: no cap.")] = None,
+    disk: Annotated[Path | None, typer.Option(help="Folder for spilled sessions (one safetensors file each).")] = None,
+    disk_cap_gib: Annotated[float, typer.Option(help="Disk cap in GiB; the oldest files past it are removed.")] = 64.0,
     seed: Annotated[int, typer.Option(help="Seed of the random preset weights and of the sample session.")] = 0,
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Replay each conversation as its requests came (prompts re-rendered, so an earlier turn's
-    reasoning drops and the reader rolls back), then compare the state with a fresh prefill of the
-    same ids on the same grid (every tensor, bit for bit) and on another grid (largest differences,
-    question probes). Exit code 1 when a state is not bit-equal."""
+    reasoning drops and the reader rolls back), several conversations' turns interleaved round
+    robin, through a session store (with --cap-gib and --disk, sessions spill to disk and come
+    back between turns). Then compare each state with a fresh prefill of the same ids on the same
+    grid (every tensor, bit for bit) and on another grid (largest differences, question probes).
+    Exit code 1 when a state is not bit-equal."""
     from shadow.conversations import load_conversation
     from shadow.engine import open_reader
     from shadow.reader import check_grid
     from shadow.sample import sample_conversation
     from shadow.tokenizer import load_tokenizer
-    from shadow.verify import KINDS, verify_conversation
+    from shadow.store import SessionStore
+    from shadow.verify import KINDS, verify
 
     check_grid(grid)
     if against_grid:
         check_grid(against_grid)
+    if cap_gib is not None and cap_gib < 0:
+        raise ShadowInputError("--cap-gib must not be negative")
     conversations = [load_conversation(p) for p in conversation] if conversation else [sample_conversation(seed)]
     started = time.perf_counter()
     loaded, reader = open_reader(
         model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels, seed=seed
     )
     tokenizer = load_tokenizer(loaded.path)
-    verdicts = []
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk,
+                         disk_cap_gib=disk_cap_gib, model=model)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=errors, transient=True,
     ) as bar:
-        for conv in conversations:
-            task = bar.add_task(conv.name, total=None)
+        task = bar.add_task("replay", total=None)
 
-            def step(done: int, total: int, stage: str, task=task, name=conv.name) -> None:
-                bar.update(task, completed=done, total=total, description=f"{name}: {stage}")
+        def step(done: int, total: int, stage: str) -> None:
+            bar.update(task, completed=done, total=total, description=stage)
 
-            verdicts.append(verify_conversation(reader, tokenizer, conv, against_grid or None, step))
+        verdicts = verify(reader, tokenizer, conversations, against_grid or None, store, step)
+    store.close()
+    counters = store.counters
     seconds = time.perf_counter() - started
 
     rows = [_row(v) for v in verdicts]
@@ -78,6 +89,13 @@ def verify_exact(
         write_csv(csv, rows)
     equal = all(v.same_grid_bit_equal for v in verdicts)
     console.print(f"same grid bit-equal: [bold]{'yes' if equal else 'NO'}[/] in {seconds:.1f} s")
+    if cap_gib is not None:
+        rate = counters.restore_gib_per_s
+        console.print(
+            f"store: cap {cap_gib:g} GiB, {counters.spills} spills, {counters.restores} restores"
+            + (f" at {rate:.2f} GiB/s" if rate else "") + f", {counters.drops} drops, "
+            f"{counters.bytes_written / 2**20:.1f} MiB written, {len(counters.rejected)} files refused"
+        )
     if json_out:
         others = [v.other_grid for v in verdicts if v.other_grid]
         emit_json({
@@ -93,6 +111,10 @@ def verify_exact(
                 "probes": sum(o.probes for o in others),
                 "probe_max_kl": max(o.probe_max_kl for o in others),
             } if others else None,
+            "cap_gib": cap_gib, "disk": str(disk) if disk else None,
+            "spills": counters.spills, "restores": counters.restores, "drops": counters.drops,
+            "bytes_written": counters.bytes_written, "bytes_restored": counters.bytes_restored,
+            "restore_gib_per_s": counters.restore_gib_per_s, "files_refused": counters.rejected,
             "conversations": [dataclasses.asdict(v) for v in verdicts],
             "seconds": round(seconds, 3),
         })

@@ -80,6 +80,7 @@ class ModelState:
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
         device = torch.device(device)
         self.config = config
+        self.device = device
         self.length = 0
         self.layers: list[AttentionState | DeltaState] = [
             AttentionState(config.num_key_value_heads, config.head_dim, dtype, device)
@@ -97,7 +98,12 @@ class ModelState:
         return [s for s in self.layers if isinstance(s, DeltaState)]
 
     def nbytes(self) -> int:
+        """Bytes of the valid state: KV rows up to length, GDN state."""
         return sum(a.nbytes(self.length) for a in self.attention) + sum(d.nbytes() for d in self.delta)
+
+    def allocated_bytes(self) -> int:
+        """Bytes held: the KV buffers at their capacity, GDN state."""
+        return sum(a.nbytes(a.capacity) for a in self.attention) + sum(d.nbytes() for d in self.delta)
 
     def snapshot(self) -> DeltaSnapshot:
         """Copy the GDN state at the current length (KV rows need no copy: rows below a cut stay valid)."""

@@ -14,8 +14,10 @@ import torch
 
 from shadow.chat import render_output, render_prompt, render_question
 from shadow.conversations import Conversation
+from shadow.errors import ShadowInputError
 from shadow.reader import Reader, Session, check_grid
 from shadow.state import ModelState, tensor_kind
+from shadow.store import SessionStore
 from shadow.tokenizer import Tokenizer
 
 PROBES = (
@@ -53,20 +55,29 @@ class Verdict:
 
 
 def replay(
-    reader: Reader, tokenizer: Tokenizer, conversation: Conversation,
-    on_turn: Callable[[int, int], None] | None = None,
-) -> tuple[Session, int]:
-    """Feed every request (its re-rendered prompt, then its output) and read after each. Returns (session, turns)."""
-    session = reader.new_session(conversation.name)
-    requests = list(conversation.requests())
-    for n, (history, output) in enumerate(requests, start=1):
-        reader.feed_prompt(session, tokenizer.encode(render_prompt(history)))
-        reader.advance(session)
-        reader.feed_output(session, tokenizer.encode(render_output(output)))
-        reader.advance(session)
-        if on_turn:
-            on_turn(n, len(requests))
-    return session, len(requests)
+    reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation], store: SessionStore,
+    on_turn: Callable[[], None] | None = None,
+) -> dict[str, list[int]]:
+    """Feed every request of every conversation (its re-rendered prompt, then its output) and read
+    after each, the conversations' turns interleaved round robin through `store` (which may
+    spill or drop sessions between turns). Returns each conversation's final ids."""
+    pending = {c.name: list(c.requests()) for c in conversations}
+    final: dict[str, list[int]] = {}
+    for turn in range(max(len(r) for r in pending.values())):
+        for name, requests in pending.items():
+            if turn >= len(requests):
+                continue
+            history, output = requests[turn]
+            session = store.get(name)
+            reader.feed_prompt(session, tokenizer.encode(render_prompt(history)))
+            reader.advance(session)
+            reader.feed_output(session, tokenizer.encode(render_output(output)))
+            reader.advance(session)
+            final[name] = list(session.ids)
+            store.settle(keep=name)
+            if on_turn:
+                on_turn()
+    return final
 
 
 def compare_states(a: ModelState, b: ModelState) -> tuple[int, list[str], dict[str, float]]:
@@ -100,30 +111,53 @@ def probe_agreement(
     return agree, worst
 
 
-def verify_conversation(
-    reader: Reader, tokenizer: Tokenizer, conversation: Conversation, against_grid: int | None = None,
+def verify(
+    reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation],
+    against_grid: int | None = None, store: SessionStore | None = None,
     progress: Callable[[int, int, str], None] | None = None,
-) -> Verdict:
-    """Replay, then compare with fresh prefills. progress(done, total, stage) is called as it goes
-    (total = turns + 2: the replay's turns, the same-grid prefill, the other-grid prefill)."""
+) -> list[Verdict]:
+    """Replay `conversations` (interleaved, through `store`; default: one with no cap), then
+    compare each final state with fresh prefills. progress(done, total, stage) is called as it
+    goes (total = all turns + 2 per conversation)."""
     if against_grid is not None:
         check_grid(against_grid)
-    steps = sum(1 for _ in conversation.requests()) + 2
+    names = [c.name for c in conversations]
+    if len(set(names)) != len(names):
+        raise ShadowInputError(f"two conversations share a name: {sorted(n for n in names if names.count(n) > 1)[0]}")
+    store = store or SessionStore(reader, weights_hash="", cap_gib=None)
+    turns = {c.name: sum(1 for _ in c.requests()) for c in conversations}
+    total, done = sum(turns.values()) + 2 * len(conversations), 0
     report = progress or (lambda done, total, stage: None)
-    session, turns = replay(reader, tokenizer, conversation, lambda n, _: report(n, steps, "replay"))
-    committed = session.committed
-    fresh = reader.prefill(session.ids[:committed])
-    report(turns + 1, steps, "fresh prefill, same grid")
-    compared, mismatched, _ = compare_states(session.state, fresh)
-    verdict = Verdict(
-        name=conversation.name, turns=turns, tokens=len(session.ids), committed=committed,
-        rollbacks=session.rollbacks, ids_reread=session.ids_reread,
-        same_grid_bit_equal=not mismatched, tensors_compared=compared, mismatched=mismatched,
-    )
-    if against_grid is not None:
-        other = reader.prefill(session.ids[:committed], chunk=against_grid)
-        _, _, diffs = compare_states(session.state, other)
-        agree, kl = probe_agreement(reader, tokenizer, session, other)
-        verdict.other_grid = OtherGrid(against_grid, diffs, agree, len(PROBES), kl)
-    report(steps, steps, "fresh prefill, other grid")
-    return verdict
+
+    def turn_done() -> None:
+        nonlocal done
+        done += 1
+        report(done, total, "replay")
+
+    final = replay(reader, tokenizer, conversations, store, turn_done)
+    verdicts = []
+    for conv in conversations:
+        session = store.get(conv.name)
+        if session.ids != final[conv.name]:  # dropped past the cap without a disk: read it again
+            reader.feed_prompt(session, final[conv.name])
+            reader.advance(session)
+        committed = session.committed
+        fresh = reader.prefill(session.ids[:committed])
+        compared, mismatched, _ = compare_states(session.state, fresh)
+        done += 1
+        report(done, total, f"{conv.name}: fresh prefill, same grid")
+        verdict = Verdict(
+            name=conv.name, turns=turns[conv.name], tokens=len(session.ids), committed=committed,
+            rollbacks=session.rollbacks, ids_reread=session.ids_reread,
+            same_grid_bit_equal=not mismatched, tensors_compared=compared, mismatched=mismatched,
+        )
+        if against_grid is not None:
+            other = reader.prefill(session.ids[:committed], chunk=against_grid)
+            _, _, diffs = compare_states(session.state, other)
+            agree, kl = probe_agreement(reader, tokenizer, session, other)
+            verdict.other_grid = OtherGrid(against_grid, diffs, agree, len(PROBES), kl)
+        done += 1
+        report(done, total, f"{conv.name}: fresh prefill, other grid")
+        store.settle(keep=conv.name)
+        verdicts.append(verdict)
+    return verdicts
