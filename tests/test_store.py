@@ -1,0 +1,254 @@
+"""The session store: exact spill and restore, LRU, retention, bad files refused, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shadow.reader import Reader
+from shadow.sessionfile import read_header
+from shadow.store import SessionStore, check_folder, session_bytes
+
+GRID = 64
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 248044, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture()
+def reader(tiny):
+    return Reader(tiny.model, GRID)
+
+
+def fed(store: SessionStore, reader: Reader, name: str, n: int = 300, seed: int = 0):
+    s = store.get(name)
+    reader.feed_prompt(s, ids(n, seed))
+    reader.advance(s)
+    reader.feed_output(s, ids(40, seed + 100))
+    reader.advance(s)
+    return s
+
+
+def fingerprint(session) -> dict:
+    out = {k: v.clone() for k, v in session.state.tensors().items()}
+    out["ids"] = list(session.ids)
+    out["checkpoints"] = [(c.position, [t.clone() for t in c.conv + c.recurrent]) for c in session.checkpoints]
+    out["marks"] = list(session.marks)
+    return out
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if key == "checkpoints":
+            assert [p for p, _ in a[key]] == [p for p, _ in b[key]]
+            for (_, x), (_, y) in zip(a[key], b[key]):
+                assert all(torch.equal(u, v) for u, v in zip(x, y))
+        elif isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+def test_spill_and_restore_are_bit_exact_and_reading_continues(reader, tmp_path):
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
+    a = fed(store, reader, "a", seed=1)
+    before = fingerprint(a)
+    fed(store, reader, "b", seed=2)
+    store.settle(keep="b")
+    assert store.counters.spills == 1 and "a" not in store._resident
+    back = store.get("a")
+    assert store.counters.restores == 1
+    assert_same(before, fingerprint(back))
+    reader.feed_output(back, ids(200, 3))
+    reader.advance(back)
+    fresh = reader.prefill(back.ids[: back.committed])
+    assert all(torch.equal(x, fresh.tensors()[k]) for k, x in back.state.tensors().items())
+
+
+def test_least_recently_used_goes_first(reader, tmp_path):
+    store = SessionStore(reader, "h", cap_gib=None, disk=tmp_path)
+    for name in "abc":
+        fed(store, reader, name)
+    store.get("a")  # a is now the most recent; b is the least recent
+    store.cap = 2 * session_bytes(store.get("c"))  # room for two; c touched last
+    store.settle(keep="c")
+    assert sorted(store._resident) == ["a", "c"]
+    assert [r.name for r in store.status() if not r.resident] == ["b"]
+
+
+def test_without_disk_past_the_cap_is_dropped_and_read_again(reader):
+    store = SessionStore(reader, "h", cap_gib=0)
+    fed(store, reader, "a")
+    fed(store, reader, "b", seed=5)
+    store.settle(keep="b")
+    assert store.counters.drops == 1
+    again = store.get("a")
+    assert again.committed == 0 and again.ids == []
+
+
+def test_close_writes_every_resident_session(reader, tmp_path):
+    store = SessionStore(reader, "h", cap_gib=None, disk=tmp_path)
+    fed(store, reader, "a")
+    fed(store, reader, "b", seed=3)
+    store.close()
+    rows = check_folder(tmp_path, reader, "h")
+    assert sorted(r.session for r in rows) == ["a", "b"] and all(r.valid for r in rows)
+
+
+def test_status_reports_resident_and_spilled(reader, tmp_path):
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path, clock=lambda: 1000.0)
+    fed(store, reader, "a", n=300)
+    fed(store, reader, "b", n=100, seed=4)
+    store.settle(keep="b")
+    rows = {r.name: r for r in store.status()}
+    assert not rows["a"].resident and rows["b"].resident
+    assert (rows["a"].committed, rows["a"].pending) == (320, 20)
+    assert rows["a"].checkpoints == 1 and rows["a"].last_use == 1000.0 and rows["a"].bytes > 0
+
+
+def test_retention_by_age_and_disk_cap(reader, tmp_path):
+    now = [time.time()]
+    store = SessionStore(reader, "h", cap_gib=None, disk=tmp_path, clock=lambda: now[0])
+    for i, name in enumerate("abc"):
+        fed(store, reader, name, seed=i)
+    store.close()
+    paths = {n: store.path_of(n) for n in "abc"}
+    os.utime(paths["a"], (now[0] - 49 * 3600,) * 2)  # past 48 h
+    os.utime(paths["b"], (now[0] - 3600,) * 2)
+    store.sweep()
+    assert not paths["a"].exists() and paths["b"].exists() and paths["c"].exists()
+    store.disk_cap = paths["c"].stat().st_size  # room for one file: the oldest (b) goes
+    store.sweep()
+    assert not paths["b"].exists() and paths["c"].exists()
+    assert store.counters.removed == 2
+
+
+def _rewrite(path, mutate_meta=None):
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    if mutate_meta:
+        mutate_meta(meta)
+    save_file(tensors, path, metadata=meta)
+
+
+def _truncate(path, reader):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _flip(path, reader):
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _version(path, reader):
+    _rewrite(path, lambda m: m.update(version="99"))
+
+
+def _not_a_session(path, reader):
+    _rewrite(path, lambda m: m.update(format="something-else"))
+
+
+BAD = {
+    "truncated": (_truncate, "unreadable"),
+    "flipped-byte": (_flip, "checksum mismatch"),
+    "future-version": (_version, "format version '99'"),
+    "foreign-format": (_not_a_session, "not a shadow session file"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD) + ["other-weights", "other-grid"])
+def test_bad_files_are_refused_reported_once_and_reread(reader, tiny, tmp_path, kind, caplog):
+    writer = SessionStore(reader, "h", cap_gib=None, disk=tmp_path)
+    original = fed(writer, reader, "a")
+    final_ids = list(original.ids)
+    writer.close()
+    path = writer.path_of("a")
+    weights, grid_reader = "h", reader
+    if kind in BAD:
+        BAD[kind][0](path, reader)
+        expected = BAD[kind][1]
+    elif kind == "other-weights":
+        weights, expected = "another", "another model"
+    else:
+        grid_reader, expected = Reader(tiny.model, 2 * GRID), "another grid"
+    store = SessionStore(grid_reader, weights, cap_gib=None, disk=tmp_path)
+    with caplog.at_level("WARNING", logger="shadow.store"):
+        s = store.get("a")
+    assert s.committed == 0 and s.ids == []  # nothing served from the file
+    assert len(store.counters.rejected) == 1 and expected in store.counters.rejected[0][1]
+    assert any(expected in r.getMessage() for r in caplog.records)
+    assert not path.exists() and path.with_name(path.name + ".rejected").exists()
+    store.get("a")  # asked again: not reported twice
+    assert len(store.counters.rejected) == 1
+    grid_reader.feed_prompt(s, final_ids)  # read again from its ids
+    grid_reader.advance(s)
+    fresh = grid_reader.prefill(s.ids[: s.committed])
+    assert all(torch.equal(x, fresh.tensors()[k]) for k, x in s.state.tensors().items())
+    listed = {r.file: r for r in check_folder(tmp_path)}
+    assert not listed[path.name + ".rejected"].valid
+
+
+KILL_WRITER = r"""
+import sys, torch
+from shadow.model import load_model
+from shadow.reader import Reader
+from shadow.store import SessionStore
+reader = Reader(load_model("tiny").model, 64)
+store = SessionStore(reader, "h", cap_gib=None, disk=sys.argv[1])
+s = store.get("big")
+reader.feed_prompt(s, torch.randint(0, 248044, (20000,)).tolist())
+reader.advance(s)
+print("ready", flush=True)
+n = 0
+while True:
+    s.rollbacks = n  # each write differs from the last
+    store.close()
+    n += 1
+"""
+
+
+def test_sigkill_during_writes_never_leaves_a_file_read_as_valid_but_broken(reader, tmp_path):
+    """A writer rewriting one session in a loop is killed with SIGKILL until a kill has landed
+    mid-write (a temporary file left behind); every time, the file there is complete and valid."""
+    killed_mid_write = 0
+    for attempt in range(12):
+        folder = tmp_path / f"kill{attempt}"
+        proc = subprocess.Popen([sys.executable, "-c", KILL_WRITER, str(folder)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(0.1 + 0.037 * attempt)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        killed_mid_write += any(p.name.endswith(".tmp") for p in folder.iterdir())
+        store = SessionStore(reader, "h", cap_gib=None, disk=folder)
+        assert not any(p.name.endswith(".tmp") for p in folder.iterdir())  # cleaned, never read
+        rows = check_folder(folder, reader, "h")
+        assert all(r.valid for r in rows), rows
+        if rows:  # the old file or the new one, complete
+            s = store.get("big")
+            assert s.committed == 19968 and len(s.ids) == 20000
+        if killed_mid_write and attempt >= 2:
+            break
+    assert killed_mid_write, "no kill landed during a write; the test proved nothing"
+
+
+def test_header_names_the_session_and_identity(reader, tmp_path):
+    store = SessionStore(reader, "hash-x", cap_gib=None, disk=tmp_path, model="tiny")
+    fed(store, reader, "conv/1")
+    store.close()
+    meta = read_header(store.path_of("conv/1"))
+    assert meta["name"] == "conv/1" and meta["weights_hash"] == "hash-x" and meta["grid"] == "64"
+    assert json.loads(meta["checkpoints"]) == [256] and meta["model"] == "tiny"
