@@ -108,3 +108,33 @@ def test_read_rate_on_cpu_with_tiny(tmp_path):
 def test_read_rate_bad_input(args, message):
     result = runner.invoke(app, ["read-rate", *args])
     assert result.exit_code == 2 and message in result.output
+
+
+def test_verify_exact_spills_and_restores_three_real_conversations_exactly(tmp_path):
+    """The store's done-when: three real conversations interleaved under a tiny cap with a disk."""
+    files = [shared_file("trajectories", "mini-swe-agent", f"{n}.traj.json")
+             for n in ("pydata__xarray-4629", "django__django-14559", "django__django-13401")]
+    args = ["verify-exact", "--cap-gib", "0.001", "--disk", str(tmp_path / "disk"), "--json"]
+    for f in files:
+        args += ["--conversation", str(f)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    doc = last_json(result.output)
+    assert doc["same_grid_bit_equal"] is True and len(doc["conversations"]) == 3
+    assert doc["spills"] > 0 and doc["restores"] > 0 and doc["bytes_written"] > 0
+    assert doc["restore_gib_per_s"] > 0 and doc["files_refused"] == []
+    listed = runner.invoke(app, ["store", str(tmp_path / "disk"), "--model", "tiny", "--json"])
+    assert listed.exit_code == 0, listed.output
+    files_doc = last_json(listed.output)
+    assert files_doc["valid"] == 3 and files_doc["invalid"] == 0
+    assert sorted(f["session"] for f in files_doc["files"]) == sorted(p.name.split(".")[0] for p in files)
+
+
+def test_store_command_on_a_missing_folder_exits_2(tmp_path):
+    result = runner.invoke(app, ["store", str(tmp_path / "nope")])
+    assert result.exit_code == 2 and "no store folder" in result.output
+
+
+def test_negative_cap_exits_2():
+    result = runner.invoke(app, ["verify-exact", "--cap-gib", "-1"])
+    assert result.exit_code == 2 and "must not be negative" in result.output
