@@ -16,7 +16,7 @@ from shadow.errors import ShadowInputError
 
 # a pipe or file gets a wide table rather than rich's default 80 columns
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
-errors = Console(stderr=True, highlight=False)
+errors = Console(stderr=True, highlight=False, soft_wrap=True)  # one error, one line
 
 ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset (tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b: random weights) or a Qwen3.5 checkpoint folder.")]
 GridOpt = Annotated[int, typer.Option(help="Grid G: rows per chunk; the state advances only at multiples of G (a positive multiple of 64).")]

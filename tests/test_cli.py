@@ -138,3 +138,42 @@ def test_store_command_on_a_missing_folder_exits_2(tmp_path):
 def test_negative_cap_exits_2():
     result = runner.invoke(app, ["verify-exact", "--cap-gib", "-1"])
     assert result.exit_code == 2 and "must not be negative" in result.output
+
+
+def test_replay_ledger_on_trajectories_with_a_read_rate_file(tmp_path):
+    rate_file = tmp_path / "rate.json"
+    rate_file.write_text("table\n" + json.dumps({"ms_per_1k_tokens": 16.7}) + "\n")
+    folder = shared_file("trajectories", "mini-swe-agent", "pydata__xarray-4629.traj.json")
+    ledger_out, plot = tmp_path / "out.ledger.jsonl", tmp_path / "cdf.png"
+    result = runner.invoke(app, [
+        "replay-ledger", str(folder), "--read-ms-per-1k", "87", "--read-rate-json", str(rate_file),
+        "--share", "0.02", "--share", "0.05", "--write-ledger", str(ledger_out), "--plot", str(plot), "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    doc = last_json(result.output)
+    assert doc["turns"] == 17 and doc["sessions"] == 1 and doc["read_ms_per_1k"] == [87.0, 16.7]
+    assert [a["arm"] for a in doc["arms"]] == ["idle only"] * 2 + ["idle + 2% share", "idle + 5% share"] * 2
+    for arm in doc["arms"]:
+        assert {"fresh_pct", "p50_behind", "p90_behind"} <= set(arm)
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    again = runner.invoke(app, ["replay-ledger", str(ledger_out), "--read-ms-per-1k", "87", "--json"])
+    assert last_json(again.output)["arms"][0] == doc["arms"][0]  # the written ledger replays the same
+
+
+@pytest.mark.parametrize(
+    "content, args, message",
+    [
+        ('{"session": "a", "start": 2, "first_token": 1, "end": 3, "prompt_tokens": 1, "new_prompt_tokens": 1, "output_tokens": 1}\n',
+         [], "x.jsonl:1: times out of order"),
+        ('{"what": 1}\n', [], "unknown format"),
+        ("not json\n", [], "cannot tell the format"),
+        ("{}\n", ["--format", "csv"], "unknown format 'csv'"),
+        ("{}\n", ["--share", "1.5"], "shares between 0 and 1"),
+    ],
+    ids=["out-of-order", "unknown-format", "not-json", "bad-format-option", "bad-share"],
+)
+def test_replay_ledger_bad_input(tmp_path, content, args, message):
+    path = tmp_path / "x.jsonl"
+    path.write_text(content)
+    result = runner.invoke(app, ["replay-ledger", str(path), *args])
+    assert result.exit_code == 2 and message in result.output, result.output
