@@ -67,7 +67,7 @@ def read_rate(
         if full_read_tokens:
             say(f"whole read of {full_read_tokens:,} ids")
             result.full_read_tokens = full_read_tokens
-            result.full_read_s = rr.full_read_seconds(reader, full_read_tokens, runs=min(3, repeats))
+            result.full_read_s = rr.read_seconds(reader, rr.random_ids(full_read_tokens, seed=2), runs=min(3, repeats))
         if ask_tokens:
             say(f"ask and fork decode at the end of {ask_tokens:,} ids")
             result.ask_session_tokens = ask_tokens
@@ -76,7 +76,7 @@ def read_rate(
             ids = rr.random_ids(reference_tokens // grids[0] * grids[0], seed=5)
             result.compare_tokens = len(ids)
             say(f"ours on {len(ids):,} ids")
-            result.ms_per_1k_tokens_read = rr.ours_read_ms_per_1k(reader, ids, runs=min(3, repeats))
+            result.ms_per_1k_tokens_read = rr.read_seconds(reader, ids, runs=min(3, repeats)) * 1e6 / len(ids)
             say(f"transformers reference on the same {len(ids):,} ids")
             ref = reference_model(loaded)
             result.reference_ms_per_1k_tokens = reference_read_ms_per_1k(ref, ids, grids[0], dev, runs=min(3, repeats))

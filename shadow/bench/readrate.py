@@ -78,13 +78,12 @@ def chunk_times(
     return rows
 
 
-def full_read_seconds(reader: Reader, n: int, runs: int = 3) -> float:
-    """Seconds to read n ids from an empty session (whole chunks; the tail stays pending), median of runs."""
-    ids = random_ids(n, seed=2)
+def read_seconds(reader: Reader, ids: list[int], runs: int = 3) -> float:
+    """Seconds to read `ids` into an empty session (whole chunks; the tail stays pending), median of runs."""
     device = reader.model.device
     times = []
     for _ in range(runs):
-        session = reader.new_session("full")
+        session: Session = reader.new_session("read")
         reader.feed_prompt(session, ids)
         synchronize(device)
         start = time.perf_counter()
@@ -107,18 +106,3 @@ def ask_and_decode(reader: Reader, n: int, repeats: int = 5, decode_tokens: int 
     long = time_ms(lambda: reader.decode(session, question, decode_tokens + 1), device, repeats=repeats)
     short = time_ms(lambda: reader.decode(session, question, 1), device, repeats=repeats)
     return ask, (long - short) / decode_tokens
-
-
-def ours_read_ms_per_1k(reader: Reader, ids: list[int], runs: int = 3) -> float:
-    """Ms per 1,000 tokens to read `ids` (a grid multiple) from empty, median of runs."""
-    device = reader.model.device
-    times = []
-    for _ in range(runs):
-        session: Session = reader.new_session("compare")
-        reader.feed_prompt(session, ids)
-        synchronize(device)
-        start = time.perf_counter()
-        reader.advance(session)
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[runs // 2] * 1e6 / len(ids)
