@@ -90,6 +90,7 @@ def verify_exact(
     equal = all(v.same_grid_bit_equal for v in verdicts)
     console.print(f"same grid bit-equal: [bold]{'yes' if equal else 'NO'}[/] in {seconds:.1f} s")
     if cap_gib is not None:
+        _print_store(store)
         rate = counters.restore_gib_per_s
         console.print(
             f"store: cap {cap_gib:g} GiB, {counters.spills} spills, {counters.restores} restores"
@@ -115,11 +116,26 @@ def verify_exact(
             "spills": counters.spills, "restores": counters.restores, "drops": counters.drops,
             "bytes_written": counters.bytes_written, "bytes_restored": counters.bytes_restored,
             "restore_gib_per_s": counters.restore_gib_per_s, "files_refused": counters.rejected,
+            "store": store.totals(), "sessions": [dataclasses.asdict(r) for r in store.status()],
             "conversations": [dataclasses.asdict(v) for v in verdicts],
             "seconds": round(seconds, 3),
         })
     if not equal:
         raise typer.Exit(1)
+
+
+def _print_store(store) -> None:
+    table = Table(title="session store at the end (after the planned stop wrote every resident session)")
+    for col in ("session", "committed", "backlog", "MiB", "checkpoints", "where"):
+        table.add_column(col, justify="left" if col in ("session", "where") else "right")
+    for r in store.status():
+        table.add_row(r.name, f"{r.committed:,}", f"{r.pending:,}", f"{r.bytes / 2**20:.1f}", str(r.checkpoints),
+                      "resident" if r.resident else "disk")
+    console.print(table)
+    t = store.totals()
+    cap = "no cap" if t["cap_bytes"] is None else f"cap {t['cap_bytes'] / 2**20:.1f} MiB"
+    console.print(f"resident {t['resident_bytes'] / 2**20:.1f} MiB ({cap}), {t['resident_sessions']} sessions; "
+                  f"disk {t['disk_bytes'] / 2**20:.1f} MiB in {t['files']} files")
 
 
 def _row(v) -> dict:

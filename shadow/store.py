@@ -208,6 +208,15 @@ class SessionStore:
 
     # status -----------------------------------------------------------------------------
 
+    def totals(self) -> dict[str, int | None]:
+        """Resident and disk bytes against their caps, and session counts."""
+        files = self._files()
+        return {
+            "resident_bytes": self.resident_bytes(), "cap_bytes": self.cap,
+            "disk_bytes": sum(p.stat().st_size for p in files), "disk_cap_bytes": self.disk_cap if self.disk else None,
+            "resident_sessions": len(self._resident), "files": len(files),
+        }
+
     def status(self) -> list[SessionRow]:
         """Every session: resident ones from memory, spilled ones from their file headers."""
         rows = [

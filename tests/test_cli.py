@@ -123,6 +123,8 @@ def test_verify_exact_spills_and_restores_three_real_conversations_exactly(tmp_p
     assert doc["same_grid_bit_equal"] is True and len(doc["conversations"]) == 3
     assert doc["spills"] > 0 and doc["restores"] > 0 and doc["bytes_written"] > 0
     assert doc["restore_gib_per_s"] > 0 and doc["files_refused"] == []
+    assert doc["store"]["files"] == 3 and doc["store"]["cap_bytes"] == int(0.001 * 2**30)
+    assert sorted(s["name"] for s in doc["sessions"]) == sorted(p.name.split(".")[0] for p in files)
     listed = runner.invoke(app, ["store", str(tmp_path / "disk"), "--model", "tiny", "--json"])
     assert listed.exit_code == 0, listed.output
     files_doc = last_json(listed.output)
