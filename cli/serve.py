@@ -1,0 +1,55 @@
+"""`shadow serve`: the live service with an embedded generator and the shadow beside it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from cli.common import DeviceOpt, DtypeOpt, GridOpt, KernelsOpt, ModelOpt, console, parse_dtype, user_errors
+from shadow.errors import ShadowInputError
+
+
+@user_errors
+def serve(
+    model: ModelOpt = "tiny",
+    generator_model: Annotated[str | None, typer.Option(help="The embedded generator's checkpoint or preset (default: the shadow's own).")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    grid: GridOpt = 512,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+    kernels: KernelsOpt = "auto",
+    cap_gib: Annotated[float, typer.Option(help="Resident cap for shadow sessions, GiB.")] = 4.0,
+    disk: Annotated[Path | None, typer.Option(help="Folder where sessions past the cap (and all, at a planned stop) are written.")] = None,
+    share: Annotated[float, typer.Option(help="In-turn share of the time since the first token the shadow may read.")] = 0.02,
+    journal: Annotated[Path | None, typer.Option(help="JSONL journal of every question asked, with its answer, lag and backlog.")] = None,
+) -> None:
+    """Serve OpenAI-compatible /v1/chat/completions, /v1/completions and /v1/models from an
+    embedded Qwen3.5 generator (the project's own forward), with a shadow reading every session
+    under the bandwidth rule, and /v1/shadow/ask and /v1/shadow/status. Session identity:
+    the x-session-id or X-OpenWebUI-Chat-Id header, else the longest matching prefix.
+    Proxy mode in front of vLLM, SGLang or llama.cpp is not built yet."""
+    import uvicorn
+
+    from shadow.engine import open_reader
+    from shadow.model import load_model
+    from shadow.schedule import BandwidthRule
+    from shadow.server.app import create_app
+    from shadow.server.generator import Generator
+    from shadow.server.service import ShadowService
+    from shadow.store import SessionStore
+    from shadow.tokenizer import load_tokenizer
+
+    if not 0 < share < 1:
+        raise ShadowInputError("--share must be between 0 and 1")
+    loaded, reader = open_reader(model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels)
+    gen_model = loaded.model if generator_model in (None, model) else load_model(
+        generator_model, dtype=parse_dtype(dtype), device=device, kernels=loaded.model.kernels).model
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk, model=model)
+    service = ShadowService(reader, store, BandwidthRule(share=share), journal, loaded.weights_label)
+    app = create_app(service, Generator(gen_model), load_tokenizer(loaded.path), generator_model or model)
+    if loaded.random:
+        console.print("[yellow]weights are random:[/] answers and generated text mean nothing; exactness and timing do.")
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,227 @@
+"""The HTTP service: OpenAI-compatible chat completions from the embedded generator, and the
+shadow's endpoints. Token ids come back the vLLM way (`prompt_token_ids` on the first chunk,
+`choices[].token_ids` on every chunk), so another server can use this one as its engine."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from shadow.chat import Message, render_prompt
+from shadow.errors import ShadowInputError
+from shadow.server.generator import Generator
+from shadow.server.service import ShadowService
+from shadow.tokenizer import Tokenizer
+
+MAX_CHOICES = 26
+MAX_QUESTION_TOKENS = 8192
+SESSION_HEADERS = ("x-session-id", "x-openwebui-chat-id")
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+
+def create_app(service: ShadowService, generator: Generator, tokenizer: Tokenizer, model_name: str) -> FastAPI:
+    turn_ids = itertools.count(1)
+    auto_names = itertools.count(1)
+    eos = [generator.model.config.eos_token_id]
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        service.start()
+        yield
+        await asyncio.to_thread(service.stop)  # a planned stop: sessions go to disk
+
+    app = FastAPI(title="shadow serve", lifespan=lifespan)
+
+    @app.exception_handler(ShadowInputError)
+    async def bad_input(request: Request, exc: ShadowInputError):
+        return error(400, str(exc))
+
+    async def body_of(request: Request) -> dict:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ShadowInputError(f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ShadowInputError("the body must be a JSON object")
+        return body
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "shadow"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await body_of(request)
+        messages = parse_messages(body.get("messages"))
+        prompt = tokenizer.encode(render_prompt(messages))
+        return await complete(request, body, prompt, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await body_of(request)
+        p = body.get("prompt")
+        if isinstance(p, str) and p:
+            prompt = tokenizer.encode(p)
+        elif isinstance(p, list) and p and all(isinstance(i, int) for i in p):
+            prompt = list(p)
+        else:
+            raise ShadowInputError("'prompt' must be a non-empty string or a list of token ids")
+        return await complete(request, body, prompt, chat=False)
+
+    async def complete(request: Request, body: dict, prompt: list[int], chat: bool):
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 64))
+        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096:
+            raise ShadowInputError("'max_tokens' must be an integer from 1 to 4096")
+        service.reader.check_ids(prompt)
+        session = next((request.headers[h] for h in SESSION_HEADERS if h in request.headers), None)
+        session = session or service.match_session(prompt) or f"auto-{next(auto_names)}"
+        turn_id, rid, created = next(turn_ids), f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
+        events: queue.Queue = queue.Queue()
+        worker = threading.Thread(
+            target=serve_turn, args=(turn_id, session, prompt, max_tokens, events), daemon=True,
+        )
+        worker.start()
+
+        def chunk(token: int | None, text: str, finish: str | None, first: bool) -> dict:
+            choice = {"index": 0, "finish_reason": finish, "token_ids": [] if token is None else [token]}
+            if chat:
+                choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+            else:
+                choice["text"] = text
+            out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                   "created": created, "model": model_name, "choices": [choice]}
+            if first:
+                out["prompt_token_ids"] = prompt
+            return out
+
+        if body.get("stream"):
+            async def sse():
+                first, out = True, []
+                while True:
+                    kind, value = await asyncio.to_thread(events.get)
+                    if kind == "token":
+                        out.append(value)
+                        text = incremental_text(tokenizer, out)
+                        yield f"data: {json.dumps(chunk(value, text, None, first))}\n\n"
+                        first = False
+                    elif kind == "done":
+                        yield f"data: {json.dumps(chunk(None, '', value, first))}\n\n"
+                        yield "data: [DONE]\n\n"
+                        return
+                    else:
+                        yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
+                        return
+
+            return StreamingResponse(sse(), media_type="text/event-stream", headers={"x-shadow-session": session})
+
+        out, finish = [], None
+        while finish is None:
+            kind, value = await asyncio.to_thread(events.get)
+            if kind == "token":
+                out.append(value)
+            elif kind == "done":
+                finish = value
+            else:
+                return error(500, value, "server_error")
+        text = tokenizer.decode([t for t in out if t not in eos])
+        choice = {"index": 0, "finish_reason": finish, "token_ids": out}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out), "total_tokens": len(prompt) + len(out)}
+        return JSONResponse(
+            {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+             "model": model_name, "prompt_token_ids": prompt, "choices": [choice], "usage": usage},
+            headers={"x-shadow-session": session},
+        )
+
+    def serve_turn(turn_id: int, session: str, prompt: list[int], max_tokens: int, events: queue.Queue) -> None:
+        """One request on the device: feed the prompt, generate, and between rounds the share."""
+        service.acquire_device()
+        out: list[int] = []
+        try:
+            service.begin_turn(turn_id, session, prompt)
+            for token in generator.generate(prompt, max_tokens, eos):
+                if not out:
+                    service.first_token(turn_id)
+                out.append(token)
+                events.put(("token", token))
+                service.share_slice(turn_id)
+            service.add_output(turn_id, out)
+            events.put(("done", "stop" if out and out[-1] in eos else "length"))
+        except Exception as e:  # the client gets the error; the shadow keeps what it fed
+            events.put(("error", f"{type(e).__name__}: {e}"))
+        finally:
+            if turn_id in service.turns:
+                service.end_turn(turn_id)
+            service.release_device()
+
+    @app.post("/v1/shadow/ask")
+    async def ask(request: Request):
+        body = await body_of(request)
+        session = body.get("session")
+        if not isinstance(session, str) or not session:
+            raise ShadowInputError("'session' must be a session name")
+        choices = body.get("choices")
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise ShadowInputError("'choices' must be a non-empty list of single-token strings (letters)")
+        if len(choices) > MAX_CHOICES:
+            raise ShadowInputError(f"at most {MAX_CHOICES} choices")
+        if len(set(choices)) != len(choices):
+            raise ShadowInputError("choices repeat")
+        choice_ids = [tokenizer.single_token(c) for c in choices]
+        if isinstance(body.get("question_ids"), list):
+            question = body["question_ids"]
+            if not all(isinstance(i, int) for i in question):
+                raise ShadowInputError("'question_ids' must be token ids")
+        elif isinstance(body.get("question"), str) and body["question"]:
+            question = tokenizer.encode(body["question"])
+        else:
+            raise ShadowInputError("give 'question' (text) or 'question_ids'")
+        if not question or len(question) > MAX_QUESTION_TOKENS:
+            raise ShadowInputError(f"the question must have 1 to {MAX_QUESTION_TOKENS} tokens")
+        timeout = body.get("timeout_s", 10.0)
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ShadowInputError("'timeout_s' must be a positive number")
+        return await asyncio.to_thread(service.ask, session, question, choice_ids, choices, float(timeout))
+
+    @app.get("/v1/shadow/status")
+    async def status():
+        return await asyncio.to_thread(service.status)
+
+    return app
+
+
+def parse_messages(raw) -> list[Message]:
+    """OpenAI chat messages (content as text or parts; assistant reasoning as `reasoning_content`
+    or `reasoning`) as the template's messages; a ShadowInputError for anything else."""
+    if not isinstance(raw, list) or not raw:
+        raise ShadowInputError("'messages' must be a non-empty list")
+    out = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ShadowInputError(f"messages[{i}] needs a role of system, user, assistant or tool")
+        content = m.get("content") or ""
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if not isinstance(content, str):
+            raise ShadowInputError(f"messages[{i}].content must be text")
+        reasoning = m.get("reasoning_content") or m.get("reasoning")
+        out.append(Message(m["role"], content, reasoning if isinstance(reasoning, str) else None))
+    return out
+
+
+def incremental_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
+    """The text the last id adds (decode of all ids minus decode of all but the last)."""
+    return tokenizer.decode(list(ids))[len(tokenizer.decode(list(ids[:-1]))):]

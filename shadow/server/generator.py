@@ -1,0 +1,33 @@
+"""The embedded generator: a Qwen3.5 checkpoint answering chat requests with the project's own
+forward, greedy, one request at a time (the caller holds the device). Between two decode rounds
+the caller may run the shadow's share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from shadow.model.qwen35 import Qwen35
+
+PREFILL_CHUNK = 512  # prompt rows per forward, so attention memory stays bounded
+
+
+class Generator:
+    def __init__(self, model: Qwen35, forward=None):
+        self.model = model
+        self.forward = forward or model
+
+    def generate(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = ()) -> Iterator[int]:
+        """Greedy tokens after `prompt`, one per decode round, ending at a stop id (yielded) or max_tokens."""
+        state = self.model.new_state()
+        hidden = None
+        for lo in range(0, len(prompt), PREFILL_CHUNK):
+            ids = torch.tensor(list(prompt[lo : lo + PREFILL_CHUNK]), device=self.model.device)
+            hidden = self.forward(ids, state)
+        for n in range(max_tokens):
+            token = int(self.model.logits(hidden[-1:])[0].argmax())
+            yield token
+            if token in stop or n + 1 == max_tokens:
+                return
+            hidden = self.forward(torch.tensor([token], device=self.model.device), state)

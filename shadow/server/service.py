@@ -1,0 +1,278 @@
+"""The live shadow: sessions fed from served turns, read under the bandwidth rule, asked over HTTP.
+
+One lock guards the device: the generator (or nothing, behind a proxy) and the reader never run
+at once. The idle window is a thread: every poll it looks whether a request runs or waits, and
+if none does it reads whole chunks for at most a burst, checking before every chunk. Inside a
+turn, the request's own thread calls `share_slice` between decode rounds (or streamed deltas) and
+reads whole chunks within the share of the time since the turn's first token.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shadow.errors import ShadowInputError
+from shadow.reader import Reader, Session
+from shadow.schedule import BandwidthRule
+from shadow.store import SessionStore
+
+
+@dataclass
+class Turn:
+    """One request being served: its session, when it started, when its first token came."""
+
+    session: str
+    started: float
+    first_token: float | None = None
+    share_used: float = 0.0
+
+
+@dataclass
+class Counters:
+    requests: int = 0
+    chunks_idle: int = 0
+    chunks_share: int = 0
+    chunks_ask: int = 0
+    max_wait_on_reader_ms: float = 0.0  # the longest a request waited for the device lock
+    last_chunk_ms: float = 0.0
+    asks: int = 0
+    last_answers: deque = field(default_factory=lambda: deque(maxlen=20))
+
+
+class ShadowService:
+    def __init__(
+        self, reader: Reader, store: SessionStore, rule: BandwidthRule = BandwidthRule(),
+        journal: Path | None = None, weights: str = "", clock=time.monotonic,
+    ):
+        self.reader = reader
+        self.store = store
+        self.rule = rule
+        self.journal = Path(journal) if journal else None
+        self.weights = weights
+        self.clock = clock
+        self.device_lock = threading.Lock()  # the GPU (or CPU): generator, reader, asks
+        self.state_lock = threading.Lock()  # sessions, turns, counters
+        self.turns: dict[int, Turn] = {}
+        self.waiting = 0
+        self._holder: str | None = None  # "reader" while the idle window holds the device
+        self.counters = Counters()
+        self._recent: list[str] = []
+        self._stop = threading.Event()
+        self._idle = threading.Thread(target=self._idle_window, name="shadow-idle", daemon=True)
+
+    # lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._idle.start()
+
+    def stop(self) -> None:
+        """A planned stop: the idle reader ends after its chunk in flight; sessions go to disk."""
+        self._stop.set()
+        if self._idle.is_alive():
+            self._idle.join(timeout=30)
+        with self.device_lock, self.state_lock:
+            self.store.close()
+
+    # turns ------------------------------------------------------------------------------
+
+    def acquire_device(self) -> None:
+        """Take the device for a request; how long it waited on the reader is recorded."""
+        with self.state_lock:
+            self.waiting += 1
+            behind_reader = self._holder == "reader"
+        start = self.clock()
+        self.device_lock.acquire()
+        waited = (self.clock() - start) * 1000
+        with self.state_lock:
+            self.waiting -= 1
+            if behind_reader:
+                self.counters.max_wait_on_reader_ms = max(self.counters.max_wait_on_reader_ms, waited)
+
+    def release_device(self) -> None:
+        self.device_lock.release()
+
+    def begin_turn(self, turn_id: int, session: str, prompt_ids: Sequence[int]) -> None:
+        """Feed a turn's prompt (rolling back where it differs), the device held by the caller.
+        Checks ids before any change."""
+        ids = self.reader.check_ids(prompt_ids)
+        with self.state_lock:
+            s = self.store.get(session)
+            self.reader.feed_prompt(s, ids)
+            self.turns[turn_id] = Turn(session, self.clock())
+            self.counters.requests += 1
+            self._touch(session)
+
+    def first_token(self, turn_id: int) -> None:
+        with self.state_lock:
+            self.turns[turn_id].first_token = self.clock()
+
+    def add_output(self, turn_id: int, ids: Sequence[int]) -> None:
+        with self.state_lock:
+            turn = self.turns[turn_id]
+            self.reader.feed_output(self.store.get(turn.session), ids)
+
+    def share_slice(self, turn_id: int) -> int:
+        """Between two rounds, with the device held by the caller: read whole chunks of this turn's
+        session within the share of the time since its first token, at most one slice."""
+        with self.state_lock:
+            turn = self.turns[turn_id]
+            if turn.first_token is None:
+                return 0
+            budget = self.rule.share_budget(turn.first_token, self.clock(), turn.share_used)
+            session = self.store.get(turn.session)
+        if self.counters.last_chunk_ms:  # the next chunk's cost estimated from the last one
+            chunks = self.rule.slice_chunks(budget, self.counters.last_chunk_ms / 1000)
+        else:  # no cost known yet: one chunk, to measure it
+            chunks = 1 if budget > 0 else 0
+        if chunks == 0:
+            return 0
+        start = self.clock()
+        done = self._read(session, chunks)
+        with self.state_lock:
+            turn.share_used += self.clock() - start
+            self.counters.chunks_share += done
+        return done
+
+    def end_turn(self, turn_id: int) -> None:
+        with self.state_lock:
+            turn = self.turns.pop(turn_id)
+            self.store.settle(keep=turn.session)
+
+    # the idle window ----------------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return bool(self.turns) or self.waiting > 0
+
+    def _idle_window(self) -> None:
+        while not self._stop.is_set():
+            now = self.clock()
+            self._stop.wait(max(0.0, self.rule.next_poll(now + 1e-6) - now))
+            if self._stop.is_set() or self.busy():
+                continue
+            burst_start = self.clock()
+            while not self._stop.is_set() and not self.busy():
+                chunk_s = self.counters.last_chunk_ms / 1000
+                if not self.rule.burst_allows(burst_start, self.clock(), chunk_s):
+                    break
+                if not self.device_lock.acquire(blocking=False):
+                    break
+                self._holder = "reader"
+                try:
+                    if self.busy():  # checked before every chunk: a waiting request goes first
+                        break
+                    with self.state_lock:
+                        session = self._next_backlog()
+                    if session is None:
+                        break
+                    done = self._read(session, 1)
+                    with self.state_lock:
+                        self.counters.chunks_idle += done
+                        self.store.settle(keep=session.name)
+                finally:
+                    self._holder = None
+                    self.device_lock.release()
+
+    def _next_backlog(self) -> Session | None:
+        for name in reversed(self._recent):
+            s = self.store.get(name)
+            if s.committed + self.reader.grid <= len(s.ids):
+                return s
+        return None
+
+    def _read(self, session: Session, chunks: int) -> int:
+        """Read up to `chunks` whole chunks; the device is synchronised so the cost is known."""
+        start = time.perf_counter()
+        done = self.reader.advance(session, max_chunks=chunks)
+        if self.reader.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        if done:
+            self.counters.last_chunk_ms = (time.perf_counter() - start) * 1000 / done
+        return done
+
+    def _touch(self, name: str) -> None:
+        if name in self._recent:
+            self._recent.remove(name)
+        self._recent.append(name)
+
+    # questions --------------------------------------------------------------------------
+
+    def match_session(self, prompt_ids: Sequence[int], minimum: int = 64) -> str | None:
+        """The known resident session sharing the longest prefix (at least `minimum` ids) with a prompt."""
+        best, best_len = None, minimum - 1
+        with self.state_lock:
+            for name in self._recent:
+                ids = self.store.get(name).ids
+                n = 0
+                for a, b in zip(ids, prompt_ids):
+                    if a != b:
+                        break
+                    n += 1
+                if n > best_len:
+                    best, best_len = name, n
+        return best
+
+    def known(self, session: str) -> bool:
+        with self.state_lock:
+            return session in self._recent or session in self.store.names()
+
+    def ask(self, session: str, question: Sequence[int], choices: Sequence[int], labels: Sequence[str],
+            timeout_s: float = 10.0) -> dict:
+        """Read the session up to the question's insertion point (its last id, within timeout_s),
+        then one forward of the pending tail and the question in a fork: the letters' softmax."""
+        if not self.known(session):
+            raise ShadowInputError(f"unknown session {session!r}")
+        question = self.reader.check_ids(question)
+        choice_ids = self.reader.check_ids(choices)
+        started = self.clock()
+        self.acquire_device()
+        self._holder = "ask"
+        try:
+            with self.state_lock:
+                s = self.store.get(session)
+                behind = len(s.ids) - s.committed
+            read = 0
+            while self.clock() - started < timeout_s and self._read(s, 1):
+                read += 1
+            probs = self.reader.ask(s, question, choice_ids).tolist()
+        finally:
+            self._holder = None
+            self.device_lock.release()
+        best = max(range(len(probs)), key=probs.__getitem__)
+        answer = {
+            "session": session, "choices": list(labels), "probs": probs, "label": labels[best],
+            "behind": behind, "read_chunks": read, "pending_after": len(s.ids) - s.committed,
+            "latency_ms": round((self.clock() - started) * 1000, 3), "weights": self.weights,
+            "question_tokens": len(question), "time": time.time(),
+        }
+        with self.state_lock:
+            self.counters.asks += 1
+            self.counters.chunks_ask += read
+            self.counters.last_answers.append(answer)
+            self.store.settle(keep=session)
+        if self.journal:
+            with open(self.journal, "a") as f:
+                f.write(json.dumps(answer) + "\n")
+        return answer
+
+    def status(self) -> dict:
+        with self.state_lock:
+            c = self.counters
+            return {
+                "grid": self.reader.grid, "weights": self.weights,
+                "sessions": [vars(r) for r in self.store.status()], "store": self.store.totals(),
+                "turns_in_flight": len(self.turns), "waiting": self.waiting,
+                "counters": {
+                    "requests": c.requests, "chunks_idle": c.chunks_idle, "chunks_share": c.chunks_share,
+                    "chunks_ask": c.chunks_ask, "asks": c.asks, "last_chunk_ms": round(c.last_chunk_ms, 3),
+                    "max_wait_on_reader_ms": round(c.max_wait_on_reader_ms, 3),
+                },
+                "last_answers": list(c.last_answers),
+            }

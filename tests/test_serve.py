@@ -1,0 +1,208 @@
+"""`shadow serve` on loopback: a real uvicorn server, real HTTP clients (httpx), the real store."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+
+from shadow.engine import open_reader
+from shadow.schedule import BandwidthRule
+from shadow.server.app import create_app
+from shadow.server.generator import Generator
+from shadow.server.service import ShadowService
+from shadow.store import SessionStore, check_folder
+from shadow.tokenizer import load_tokenizer
+from shadow.verify import compare_states
+
+GRID = 128
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def server(tiny):
+    loaded, reader = open_reader("tiny", grid=GRID)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=None)
+    service = ShadowService(reader, store, BandwidthRule(), weights=loaded.weights_label)
+    app = create_app(service, Generator(loaded.model), load_tokenizer(None), "tiny")
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+        yield client, service
+    srv.should_exit = True
+    thread.join(timeout=30)
+
+
+def long_text(seed: int, words: int = 400) -> str:
+    import random
+
+    rng = random.Random(seed)
+    return " ".join(rng.choice(["cache", "reader", "grid", "chunk", "state", "token", "session", "row"]) for _ in range(words))
+
+
+def stream_chat(client: httpx.Client, session: str, messages: list[dict], max_tokens: int = 8) -> tuple[list[dict], str]:
+    chunks = []
+    with client.stream("POST", "/v1/chat/completions", headers={"x-session-id": session},
+                       json={"messages": messages, "max_tokens": max_tokens, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    text = "".join(c["choices"][0].get("delta", {}).get("content", "") for c in chunks)
+    return chunks, text
+
+
+def wait_until_read(service: ShadowService, names, timeout: float = 60.0) -> None:
+    """The idle window reads every session to its last whole chunk."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with service.state_lock:
+            done = all(service.store.get(n).pending < GRID for n in names) and not service.turns
+        if done:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the idle window did not catch up")
+
+
+def assert_exact(service: ShadowService, name: str) -> None:
+    with service.device_lock, service.state_lock:
+        s = service.store.get(name)
+        fresh = service.reader.prefill(s.ids[: s.committed])
+        compared, mismatched, _ = compare_states(s.state, fresh)
+    assert compared > 0 and mismatched == []
+
+
+def test_two_streamed_turns_are_read_exactly_and_asked(server):
+    client, service = server
+    messages = [{"role": "user", "content": long_text(1)}]
+    chunks, text = stream_chat(client, "s1", messages)
+    assert chunks[0]["prompt_token_ids"] and all(len(c["choices"][0]["token_ids"]) <= 1 for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": long_text(2)}]
+    stream_chat(client, "s1", messages)
+    wait_until_read(service, ["s1"])
+    status = client.get("/v1/shadow/status").json()
+    row = next(r for r in status["sessions"] if r["name"] == "s1")
+    assert row["committed"] > 0 and row["pending"] < GRID and status["counters"]["requests"] == 2
+    answer = client.post("/v1/shadow/ask", json={"session": "s1", "question": "Which word came most? A, B or C.",
+                                                  "choices": ["A", "B", "C"]}).json()
+    assert abs(sum(answer["probs"]) - 1) < 1e-5 and answer["label"] in "ABC" and answer["weights"] == "random"
+    assert answer["behind"] < GRID and answer["latency_ms"] > 0
+    assert_exact(service, "s1")
+    assert client.get("/v1/shadow/status").json()["last_answers"][-1]["label"] == answer["label"]
+
+
+def test_non_streamed_chat_and_completions_return_token_ids(server):
+    client, _ = server
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    body = r.json()
+    assert r.status_code == 200 and body["usage"]["completion_tokens"] == len(body["choices"][0]["token_ids"])
+    assert body["prompt_token_ids"][0] == 248045  # <|im_start|>
+    r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["prompt_token_ids"] == [1, 2, 3]
+    assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+BAD = [
+    ("/v1/chat/completions", b"{not json", "not valid JSON"),
+    ("/v1/chat/completions", {"messages": []}, "non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "needs a role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+    ("/v1/completions", {"prompt": [1, 248320], "max_tokens": 2}, "outside the vocabulary"),
+    ("/v1/shadow/ask", {"session": "nobody", "question": "q", "choices": ["A"]}, "unknown session"),
+    ("/v1/shadow/ask", {"session": "s1", "question": "q", "choices": []}, "non-empty list"),
+    ("/v1/shadow/ask", {"session": "s1", "question": "q", "choices": [chr(65 + i) for i in range(26)] + ["AB"]}, "at most 26"),
+    ("/v1/shadow/ask", {"session": "s1", "question": "q", "choices": ["A long choice"]}, "not a single token"),
+    ("/v1/shadow/ask", {"session": "s1", "question_ids": [5] * 9000, "choices": ["A"]}, "1 to 8192 tokens"),
+    ("/v1/shadow/ask", {"session": "s1", "question_ids": [5, 999999], "choices": ["A"]}, "outside the vocabulary"),
+]
+
+
+def test_bad_requests_get_4xx_json_and_change_nothing(server):
+    client, service = server
+    stream_chat(client, "s1", [{"role": "user", "content": long_text(3, 100)}])
+    wait_until_read(service, ["s1"])
+    before = client.get("/v1/shadow/status").json()
+    for path, body, message in BAD:
+        r = client.post(path, content=body) if isinstance(body, bytes) else client.post(path, json=body)
+        assert r.status_code == 400, (path, body, r.text)
+        assert message in r.json()["error"]["message"], (message, r.text)
+    after = client.get("/v1/shadow/status").json()
+    assert after["sessions"] == before["sessions"] and after["counters"] == before["counters"]
+
+
+def test_eight_concurrent_clients_of_five_turns_all_exact(server):
+    client, service = server
+
+    def user(k: int) -> None:
+        messages = []
+        for turn in range(5):
+            messages.append({"role": "user", "content": long_text(100 * k + turn, 60)})
+            if turn % 2:
+                _, text = stream_chat(client, f"c{k}", messages, max_tokens=6)
+            else:
+                r = client.post("/v1/chat/completions", headers={"x-session-id": f"c{k}"},
+                                json={"messages": messages, "max_tokens": 6})
+                assert r.status_code == 200, r.text
+                text = r.json()["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": text})
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(user, range(8)))
+    names = [f"c{k}" for k in range(8)]
+    wait_until_read(service, names)
+    for name in names:
+        assert_exact(service, name)
+    counters = client.get("/v1/shadow/status").json()["counters"]
+    assert counters["requests"] == 40 and counters["chunks_idle"] + counters["chunks_share"] > 0
+
+
+def test_sigterm_writes_resident_sessions_to_disk(tmp_path):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from cli.main import main; main()", "serve", "--port", str(port),
+         "--grid", str(GRID), "--disk", str(tmp_path)],
+        env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                httpx.get(base + "/v1/models", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        for name in ("a", "b"):
+            r = httpx.post(base + "/v1/chat/completions", headers={"x-session-id": name}, timeout=60,
+                           json={"messages": [{"role": "user", "content": long_text(7, 200)}], "max_tokens": 4})
+            assert r.status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn shuts down gracefully, then re-raises the signal: the exit status says SIGTERM
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = check_folder(tmp_path)
+    assert sorted(r.session for r in rows) == ["a", "b"] and all(r.valid for r in rows)
