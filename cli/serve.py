@@ -25,12 +25,15 @@ def serve(
     disk: Annotated[Path | None, typer.Option(help="Folder where sessions past the cap (and all, at a planned stop) are written.")] = None,
     share: Annotated[float, typer.Option(help="In-turn share of the time since the first token the shadow may read.")] = 0.02,
     journal: Annotated[Path | None, typer.Option(help="JSONL journal of every question asked, with its answer, lag and backlog.")] = None,
+    upstream: Annotated[str | None, typer.Option(help="Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1 for vLLM, SGLang or llama.cpp server). Without it: embedded mode.")] = None,
+    ask_token_ids: Annotated[bool, typer.Option(help="Proxy mode: add return_token_ids to requests (vLLM returns the prompt and output ids).")] = True,
 ) -> None:
     """Serve OpenAI-compatible /v1/chat/completions, /v1/completions and /v1/models from an
     embedded Qwen3.5 generator (the project's own forward), with a shadow reading every session
-    under the bandwidth rule, and /v1/shadow/ask and /v1/shadow/status. Session identity:
-    the x-session-id or X-OpenWebUI-Chat-Id header, else the longest matching prefix.
-    Proxy mode in front of vLLM, SGLang or llama.cpp is not built yet."""
+    under the bandwidth rule, and /v1/shadow/ask and /v1/shadow/status. With --upstream, proxy
+    mode: requests go to the engine and come back unchanged while the shadow reads beside it.
+    Session identity: the x-session-id or X-OpenWebUI-Chat-Id header, else the longest matching
+    prefix of a known session."""
     import uvicorn
 
     from shadow.engine import open_reader
@@ -45,11 +48,15 @@ def serve(
     if not 0 < share < 1:
         raise ShadowInputError("--share must be between 0 and 1")
     loaded, reader = open_reader(model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels)
-    gen_model = loaded.model if generator_model in (None, model) else load_model(
-        generator_model, dtype=parse_dtype(dtype), device=device, kernels=loaded.model.kernels).model
     store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk, model=model)
     service = ShadowService(reader, store, BandwidthRule(share=share), journal, loaded.weights_label)
-    app = create_app(service, Generator(gen_model), load_tokenizer(loaded.path), generator_model or model)
+    tokenizer = load_tokenizer(loaded.path)
+    if upstream:
+        app = create_app(service, tokenizer, "upstream", upstream=upstream, ask_token_ids=ask_token_ids)
+    else:
+        gen_model = loaded.model if generator_model in (None, model) else load_model(
+            generator_model, dtype=parse_dtype(dtype), device=device, kernels=loaded.model.kernels).model
+        app = create_app(service, tokenizer, generator_model or model, generator=Generator(gen_model))
     if loaded.random:
         console.print("[yellow]weights are random:[/] answers and generated text mean nothing; exactness and timing do.")
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -34,12 +35,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture()
-def server(tiny):
+@contextmanager
+def running(upstream: str | None = None):
+    """A real `shadow serve` app on loopback in a thread: embedded, or a proxy in front of `upstream`."""
     loaded, reader = open_reader("tiny", grid=GRID)
     store = SessionStore(reader, loaded.weights_hash, cap_gib=None)
     service = ShadowService(reader, store, BandwidthRule(), weights=loaded.weights_label)
-    app = create_app(service, Generator(loaded.model), load_tokenizer(None), "tiny")
+    if upstream:
+        app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream)
+    else:
+        app = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model))
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -48,10 +53,25 @@ def server(tiny):
     while not srv.started and time.time() < deadline:
         time.sleep(0.05)
     assert srv.started
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
-        yield client, service
-    srv.should_exit = True
-    thread.join(timeout=30)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+            yield client, service
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture()
+def server(tiny):
+    with running() as pair:
+        yield pair
+
+
+@pytest.fixture()
+def proxied(tiny):
+    """(client of the proxy, the proxy's service, client of the engine)."""
+    with running() as (engine, _), running(upstream=str(engine.base_url).rstrip("/") + "/v1") as (proxy, service):
+        yield proxy, service, engine
 
 
 def long_text(seed: int, words: int = 400) -> str:
@@ -64,7 +84,8 @@ def long_text(seed: int, words: int = 400) -> str:
 def stream_chat(client: httpx.Client, session: str, messages: list[dict], max_tokens: int = 8) -> tuple[list[dict], str]:
     chunks = []
     with client.stream("POST", "/v1/chat/completions", headers={"x-session-id": session},
-                       json={"messages": messages, "max_tokens": max_tokens, "stream": True}) as r:
+                       json={"messages": messages, "max_tokens": max_tokens, "stream": True,
+                             "return_token_ids": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -115,12 +136,13 @@ def test_two_streamed_turns_are_read_exactly_and_asked(server):
 
 def test_non_streamed_chat_and_completions_return_token_ids(server):
     client, _ = server
-    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                                  "return_token_ids": True})
     body = r.json()
     assert r.status_code == 200 and body["usage"]["completion_tokens"] == len(body["choices"][0]["token_ids"])
     assert body["prompt_token_ids"][0] == 248045  # <|im_start|>
     r = client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
-    assert r.status_code == 200 and r.json()["prompt_token_ids"] == [1, 2, 3]
+    assert r.status_code == 200 and "prompt_token_ids" not in r.json()  # ids only when asked, as vLLM
     assert client.get("/v1/models").json()["data"][0]["id"] == "tiny"
 
 
@@ -206,3 +228,51 @@ def test_sigterm_writes_resident_sessions_to_disk(tmp_path):
             proc.kill()
     rows = check_folder(tmp_path)
     assert sorted(r.session for r in rows) == ["a", "b"] and all(r.valid for r in rows)
+
+
+def test_proxy_streams_unchanged_and_its_shadow_reads_exactly(proxied):
+    proxy, service, engine = proxied
+    messages = [{"role": "user", "content": long_text(11)}]
+    chunks, text = stream_chat(proxy, "p1", messages)
+    assert chunks[0]["prompt_token_ids"] and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    messages += [{"role": "assistant", "content": text}, {"role": "user", "content": long_text(12)}]
+    stream_chat(proxy, "p1", messages)
+    wait_until_read(service, ["p1"])
+    assert_exact(service, "p1")
+    with service.state_lock:
+        s = service.store.get("p1")
+        assert s.committed > 0 and s.ids[:2] == [248045, 846]  # <|im_start|>user, from the engine's ids
+    answer = proxy.post("/v1/shadow/ask", json={"session": "p1", "question": "A or B?", "choices": ["A", "B"]}).json()
+    assert abs(sum(answer["probs"]) - 1) < 1e-5
+
+
+def test_proxy_passes_bodies_and_errors_through(proxied):
+    proxy, service, engine = proxied
+    request = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}
+    direct = engine.post("/v1/chat/completions", json=request).json()
+    via = proxy.post("/v1/chat/completions", json=request, headers={"x-session-id": "p2"}).json()
+    assert via["choices"][0]["message"] == direct["choices"][0]["message"] and via["usage"] == direct["usage"]
+    bad = proxy.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]  # the engine's own error
+    assert proxy.get("/v1/models").json() == engine.get("/v1/models").json()
+    assert service.status()["turns_in_flight"] == 0
+
+
+def test_proxy_renders_ids_itself_when_the_engine_returns_none(proxied):
+    proxy, service, engine = proxied
+    service_prompt_ids = None
+    r = proxy.post("/v1/chat/completions", headers={"x-session-id": "p3"},
+                   json={"messages": [{"role": "user", "content": long_text(13, 200)}], "max_tokens": 4,
+                         "return_token_ids": False})
+    assert r.status_code == 200 and "prompt_token_ids" not in r.json()
+    with service.state_lock:
+        service_prompt_ids = service.store.get("p3").ids
+    assert service_prompt_ids[:2] == [248045, 846] and len(service_prompt_ids) > 200
+
+
+def test_upstream_down_gives_502_and_the_shadow_stays_consistent(tiny):
+    with running(upstream=f"http://127.0.0.1:{free_port()}/v1") as (proxy, service):
+        r = proxy.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 502 and "upstream unreachable" in r.json()["error"]["message"]
+        status = proxy.get("/v1/shadow/status").json()
+        assert status["turns_in_flight"] == 0 and status["sessions"] == []

@@ -1,6 +1,7 @@
-"""The HTTP service: OpenAI-compatible chat completions from the embedded generator, and the
-shadow's endpoints. Token ids come back the vLLM way (`prompt_token_ids` on the first chunk,
-`choices[].token_ids` on every chunk), so another server can use this one as its engine."""
+"""The HTTP service: OpenAI-compatible completions (from the embedded generator, or passed to an
+upstream engine in proxy mode) and the shadow's endpoints. Asked with `return_token_ids`, the
+embedded generator returns ids the vLLM way (`prompt_token_ids` on the first chunk or the body,
+`choices[].token_ids`), so another `shadow serve` can use it as its engine."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shadow.chat import Message, render_prompt
 from shadow.errors import ShadowInputError
 from shadow.server.generator import Generator
+from shadow.server.proxy import PASS_HEADERS, forward
 from shadow.server.service import ShadowService
 from shadow.tokenizer import Tokenizer
 
@@ -32,15 +35,24 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
 
-def create_app(service: ShadowService, generator: Generator, tokenizer: Tokenizer, model_name: str) -> FastAPI:
+def create_app(
+    service: ShadowService, tokenizer: Tokenizer, model_name: str, generator: Generator | None = None,
+    upstream: str | None = None, ask_token_ids: bool = True,
+) -> FastAPI:
+    """Embedded mode with a `generator`; proxy mode with an `upstream` base URL (…/v1)."""
+    if (generator is None) == (upstream is None):
+        raise ValueError("give a generator (embedded mode) or an upstream (proxy mode)")
     turn_ids = itertools.count(1)
     auto_names = itertools.count(1)
-    eos = [generator.model.config.eos_token_id]
+    eos = [service.reader.model.config.eos_token_id if generator is None else generator.model.config.eos_token_id]
+    client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) if upstream else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service.start()
         yield
+        if client:
+            await client.aclose()
         await asyncio.to_thread(service.stop)  # a planned stop: sessions go to disk
 
     app = FastAPI(title="shadow serve", lifespan=lifespan)
@@ -59,14 +71,25 @@ def create_app(service: ShadowService, generator: Generator, tokenizer: Tokenize
         return body
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        if client:
+            try:
+                r = await client.get(upstream.rstrip("/") + "/models",
+                                     headers={k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS})
+            except httpx.HTTPError as e:
+                return error(502, f"upstream unreachable: {type(e).__name__}: {e}", "upstream_error")
+            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "shadow"}]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await body_of(request)
-        messages = parse_messages(body.get("messages"))
-        prompt = tokenizer.encode(render_prompt(messages))
+        try:
+            prompt = tokenizer.encode(render_prompt(parse_messages(body.get("messages"))))
+        except ShadowInputError:
+            if not client:
+                raise
+            prompt = None  # the engine judges the request; the shadow renders nothing
         return await complete(request, body, prompt, chat=True)
 
     @app.post("/v1/completions")
@@ -77,17 +100,29 @@ def create_app(service: ShadowService, generator: Generator, tokenizer: Tokenize
             prompt = tokenizer.encode(p)
         elif isinstance(p, list) and p and all(isinstance(i, int) for i in p):
             prompt = list(p)
+        elif client:
+            prompt = None
         else:
             raise ShadowInputError("'prompt' must be a non-empty string or a list of token ids")
         return await complete(request, body, prompt, chat=False)
 
-    async def complete(request: Request, body: dict, prompt: list[int], chat: bool):
+    def session_of(request: Request, prompt: list[int] | None) -> str:
+        session = next((request.headers[h] for h in SESSION_HEADERS if h in request.headers), None)
+        return session or (prompt and service.match_session(prompt)) or f"auto-{next(auto_names)}"
+
+    async def complete(request: Request, body: dict, prompt: list[int] | None, chat: bool):
+        if client:
+            turn_id = next(turn_ids)
+            service.begin_turn(turn_id, session_of(request, prompt))
+            path = "/chat/completions" if chat else "/completions"
+            return await forward(client, upstream, path, request.headers, body, service, tokenizer, turn_id,
+                                 prompt, chat, ask_token_ids)
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 64))
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096:
             raise ShadowInputError("'max_tokens' must be an integer from 1 to 4096")
         service.reader.check_ids(prompt)
-        session = next((request.headers[h] for h in SESSION_HEADERS if h in request.headers), None)
-        session = session or service.match_session(prompt) or f"auto-{next(auto_names)}"
+        session = session_of(request, prompt)
+        want_ids = bool(body.get("return_token_ids"))  # as vLLM: ids only when asked for
         turn_id, rid, created = next(turn_ids), f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
         events: queue.Queue = queue.Queue()
         worker = threading.Thread(
@@ -96,14 +131,16 @@ def create_app(service: ShadowService, generator: Generator, tokenizer: Tokenize
         worker.start()
 
         def chunk(token: int | None, text: str, finish: str | None, first: bool) -> dict:
-            choice = {"index": 0, "finish_reason": finish, "token_ids": [] if token is None else [token]}
+            choice = {"index": 0, "finish_reason": finish}
+            if want_ids:
+                choice["token_ids"] = [] if token is None else [token]
             if chat:
                 choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
             else:
                 choice["text"] = text
             out = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                    "created": created, "model": model_name, "choices": [choice]}
-            if first:
+            if first and want_ids:
                 out["prompt_token_ids"] = prompt
             return out
 
@@ -137,14 +174,15 @@ def create_app(service: ShadowService, generator: Generator, tokenizer: Tokenize
             else:
                 return error(500, value, "server_error")
         text = tokenizer.decode([t for t in out if t not in eos])
-        choice = {"index": 0, "finish_reason": finish, "token_ids": out}
+        choice = {"index": 0, "finish_reason": finish}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
         usage = {"prompt_tokens": len(prompt), "completion_tokens": len(out), "total_tokens": len(prompt) + len(out)}
-        return JSONResponse(
-            {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-             "model": model_name, "prompt_token_ids": prompt, "choices": [choice], "usage": usage},
-            headers={"x-shadow-session": session},
-        )
+        result = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
+                  "model": model_name, "choices": [choice], "usage": usage}
+        if want_ids:
+            choice["token_ids"] = out
+            result["prompt_token_ids"] = prompt
+        return JSONResponse(result, headers={"x-shadow-session": session})
 
     def serve_turn(turn_id: int, session: str, prompt: list[int], max_tokens: int, events: queue.Queue) -> None:
         """One request on the device: feed the prompt, generate, and between rounds the share."""

@@ -33,6 +33,7 @@ class Turn:
     started: float
     first_token: float | None = None
     share_used: float = 0.0
+    prompt_fed: bool = False
 
 
 @dataclass
@@ -99,16 +100,28 @@ class ShadowService:
     def release_device(self) -> None:
         self.device_lock.release()
 
-    def begin_turn(self, turn_id: int, session: str, prompt_ids: Sequence[int]) -> None:
-        """Feed a turn's prompt (rolling back where it differs), the device held by the caller.
-        Checks ids before any change."""
-        ids = self.reader.check_ids(prompt_ids)
+    def begin_turn(self, turn_id: int, session: str, prompt_ids: Sequence[int] | None = None) -> None:
+        """A request starts (the idle window stops). With its prompt, the prompt is fed (rolling
+        back where it differs), the device held by the caller. Checks ids before any change."""
+        ids = None if prompt_ids is None else self.reader.check_ids(prompt_ids)
         with self.state_lock:
-            s = self.store.get(session)
-            self.reader.feed_prompt(s, ids)
             self.turns[turn_id] = Turn(session, self.clock())
             self.counters.requests += 1
-            self._touch(session)
+        if ids is not None:
+            self.set_prompt(turn_id, ids)
+
+    def set_prompt(self, turn_id: int, prompt_ids: Sequence[int]) -> None:
+        """Feed a turn's prompt once known (a proxy learns it from the engine), device held by the caller."""
+        ids = self.reader.check_ids(prompt_ids)
+        with self.state_lock:
+            turn = self.turns[turn_id]
+            self.reader.feed_prompt(self.store.get(turn.session), ids)
+            turn.prompt_fed = True
+            self._touch(turn.session)
+
+    def has_prompt(self, turn_id: int) -> bool:
+        with self.state_lock:
+            return self.turns[turn_id].prompt_fed
 
     def first_token(self, turn_id: int) -> None:
         with self.state_lock:

@@ -1,0 +1,141 @@
+"""Proxy mode: requests pass to a real OpenAI-compatible engine (vLLM, SGLang, llama.cpp server)
+and its responses come back unchanged (status, body, SSE framing); the shadow reads beside it.
+
+The shadow takes the ids from the engine where it returns them (vLLM with `return_token_ids`:
+`prompt_token_ids` on the first chunk or the body, `choices[].token_ids`), else it renders them
+with the checkpoint's tokenizer and chat template. Between streamed deltas it reads its share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from shadow.errors import ShadowInputError
+from shadow.server.service import ShadowService
+from shadow.tokenizer import Tokenizer
+
+log = logging.getLogger("shadow.proxy")
+
+PASS_HEADERS = ("authorization", "content-type", "accept", "openai-organization", "openai-project")
+
+
+def _on_device(service: ShadowService, turn_id: int, prompt=None, output=None, first=False, share=False) -> None:
+    """Feed the shadow with the device held: the prompt, the first token's time, output ids, a
+    share slice. Ids the shadow cannot take (none rendered, outside its vocabulary) are skipped:
+    the client's response never depends on the shadow."""
+    service.acquire_device()
+    try:
+        if prompt is not None:
+            service.set_prompt(turn_id, prompt)
+        if first:
+            service.first_token(turn_id)
+        if output and service.has_prompt(turn_id):
+            service.add_output(turn_id, output)
+        if share:
+            service.share_slice(turn_id)
+    except ShadowInputError as e:
+        log.warning("the shadow skipped ids of turn %s: %s", turn_id, e)
+    finally:
+        service.release_device()
+
+
+def _output_ids(choice: dict) -> list[int] | None:
+    if isinstance(choice.get("token_ids"), list):
+        return [int(i) for i in choice["token_ids"]]
+    return None
+
+
+def _text(choice: dict, chat: bool, streamed: bool) -> str:
+    if not chat:
+        return choice.get("text") or ""
+    part = choice.get("delta" if streamed else "message") or {}
+    return part.get("content") or ""
+
+
+async def forward(
+    client: httpx.AsyncClient, upstream: str, path: str, request_headers, body: dict, service: ShadowService,
+    tokenizer: Tokenizer, turn_id: int, rendered: list[int] | None, chat: bool, ask_ids: bool,
+) -> Response:
+    """Forward one completion request; the turn is registered already and ended here."""
+    sent = dict(body)
+    if ask_ids:
+        sent.setdefault("return_token_ids", True)
+    headers = {k: v for k, v in request_headers.items() if k.lower() in PASS_HEADERS}
+    url = upstream.rstrip("/") + path
+    try:
+        upstream_response = await client.send(client.build_request("POST", url, json=sent, headers=headers), stream=True)
+    except httpx.HTTPError as e:
+        service.end_turn(turn_id)
+        return JSONResponse({"error": {"message": f"upstream unreachable: {type(e).__name__}: {e}",
+                                       "type": "upstream_error"}}, status_code=502)
+    if upstream_response.status_code != 200 or not body.get("stream"):
+        content = await upstream_response.aread()
+        await upstream_response.aclose()
+        if upstream_response.status_code == 200:
+            await asyncio.to_thread(_feed_whole, service, turn_id, content, tokenizer, rendered, chat)
+        service.end_turn(turn_id)
+        return Response(content, status_code=upstream_response.status_code,
+                        media_type=upstream_response.headers.get("content-type"))
+
+    async def relay():
+        first, text, fed_ids = True, [], False
+        buffer = b""
+        try:
+            async for piece in upstream_response.aiter_raw():
+                yield piece  # unchanged bytes: the engine's own SSE framing
+                buffer += piece
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    event = _event(line)
+                    if event is None:
+                        continue
+                    choice = (event.get("choices") or [{}])[0]
+                    ids = _output_ids(choice)
+                    prompt = None
+                    if first:
+                        prompt = event.get("prompt_token_ids") or rendered
+                    fed_ids = fed_ids or ids is not None
+                    if ids is None:
+                        text.append(_text(choice, chat, streamed=True))
+                    await asyncio.to_thread(_on_device, service, turn_id, prompt, ids, first, not first)
+                    first = False
+        finally:
+            await upstream_response.aclose()
+            if not fed_ids and text:
+                await asyncio.to_thread(_on_device, service, turn_id, None, tokenizer.encode("".join(text)))
+            service.end_turn(turn_id)
+
+    return StreamingResponse(relay(), status_code=200, media_type=upstream_response.headers.get("content-type"))
+
+
+def _event(line: bytes) -> dict | None:
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return None
+    try:
+        event = json.loads(data)
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def _feed_whole(service: ShadowService, turn_id: int, content: bytes, tokenizer: Tokenizer,
+                rendered: list[int], chat: bool) -> None:
+    try:
+        body = json.loads(content)
+        choice = (body.get("choices") or [{}])[0]
+    except (json.JSONDecodeError, AttributeError):
+        return  # not JSON: the client gets it as it is; the shadow learns nothing from it
+    prompt = body.get("prompt_token_ids") or choice.get("prompt_token_ids") or rendered
+    ids = _output_ids(choice)
+    if ids is None:
+        ids = tokenizer.encode(_text(choice, chat, streamed=False))
+    _on_device(service, turn_id, prompt, ids, first=True)
