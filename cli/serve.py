@@ -11,22 +11,42 @@ from cli.common import DeviceOpt, DtypeOpt, GridOpt, KernelsOpt, ModelOpt, conso
 from shadow.errors import ShadowInputError
 
 
+def _load_config(ctx: typer.Context, path: Path | None) -> Path | None:
+    """--config FILE (TOML): its keys are the options' names (cap_gib, disk, upstream, ...); the
+    command line and SHADOW_SERVE_* variables win over it."""
+    if path is None:
+        return None
+    import tomllib
+
+    try:
+        values = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise typer.BadParameter(f"cannot read {path}: {e}") from None
+    known = {p.name for p in ctx.command.params}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise typer.BadParameter(f"{path}: unknown settings {', '.join(unknown)}")
+    ctx.default_map = {**(ctx.default_map or {}), **values}
+    return path
+
+
 @user_errors
 def serve(
+    config: Annotated[Path | None, typer.Option(help="A TOML file of these options (e.g. cap_gib = 2, disk = \"/var/cache/shadow\"); the command line and SHADOW_SERVE_* environment variables win.", is_eager=True, callback=_load_config)] = None,
     model: ModelOpt = "tiny",
-    generator_model: Annotated[str | None, typer.Option(help="The embedded generator's checkpoint or preset (default: the shadow's own).")] = None,
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    generator_model: Annotated[str | None, typer.Option(envvar="SHADOW_SERVE_GENERATOR_MODEL", help="The embedded generator's checkpoint or preset (default: the shadow's own).")] = None,
+    host: Annotated[str, typer.Option(envvar="SHADOW_SERVE_HOST", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar="SHADOW_SERVE_PORT", help="Port to listen on.")] = 8000,
     grid: GridOpt = 512,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     kernels: KernelsOpt = "auto",
-    cap_gib: Annotated[float, typer.Option(help="Resident cap for shadow sessions, GiB.")] = 4.0,
-    disk: Annotated[Path | None, typer.Option(help="Folder where sessions past the cap (and all, at a planned stop) are written.")] = None,
-    share: Annotated[float, typer.Option(help="In-turn share of the time since the first token the shadow may read.")] = 0.02,
-    journal: Annotated[Path | None, typer.Option(help="JSONL journal of every question asked, with its answer, lag and backlog.")] = None,
-    upstream: Annotated[str | None, typer.Option(help="Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1 for vLLM, SGLang or llama.cpp server). Without it: embedded mode.")] = None,
-    ask_token_ids: Annotated[bool, typer.Option(help="Proxy mode: add return_token_ids to requests (vLLM returns the prompt and output ids).")] = True,
+    cap_gib: Annotated[float, typer.Option(envvar="SHADOW_SERVE_CAP_GIB", help="Resident cap for shadow sessions, GiB.")] = 4.0,
+    disk: Annotated[Path | None, typer.Option(envvar="SHADOW_SERVE_DISK", help="Folder where sessions past the cap (and all, at a planned stop) are written.")] = None,
+    share: Annotated[float, typer.Option(envvar="SHADOW_SERVE_SHARE", help="In-turn share of the time since the first token the shadow may read.")] = 0.02,
+    journal: Annotated[Path | None, typer.Option(envvar="SHADOW_SERVE_JOURNAL", help="JSONL journal of every question asked, with its answer, lag and backlog.")] = None,
+    upstream: Annotated[str | None, typer.Option(envvar="SHADOW_SERVE_UPSTREAM", help="Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1 for vLLM, SGLang or llama.cpp server). Without it: embedded mode.")] = None,
+    ask_token_ids: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_ASK_TOKEN_IDS", help="Proxy mode: add return_token_ids to requests (vLLM returns the prompt and output ids).")] = True,
 ) -> None:
     """Serve OpenAI-compatible /v1/chat/completions, /v1/completions and /v1/models from an
     embedded Qwen3.5 generator (the project's own forward), with a shadow reading every session

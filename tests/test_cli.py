@@ -179,3 +179,19 @@ def test_replay_ledger_bad_input(tmp_path, content, args, message):
     path.write_text(content)
     result = runner.invoke(app, ["replay-ledger", str(path), *args])
     assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_serve_help_and_config_errors(tmp_path):
+    help_text = runner.invoke(app, ["serve", "--help"]).output
+    assert "--upstream" in help_text and "--config" in help_text and "SHADOW_SERVE_UPSTREAM" in help_text
+    bad = tmp_path / "serve.toml"
+    bad.write_text('cap_gb = 2\n')
+    result = runner.invoke(app, ["serve", "--config", str(bad)])
+    assert result.exit_code == 2 and "unknown settings cap_gb" in result.output
+    result = runner.invoke(app, ["serve", "--share", "1.5"])
+    assert result.exit_code == 2 and "--share must be between 0 and 1" in result.output
+    bad.write_text("share = 1.5\n")  # the file's value is used ...
+    result = runner.invoke(app, ["serve", "--config", str(bad)])
+    assert result.exit_code == 2 and "--share must be between 0 and 1" in result.output
+    result = runner.invoke(app, ["serve", "--config", str(bad), "--model", "nope"], env={"SHADOW_SERVE_SHARE": "0.05"})
+    assert result.exit_code == 2 and "no checkpoint folder" in result.output  # ... the variable wins over it
