@@ -174,8 +174,17 @@ def test_bad_requests_get_4xx_json_and_change_nothing(server):
     assert after["sessions"] == before["sessions"] and after["counters"] == before["counters"]
 
 
-def test_eight_concurrent_clients_of_five_turns_all_exact(server):
-    client, service = server
+@pytest.mark.parametrize("mode", ["embedded", "proxy"])
+def test_eight_concurrent_clients_of_five_turns_all_exact(mode, tiny):
+    with running() as (engine, engine_service):
+        if mode == "embedded":
+            _eight_clients(engine, engine_service)
+        else:
+            with running(upstream=str(engine.base_url).rstrip("/") + "/v1") as (proxy, service):
+                _eight_clients(proxy, service)
+
+
+def _eight_clients(client: httpx.Client, service: ShadowService) -> None:
 
     def user(k: int) -> None:
         messages = []
