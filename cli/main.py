@@ -2,7 +2,7 @@
 
 import typer
 
-from cli import read_rate, replay_ledger, serve, store, verify_exact
+from cli import ab, read_rate, replay_ledger, serve, store, verify_exact
 
 app = typer.Typer(
     help="Shadow reader toolkit: a small Qwen3.5 model that keeps an exact state of every session.",
@@ -15,6 +15,7 @@ app.command("read-rate")(read_rate.read_rate)
 app.command("store")(store.store)
 app.command("replay-ledger")(replay_ledger.replay_ledger)
 app.command("serve")(serve.serve)
+app.command("ab")(ab.ab)
 
 
 @app.callback()

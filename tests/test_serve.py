@@ -285,3 +285,24 @@ def test_upstream_down_gives_502_and_the_shadow_stays_consistent(tiny):
         assert r.status_code == 502 and "upstream unreachable" in r.json()["error"]["message"]
         status = proxy.get("/v1/shadow/status").json()
         assert status["turns_in_flight"] == 0 and status["sessions"] == []
+
+
+def test_ab_against_an_embedded_server(server, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    client, service = server
+    result = CliRunner().invoke(app, [
+        "ab", "--url", str(client.base_url).rstrip("/") + "/v1", "--prompt-tokens", "400", "--output-tokens", "6",
+        "--runs", "2", "--pause", "0", "--gate-pct", "1000", "--plot", str(tmp_path / "ab.png"), "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output.strip().splitlines()[-1])
+    assert doc["runs"] == 2 and set(doc["decode_tok_s"]) == {"off", "on"} and set(doc["ttft_s"]) == {"off", "on"}
+    assert len(doc["paired_deltas_pct"]) == 2 and doc["gate_pct"] == 1000 and doc["passed"] is True
+    assert all(r["tokens"] == 6 for r in doc["per_run"])
+    status = client.get("/v1/shadow/status").json()
+    assert status["enabled"] is True  # switched back on
+    ab_sessions = [r for r in status["sessions"] if r["name"].startswith("ab-")]
+    assert len(ab_sessions) == 2  # only the "on" runs fed the shadow

@@ -120,13 +120,14 @@ def create_app(
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 64))
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096:
             raise ShadowInputError("'max_tokens' must be an integer from 1 to 4096")
+        stop_ids = [] if body.get("ignore_eos") else eos  # as vLLM: generate max_tokens whatever comes
         service.reader.check_ids(prompt)
         session = session_of(request, prompt)
         want_ids = bool(body.get("return_token_ids"))  # as vLLM: ids only when asked for
         turn_id, rid, created = next(turn_ids), f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
         events: queue.Queue = queue.Queue()
         worker = threading.Thread(
-            target=serve_turn, args=(turn_id, session, prompt, max_tokens, events), daemon=True,
+            target=serve_turn, args=(turn_id, session, prompt, max_tokens, stop_ids, events), daemon=True,
         )
         worker.start()
 
@@ -184,13 +185,14 @@ def create_app(
             result["prompt_token_ids"] = prompt
         return JSONResponse(result, headers={"x-shadow-session": session})
 
-    def serve_turn(turn_id: int, session: str, prompt: list[int], max_tokens: int, events: queue.Queue) -> None:
+    def serve_turn(turn_id: int, session: str, prompt: list[int], max_tokens: int, stop_ids: list[int],
+                   events: queue.Queue) -> None:
         """One request on the device: feed the prompt, generate, and between rounds the share."""
         service.acquire_device()
         out: list[int] = []
         try:
             service.begin_turn(turn_id, session, prompt)
-            for token in generator.generate(prompt, max_tokens, eos):
+            for token in generator.generate(prompt, max_tokens, stop_ids):
                 if not out:
                     service.first_token(turn_id)
                 out.append(token)
@@ -232,7 +234,23 @@ def create_app(
         timeout = body.get("timeout_s", 10.0)
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ShadowInputError("'timeout_s' must be a positive number")
-        return await asyncio.to_thread(service.ask, session, question, choice_ids, choices, float(timeout))
+        reference = body.get("reference", request.headers.get("x-shadow-label"))
+        if reference is not None and reference not in choices:
+            raise ShadowInputError("'reference' (or x-shadow-label) must be one of the choices")
+        fresh = body.get("fresh")
+        if fresh is not None and not isinstance(fresh, bool):
+            raise ShadowInputError("'fresh' must be true or false")
+        return await asyncio.to_thread(service.ask, session, question, choice_ids, choices, float(timeout),
+                                       reference, fresh)
+
+    @app.post("/v1/shadow/switch")
+    async def switch(request: Request):
+        """Turn the shadow off or on (for A/B runs): off, it feeds and reads nothing."""
+        body = await body_of(request)
+        if not isinstance(body.get("on"), bool):
+            raise ShadowInputError("'on' must be true or false")
+        service.enabled = body["on"]
+        return {"on": service.enabled}
 
     @app.get("/v1/shadow/status")
     async def status():

@@ -58,6 +58,8 @@ class ShadowService:
         self.rule = rule
         self.journal = Path(journal) if journal else None
         self.weights = weights
+        self.weights_hash = store.identity.weights_hash
+        self.enabled = True  # switched off, the shadow feeds and reads nothing (for A/B runs)
         self.clock = clock
         self.device_lock = threading.Lock()  # the GPU (or CPU): generator, reader, asks
         self.state_lock = threading.Lock()  # sessions, turns, counters
@@ -113,6 +115,8 @@ class ShadowService:
     def set_prompt(self, turn_id: int, prompt_ids: Sequence[int]) -> None:
         """Feed a turn's prompt once known (a proxy learns it from the engine), device held by the caller."""
         ids = self.reader.check_ids(prompt_ids)
+        if not self.enabled:
+            return
         with self.state_lock:
             turn = self.turns[turn_id]
             self.reader.feed_prompt(self.store.get(turn.session), ids)
@@ -128,6 +132,8 @@ class ShadowService:
             self.turns[turn_id].first_token = self.clock()
 
     def add_output(self, turn_id: int, ids: Sequence[int]) -> None:
+        if not self.enabled or not self.has_prompt(turn_id):
+            return
         with self.state_lock:
             turn = self.turns[turn_id]
             self.reader.feed_output(self.store.get(turn.session), ids)
@@ -137,7 +143,7 @@ class ShadowService:
         session within the share of the time since its first token, at most one slice."""
         with self.state_lock:
             turn = self.turns[turn_id]
-            if turn.first_token is None:
+            if turn.first_token is None or not turn.prompt_fed:
                 return 0
             budget = self.rule.share_budget(turn.first_token, self.clock(), turn.share_used)
             session = self.store.get(turn.session)
@@ -157,7 +163,8 @@ class ShadowService:
     def end_turn(self, turn_id: int) -> None:
         with self.state_lock:
             turn = self.turns.pop(turn_id)
-            self.store.settle(keep=turn.session)
+            if turn.prompt_fed:
+                self.store.settle(keep=turn.session)
 
     # the idle window ----------------------------------------------------------------------
 
@@ -168,7 +175,7 @@ class ShadowService:
         while not self._stop.is_set():
             now = self.clock()
             self._stop.wait(max(0.0, self.rule.next_poll(now + 1e-6) - now))
-            if self._stop.is_set() or self.busy():
+            if self._stop.is_set() or self.busy() or not self.enabled:
                 continue
             burst_start = self.clock()
             while not self._stop.is_set() and not self.busy():
@@ -237,7 +244,7 @@ class ShadowService:
             return session in self._recent or session in self.store.names()
 
     def ask(self, session: str, question: Sequence[int], choices: Sequence[int], labels: Sequence[str],
-            timeout_s: float = 10.0) -> dict:
+            timeout_s: float = 10.0, reference: str | None = None, fresh: bool | None = None) -> dict:
         """Read the session up to the question's insertion point (its last id, within timeout_s),
         then one forward of the pending tail and the question in a fork: the letters' softmax."""
         if not self.known(session):
@@ -263,7 +270,9 @@ class ShadowService:
             "session": session, "choices": list(labels), "probs": probs, "label": labels[best],
             "behind": behind, "read_chunks": read, "pending_after": len(s.ids) - s.committed,
             "latency_ms": round((self.clock() - started) * 1000, 3), "weights": self.weights,
-            "question_tokens": len(question), "time": time.time(),
+            "weights_hash": self.weights_hash, "grid": self.reader.grid, "insertion": len(s.ids),
+            "question_tokens": len(question), "question_ids": list(question), "reference": reference,
+            "fresh": fresh, "time": time.time(),
         }
         with self.state_lock:
             self.counters.asks += 1
@@ -279,7 +288,7 @@ class ShadowService:
         with self.state_lock:
             c = self.counters
             return {
-                "grid": self.reader.grid, "weights": self.weights,
+                "grid": self.reader.grid, "weights": self.weights, "enabled": self.enabled,
                 "sessions": [vars(r) for r in self.store.status()], "store": self.store.totals(),
                 "turns_in_flight": len(self.turns), "waiting": self.waiting,
                 "counters": {

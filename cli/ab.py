@@ -1,0 +1,89 @@
+"""`shadow ab`: what the shadow costs the big model's decode, shadow off against on."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from cli.common import CsvOpt, JsonOpt, console, emit_json, errors, user_errors, write_csv
+from shadow.errors import ShadowInputError
+
+
+@user_errors
+def ab(
+    url: Annotated[str, typer.Option(help="The running `shadow serve` base URL (embedded or proxy), e.g. http://127.0.0.1:8000/v1.")] = "http://127.0.0.1:8000/v1",
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt length in tokens (the source: 16,350).")] = 16_350,
+    output_tokens: Annotated[int, typer.Option(help="Tokens generated per run (the source: 346).")] = 346,
+    runs: Annotated[int, typer.Option(help="Runs per arm.")] = 6,
+    pause: Annotated[float, typer.Option(help="Seconds between requests.")] = 1.5,
+    gate_pct: Annotated[float, typer.Option(help="The largest decode slowdown (%) that passes.")] = 3.0,
+    plot: Annotated[Path | None, typer.Option(help="Write a PNG of decode tok/s per run and arm.")] = None,
+    csv: CsvOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Drive a running server with the shadow switched off and on (POST /v1/shadow/switch),
+    arms alternating, a new session and a fresh prompt each run, and compare decode tok/s
+    (from streamed token times, the first token excluded) and time to first token. Exit code 1
+    when the slowdown is over the gate."""
+    import httpx
+
+    from shadow.bench.ab import run_ab, summarize
+    from shadow.tokenizer import load_tokenizer
+
+    if runs < 1 or prompt_tokens < 1 or output_tokens < 2 or pause < 0:
+        raise ShadowInputError("need runs >= 1, prompt tokens >= 1, output tokens >= 2 and a pause >= 0")
+    base = url.rstrip("/")
+    try:
+        status = httpx.get(base + "/shadow/status", timeout=10).json()
+    except (httpx.HTTPError, ValueError) as e:
+        raise ShadowInputError(f"no shadow serve at {url} ({type(e).__name__})") from None
+    tokenizer = load_tokenizer(None)
+    with Progress(TextColumn("a/b"), BarColumn(), MofNCompleteColumn(), console=errors, transient=True) as bar:
+        task = bar.add_task("a/b", total=2 * runs)
+        results = run_ab(base, tokenizer, prompt_tokens, output_tokens, runs, pause,
+                         lambda done, total: bar.update(task, completed=done))
+    summary = summarize(results, gate_pct)
+    table = Table(title=f"ab · {url} · {prompt_tokens:,} prompt tokens, {output_tokens} out · shadow weights: {status.get('weights')}")
+    for col in ("pair", "arm", "TTFT s", "decode tok/s", "tokens"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(str(r.pair), r.arm, f"{r.ttft_s:.3f}", f"{r.decode_tok_s:.2f}", str(r.tokens))
+    console.print(table)
+    d, t = summary["decode_tok_s"], summary["ttft_s"]
+    console.print(f"decode tok/s median: off {d['off']:.2f}, on {d['on']:.2f} ({summary['delta_pct']:+.2f} %); "
+                  f"paired: {', '.join(f'{x:+.1f}' for x in summary['paired_deltas_pct'])} %; "
+                  f"TTFT median off {t['off']:.3f} s, on {t['on']:.3f} s; gate {gate_pct:g} %: "
+                  + ("[green]passed[/]" if summary["passed"] else "[red]failed[/]"))
+    if csv:
+        write_csv(csv, [dataclasses.asdict(r) for r in results])
+    if plot:
+        _plot(plot, results)
+    if json_out:
+        emit_json({"command": "ab", "url": url, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+                   **summary, "per_run": [dataclasses.asdict(r) for r in results]})
+    if not summary["passed"]:
+        raise typer.Exit(1)
+
+
+def _plot(path: Path, results) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for arm, color in (("off", "grey"), ("on", "tab:blue")):
+        rs = [r for r in results if r.arm == arm]
+        ax.plot([r.pair for r in rs], [r.decode_tok_s for r in rs], marker="o", color=color, label=f"shadow {arm}")
+    ax.set_xlabel("pair")
+    ax.set_ylabel("decode tok/s")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
