@@ -2,7 +2,7 @@
 
 import typer
 
-from cli import ab, read_rate, replay_ledger, serve, store, verify_exact
+from cli import ab, read_rate, replay_ledger, router_eval, serve, store, verify_exact
 
 app = typer.Typer(
     help="Shadow reader toolkit: a small Qwen3.5 model that keeps an exact state of every session.",
@@ -16,6 +16,7 @@ app.command("store")(store.store)
 app.command("replay-ledger")(replay_ledger.replay_ledger)
 app.command("serve")(serve.serve)
 app.command("ab")(ab.ab)
+app.command("router-eval")(router_eval.router_eval)
 
 
 @app.callback()

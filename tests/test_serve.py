@@ -306,3 +306,52 @@ def test_ab_against_an_embedded_server(server, tmp_path):
     assert status["enabled"] is True  # switched back on
     ab_sessions = [r for r in status["sessions"] if r["name"].startswith("ab-")]
     assert len(ab_sessions) == 2  # only the "on" runs fed the shadow
+
+
+def test_router_eval_on_a_journal_built_by_serve(tiny, tmp_path):
+    """Serve journals labelled asks and parks its sessions; router-eval re-asks them offline: the
+    control (the same model and question) gives the journal's probabilities again."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    disk, journal = tmp_path / "disk", tmp_path / "journal.jsonl"
+    loaded, reader = open_reader("tiny", grid=GRID)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=None, disk=disk)
+    service = ShadowService(reader, store, BandwidthRule(), journal=journal, weights=loaded.weights_label)
+    app_ = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model))
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app_, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    labels = {"r0": ("A", True), "r1": ("B", False), "r2": ("A", True), "r3": ("A", False)}
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+        for name, (label, fresh) in labels.items():
+            messages = [{"role": "user", "content": long_text(hash(name) % 1000, 150)}]
+            stream_chat(client, name, messages, max_tokens=4)
+            r = client.post("/v1/shadow/ask", json={"session": name, "question": "Code or chat? A code, B chat",
+                                                    "choices": ["A", "B"], "reference": label, "fresh": fresh})
+            assert r.status_code == 200, r.text
+        # r0 goes on with its history edited: its ids before the ask's insertion point change
+        first = {"role": "user", "content": long_text(hash("r0") % 1000, 150)}
+        stream_chat(client, "r0", [first, {"role": "assistant", "content": "EDITED"}, {"role": "user", "content": "more"}], 4)
+        r = client.post("/v1/shadow/ask", json={"session": "r1", "question": "x", "choices": ["A"], "reference": "Z"})
+        assert r.status_code == 400  # a reference must be one of the choices
+    srv.should_exit = True
+    thread.join(timeout=30)  # the planned stop parks every session on disk
+    question = tmp_path / "labels.json"
+    question.write_text(json.dumps({"name": "labels", "text": "A or B?", "choices": ["A", "B"]}))
+    result = CliRunner().invoke(app, ["router-eval", "--journal", str(journal), "--sessions", str(disk),
+                                      "--question", "journal", "--question", str(question), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output.strip().splitlines()[-1])
+    assert doc["turns"] == 4 and doc["fresh_turns"] == 2
+    own, other = doc["results"]
+    assert own["question"] == "journal" and own["control_max_abs_diff"] is not None
+    assert own["control_max_abs_diff"] <= 0.02 and own["changed"] == 1  # r0's ask is no longer valid
+    assert own["turns"] == 3 and own["constant_baseline"] == 2 and own["fresh_constant_baseline"] == 1
+    assert sum(sum(c.values()) for c in own["confusion"].values()) == 3
+    assert other["question"] == "labels" and other["control_max_abs_diff"] is None
+    assert "weights are random" in result.output

@@ -21,6 +21,7 @@ import torch
 
 from shadow.errors import ShadowInputError
 from shadow.reader import Reader, Session
+from shadow.routereval import ids_crc
 from shadow.schedule import BandwidthRule
 from shadow.store import SessionStore
 
@@ -271,6 +272,7 @@ class ShadowService:
             "behind": behind, "read_chunks": read, "pending_after": len(s.ids) - s.committed,
             "latency_ms": round((self.clock() - started) * 1000, 3), "weights": self.weights,
             "weights_hash": self.weights_hash, "grid": self.reader.grid, "insertion": len(s.ids),
+            "prefix_crc": ids_crc(s.ids),
             "question_tokens": len(question), "question_ids": list(question), "reference": reference,
             "fresh": fresh, "time": time.time(),
         }

@@ -1,0 +1,82 @@
+"""`shadow router-eval`: ask a classification question offline at journaled points."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
+
+from cli.common import CsvOpt, JsonOpt, console, emit_json, errors, user_errors, write_csv
+from shadow.errors import ShadowInputError
+
+
+@user_errors
+def router_eval(
+    journal: Annotated[Path, typer.Option(help="The journal `shadow serve --journal` wrote (asks with a reference label).")],
+    sessions: Annotated[Path, typer.Option(help="The folder of parked session files (`shadow serve --disk`).")],
+    model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Model(s) to ask (presets or checkpoint folders); default tiny.")] = None,
+    question: Annotated[list[str] | None, typer.Option(help="'journal' (the journal's own question) or a JSON file {name, text, choices}; repeatable.")] = None,
+    csv: CsvOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Re-ask each journaled question at its insertion point (the session read exactly as live,
+    on the journal's grid) with each model and question, and compare with the journal's reference
+    labels: agreement, the constant-answer baseline (the most frequent label), the same on the
+    "fresh" subset, a confusion table, and the control (the journal's own model and question must
+    give the journal's probabilities again within 0.02)."""
+    from shadow.engine import open_reader
+    from shadow.routereval import evaluate, load_question, read_journal, session_ids
+    from shadow.tokenizer import load_tokenizer
+
+    entries, unlabelled = read_journal(journal)
+    grids = {e.grid for e in entries}
+    if len(grids) != 1:
+        raise ShadowInputError(f"the journal mixes grids {sorted(grids)}")
+    if not sessions.is_dir():
+        raise ShadowInputError(f"no session folder {sessions}")
+    ids = session_ids(sessions, {e.session for e in entries})
+    questions = [load_question(q) for q in (question or ["journal"])]
+    scores = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=errors, transient=True) as bar:
+        for name in model or ["tiny"]:
+            loaded, reader = open_reader(name, grid=next(iter(grids)))
+            tokenizer = load_tokenizer(loaded.path)
+            for q in questions:
+                task = bar.add_task(f"{name} · {q.name}", total=len(entries))
+                scores.append(evaluate(entries, ids, reader, loaded.weights_hash, loaded.random, tokenizer, q, name,
+                                       lambda: bar.advance(task)))
+    table = Table(title=f"router-eval · {journal} · {len(entries)} labelled asks ({unlabelled} unlabelled)")
+    for col in ("model", "question", "turns", "agree", "constant", "fresh", "fresh agree", "fresh constant", "control max |Δp|", "changed"):
+        table.add_column(col, justify="left" if col in ("model", "question") else "right")
+    rows = []
+    for s in scores:
+        row = {"model": s.model, "question": s.question, "random_weights": s.random_weights, "turns": s.turns,
+               "agree": s.agree, "constant_baseline": s.constant_baseline, "fresh_turns": s.fresh_turns,
+               "fresh_agree": s.fresh_agree, "fresh_constant_baseline": s.fresh_constant_baseline,
+               "control_max_abs_diff": s.control_max_abs_diff, "changed": s.changed,
+               "confusion": {ref: dict(c) for ref, c in s.confusion.items()}}
+        rows.append(row)
+        table.add_row(s.model, s.question, str(s.turns), str(s.agree), str(s.constant_baseline), str(s.fresh_turns),
+                      str(s.fresh_agree), str(s.fresh_constant_baseline),
+                      "-" if s.control_max_abs_diff is None else f"{s.control_max_abs_diff:.2g}", str(s.changed))
+    console.print(table)
+    for s in scores:
+        labels = sorted(set(s.confusion) | {p for c in s.confusion.values() for p in c})
+        confusion = Table(title=f"confusion · {s.model} · {s.question} (rows: reference, columns: answer)")
+        confusion.add_column("")
+        for label in labels:
+            confusion.add_column(label, justify="right")
+        for ref in labels:
+            confusion.add_row(ref, *(str(s.confusion.get(ref, {}).get(p, 0)) for p in labels))
+        console.print(confusion)
+    if any(s.random_weights for s in scores):
+        console.print("[yellow]weights are random:[/] agreement figures mean nothing here; the mechanics "
+                      "(insertion points, control, baselines) are what this run shows.")
+    if csv:
+        write_csv(csv, [{k: v for k, v in r.items() if k != "confusion"} for r in rows])
+    if json_out:
+        emit_json({"command": "router-eval", "journal": str(journal), "turns": len(entries),
+                   "fresh_turns": sum(e.fresh for e in entries), "unlabelled": unlabelled, "results": rows})
