@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# `shadow ab` and `shadow router-eval` end to end against a live `shadow serve` (embedded, random
+# weights by default), writing their --json outputs for the notebook. On the CPU with tiny this
+# shows the mechanics; on a GPU pass MODEL and GENERATOR (e.g. qwen3.5-0.8b and qwen3.5-4b).
+# Usage: [MODEL=tiny GENERATOR=tiny DEVICE=cpu PROMPT=2000 OUTPUT=32 RUNS=3] bash experiments/serve_demo.sh OUTDIR
+set -euo pipefail
+out=${1:-out}; mkdir -p "$out"
+model=${MODEL:-tiny}; generator=${GENERATOR:-$model}; device=${DEVICE:-cpu}
+port=${PORT:-8790}; work=$(mktemp -d)
+shadow serve --model "$model" --generator-model "$generator" --device "$device" --port "$port" \
+  --disk "$work/disk" --journal "$work/journal.jsonl" > "$work/serve.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null || true' EXIT
+for i in $(seq 1 600); do curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break; sleep 0.5; done
+shadow ab --url "http://127.0.0.1:$port/v1" --prompt-tokens "${PROMPT:-2000}" --output-tokens "${OUTPUT:-32}" \
+  --runs "${RUNS:-3}" --pause 1.5 --plot "$out/ab.png" --json > "$out/ab.txt" || true
+tail -n 1 "$out/ab.txt" > "$out/ab.json"
+# labelled asks: a reference label per session (random labels: the mechanics, not the router)
+python3 - "$port" <<'PY'
+import httpx, random, sys
+base = f"http://127.0.0.1:{sys.argv[1]}/v1"
+rng = random.Random(0)
+for k in range(8):
+    text = " ".join(rng.choice(["def", "fix", "test", "hello", "thanks", "why", "plot"]) for _ in range(300))
+    httpx.post(base + "/chat/completions", headers={"x-session-id": f"demo-{k}"}, timeout=300,
+               json={"messages": [{"role": "user", "content": text}], "max_tokens": 8})
+    httpx.post(base + "/shadow/ask", timeout=300, json={
+        "session": f"demo-{k}", "question": "Is this turn A (code) or B (chat)?", "choices": ["A", "B"],
+        "reference": rng.choice("AAB"), "fresh": k % 2 == 0})
+PY
+kill -TERM $server; wait $server || true
+shadow router-eval --journal "$work/journal.jsonl" --sessions "$work/disk" --model "$model" --json > "$out/router-eval.txt"
+tail -n 1 "$out/router-eval.txt" > "$out/router-eval.json"
+tail -n 3 "$out/ab.txt" "$out/router-eval.txt"
