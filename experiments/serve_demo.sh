@@ -12,6 +12,10 @@ shadow serve --model "$model" --generator-model "$generator" --device "$device" 
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 for i in $(seq 1 600); do curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break; sleep 0.5; done
+# warm-up: kernels autotune and the shadow captures its CUDA graphs before anything is timed
+curl -s "http://127.0.0.1:$port/v1/chat/completions" -H 'x-session-id: warmup' \
+  -d "{\"messages\": [{\"role\": \"user\", \"content\": \"$(printf 'warm up the kernels %.0s' $(seq 1 400))\"}], \"max_tokens\": 8}" > /dev/null
+sleep 3
 shadow ab --url "http://127.0.0.1:$port/v1" --prompt-tokens "${PROMPT:-2000}" --output-tokens "${OUTPUT:-32}" \
   --runs "${RUNS:-3}" --pause 1.5 --plot "$out/ab.png" --json > "$out/ab.txt" || true
 tail -n 1 "$out/ab.txt" > "$out/ab.json"
