@@ -8,10 +8,17 @@ out=${1:-out}; mkdir -p "$out"
 model=${MODEL:-tiny}; generator=${GENERATOR:-$model}; device=${DEVICE:-cpu}
 port=${PORT:-8790}; work=$(mktemp -d)
 shadow serve --model "$model" --generator-model "$generator" --device "$device" --port "$port" \
-  --disk "$work/disk" --journal "$work/journal.jsonl" > "$work/serve.log" 2>&1 &
+  --disk "$work/disk" --journal "$work/journal.jsonl" > "$out/serve.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
-for i in $(seq 1 600); do curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null && break; sleep 0.5; done
+started=$(date +%s)
+until curl -sf "http://127.0.0.1:$port/v1/models" >/dev/null; do
+  if ! kill -0 $server 2>/dev/null || [ $(( $(date +%s) - started )) -gt "${START_TIMEOUT:-600}" ]; then
+    echo "shadow serve did not come up; its log:"; tail -n 30 "$out/serve.log"; exit 1
+  fi
+  sleep 0.5
+done
+echo "serve up after $(( $(date +%s) - started )) s"
 # warm-up: kernels autotune and the shadow captures its CUDA graphs before anything is timed
 curl -s "http://127.0.0.1:$port/v1/chat/completions" -H 'x-session-id: warmup' \
   -d "{\"messages\": [{\"role\": \"user\", \"content\": \"$(printf 'warm up the kernels %.0s' $(seq 1 400))\"}], \"max_tokens\": 8}" > /dev/null
