@@ -100,6 +100,10 @@ class SessionStore:
         self._last_use[name] = self.clock()
         return session
 
+    def peek(self, name: str) -> Session | None:
+        """The session if it is resident, without touching its last use or restoring it."""
+        return self._resident.get(name)
+
     def names(self) -> list[str]:
         on_disk = [self._header_name(p) for p in self._files()] if self.disk else []
         return sorted(set(self._resident) | {n for n in on_disk if n})

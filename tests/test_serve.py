@@ -355,3 +355,17 @@ def test_router_eval_on_a_journal_built_by_serve(tiny, tmp_path):
     assert sum(sum(c.values()) for c in own["confusion"].values()) == 3
     assert other["question"] == "labels" and other["control_max_abs_diff"] is None
     assert "weights are random" in result.output
+
+
+def test_a_request_without_session_header_continues_the_longest_matching_session(server):
+    client, service = server
+    first = [{"role": "user", "content": long_text(21, 120)}]
+    r = client.post("/v1/chat/completions", json={"messages": first, "max_tokens": 3})
+    name = r.headers["x-shadow-session"]
+    assert name.startswith("auto-")
+    again = client.post("/v1/chat/completions", json={
+        "messages": first + [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                             {"role": "user", "content": "and then?"}], "max_tokens": 3})
+    assert again.headers["x-shadow-session"] == name  # the same session, found by its prefix
+    other = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "unrelated"}], "max_tokens": 3})
+    assert other.headers["x-shadow-session"] != name

@@ -202,9 +202,11 @@ class ShadowService:
                     self.device_lock.release()
 
     def _next_backlog(self) -> Session | None:
+        """The resident session with the most recent turn that has a whole chunk to read (spilled
+        sessions wait on disk for their next turn rather than thrash the cap)."""
         for name in reversed(self._recent):
-            s = self.store.get(name)
-            if s.committed + self.reader.grid <= len(s.ids):
+            s = self.store.peek(name)
+            if s is not None and s.committed + self.reader.grid <= len(s.ids):
                 return s
         return None
 
@@ -226,11 +228,14 @@ class ShadowService:
     # questions --------------------------------------------------------------------------
 
     def match_session(self, prompt_ids: Sequence[int], minimum: int = 64) -> str | None:
-        """The known resident session sharing the longest prefix (at least `minimum` ids) with a prompt."""
+        """The resident session sharing the longest prefix (at least `minimum` ids) with a prompt."""
         best, best_len = None, minimum - 1
         with self.state_lock:
             for name in self._recent:
-                ids = self.store.get(name).ids
+                s = self.store.peek(name)
+                if s is None:
+                    continue
+                ids = s.ids
                 n = 0
                 for a, b in zip(ids, prompt_ids):
                     if a != b:
