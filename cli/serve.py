@@ -46,6 +46,7 @@ def serve(
     share: Annotated[float, typer.Option(envvar="SHADOW_SERVE_SHARE", help="In-turn share of the time since the first token the shadow may read.")] = 0.02,
     journal: Annotated[Path | None, typer.Option(envvar="SHADOW_SERVE_JOURNAL", help="JSONL journal of every question asked, with its answer, lag and backlog.")] = None,
     upstream: Annotated[str | None, typer.Option(envvar="SHADOW_SERVE_UPSTREAM", help="Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1 for vLLM, SGLang or llama.cpp server). Without it: embedded mode.")] = None,
+    standing_question: Annotated[Path | None, typer.Option(envvar="SHADOW_SERVE_STANDING_QUESTION", help="A JSON file {name, text, choices, min_prompt_tokens (8192), label_header (x-shadow-label)}: asked of the shadow at every turn with at least that many prompt tokens, at the prompt's last <|im_end|>, journaled beside the turn's label header.")] = None,
     ask_token_ids: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_ASK_TOKEN_IDS", help="Proxy mode: add return_token_ids to requests (vLLM returns the prompt and output ids).")] = True,
 ) -> None:
     """Serve OpenAI-compatible /v1/chat/completions, /v1/completions and /v1/models from an
@@ -61,7 +62,7 @@ def serve(
     from shadow.schedule import BandwidthRule
     from shadow.server.app import create_app
     from shadow.server.generator import Generator
-    from shadow.server.service import ShadowService
+    from shadow.server.service import ShadowService, load_standing
     from shadow.store import SessionStore
     from shadow.tokenizer import load_tokenizer
 
@@ -69,8 +70,10 @@ def serve(
         raise ShadowInputError("--share must be between 0 and 1")
     loaded, reader = open_reader(model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels)
     store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk, model=model)
-    service = ShadowService(reader, store, BandwidthRule(share=share), journal, loaded.weights_label)
     tokenizer = load_tokenizer(loaded.path)
+    standing = load_standing(standing_question, tokenizer) if standing_question else None
+    service = ShadowService(reader, store, BandwidthRule(share=share), journal, loaded.weights_label,
+                            standing=standing)
     if upstream:
         app = create_app(service, tokenizer, "upstream", upstream=upstream, ask_token_ids=ask_token_ids)
     else:

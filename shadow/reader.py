@@ -166,24 +166,29 @@ class Reader:
         finally:
             state.restore(snap)
 
-    def next_logits(self, session: Session, question: Sequence[int]) -> torch.Tensor:
-        """Float32 logits [vocab] after the pending tail and `question`, from a fork."""
+    def next_logits(self, session: Session, question: Sequence[int], end: int | None = None) -> torch.Tensor:
+        """Float32 logits [vocab] after the pending tail (up to `end`, default all ids) and
+        `question`, from a fork. `end` must not be below the committed length."""
         question = self.check_ids(question)
         if not question:
             raise ShadowInputError("the question has no ids")
-        tail = session.ids[session.committed :]
+        end = len(session.ids) if end is None else end
+        if not session.committed <= end <= len(session.ids):
+            raise ShadowInputError(f"cannot ask at {end}: the session has read {session.committed} of {len(session.ids)} ids")
+        tail = session.ids[session.committed : end]
         with self.fork(session.state) as state:
             hidden = self._fork_read(tail + question, state, pad=True)
             return self.model.logits(hidden[-1:])[0]
 
-    def ask(self, session: Session, question: Sequence[int], choices: Sequence[int]) -> torch.Tensor:
-        """Each choice is one token (a letter); returns their softmax [len(choices)] after the question."""
+    def ask(self, session: Session, question: Sequence[int], choices: Sequence[int], end: int | None = None) -> torch.Tensor:
+        """Each choice is one token (a letter); returns their softmax [len(choices)] after the
+        question, asked at `end` (default: after every id the session holds)."""
         choices = self.check_ids(choices)
         if not choices:
             raise ShadowInputError("choices are empty")
         if len(set(choices)) != len(choices):
             raise ShadowInputError("choices repeat a token")
-        logits = self.next_logits(session, question)
+        logits = self.next_logits(session, question, end)
         return torch.softmax(logits[torch.tensor(choices, device=logits.device)], dim=-1)
 
     def decode(

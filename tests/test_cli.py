@@ -182,7 +182,7 @@ def test_replay_ledger_bad_input(tmp_path, content, args, message):
 
 
 def test_serve_help_and_config_errors(tmp_path):
-    help_text = runner.invoke(app, ["serve", "--help"]).output
+    help_text = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "400"}).output
     assert "--upstream" in help_text and "--config" in help_text and "SHADOW_SERVE_UPSTREAM" in help_text
     bad = tmp_path / "serve.toml"
     bad.write_text('cap_gb = 2\n')

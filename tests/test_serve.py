@@ -369,3 +369,54 @@ def test_a_request_without_session_header_continues_the_longest_matching_session
     assert again.headers["x-shadow-session"] == name  # the same session, found by its prefix
     other = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "unrelated"}], "max_tokens": 3})
     assert other.headers["x-shadow-session"] != name
+
+
+def test_standing_question_is_answered_at_the_insertion_point_and_journaled(tiny, tmp_path):
+    """A standing question on every turn of 100+ prompt tokens, asked at the prompt's last
+    <|im_end|> when the reader gets there, journaled beside the x-shadow-label header; router-eval
+    then re-asks those points offline and the control matches."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from shadow.server.service import load_standing
+
+    tokenizer = load_tokenizer(None)
+    spec = tmp_path / "router.json"
+    spec.write_text(json.dumps({"name": "router", "text": "\nClass? A code, B chat", "choices": ["A", "B"],
+                                "min_prompt_tokens": 100}))
+    disk, journal = tmp_path / "disk", tmp_path / "journal.jsonl"
+    loaded, reader = open_reader("tiny", grid=GRID)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=None, disk=disk)
+    service = ShadowService(reader, store, BandwidthRule(), journal=journal, weights=loaded.weights_label,
+                            standing=load_standing(spec, tokenizer))
+    app_ = create_app(service, tokenizer, "tiny", generator=Generator(loaded.model))
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app_, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.05)
+    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+        for k, label in enumerate("ABA"):
+            r = client.post("/v1/chat/completions", headers={"x-session-id": f"t{k}", "x-shadow-label": label},
+                            json={"messages": [{"role": "user", "content": long_text(30 + k, 200)}], "max_tokens": 3})
+            assert r.status_code == 200
+        client.post("/v1/chat/completions", headers={"x-session-id": "short"},
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # under 100 tokens
+        wait_until_read(service, ["t0", "t1", "t2"])
+        counters = client.get("/v1/shadow/status").json()["counters"]
+    srv.should_exit = True
+    thread.join(timeout=30)
+    assert counters["standing_answered"] == 3 and counters["standing_pending"] == 0
+    rows = [json.loads(line) for line in journal.read_text().splitlines()]
+    # answered as the reader got to each point (the idle window reads the newest turn first)
+    assert {r["session"]: r["reference"] for r in rows} == {"t0": "A", "t1": "B", "t2": "A"}
+    assert all(r["standing"] == "router" for r in rows)
+    for r in rows:
+        ids = service.store.get(r["session"]).ids
+        assert ids[r["insertion"] - 1] == 248046  # the prompt's last <|im_end|>
+        assert abs(sum(r["probs"]) - 1) < 1e-5
+    result = CliRunner().invoke(app, ["router-eval", "--journal", str(journal), "--sessions", str(disk), "--json"])
+    assert result.exit_code == 0, result.output
+    own = json.loads(result.output.strip().splitlines()[-1])["results"][0]
+    assert own["turns"] == 3 and own["control_max_abs_diff"] == 0.0 and own["constant_baseline"] == 2

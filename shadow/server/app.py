@@ -106,6 +106,11 @@ def create_app(
             raise ShadowInputError("'prompt' must be a non-empty string or a list of token ids")
         return await complete(request, body, prompt, chat=False)
 
+    def reference_of(request: Request) -> str | None:
+        """The turn's reference label for a standing question (e.g. the router's class), if sent."""
+        q = service.standing
+        return request.headers.get(q.label_header) if q else None
+
     def session_of(request: Request, prompt: list[int] | None) -> str:
         session = next((request.headers[h] for h in SESSION_HEADERS if h in request.headers), None)
         return session or (prompt and service.match_session(prompt)) or f"auto-{next(auto_names)}"
@@ -113,7 +118,7 @@ def create_app(
     async def complete(request: Request, body: dict, prompt: list[int] | None, chat: bool):
         if client:
             turn_id = next(turn_ids)
-            service.begin_turn(turn_id, session_of(request, prompt))
+            service.begin_turn(turn_id, session_of(request, prompt), reference=reference_of(request))
             path = "/chat/completions" if chat else "/completions"
             return await forward(client, upstream, path, request.headers, body, service, tokenizer, turn_id,
                                  prompt, chat, ask_token_ids)
@@ -127,7 +132,8 @@ def create_app(
         turn_id, rid, created = next(turn_ids), f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
         events: queue.Queue = queue.Queue()
         worker = threading.Thread(
-            target=serve_turn, args=(turn_id, session, prompt, max_tokens, stop_ids, events), daemon=True,
+            target=serve_turn, args=(turn_id, session, prompt, max_tokens, stop_ids, events, reference_of(request)),
+            daemon=True,
         )
         worker.start()
 
@@ -186,12 +192,12 @@ def create_app(
         return JSONResponse(result, headers={"x-shadow-session": session})
 
     def serve_turn(turn_id: int, session: str, prompt: list[int], max_tokens: int, stop_ids: list[int],
-                   events: queue.Queue) -> None:
+                   events: queue.Queue, reference: str | None) -> None:
         """One request on the device: feed the prompt, generate, and between rounds the share."""
         service.acquire_device()
         out: list[int] = []
         try:
-            service.begin_turn(turn_id, session, prompt)
+            service.begin_turn(turn_id, session, prompt, reference)
             for token in generator.generate(prompt, max_tokens, stop_ids):
                 if not out:
                     service.first_token(turn_id)

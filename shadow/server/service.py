@@ -35,6 +35,45 @@ class Turn:
     first_token: float | None = None
     share_used: float = 0.0
     prompt_fed: bool = False
+    reference: str | None = None
+
+
+@dataclass(frozen=True)
+class StandingQuestion:
+    """A question asked of the shadow at every qualifying turn's insertion point (the prompt's last
+    <|im_end|>), answered when the reader reaches it, journaled beside the turn's reference label
+    (a request header). Nothing of the turn changes."""
+
+    name: str
+    question_ids: tuple[int, ...]
+    choice_ids: tuple[int, ...]
+    labels: tuple[str, ...]
+    min_prompt_tokens: int = 8192
+    label_header: str = "x-shadow-label"
+
+
+def load_standing(path: Path, tokenizer) -> StandingQuestion:
+    """A standing question from a JSON file {name, text, choices, min_prompt_tokens, label_header}."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        labels = tuple(str(c) for c in doc["choices"])
+        return StandingQuestion(
+            name=str(doc.get("name", Path(path).stem)), question_ids=tuple(tokenizer.encode(doc["text"])),
+            choice_ids=tuple(tokenizer.single_token(c) for c in labels), labels=labels,
+            min_prompt_tokens=int(doc.get("min_prompt_tokens", 8192)),
+            label_header=str(doc.get("label_header", "x-shadow-label")).lower(),
+        )
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ShadowInputError(f"{path}: not a standing question file ({type(e).__name__}: {e})") from None
+
+
+@dataclass
+class Pending:
+    session: str
+    insertion: int
+    reference: str | None
+    behind: int  # ids of the session not read when the turn began
+    registered: float
 
 
 @dataclass
@@ -46,6 +85,8 @@ class Counters:
     max_wait_on_reader_ms: float = 0.0  # the longest a request waited for the device lock
     last_chunk_ms: float = 0.0
     asks: int = 0
+    standing_answered: int = 0
+    standing_replaced: int = 0  # a newer turn came before the reader reached the older point
     last_answers: deque = field(default_factory=lambda: deque(maxlen=20))
 
 
@@ -53,6 +94,7 @@ class ShadowService:
     def __init__(
         self, reader: Reader, store: SessionStore, rule: BandwidthRule = BandwidthRule(),
         journal: Path | None = None, weights: str = "", clock=time.monotonic,
+        standing: StandingQuestion | None = None,
     ):
         self.reader = reader
         self.store = store
@@ -61,6 +103,8 @@ class ShadowService:
         self.weights = weights
         self.weights_hash = store.identity.weights_hash
         self.enabled = True  # switched off, the shadow feeds and reads nothing (for A/B runs)
+        self.standing = standing
+        self.pending: dict[str, Pending] = {}
         self.clock = clock
         self.device_lock = threading.Lock()  # the GPU (or CPU): generator, reader, asks
         self.state_lock = threading.Lock()  # sessions, turns, counters
@@ -103,12 +147,13 @@ class ShadowService:
     def release_device(self) -> None:
         self.device_lock.release()
 
-    def begin_turn(self, turn_id: int, session: str, prompt_ids: Sequence[int] | None = None) -> None:
+    def begin_turn(self, turn_id: int, session: str, prompt_ids: Sequence[int] | None = None,
+                   reference: str | None = None) -> None:
         """A request starts (the idle window stops). With its prompt, the prompt is fed (rolling
         back where it differs), the device held by the caller. Checks ids before any change."""
         ids = None if prompt_ids is None else self.reader.check_ids(prompt_ids)
         with self.state_lock:
-            self.turns[turn_id] = Turn(session, self.clock())
+            self.turns[turn_id] = Turn(session, self.clock(), reference=reference)
             self.counters.requests += 1
         if ids is not None:
             self.set_prompt(turn_id, ids)
@@ -120,9 +165,13 @@ class ShadowService:
             return
         with self.state_lock:
             turn = self.turns[turn_id]
-            self.reader.feed_prompt(self.store.get(turn.session), ids)
+            session = self.store.get(turn.session)
+            behind = len(session.ids) - session.committed
+            self.reader.feed_prompt(session, ids)
             turn.prompt_fed = True
             self._touch(turn.session)
+            self._register_standing(session, ids, turn.reference, behind)
+        self._answer_if_ready(session)
 
     def has_prompt(self, turn_id: int) -> bool:
         with self.state_lock:
@@ -210,14 +259,63 @@ class ShadowService:
                 return s
         return None
 
+    def _register_standing(self, session: Session, prompt: list[int], reference: str | None, behind: int) -> None:
+        q = self.standing
+        if q is None or len(prompt) < q.min_prompt_tokens:
+            return
+        eos = self.reader.model.config.eos_token_id
+        last = max((i for i, t in enumerate(prompt) if t == eos), default=None)
+        if last is None:
+            return
+        if session.name in self.pending:
+            self.counters.standing_replaced += 1
+        self.pending[session.name] = Pending(session.name, last + 1, reference, behind, self.clock())
+
+    def _answer_if_ready(self, session: Session) -> None:
+        """Answer the session's standing question once the reader sits at its insertion point's
+        grid line (the device held by the caller)."""
+        p = self.pending.get(session.name)
+        line = None if p is None else p.insertion // self.reader.grid * self.reader.grid
+        if p is None or session.committed < line:
+            return
+        if session.committed > line or p.insertion > len(session.ids):
+            self.pending.pop(session.name)  # the session changed under it: nothing valid to ask
+            return
+        q = self.standing
+        probs = self.reader.ask(session, q.question_ids, q.choice_ids, end=p.insertion).tolist()
+        best = max(range(len(probs)), key=probs.__getitem__)
+        self.pending.pop(session.name)
+        self._record({
+            "standing": q.name, "session": session.name, "choices": list(q.labels), "probs": probs,
+            "label": q.labels[best], "reference": p.reference, "fresh": None, "behind": p.behind,
+            "lag_s": round(self.clock() - p.registered, 4), "weights": self.weights,
+            "weights_hash": self.weights_hash, "grid": self.reader.grid, "insertion": p.insertion,
+            "prefix_crc": ids_crc(session.ids[: p.insertion]), "question_tokens": len(q.question_ids),
+            "question_ids": list(q.question_ids), "time": time.time(),
+        })
+        self.counters.standing_answered += 1
+
+    def _record(self, answer: dict) -> None:
+        self.counters.last_answers.append(answer)
+        if self.journal:
+            with open(self.journal, "a") as f:
+                f.write(json.dumps(answer) + "\n")
+
     def _read(self, session: Session, chunks: int) -> int:
-        """Read up to `chunks` whole chunks; the device is synchronised so the cost is known."""
+        """Read up to `chunks` whole chunks, stopping at a standing question's grid line to answer
+        it; the device is synchronised so the cost is known."""
+        p = self.pending.get(session.name)
+        if p is not None:
+            line = p.insertion // self.reader.grid * self.reader.grid
+            chunks = min(chunks, max(0, (line - session.committed) // self.reader.grid))
         start = time.perf_counter()
-        done = self.reader.advance(session, max_chunks=chunks)
+        done = self.reader.advance(session, max_chunks=chunks) if chunks else 0
         if self.reader.model.device.type == "cuda":
             torch.cuda.synchronize()
         if done:
             self.counters.last_chunk_ms = (time.perf_counter() - start) * 1000 / done
+        if p is not None:
+            self._answer_if_ready(session)
         return done
 
     def _touch(self, name: str) -> None:
@@ -265,8 +363,12 @@ class ShadowService:
                 s = self.store.get(session)
                 behind = len(s.ids) - s.committed
             read = 0
-            while self.clock() - started < timeout_s and self._read(s, 1):
-                read += 1
+            while self.clock() - started < timeout_s:
+                waiting = s.name in self.pending
+                if self._read(s, 1):
+                    read += 1
+                elif not (waiting and s.name not in self.pending):  # nothing read, nothing answered
+                    break
             probs = self.reader.ask(s, question, choice_ids).tolist()
         finally:
             self._holder = None
@@ -284,11 +386,8 @@ class ShadowService:
         with self.state_lock:
             self.counters.asks += 1
             self.counters.chunks_ask += read
-            self.counters.last_answers.append(answer)
+            self._record(answer)
             self.store.settle(keep=session)
-        if self.journal:
-            with open(self.journal, "a") as f:
-                f.write(json.dumps(answer) + "\n")
         return answer
 
     def status(self) -> dict:
@@ -301,6 +400,8 @@ class ShadowService:
                 "counters": {
                     "requests": c.requests, "chunks_idle": c.chunks_idle, "chunks_share": c.chunks_share,
                     "chunks_ask": c.chunks_ask, "asks": c.asks, "last_chunk_ms": round(c.last_chunk_ms, 3),
+                    "standing_answered": c.standing_answered, "standing_replaced": c.standing_replaced,
+                    "standing_pending": len(self.pending),
                     "max_wait_on_reader_ms": round(c.max_wait_on_reader_ms, 3),
                 },
                 "last_answers": list(c.last_answers),
