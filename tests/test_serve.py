@@ -420,3 +420,22 @@ def test_standing_question_is_answered_at_the_insertion_point_and_journaled(tiny
     assert result.exit_code == 0, result.output
     own = json.loads(result.output.strip().splitlines()[-1])["results"][0]
     assert own["turns"] == 3 and own["control_max_abs_diff"] == 0.0 and own["constant_baseline"] == 2
+
+
+def test_summarize_decodes_from_a_fork_and_leaves_the_session(server):
+    client, service = server
+    stream_chat(client, "sum", [{"role": "user", "content": long_text(40, 200)}])
+    wait_until_read(service, ["sum"])
+    before = client.get("/v1/shadow/status").json()["sessions"]
+    r = client.post("/v1/shadow/summarize", json={"session": "sum", "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert 1 <= len(body["ids"]) <= 5 and isinstance(body["text"], str) and body["weights"] == "random"
+    again = client.post("/v1/shadow/summarize", json={"session": "sum", "max_tokens": 5}).json()
+    assert again["ids"] == body["ids"]  # greedy, from the same state
+    after = client.get("/v1/shadow/status").json()["sessions"]
+    drop = lambda rows: [{k: v for k, v in r.items() if k != "last_use"} for r in rows]  # noqa: E731
+    assert drop(after) == drop(before)  # only its last use moved
+    assert_exact(service, "sum")
+    bad = client.post("/v1/shadow/summarize", json={"session": "sum", "max_tokens": 0})
+    assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]

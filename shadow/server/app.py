@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from shadow.chat import Message, render_prompt
+from shadow.chat import Message, render_prompt, render_question
 from shadow.errors import ShadowInputError
 from shadow.server.generator import Generator
 from shadow.server.proxy import PASS_HEADERS, forward
@@ -248,6 +248,23 @@ def create_app(
             raise ShadowInputError("'fresh' must be true or false")
         return await asyncio.to_thread(service.ask, session, question, choice_ids, choices, float(timeout),
                                        reference, fresh)
+
+    @app.post("/v1/shadow/summarize")
+    async def summarize(request: Request):
+        """A summary of a session decoded from a fork over the whole session (text and ids)."""
+        body = await body_of(request)
+        session = body.get("session")
+        if not isinstance(session, str) or not session:
+            raise ShadowInputError("'session' must be a session name")
+        instruction = body.get("instruction", "Summarise the latest turn in one sentence.")
+        if not isinstance(instruction, str) or not instruction:
+            raise ShadowInputError("'instruction' must be text")
+        max_tokens = body.get("max_tokens", 48)
+        if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 512:
+            raise ShadowInputError("'max_tokens' must be an integer from 1 to 512")
+        prompt = tokenizer.encode(render_question(instruction))
+        answer = await asyncio.to_thread(service.summarize, session, prompt, max_tokens)
+        return answer | {"text": tokenizer.decode([t for t in answer["ids"] if t not in eos])}
 
     @app.post("/v1/shadow/switch")
     async def switch(request: Request):

@@ -390,6 +390,31 @@ class ShadowService:
             self.store.settle(keep=session)
         return answer
 
+    def summarize(self, session: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 10.0) -> dict:
+        """Read the session to its end (within timeout_s), then decode greedily from a fork over the
+        pending tail and `prompt` (a summary of the session); the session is left as it was."""
+        if not self.known(session):
+            raise ShadowInputError(f"unknown session {session!r}")
+        prompt = self.reader.check_ids(prompt)
+        started = self.clock()
+        self.acquire_device()
+        self._holder = "ask"
+        try:
+            with self.state_lock:
+                s = self.store.get(session)
+                behind = len(s.ids) - s.committed
+            while self.clock() - started < timeout_s and self._read(s, 1):
+                pass
+            decode_start = self.clock()
+            out = self.reader.decode(s, prompt, max_tokens, stop=[self.reader.model.config.eos_token_id])
+            decode_s = self.clock() - decode_start
+        finally:
+            self._holder = None
+            self.device_lock.release()
+        return {"session": session, "ids": out, "behind": behind, "weights": self.weights,
+                "latency_ms": round((self.clock() - started) * 1000, 3),
+                "decode_ms_per_token": round(decode_s * 1000 / max(1, len(out)), 3)}
+
     def status(self) -> dict:
         with self.state_lock:
             c = self.counters
