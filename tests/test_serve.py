@@ -36,11 +36,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(upstream: str | None = None):
-    """A real `shadow serve` app on loopback in a thread: embedded, or a proxy in front of `upstream`."""
+def running(upstream: str | None = None, disk=None, journal=None, standing=None):
+    """A real `shadow serve` app on loopback in a thread: embedded, or a proxy in front of
+    `upstream`; leaving it is a planned stop (sessions parked on `disk`)."""
     loaded, reader = open_reader("tiny", grid=GRID)
-    store = SessionStore(reader, loaded.weights_hash, cap_gib=None)
-    service = ShadowService(reader, store, BandwidthRule(), weights=loaded.weights_label)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=None, disk=disk)
+    service = ShadowService(reader, store, BandwidthRule(), journal=journal, weights=loaded.weights_label,
+                            standing=standing)
     if upstream:
         app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream)
     else:
@@ -316,18 +318,8 @@ def test_router_eval_on_a_journal_built_by_serve(tiny, tmp_path):
     from cli.main import app
 
     disk, journal = tmp_path / "disk", tmp_path / "journal.jsonl"
-    loaded, reader = open_reader("tiny", grid=GRID)
-    store = SessionStore(reader, loaded.weights_hash, cap_gib=None, disk=disk)
-    service = ShadowService(reader, store, BandwidthRule(), journal=journal, weights=loaded.weights_label)
-    app_ = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app_, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
     labels = {"r0": ("A", True), "r1": ("B", False), "r2": ("A", True), "r3": ("A", False)}
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+    with running(disk=disk, journal=journal) as (client, _):
         for name, (label, fresh) in labels.items():
             messages = [{"role": "user", "content": long_text(hash(name) % 1000, 150)}]
             stream_chat(client, name, messages, max_tokens=4)
@@ -339,8 +331,6 @@ def test_router_eval_on_a_journal_built_by_serve(tiny, tmp_path):
         stream_chat(client, "r0", [first, {"role": "assistant", "content": "EDITED"}, {"role": "user", "content": "more"}], 4)
         r = client.post("/v1/shadow/ask", json={"session": "r1", "question": "x", "choices": ["A"], "reference": "Z"})
         assert r.status_code == 400  # a reference must be one of the choices
-    srv.should_exit = True
-    thread.join(timeout=30)  # the planned stop parks every session on disk
     question = tmp_path / "labels.json"
     question.write_text(json.dumps({"name": "labels", "text": "A or B?", "choices": ["A", "B"]}))
     result = CliRunner().invoke(app, ["router-eval", "--journal", str(journal), "--sessions", str(disk),
@@ -385,18 +375,7 @@ def test_standing_question_is_answered_at_the_insertion_point_and_journaled(tiny
     spec.write_text(json.dumps({"name": "router", "text": "\nClass? A code, B chat", "choices": ["A", "B"],
                                 "min_prompt_tokens": 100}))
     disk, journal = tmp_path / "disk", tmp_path / "journal.jsonl"
-    loaded, reader = open_reader("tiny", grid=GRID)
-    store = SessionStore(reader, loaded.weights_hash, cap_gib=None, disk=disk)
-    service = ShadowService(reader, store, BandwidthRule(), journal=journal, weights=loaded.weights_label,
-                            standing=load_standing(spec, tokenizer))
-    app_ = create_app(service, tokenizer, "tiny", generator=Generator(loaded.model))
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app_, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.05)
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+    with running(disk=disk, journal=journal, standing=load_standing(spec, tokenizer)) as (client, service):
         for k, label in enumerate("ABA"):
             r = client.post("/v1/chat/completions", headers={"x-session-id": f"t{k}", "x-shadow-label": label},
                             json={"messages": [{"role": "user", "content": long_text(30 + k, 200)}], "max_tokens": 3})
@@ -405,8 +384,6 @@ def test_standing_question_is_answered_at_the_insertion_point_and_journaled(tiny
                     json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})  # under 100 tokens
         wait_until_read(service, ["t0", "t1", "t2"])
         counters = client.get("/v1/shadow/status").json()["counters"]
-    srv.should_exit = True
-    thread.join(timeout=30)
     assert counters["standing_answered"] == 3 and counters["standing_pending"] == 0
     rows = [json.loads(line) for line in journal.read_text().splitlines()]
     # answered as the reader got to each point (the idle window reads the newest turn first)

@@ -13,6 +13,7 @@ import json
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -347,14 +348,12 @@ class ShadowService:
         with self.state_lock:
             return session in self._recent or session in self.store.names()
 
-    def ask(self, session: str, question: Sequence[int], choices: Sequence[int], labels: Sequence[str],
-            timeout_s: float = 10.0, reference: str | None = None, fresh: bool | None = None) -> dict:
-        """Read the session up to the question's insertion point (its last id, within timeout_s),
-        then one forward of the pending tail and the question in a fork: the letters' softmax."""
+    @contextmanager
+    def _read_to_end(self, session: str, timeout_s: float):
+        """Hold the device and read `session` to its last whole chunk (answering standing questions
+        on the way) within timeout_s; yields (session, ids unread before, chunks read)."""
         if not self.known(session):
             raise ShadowInputError(f"unknown session {session!r}")
-        question = self.reader.check_ids(question)
-        choice_ids = self.reader.check_ids(choices)
         started = self.clock()
         self.acquire_device()
         self._holder = "ask"
@@ -369,10 +368,20 @@ class ShadowService:
                     read += 1
                 elif not (waiting and s.name not in self.pending):  # nothing read, nothing answered
                     break
-            probs = self.reader.ask(s, question, choice_ids).tolist()
+            yield s, behind, read
         finally:
             self._holder = None
             self.device_lock.release()
+
+    def ask(self, session: str, question: Sequence[int], choices: Sequence[int], labels: Sequence[str],
+            timeout_s: float = 10.0, reference: str | None = None, fresh: bool | None = None) -> dict:
+        """Read the session up to the question's insertion point (its last id, within timeout_s),
+        then one forward of the pending tail and the question in a fork: the letters' softmax."""
+        question = self.reader.check_ids(question)
+        choice_ids = self.reader.check_ids(choices)
+        started = self.clock()
+        with self._read_to_end(session, timeout_s) as (s, behind, read):
+            probs = self.reader.ask(s, question, choice_ids).tolist()
         best = max(range(len(probs)), key=probs.__getitem__)
         answer = {
             "session": session, "choices": list(labels), "probs": probs, "label": labels[best],
@@ -393,24 +402,12 @@ class ShadowService:
     def summarize(self, session: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 10.0) -> dict:
         """Read the session to its end (within timeout_s), then decode greedily from a fork over the
         pending tail and `prompt` (a summary of the session); the session is left as it was."""
-        if not self.known(session):
-            raise ShadowInputError(f"unknown session {session!r}")
         prompt = self.reader.check_ids(prompt)
         started = self.clock()
-        self.acquire_device()
-        self._holder = "ask"
-        try:
-            with self.state_lock:
-                s = self.store.get(session)
-                behind = len(s.ids) - s.committed
-            while self.clock() - started < timeout_s and self._read(s, 1):
-                pass
+        with self._read_to_end(session, timeout_s) as (s, behind, _):
             decode_start = self.clock()
             out = self.reader.decode(s, prompt, max_tokens, stop=[self.reader.model.config.eos_token_id])
             decode_s = self.clock() - decode_start
-        finally:
-            self._holder = None
-            self.device_lock.release()
         return {"session": session, "ids": out, "behind": behind, "weights": self.weights,
                 "latency_ms": round((self.clock() - started) * 1000, 3),
                 "decode_ms_per_token": round(decode_s * 1000 / max(1, len(out)), 3)}
