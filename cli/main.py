@@ -10,13 +10,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-app.command("verify-exact")(verify_exact.verify_exact)
-app.command("read-rate")(read_rate.read_rate)
-app.command("store")(store.store)
-app.command("replay-ledger")(replay_ledger.replay_ledger)
-app.command("serve")(serve.serve)
-app.command("ab")(ab.ab)
-app.command("router-eval")(router_eval.router_eval)
+app.command("verify-exact", short_help="Replay conversations turn by turn and check the state bit for bit against fresh prefills.")(verify_exact.verify_exact)
+app.command("read-rate", short_help="Time the reader (per chunk, per 1,000 tokens, ask, fork decode) beside the transformers reference.")(read_rate.read_rate)
+app.command("store", short_help="List and check a folder of spilled sessions.")(store.store)
+app.command("replay-ledger", short_help="How fresh the shadow is at turn starts, replaying real request timelines.")(replay_ledger.replay_ledger)
+app.command("serve", short_help="Serve OpenAI-compatible completions (embedded or in front of an engine) with a live shadow.")(serve.serve)
+app.command("ab", short_help="What the shadow costs a running server's decode: shadow off against on.")(ab.ab)
+app.command("router-eval", short_help="Re-ask journaled classification questions offline and score them against their labels.")(router_eval.router_eval)
 
 
 @app.callback()
