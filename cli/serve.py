@@ -47,6 +47,8 @@ def serve(
     journal: Annotated[Path | None, typer.Option(envvar="SHADOW_SERVE_JOURNAL", help="JSONL journal of every question asked, with its answer, lag and backlog.")] = None,
     upstream: Annotated[str | None, typer.Option(envvar="SHADOW_SERVE_UPSTREAM", help="Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1 for vLLM, SGLang or llama.cpp server). Without it: embedded mode.")] = None,
     standing_question: Annotated[Path | None, typer.Option(envvar="SHADOW_SERVE_STANDING_QUESTION", help="A JSON file {name, text, choices, min_prompt_tokens (8192), label_header (x-shadow-label)}: asked of the shadow at every turn with at least that many prompt tokens, at the prompt's last <|im_end|>, journaled beside the turn's label header.")] = None,
+    session_headers: Annotated[str, typer.Option(envvar="SHADOW_SERVE_SESSION_HEADERS", help="Request headers that name a session, first match wins (comma-separated).")] = "x-session-id,x-openwebui-chat-id",
+    prefix_match: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_PREFIX_MATCH", help="Without a session header, continue the resident session sharing the longest prefix with the prompt.")] = True,
     ask_token_ids: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_ASK_TOKEN_IDS", help="Proxy mode: add return_token_ids to requests (vLLM returns the prompt and output ids).")] = True,
 ) -> None:
     """Serve OpenAI-compatible /v1/chat/completions, /v1/completions and /v1/models from an
@@ -74,12 +76,14 @@ def serve(
     standing = load_standing(standing_question, tokenizer) if standing_question else None
     service = ShadowService(reader, store, BandwidthRule(share=share), journal, loaded.weights_label,
                             standing=standing)
+    headers = tuple(h.strip() for h in session_headers.split(",") if h.strip())
+    identity = {"session_headers": headers, "prefix_match": prefix_match}
     if upstream:
-        app = create_app(service, tokenizer, "upstream", upstream=upstream, ask_token_ids=ask_token_ids)
+        app = create_app(service, tokenizer, "upstream", upstream=upstream, ask_token_ids=ask_token_ids, **identity)
     else:
         gen_model = loaded.model if generator_model in (None, model) else load_model(
             generator_model, dtype=parse_dtype(dtype), device=device, kernels=loaded.model.kernels).model
-        app = create_app(service, tokenizer, generator_model or model, generator=Generator(gen_model))
+        app = create_app(service, tokenizer, generator_model or model, generator=Generator(gen_model), **identity)
     if loaded.random:
         console.print("[yellow]weights are random:[/] answers and generated text mean nothing; exactness and timing do.")
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -36,7 +36,7 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(upstream: str | None = None, disk=None, journal=None, standing=None):
+def running(upstream: str | None = None, disk=None, journal=None, standing=None, **identity):
     """A real `shadow serve` app on loopback in a thread: embedded, or a proxy in front of
     `upstream`; leaving it is a planned stop (sessions parked on `disk`)."""
     loaded, reader = open_reader("tiny", grid=GRID)
@@ -44,9 +44,9 @@ def running(upstream: str | None = None, disk=None, journal=None, standing=None)
     service = ShadowService(reader, store, BandwidthRule(), journal=journal, weights=loaded.weights_label,
                             standing=standing)
     if upstream:
-        app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream)
+        app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream, **identity)
     else:
-        app = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model))
+        app = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model), **identity)
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -416,3 +416,13 @@ def test_summarize_decodes_from_a_fork_and_leaves_the_session(server):
     assert_exact(service, "sum")
     bad = client.post("/v1/shadow/summarize", json={"session": "sum", "max_tokens": 0})
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+
+
+def test_session_identity_is_configurable(tiny):
+    with running(session_headers=("x-conversation",), prefix_match=False) as (client, _):
+        body = {"messages": [{"role": "user", "content": long_text(50, 100)}], "max_tokens": 2}
+        named = client.post("/v1/chat/completions", json=body, headers={"x-conversation": "mine", "x-session-id": "no"})
+        assert named.headers["x-shadow-session"] == "mine"
+        first = client.post("/v1/chat/completions", json=body).headers["x-shadow-session"]
+        second = client.post("/v1/chat/completions", json=body).headers["x-shadow-session"]
+        assert first.startswith("auto-") and second.startswith("auto-") and first != second  # no prefix match

@@ -38,8 +38,12 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 def create_app(
     service: ShadowService, tokenizer: Tokenizer, model_name: str, generator: Generator | None = None,
     upstream: str | None = None, ask_token_ids: bool = True,
+    session_headers: tuple[str, ...] = SESSION_HEADERS, prefix_match: bool = True,
 ) -> FastAPI:
-    """Embedded mode with a `generator`; proxy mode with an `upstream` base URL (…/v1)."""
+    """Embedded mode with a `generator`; proxy mode with an `upstream` base URL (…/v1). A request's
+    session: the first of `session_headers` it carries, else (with `prefix_match`) the resident
+    session sharing the longest prefix with its prompt, else a new one."""
+    session_headers = tuple(h.lower() for h in session_headers)
     if (generator is None) == (upstream is None):
         raise ValueError("give a generator (embedded mode) or an upstream (proxy mode)")
     turn_ids = itertools.count(1)
@@ -112,8 +116,9 @@ def create_app(
         return request.headers.get(q.label_header) if q else None
 
     def session_of(request: Request, prompt: list[int] | None) -> str:
-        session = next((request.headers[h] for h in SESSION_HEADERS if h in request.headers), None)
-        return session or (prompt and service.match_session(prompt)) or f"auto-{next(auto_names)}"
+        session = next((request.headers[h] for h in session_headers if h in request.headers), None)
+        matched = service.match_session(prompt) if prefix_match and prompt else None
+        return session or matched or f"auto-{next(auto_names)}"
 
     async def complete(request: Request, body: dict, prompt: list[int] | None, chat: bool):
         if client:
