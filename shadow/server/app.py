@@ -208,8 +208,8 @@ def create_app(
                     service.first_token(turn_id)
                 out.append(token)
                 events.put(("token", token))
+                service.add_output(turn_id, [token])  # the output so far is readable in the share
                 service.share_slice(turn_id)
-            service.add_output(turn_id, out)
             events.put(("done", "stop" if out and out[-1] in eos else "length"))
         except Exception as e:  # the client gets the error; the shadow keeps what it fed
             events.put(("error", f"{type(e).__name__}: {e}"))
