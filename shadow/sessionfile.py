@@ -33,10 +33,17 @@ class SessionFileError(Exception):
 
 @dataclass(frozen=True)
 class Identity:
-    """What a file must match to be read: the weights and the grid."""
+    """What a file must match to be read: the weights, the grid, and the arithmetic (kernel set
+    and dtype: a state computed by other kernels would not continue bit for bit)."""
 
     weights_hash: str
     grid: int
+    arithmetic: str = ""
+
+
+def arithmetic_of(model) -> str:
+    """The kernel set and dtype a model computes with, e.g. 'fla/bfloat16'."""
+    return f"{model.kernels.name}/{str(model.dtype).removeprefix('torch.')}"
 
 
 def session_tensors(session: Session) -> dict[str, torch.Tensor]:
@@ -59,7 +66,7 @@ def write_session(path: Path, session: Session, identity: Identity, last_use: fl
     tensors = session_tensors(session)
     meta = {
         "format": FORMAT, "version": str(VERSION), "name": session.name, "model": model,
-        "weights_hash": identity.weights_hash, "grid": str(identity.grid),
+        "weights_hash": identity.weights_hash, "grid": str(identity.grid), "arithmetic": identity.arithmetic,
         "committed": str(session.committed), "tokens": str(len(session.ids)),
         "last_use": repr(last_use), "rollbacks": str(session.rollbacks), "ids_reread": str(session.ids_reread),
         "checkpoints": json.dumps([c.position for c in session.checkpoints]),
@@ -98,6 +105,8 @@ def check_identity(meta: dict[str, str], identity: Identity) -> None:
         raise SessionFileError(f"another model (weights {meta.get('weights_hash', '?')[:12]}…)")
     if meta.get("grid") != str(identity.grid):
         raise SessionFileError(f"another grid ({meta.get('grid')}, this reader uses {identity.grid})")
+    if meta.get("arithmetic", "") != identity.arithmetic:
+        raise SessionFileError(f"other kernels ({meta.get('arithmetic')!r}, this reader computes with {identity.arithmetic!r})")
 
 
 def read_session(path: Path, identity: Identity, model_state: ModelState) -> Session:

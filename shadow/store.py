@@ -21,7 +21,7 @@ from pathlib import Path
 
 from shadow.reader import Reader, Session
 from shadow.sessionfile import (
-    SUFFIX, Identity, SessionFileError, check_identity, read_header, read_session, write_session,
+    SUFFIX, Identity, SessionFileError, arithmetic_of, check_identity, read_header, read_session, write_session,
 )
 
 log = logging.getLogger("shadow.store")
@@ -72,7 +72,7 @@ class SessionStore:
         clock: Callable[[], float] = time.time,
     ):
         self.reader = reader
-        self.identity = Identity(weights_hash, reader.grid)
+        self.identity = Identity(weights_hash, reader.grid, arithmetic_of(reader.model))
         self.cap = None if cap_gib is None else int(cap_gib * GIB)  # None: no cap
         self.disk = Path(disk) if disk else None
         self.disk_cap = int(disk_cap_gib * GIB)
@@ -272,7 +272,7 @@ def check_folder(folder: Path, reader: Reader | None = None, weights_hash: str |
                 raise SessionFileError("rejected earlier")
             meta = read_header(path)
             if reader is not None and weights_hash is not None:
-                identity = Identity(weights_hash, reader.grid)
+                identity = Identity(weights_hash, reader.grid, arithmetic_of(reader.model))
                 check_identity(meta, identity)
                 read_session(path, identity, reader.model.new_state())
             valid, reason = True, "ok" if reader is not None else "header ok"

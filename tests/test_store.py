@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from shadow.model import load_model
 from shadow.reader import Reader
 from shadow.sessionfile import read_header
 from shadow.store import SessionStore, check_folder, session_bytes
@@ -170,7 +171,7 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("kind", list(BAD) + ["other-weights", "other-grid"])
+@pytest.mark.parametrize("kind", list(BAD) + ["other-weights", "other-grid", "other-arithmetic"])
 def test_bad_files_are_refused_reported_once_and_reread(reader, tiny, tmp_path, kind, caplog):
     writer = SessionStore(reader, "h", cap_gib=None, disk=tmp_path)
     original = fed(writer, reader, "a")
@@ -183,6 +184,9 @@ def test_bad_files_are_refused_reported_once_and_reread(reader, tiny, tmp_path, 
         expected = BAD[kind][1]
     elif kind == "other-weights":
         weights, expected = "another", "another model"
+    elif kind == "other-arithmetic":  # the same weights, computed in another dtype
+        bf16 = load_model("tiny", dtype=torch.bfloat16)
+        grid_reader, expected = Reader(bf16.model, GRID), "other kernels"
     else:
         grid_reader, expected = Reader(tiny.model, 2 * GRID), "another grid"
     store = SessionStore(grid_reader, weights, cap_gib=None, disk=tmp_path)
@@ -204,6 +208,7 @@ def test_bad_files_are_refused_reported_once_and_reread(reader, tiny, tmp_path, 
 
 KILL_WRITER = r"""
 import sys, torch
+from shadow.model import load_model
 from shadow.model import load_model
 from shadow.reader import Reader
 from shadow.store import SessionStore
