@@ -230,11 +230,11 @@ def test_sigkill_during_writes_never_leaves_a_file_read_as_valid_but_broken(read
     """A writer rewriting one session in a loop is killed with SIGKILL until a kill has landed
     mid-write (a temporary file left behind); every time, the file there is complete and valid."""
     killed_mid_write = 0
-    for attempt in range(12):
+    for attempt in range(30):  # a kill lands mid-write about one time in four
         folder = tmp_path / f"kill{attempt}"
         proc = subprocess.Popen([sys.executable, "-c", KILL_WRITER, str(folder)], stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(0.1 + 0.037 * attempt)
+        time.sleep(0.1 + 0.037 * (attempt % 12))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         killed_mid_write += any(p.name.endswith(".tmp") for p in folder.iterdir())
