@@ -155,6 +155,7 @@ def import_trajectory(path: str | Path, service: ServiceModel, tokenizer=None) -
     from `service`'s prefill and decode rates, an end clamped to the next request's arrival."""
     from shadow.chat import render_output, render_prompt
     from shadow.conversations import load_conversation
+    from shadow.reader import common_prefix
 
     path = Path(path)
     try:
@@ -174,7 +175,7 @@ def import_trajectory(path: str | Path, service: ServiceModel, tokenizer=None) -
         for t, (history, output) in zip(times, conv.requests()):
             prompt = tokenizer.encode(render_prompt(history))
             out = tokenizer.encode(render_output(output))
-            shared = _common_prefix(previous, prompt)
+            shared = common_prefix(previous, prompt)
             arrivals.append((name, float(t), len(prompt), len(prompt) - shared, len(out)))
             previous = prompt + out
     else:
@@ -202,11 +203,3 @@ def rebase(requests: Sequence[Request]) -> list[Request]:
     origin = min(r.start for r in requests)
     return [Request(r.session, r.start - origin, r.first_token - origin, r.end - origin, r.prompt_tokens,
                     r.new_prompt_tokens, r.output_tokens) for r in requests]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

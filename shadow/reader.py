@@ -78,7 +78,7 @@ class Reader:
         last grid line at or below the prompt's end."""
         ids = self.check_ids(ids)
         known = session.ids
-        same = _common_prefix(known, ids)
+        same = common_prefix(known, ids)
         feed = Feed(None, None, 0)
         if same < len(known):
             feed = Feed(same, None, 0)
@@ -240,11 +240,15 @@ def check_grid(grid: int) -> int:
     return grid
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if list(a[:n]) == list(b[:n]):
-        return n
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix: a binary search over slice comparisons (each done in
+    C), so long sessions compare fast."""
+    a, b = list(a), list(b)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -203,3 +203,11 @@ def test_compare_states_sees_a_one_ulp_change(reader):
     recurrent.view(-1)[7] = torch.nextafter(recurrent.view(-1)[7], torch.tensor(1e9))
     _, mismatched, diffs = compare_states(s.state, fresh)
     assert mismatched == ["layers.0.recurrent"] and 0 < diffs["recurrent"] < 1e-6
+
+
+@pytest.mark.parametrize("a, b, n", [([], [], 0), ([1, 2, 3], [1, 2, 3], 3), ([1, 2, 3], [1, 2], 2),
+                                     ([1, 2, 3], [1, 9, 3], 1), ([5], [6], 0), (list(range(1000)), list(range(999)) + [0], 999)])
+def test_common_prefix(a, b, n):
+    from shadow.reader import common_prefix
+
+    assert common_prefix(a, b) == n == common_prefix(b, a)

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from shadow.errors import ShadowInputError
-from shadow.reader import Reader, Session
+from shadow.reader import Reader, Session, common_prefix
 from shadow.routereval import ids_crc
 from shadow.schedule import BandwidthRule
 from shadow.store import SessionStore
@@ -334,12 +334,7 @@ class ShadowService:
                 s = self.store.peek(name)
                 if s is None:
                     continue
-                ids = s.ids
-                n = 0
-                for a, b in zip(ids, prompt_ids):
-                    if a != b:
-                        break
-                    n += 1
+                n = common_prefix(s.ids, prompt_ids)
                 if n > best_len:
                     best, best_len = name, n
         return best
