@@ -111,10 +111,14 @@ class SessionStore:
     def settle(self, keep: str | None = None) -> None:
         """Spill (or drop) least recently used sessions until resident bytes fit the cap; `keep`
         stays resident even when it alone is over the cap."""
+        if self.cap is None:
+            return
+        total = self.resident_bytes()
         for name in list(self._resident):
-            if self.cap is None or self.resident_bytes() <= self.cap:
+            if total <= self.cap:
                 break
             if name != keep:
+                total -= session_bytes(self._resident[name])
                 self._evict(name)
 
     def close(self) -> None:
