@@ -19,6 +19,7 @@ from shadow.errors import ShadowInputError
 @user_errors
 def read_rate(
     model: ModelOpt = "tiny",
+    also_model: Annotated[list[str] | None, typer.Option(help="More presets or checkpoints whose per-chunk sweep is timed too (repeatable), e.g. qwen3.5-2b.")] = None,
     grid: Annotated[list[int] | None, typer.Option(help="Grid(s) to sweep (repeatable); the first one is used for the whole-session read, ask, decode and the reference. Default 512.")] = None,
     contexts: Annotated[str, typer.Option(help="Context depths for the per-chunk timing, comma-separated.")] = "0,16384,65536",
     device: DeviceOpt = "cpu",
@@ -63,7 +64,14 @@ def read_rate(
         say = lambda text: status.update(f"read-rate: {text}")  # noqa: E731
         for i, g in enumerate(grids):
             r = reader if i == 0 else reader_for(loaded, g)
-            result.rows += rr.chunk_times(r, depths, repeats, progress=say)
+            result.rows += rr.chunk_times(r, depths, repeats, progress=say, model=model)
+        for other in also_model or []:
+            extra, _ = open_reader(other, grid=grids[0], device=device, dtype=parse_dtype(dtype), kernels=kernels)
+            for g in grids:
+                result.rows += rr.chunk_times(reader_for(extra, g), depths, repeats, progress=say, model=other)
+            del extra
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
         if full_read_tokens:
             say(f"whole read of {full_read_tokens:,} ids")
             result.full_read_tokens = full_read_tokens
@@ -83,12 +91,12 @@ def read_rate(
             del ref
     seconds = time.perf_counter() - started
 
-    head = _headline(result.rows, grids[0])
+    head = _headline([r for r in result.rows if r.model == model], grids[0])
     table = Table(title=f"read-rate · {model} ({loaded.weights_label} weights) · {loaded.model.kernels.name} kernels · {device_name}")
-    for col in ("grid", "context", "ms / chunk", "ms / 1k tokens"):
-        table.add_column(col, justify="right")
+    for col in ("model", "grid", "context", "ms / chunk", "ms / 1k tokens"):
+        table.add_column(col, justify="left" if col == "model" else "right")
     for row in result.rows:
-        table.add_row(f"{row.grid:,}", f"{row.context:,}", f"{row.ms_per_chunk:.2f}", f"{row.ms_per_1k_tokens:.2f}")
+        table.add_row(row.model, f"{row.grid:,}", f"{row.context:,}", f"{row.ms_per_chunk:.2f}", f"{row.ms_per_1k_tokens:.2f}")
     console.print(table)
     if full_read_tokens:
         console.print(f"whole read of {result.full_read_tokens:,} ids from empty: {result.full_read_s:.3f} s")
@@ -138,9 +146,9 @@ def _plot(path: Path, result, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for g in sorted({r.grid for r in result.rows}):
-        rows = [r for r in result.rows if r.grid == g]
-        ax.plot([r.context for r in rows], [r.ms_per_1k_tokens for r in rows], marker="o", label=f"shadow, grid {g}")
+    for m, g in sorted({(r.model, r.grid) for r in result.rows}):
+        rows = [r for r in result.rows if (r.model, r.grid) == (m, g)]
+        ax.plot([r.context for r in rows], [r.ms_per_1k_tokens for r in rows], marker="o", label=f"{m}, grid {g}")
     if result.reference_ms_per_1k_tokens:
         ax.axhline(result.reference_ms_per_1k_tokens, ls="--", color="grey",
                    label=f"transformers reference ({result.compare_tokens:,} ids from empty)")

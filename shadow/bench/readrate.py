@@ -23,6 +23,7 @@ LETTERS = [32, 33, 34, 35, 36, 37, 38, 39, 40]  # "A" .. "I" in the Qwen3.5 voca
 
 @dataclass
 class DepthRow:
+    model: str
     grid: int
     context: int
     ms_per_chunk: float
@@ -54,7 +55,7 @@ def random_ids(n: int, seed: int = 0) -> list[int]:
 
 def chunk_times(
     reader: Reader, contexts: Sequence[int], repeats: int = 5,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | None = None, model: str = "",
 ) -> list[DepthRow]:
     """Median ms of one grid chunk read at each context depth (rounded down to the grid).
     Each timed chunk runs in a fork, so the session is the same for every repeat."""
@@ -67,14 +68,14 @@ def chunk_times(
     for depth in depths:
         reader.advance(session, max_chunks=(depth - session.committed) // reader.grid)
         if progress:
-            progress(f"grid {reader.grid}, context {depth:,}")
+            progress(f"{model} grid {reader.grid}, context {depth:,}")
 
         def one_chunk() -> None:
             with reader.fork(session.state) as state:
                 reader.forward(chunk, state)
 
         ms = time_ms(one_chunk, device, repeats=repeats, warmup=2)
-        rows.append(DepthRow(reader.grid, depth, ms, ms * 1000 / reader.grid))
+        rows.append(DepthRow(model, reader.grid, depth, ms, ms * 1000 / reader.grid))
     return rows
 
 
