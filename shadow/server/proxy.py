@@ -24,11 +24,16 @@ log = logging.getLogger("shadow.proxy")
 PASS_HEADERS = ("authorization", "content-type", "accept", "openai-organization", "openai-project")
 
 
-def _on_device(service: ShadowService, turn_id: int, prompt=None, output=None, first=False, share=False) -> None:
+def _on_device(service: ShadowService, turn_id: int, prompt=None, output=None, first=False, share=False,
+               wait: bool = True) -> bool:
     """Feed the shadow with the device held: the prompt, the first token's time, output ids, a
     share slice. Ids the shadow cannot take (none rendered, outside its vocabulary) are skipped:
-    the client's response never depends on the shadow."""
-    service.acquire_device()
+    the client's response never depends on the shadow. With wait False and the device busy (an
+    ask reading), nothing is done and False comes back: the stream does not wait for the shadow."""
+    if wait:
+        service.acquire_device()
+    elif not service.device_lock.acquire(blocking=False):
+        return False
     try:
         if prompt is not None:
             service.set_prompt(turn_id, prompt)
@@ -42,6 +47,7 @@ def _on_device(service: ShadowService, turn_id: int, prompt=None, output=None, f
         log.warning("the shadow skipped ids of turn %s: %s", turn_id, e)
     finally:
         service.release_device()
+    return True
 
 
 def _output_ids(choice: dict) -> list[int] | None:
@@ -85,6 +91,7 @@ async def forward(
     async def relay():
         first, text, fed_ids = True, [], False
         buffer = b""
+        prompt, held = None, []  # what the shadow has not taken yet (the device was busy)
         try:
             async for piece in upstream_response.aiter_raw():
                 yield piece  # unchanged bytes: the engine's own SSE framing
@@ -96,18 +103,20 @@ async def forward(
                         continue
                     choice = (event.get("choices") or [{}])[0]
                     ids = _output_ids(choice)
-                    prompt = None
-                    if first:
+                    if first and prompt is None:  # the engine sends prompt ids on its first chunk only
                         prompt = event.get("prompt_token_ids") or rendered
                     fed_ids = fed_ids or ids is not None
                     if ids is None:
                         text.append(_text(choice, chat, streamed=True))
-                    await asyncio.to_thread(_on_device, service, turn_id, prompt, ids, first, not first)
-                    first = False
+                    held += ids or []
+                    if await asyncio.to_thread(_on_device, service, turn_id, prompt, held, first, not first, False):
+                        prompt, held, first = None, [], False
         finally:
             await upstream_response.aclose()
             if not fed_ids and text:
-                await asyncio.to_thread(_on_device, service, turn_id, None, tokenizer.encode("".join(text)))
+                held += tokenizer.encode("".join(text))
+            if prompt is not None or held:  # what waited for the device is fed now
+                await asyncio.to_thread(_on_device, service, turn_id, prompt, held, first)
             service.end_turn(turn_id)
 
     return StreamingResponse(relay(), status_code=200, media_type=upstream_response.headers.get("content-type"))
