@@ -108,6 +108,14 @@ def wait_until_read(service: ShadowService, names, timeout: float = 60.0) -> Non
     raise AssertionError("the idle window did not catch up")
 
 
+def settled(service: ShadowService, timeout: float = 30.0) -> None:
+    """Wait until no turn is in flight (a proxy feeds the shadow after the response has gone)."""
+    deadline = time.time() + timeout
+    while service.turns and time.time() < deadline:
+        time.sleep(0.02)
+    assert not service.turns
+
+
 def assert_exact(service: ShadowService, name: str) -> None:
     with service.device_lock, service.state_lock:
         s = service.store.get(name)
@@ -266,6 +274,7 @@ def test_proxy_passes_bodies_and_errors_through(proxied):
     bad = proxy.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 0})
     assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]  # the engine's own error
     assert proxy.get("/v1/models").json() == engine.get("/v1/models").json()
+    settled(service)
     assert service.status()["turns_in_flight"] == 0
 
 
@@ -276,6 +285,7 @@ def test_proxy_renders_ids_itself_when_the_engine_returns_none(proxied):
                    json={"messages": [{"role": "user", "content": long_text(13, 200)}], "max_tokens": 4,
                          "return_token_ids": False})
     assert r.status_code == 200 and "prompt_token_ids" not in r.json()
+    settled(service)
     with service.state_lock:
         service_prompt_ids = service.store.get("p3").ids
     assert service_prompt_ids[:2] == [248045, 846] and len(service_prompt_ids) > 200
@@ -426,3 +436,20 @@ def test_session_identity_is_configurable(tiny):
         first = client.post("/v1/chat/completions", json=body).headers["x-shadow-session"]
         second = client.post("/v1/chat/completions", json=body).headers["x-shadow-session"]
         assert first.startswith("auto-") and second.startswith("auto-") and first != second  # no prefix match
+
+
+def test_a_proxied_stream_never_waits_for_the_shadow(proxied):
+    """With the shadow's device held (as by a long ask), a stream through the proxy still ends;
+    the shadow takes its ids once the device is free."""
+    proxy, service, engine = proxied
+    service.device_lock.acquire()
+    try:
+        chunks, _ = stream_chat(proxy, "busy", [{"role": "user", "content": long_text(60, 150)}], max_tokens=5)
+        assert chunks and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        with service.state_lock:
+            assert service.store.peek("busy") is None or service.store.peek("busy").ids == []
+    finally:
+        service.device_lock.release()
+    settled(service)
+    s = service.store.peek("busy")
+    assert s is not None and s.ids[:2] == [248045, 846] and len(s.ids) > 150  # prompt and output, fed late

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -82,9 +83,11 @@ async def forward(
     if upstream_response.status_code != 200 or not body.get("stream"):
         content = await upstream_response.aread()
         await upstream_response.aclose()
-        if upstream_response.status_code == 200:
-            await asyncio.to_thread(_feed_whole, service, turn_id, content, tokenizer, rendered, chat)
-        service.end_turn(turn_id)
+        if upstream_response.status_code == 200:  # the shadow feeds after the response, never before it
+            threading.Thread(target=_feed_whole, args=(service, turn_id, content, tokenizer, rendered, chat),
+                             daemon=True).start()
+        else:
+            service.end_turn(turn_id)
         return Response(content, status_code=upstream_response.status_code,
                         media_type=upstream_response.headers.get("content-type"))
 
@@ -115,11 +118,16 @@ async def forward(
             await upstream_response.aclose()
             if not fed_ids and text:
                 held += tokenizer.encode("".join(text))
-            if prompt is not None or held:  # what waited for the device is fed now
-                await asyncio.to_thread(_on_device, service, turn_id, prompt, held, first)
-            service.end_turn(turn_id)
+            # what waited for the device is fed when it is free, after the response has ended
+            threading.Thread(target=_finish, args=(service, turn_id, prompt, held, first), daemon=True).start()
 
     return StreamingResponse(relay(), status_code=200, media_type=upstream_response.headers.get("content-type"))
+
+
+def _finish(service: ShadowService, turn_id: int, prompt, held: list[int], first: bool) -> None:
+    if prompt is not None or held:
+        _on_device(service, turn_id, prompt, held, first)
+    service.end_turn(turn_id)
 
 
 def _event(line: bytes) -> dict | None:
@@ -138,13 +146,15 @@ def _event(line: bytes) -> dict | None:
 
 def _feed_whole(service: ShadowService, turn_id: int, content: bytes, tokenizer: Tokenizer,
                 rendered: list[int], chat: bool) -> None:
+    """Feed a whole (non-streamed) answer, then end the turn."""
     try:
         body = json.loads(content)
         choice = (body.get("choices") or [{}])[0]
     except (json.JSONDecodeError, AttributeError):
+        service.end_turn(turn_id)
         return  # not JSON: the client gets it as it is; the shadow learns nothing from it
     prompt = body.get("prompt_token_ids") or choice.get("prompt_token_ids") or rendered
     ids = _output_ids(choice)
     if ids is None:
         ids = tokenizer.encode(_text(choice, chat, streamed=False))
-    _on_device(service, turn_id, prompt, ids, first=True)
+    _finish(service, turn_id, prompt, ids, first=True)
