@@ -453,3 +453,20 @@ def test_a_proxied_stream_never_waits_for_the_shadow(proxied):
     settled(service)
     s = service.store.peek("busy")
     assert s is not None and s.ids[:2] == [248045, 846] and len(s.ids) > 150  # prompt and output, fed late
+
+
+def test_a_late_answer_never_lands_after_a_newer_prompt(server):
+    """The service drops output (or a prompt) of a turn older than the session's newest fed turn."""
+    _, service = server
+    service.acquire_device()
+    try:
+        service.begin_turn(101, "late", list(range(300)))
+        service.begin_turn(102, "late", list(range(300)) + [7] * 50)  # the next turn came first
+        service.add_output(101, [9, 9, 9])  # turn 101's answer arrives after it
+        service.set_prompt(101, list(range(200)))  # and a stale prompt too
+        service.add_output(102, [5])
+        for t in (101, 102):
+            service.end_turn(t)
+    finally:
+        service.release_device()
+    assert service.store.peek("late").ids == list(range(300)) + [7] * 50 + [5]

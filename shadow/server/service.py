@@ -114,6 +114,7 @@ class ShadowService:
         self._holder: str | None = None  # "reader" while the idle window holds the device
         self.counters = Counters()
         self._recent: list[str] = []
+        self._latest: dict[str, int] = {}  # session -> the newest turn that fed its prompt
         self._stop = threading.Event()
         self._idle = threading.Thread(target=self._idle_window, name="shadow-idle", daemon=True)
 
@@ -166,6 +167,9 @@ class ShadowService:
             return
         with self.state_lock:
             turn = self.turns[turn_id]
+            if self._latest.get(turn.session, 0) > turn_id:
+                return  # a newer turn of this session has fed already: this one came too late
+            self._latest[turn.session] = turn_id
             session = self.store.get(turn.session)
             behind = len(session.ids) - session.committed
             self.reader.feed_prompt(session, ids)
@@ -183,9 +187,13 @@ class ShadowService:
             self.turns[turn_id].first_token = self.clock()
 
     def add_output(self, turn_id: int, ids: Sequence[int]) -> None:
+        """Append output ids, unless a newer turn of the session has fed its prompt since (that
+        prompt holds this answer already, re-rendered)."""
         if not self.enabled or not self.has_prompt(turn_id):
             return
         with self.state_lock:
+            if self._latest.get(self.turns[turn_id].session) != turn_id:
+                return
             turn = self.turns[turn_id]
             self.reader.feed_output(self.store.get(turn.session), ids)
 
