@@ -102,7 +102,9 @@ def wait_until_read(service: ShadowService, names, timeout: float = 60.0) -> Non
     while time.time() < deadline:
         with service.state_lock:
             done = all(service.store.get(n).pending < GRID for n in names) and not service.turns
-        if done:
+            done = done and not service.pending  # standing questions answered
+        if done and service.device_lock.acquire(timeout=timeout):  # and no chunk in flight
+            service.device_lock.release()
             return
         time.sleep(0.1)
     raise AssertionError("the idle window did not catch up")

@@ -107,7 +107,9 @@ class ShadowService:
         self.standing = standing
         self.pending: dict[str, Pending] = {}
         self.clock = clock
-        self.device_lock = threading.Lock()  # the GPU (or CPU): generator, reader, asks
+        # the GPU (or CPU): generator, reader, asks, and any spill of a session to disk. Reentrant,
+        # so a request holding it can end its turn (which may spill) without letting go first.
+        self.device_lock = threading.RLock()
         self.state_lock = threading.Lock()  # sessions, turns, counters
         self.turns: dict[int, Turn] = {}
         self.waiting = 0
@@ -220,7 +222,9 @@ class ShadowService:
         return done
 
     def end_turn(self, turn_id: int) -> None:
-        with self.state_lock:
+        """The request is over; sessions past the cap spill, with the device held (a spill reads
+        session tensors, which nothing may change meanwhile)."""
+        with self.device_lock, self.state_lock:
             turn = self.turns.pop(turn_id)
             if turn.prompt_fed:
                 self.store.settle(keep=turn.session)
@@ -385,6 +389,8 @@ class ShadowService:
         started = self.clock()
         with self._read_to_end(session, timeout_s) as (s, behind, read):
             probs = self.reader.ask(s, question, choice_ids).tolist()
+            with self.state_lock:
+                self.store.settle(keep=session)
         best = max(range(len(probs)), key=probs.__getitem__)
         answer = {
             "session": session, "choices": list(labels), "probs": probs, "label": labels[best],
@@ -399,7 +405,6 @@ class ShadowService:
             self.counters.asks += 1
             self.counters.chunks_ask += read
             self._record(answer)
-            self.store.settle(keep=session)
         return answer
 
     def summarize(self, session: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 10.0) -> dict:
