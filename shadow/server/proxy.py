@@ -77,7 +77,7 @@ async def forward(
     try:
         upstream_response = await client.send(client.build_request("POST", url, json=sent, headers=headers), stream=True)
     except httpx.HTTPError as e:
-        service.end_turn(turn_id)
+        await asyncio.to_thread(service.end_turn, turn_id)  # it may wait for the device
         return JSONResponse({"error": {"message": f"upstream unreachable: {type(e).__name__}: {e}",
                                        "type": "upstream_error"}}, status_code=502)
     if upstream_response.status_code != 200 or not body.get("stream"):
@@ -87,7 +87,7 @@ async def forward(
             threading.Thread(target=_feed_whole, args=(service, turn_id, content, tokenizer, rendered, chat),
                              daemon=True).start()
         else:
-            service.end_turn(turn_id)
+            await asyncio.to_thread(service.end_turn, turn_id)
         return Response(content, status_code=upstream_response.status_code,
                         media_type=upstream_response.headers.get("content-type"))
 
