@@ -45,8 +45,13 @@ def ab(
     tokenizer = load_tokenizer(None)
     with Progress(TextColumn("a/b"), BarColumn(), MofNCompleteColumn(), console=errors, transient=True) as bar:
         task = bar.add_task("a/b", total=2 * runs)
-        results = run_ab(base, tokenizer, prompt_tokens, output_tokens, runs, pause,
-                         lambda done, total: bar.update(task, completed=done))
+
+        def report(done: int, total: int, run) -> None:
+            bar.console.print(f"run {done}/{total}: pair {run.pair}, shadow {run.arm}: TTFT {run.ttft_s:.3f} s, "
+                              f"decode {run.decode_tok_s:.2f} tok/s, {run.tokens} tokens")
+            bar.update(task, completed=done)
+
+        results = run_ab(base, tokenizer, prompt_tokens, output_tokens, runs, pause, report)
     summary = summarize(results, gate_pct)
     table = Table(title=f"ab · {url} · {prompt_tokens:,} prompt tokens, {output_tokens} out · shadow weights: {status.get('weights')}")
     for col in ("pair", "arm", "TTFT s", "decode tok/s", "tokens"):

@@ -57,6 +57,9 @@ def serve(
     mode: requests go to the engine and come back unchanged while the shadow reads beside it.
     Session identity: the x-session-id or X-OpenWebUI-Chat-Id header, else the longest matching
     prefix of a known session."""
+    import faulthandler
+    import signal
+
     import uvicorn
 
     from shadow.engine import open_reader
@@ -83,7 +86,8 @@ def serve(
     else:
         gen_model = loaded.model if generator_model in (None, model) else load_model(
             generator_model, dtype=parse_dtype(dtype), device=device, kernels=loaded.model.kernels).model
-        app = create_app(service, tokenizer, generator_model or model, generator=Generator(gen_model), **identity)
+        app = create_app(service, tokenizer, generator_model or model, generator=Generator.on(gen_model), **identity)
     if loaded.random:
         console.print("[yellow]weights are random:[/] answers and generated text mean nothing; exactness and timing do.")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -23,8 +23,12 @@ echo "serve up after $(( $(date +%s) - started )) s"
 curl -s "http://127.0.0.1:$port/v1/chat/completions" -H 'x-session-id: warmup' \
   -d "{\"messages\": [{\"role\": \"user\", \"content\": \"$(printf 'warm up the kernels %.0s' $(seq 1 400))\"}], \"max_tokens\": 8}" > /dev/null
 sleep 3
-shadow ab --url "http://127.0.0.1:$port/v1" --prompt-tokens "${PROMPT:-2000}" --output-tokens "${OUTPUT:-32}" \
-  --runs "${RUNS:-3}" --pause 1.5 --plot "$out/ab.png" --json > "$out/ab.txt" || true
+timeout "${AB_TIMEOUT:-900}" shadow ab --url "http://127.0.0.1:$port/v1" --prompt-tokens "${PROMPT:-2000}" \
+  --output-tokens "${OUTPUT:-32}" --runs "${RUNS:-3}" --pause 1.5 --plot "$out/ab.png" --csv "$out/ab.csv" --json \
+  > "$out/ab.txt" 2> >(tee "$out/ab.log" >&2) || status=$?
+if [ "${status:-0}" = 124 ]; then  # timed out: every thread's stack of the server, into its log
+  echo "ab timed out; the server's threads:"; kill -USR1 $server; sleep 2; tail -n 80 "$out/serve.log"; exit 1
+fi
 tail -n 1 "$out/ab.txt" > "$out/ab.json"
 # labelled asks: a reference label per session (random labels: the mechanics, not the router)
 python3 - "$port" <<'PY'

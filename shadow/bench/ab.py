@@ -65,7 +65,8 @@ def switch(client: httpx.Client, base: str, on: bool) -> None:
 
 def run_ab(base: str, tokenizer: Tokenizer, prompt_tokens: int, output_tokens: int, runs: int, pause_s: float,
            progress=None) -> list[Run]:
-    """`runs` pairs; within a pair the arms alternate (off first in even pairs, on first in odd ones)."""
+    """`runs` pairs; within a pair the arms alternate (off first in even pairs, on first in odd ones).
+    `progress(done, total, run)` is called after each run."""
     out = []
     with httpx.Client(timeout=httpx.Timeout(900.0)) as client:
         for pair in range(runs):
@@ -75,7 +76,7 @@ def run_ab(base: str, tokenizer: Tokenizer, prompt_tokens: int, output_tokens: i
                 out.append(stream_once(client, base, prompt_text(tokenizer, prompt_tokens, tag), output_tokens,
                                        f"ab-{tag}", arm, pair))
                 if progress:
-                    progress(len(out), 2 * runs)
+                    progress(len(out), 2 * runs, out[-1])
                 time.sleep(pause_s)
         switch(client, base, True)
     return out

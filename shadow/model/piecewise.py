@@ -124,7 +124,7 @@ class PiecewiseForward:
         graphs = []
         for piece in pieces:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool), torch.no_grad():
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), torch.no_grad():
                 self._piece(plan, piece)
             graphs.append(graph)
         plan.graphs = graphs

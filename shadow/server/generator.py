@@ -18,6 +18,16 @@ class Generator:
         self.model = model
         self.forward = forward or model
 
+    @classmethod
+    def on(cls, model: Qwen35) -> Generator:
+        """A generator whose prefill chunks and decode steps replay CUDA graphs on a GPU (as an
+        engine's would); the plain forward elsewhere."""
+        if model.device.type != "cuda":
+            return cls(model)
+        from shadow.model.piecewise import PiecewiseForward
+
+        return cls(model, PiecewiseForward(model, sizes={PREFILL_CHUNK, 1}))
+
     def generate(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = ()) -> Iterator[int]:
         """Greedy tokens after `prompt`, one per decode round, ending at a stop id (yielded) or max_tokens."""
         state = self.model.new_state()
