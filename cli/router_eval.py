@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from cli.common import CsvOpt, JsonOpt, console, emit_json, errors, user_errors, write_csv
+from cli.common import CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, parse_dtype, console, emit_json, errors, user_errors, write_csv
 from shadow.errors import ShadowInputError
 
 
@@ -19,6 +19,9 @@ def router_eval(
     sessions: Annotated[Path, typer.Option(help="The folder of parked session files (`shadow serve --disk`).")],
     model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Model(s) to ask (presets or checkpoint folders); default tiny.")] = None,
     question: Annotated[list[str] | None, typer.Option(help="'journal' (the journal's own question) or a JSON file {name, text, choices}; repeatable.")] = None,
+    device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = "auto",
+    kernels: KernelsOpt = "auto",
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -26,7 +29,8 @@ def router_eval(
     on the journal's grid) with each model and question, and compare with the journal's reference
     labels: agreement, the constant-answer baseline (the most frequent label), the same on the
     "fresh" subset, a confusion table, and the control (the journal's own model and question must
-    give the journal's probabilities again within 0.02)."""
+    give the journal's probabilities again within 0.02; like for like only with the live server's
+device, dtype and kernels, which the journal records as its arithmetic)."""
     from shadow.engine import open_reader
     from shadow.routereval import evaluate, load_question, read_journal, session_ids
     from shadow.tokenizer import load_tokenizer
@@ -42,7 +46,8 @@ def router_eval(
     scores = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=errors, transient=True) as bar:
         for name in model or ["tiny"]:
-            loaded, reader = open_reader(name, grid=next(iter(grids)))
+            loaded, reader = open_reader(name, grid=next(iter(grids)), device=device, dtype=parse_dtype(dtype),
+                                         kernels=kernels)
             tokenizer = load_tokenizer(loaded.path)
             for q in questions:
                 task = bar.add_task(f"{name} · {q.name}", total=len(entries))
@@ -56,7 +61,8 @@ def router_eval(
         row = {"model": s.model, "question": s.question, "random_weights": s.random_weights, "turns": s.turns,
                "agree": s.agree, "constant_baseline": s.constant_baseline, "fresh_turns": s.fresh_turns,
                "fresh_agree": s.fresh_agree, "fresh_constant_baseline": s.fresh_constant_baseline,
-               "control_max_abs_diff": s.control_max_abs_diff, "changed": s.changed,
+               "control_max_abs_diff": s.control_max_abs_diff, "control_same_arithmetic": s.control_same_arithmetic,
+               "changed": s.changed,
                "confusion": {ref: dict(c) for ref, c in s.confusion.items()}}
         rows.append(row)
         table.add_row(s.model, s.question, str(s.turns), str(s.agree), str(s.constant_baseline), str(s.fresh_turns),
@@ -72,6 +78,9 @@ def router_eval(
         for ref in labels:
             confusion.add_row(ref, *(str(s.confusion.get(ref, {}).get(p, 0)) for p in labels))
         console.print(confusion)
+    if any(s.control_same_arithmetic is False for s in scores):
+        console.print("[yellow]the control re-asked with other arithmetic[/] than the live server's (device, dtype or "
+                      "kernels): pass the server's --device and --dtype for a like-for-like control.")
     if any(s.random_weights for s in scores):
         console.print("[yellow]weights are random:[/] agreement figures mean nothing here; the mechanics "
                       "(insertion points, control, baselines) are what this run shows.")

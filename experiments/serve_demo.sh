@@ -44,6 +44,6 @@ for k in range(8):
         "reference": rng.choice("AAB"), "fresh": k % 2 == 0})
 PY
 kill -TERM $server; wait $server || true
-shadow router-eval --journal "$work/journal.jsonl" --sessions "$work/disk" --model "$model" --json > "$out/router-eval.txt"
+shadow router-eval --journal "$work/journal.jsonl" --sessions "$work/disk" --model "$model" --device "$device" --json > "$out/router-eval.txt"
 tail -n 1 "$out/router-eval.txt" > "$out/router-eval.json"
 tail -n 3 "$out/ab.txt" "$out/router-eval.txt"

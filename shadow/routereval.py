@@ -19,6 +19,7 @@ from pathlib import Path
 from safetensors import safe_open
 
 from shadow.errors import ShadowInputError
+from shadow.sessionfile import arithmetic_of
 from shadow.reader import Reader
 from shadow.sessionfile import SessionFileError, read_header
 from shadow.tokenizer import Tokenizer
@@ -41,6 +42,7 @@ class Entry:
     weights_hash: str
     grid: int
     prefix_crc: int | None
+    arithmetic: str | None = None  # the live reader's kernel set and dtype, e.g. 'fla/bfloat16'
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class Score:
     constant_baseline: int = 0
     fresh_constant_baseline: int = 0
     control_max_abs_diff: float | None = None  # only where the model is the journal's own
+    control_same_arithmetic: bool | None = None  # the control re-asked with the live kernels and dtype
     confusion: dict[str, Counter] = field(default_factory=dict)
 
 
@@ -86,7 +89,7 @@ def read_journal(path: str | Path) -> tuple[list[Entry], int]:
                 str(row["session"]), int(row["insertion"]), tuple(int(i) for i in row["question_ids"]),
                 tuple(str(c) for c in row["choices"]), tuple(float(p) for p in row["probs"]),
                 str(row["reference"]), bool(row.get("fresh")), str(row["weights_hash"]), int(row["grid"]),
-                row.get("prefix_crc"),
+                row.get("prefix_crc"), row.get("arithmetic"),
             ))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
             raise ShadowInputError(f"{path}:{n}: not a journal line ({type(e).__name__}: {e})") from None
@@ -154,6 +157,9 @@ def evaluate(
         if progress:
             progress()
     score.control_max_abs_diff = worst if own else None
+    if own:
+        mine = arithmetic_of(reader.model)
+        score.control_same_arithmetic = all(e.arithmetic in (None, mine) for e in entries)
     return score
 
 

@@ -353,6 +353,7 @@ def test_router_eval_on_a_journal_built_by_serve(tiny, tmp_path):
     own, other = doc["results"]
     assert own["question"] == "journal" and own["control_max_abs_diff"] is not None
     assert own["control_max_abs_diff"] <= 0.02 and own["changed"] == 1  # r0's ask is no longer valid
+    assert own["control_same_arithmetic"] is True
     assert own["turns"] == 3 and own["constant_baseline"] == 2 and own["fresh_constant_baseline"] == 1
     assert sum(sum(c.values()) for c in own["confusion"].values()) == 3
     assert other["question"] == "labels" and other["control_max_abs_diff"] is None
