@@ -15,7 +15,7 @@ D=.carry/data
 for step in "$@"; do
   echo "== $step"
   case $step in
-    tests) timeout 300 python3 -m pytest -q -rfE tests/test_gpu.py tests/test_piecewise.py 2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
+    tests) timeout 300 python3 -m pytest -q -rfE tests/test_gpu.py tests/test_piecewise.py tests/test_fused.py 2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
     profile) timeout 300 python3 experiments/profile_chunk.py 2>&1 | tee "$OUT/profile.txt" | tail -45 ;;
     rate512) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,16384,65536 --repeats 5 \
                --json 2>&1 | tail -12 ;;

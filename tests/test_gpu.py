@@ -37,6 +37,39 @@ def test_fla_gdn_matches_reference_kernel():
     assert rel(step_out, ref_step) < 2e-2 and rel(step_new, ref_step_new) < 2e-2
 
 
+def test_fla_gate_in_kernel_matches_the_reference_gate():
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for t in (512, 1):
+        q = torch.randn(t, 4, 128, device="cuda", generator=g).bfloat16()
+        k = torch.randn(t, 4, 128, device="cuda", generator=g).bfloat16()
+        v = torch.randn(t, 8, 128, device="cuda", generator=g).bfloat16()
+        a, b = (torch.randn(t, 8, device="cuda", generator=g).bfloat16() for _ in range(2))
+        a_log, dt_bias = torch.rand(8, device="cuda", generator=g), torch.rand(8, device="cuda", generator=g)
+        state = torch.randn(8, 128, 128, device="cuda", generator=g) * 0.1
+        out, new = fast.gdn_fla_gated(q, k, v, a, b, a_log, dt_bias, state)
+        ref_out, ref_new = ops.gdn_gated_reference(q.double(), k.double(), v.double(), a.double(), b.double(),
+                                                   a_log.double(), dt_bias.double(), state.double())
+        assert rel(out, ref_out) < 2e-2 and rel(new, ref_new) < 2e-2, t
+
+
+def test_triton_kernels_match_their_twins_on_cuda():
+    from shadow.model import kernel_twins as twin, triton_ops as tri
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    for t in (1, 3, 512):
+        x = torch.randn(t, 6144 + 2080, device="cuda", generator=g).bfloat16()[:, :6144]
+        state = torch.randn(6144, 3, device="cuda", generator=g).bfloat16()
+        w = torch.randn(6144, 4, device="cuda", generator=g).bfloat16()
+        for got, want in zip(tri.causal_conv_split(x, state, w, 2048), twin.causal_conv_split(x, state, w, 2048)):
+            assert got.shape == want.shape and rel(got, want) < 1e-2
+    gu = torch.randn(512, 2 * 3584, device="cuda", generator=g).bfloat16()
+    assert rel(tri.swiglu(gu), twin.swiglu(gu)) < 1e-2
+    x = torch.randn(512, 8, 512, device="cuda", generator=g).bfloat16()[..., :256]
+    args = (torch.rand(256, device="cuda", generator=g) + 0.5, torch.randn(512, 64, device="cuda", generator=g),
+            torch.randn(512, 64, device="cuda", generator=g), 1e-6)
+    assert rel(tri.norm_rope(x, *args), twin.norm_rope(x, *args)) < 1e-2
+
+
 def test_sdpa_attention_matches_reference_kernel():
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(8, 512, 256, device="cuda", generator=g).bfloat16()
@@ -47,9 +80,9 @@ def test_sdpa_attention_matches_reference_kernel():
     assert rel(out, ref) < 2e-2
 
 
-@pytest.fixture(scope="module")
-def tiny_cuda():
-    return load_model("tiny", dtype=torch.bfloat16, device="cuda", kernels=fast.FAST)
+@pytest.fixture(scope="module", params=[fast.FAST, fast.FUSED], ids=["fla", "fused"])
+def tiny_cuda(request):
+    return load_model("tiny", dtype=torch.bfloat16, device="cuda", kernels=request.param)
 
 
 # the 0.8B's head shapes (GDN 16/16 x 128, attention 8/2 x 256) in two layers of width 1024
@@ -66,12 +99,13 @@ TINY_XFAIL = pytest.mark.xfail(
 )
 
 
+@pytest.mark.parametrize("kernels", [fast.FAST, fast.FUSED], ids=["fla", "fused"])
 @pytest.mark.parametrize("config", [pytest.param("tiny", marks=TINY_XFAIL), "wide"])
-def test_fast_forward_close_to_reference_on_the_same_rounded_weights(config, tmp_path):
+def test_fast_forward_close_to_reference_on_the_same_rounded_weights(config, kernels, tmp_path):
     """The fla/SDPA forward in bfloat16 against the reference kernels in float32 on the same
     bfloat16-rounded weights (so only the kernels and the compute dtype differ)."""
     name = "tiny" if config == "tiny" else str(write_random_checkpoint(tmp_path / "wide", WIDE, dtype=torch.bfloat16))
-    fast_model = load_model(name, dtype=torch.bfloat16, device="cuda", kernels=fast.FAST).model
+    fast_model = load_model(name, dtype=torch.bfloat16, device="cuda", kernels=kernels).model
     ref_model = load_model(name, dtype=torch.bfloat16, device="cuda", kernels=ops.REFERENCE).model.float()
     ids = torch.randint(0, 248044, (512,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     a = fast_model.logits(fast_model(ids, fast_model.new_state()))

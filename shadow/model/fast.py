@@ -8,6 +8,7 @@ the FlashQLA backend is switched off (FLA_FLASH_QLA=0) so one backend computes e
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -42,6 +43,23 @@ def gdn_fla(
     out, new = rule(
         q[None], k[None], v[None], g=g[None], beta=beta[None], initial_state=state[None],
         output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    return out[0], new[0]
+
+
+def gdn_fla_gated(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ops.gdn_gated_reference`'s contract on fla: the decay and beta computed inside its kernels
+    from the raw projections a, b (chunked from 64 rows up, fused recurrent below)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    rule = chunk_gated_delta_rule if q.shape[0] >= 64 else fused_recurrent_gated_delta_rule
+    out, new = rule(
+        q[None], k[None], v[None], g=a[None], beta=b[None], initial_state=state[None],
+        output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+        A_log=a_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
     )
     return out[0], new[0]
 
@@ -92,25 +110,28 @@ def gated_rms_norm_fla(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
 
 FAST = ops.Kernels(
     name="fla", gdn=gdn_fla, conv=causal_conv_rows, attention=attention_sdpa,
-    norm=rms_norm_fused, gated_norm=gated_rms_norm_fla,
+    norm=rms_norm_fused, gated_norm=gated_rms_norm_fla, gdn_gated=gdn_fla_gated,
 )
+FUSED = dataclasses.replace(FAST, name="fla-fused", fused=True)  # `fused.FusedSteps` on these kernels
 
 
 MIN_FAST_HEAD_DIM = 64  # fla 0.6.0 at the tiny preset's 16-dim GDN heads was off by ~12% on the H200
 
 
 def pick(name: str, device: str, head_dim: int = 128) -> ops.Kernels:
-    """'reference', 'fast', or 'auto' (fast on CUDA when fla is installed and the GDN heads are
-    at least MIN_FAST_HEAD_DIM wide; the reference kernels otherwise)."""
+    """'reference'; 'fast' (the fused steps on fla and Triton: merged projections, one-launch
+    kernels); 'fla' (fla's kernels inside the modules' own steps, the previous fast path); or
+    'auto' (fast on CUDA when fla is installed and the GDN heads are at least MIN_FAST_HEAD_DIM
+    wide, the reference kernels otherwise)."""
     from shadow.errors import ShadowInputError
 
     if name == "reference":
         return ops.REFERENCE
+    if name not in ("auto", "fast", "fla"):
+        raise ShadowInputError(f"unknown kernels {name!r} (auto, reference, fast, fla)")
     wide = head_dim >= MIN_FAST_HEAD_DIM
-    if name == "fast" or (name == "auto" and device.startswith("cuda") and available() and wide):
-        if not available():
-            raise ShadowInputError("the fast kernels need CUDA and flash-linear-attention (pip install fla-core)")
-        return FAST
-    if name == "auto":
+    if name == "auto" and not (device.startswith("cuda") and available() and wide):
         return ops.REFERENCE
-    raise ShadowInputError(f"unknown kernels {name!r} (auto, reference, fast)")
+    if not available():
+        raise ShadowInputError("the fast kernels need CUDA and flash-linear-attention (pip install fla-core)")
+    return FAST if name == "fla" else FUSED

@@ -108,6 +108,16 @@ def gdn_reference(
     return gdn_chunked(q, l2norm(k.float()), v, g, beta, state)
 
 
+def gdn_gated_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gdn_reference` from the raw gate inputs: a, b [T, Hv] (projections), a_log, dt_bias [Hv];
+    the decay g = -exp(a_log) * softplus(a + dt_bias) and beta = sigmoid(b), in float32."""
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return gdn_reference(q, k, v, g, b.float().sigmoid(), state)
+
+
 def gdn_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor,
@@ -180,6 +190,8 @@ class Kernels:
     attention: Callable[..., torch.Tensor]
     norm: Callable[..., torch.Tensor] = rms_norm
     gated_norm: Callable[..., torch.Tensor] = gated_rms_norm
+    gdn_gated: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_gated_reference
+    fused: bool = False  # the forward runs `fused.FusedSteps` (merged projections, one-launch kernels)
 
 
 REFERENCE = Kernels(name="reference", gdn=gdn_reference, conv=causal_conv, attention=attention_online)

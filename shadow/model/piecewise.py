@@ -5,7 +5,7 @@ attention over the valid rows) runs eagerly between the pieces; everything else 
 the GDN layers, MLPs, norms, projections) replays from graphs that read and write static
 buffers. The GDN state is copied into the static buffers before a call and back after it.
 
-The arithmetic is the model's own (the same sub-module calls as `Qwen35.forward`), so with
+The arithmetic is the model's own (the same steps as `Qwen35.forward`, `model.steps`), so with
 graphs off the pieces give the same bits as the plain forward; tests check that on the CPU.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import torch
 
-from shadow.model.qwen35 import Qwen35, attend, rope_tables
+from shadow.model.qwen35 import Qwen35, attend
 from shadow.state import DeltaState, ModelState, copy_all
 
 
@@ -38,6 +38,7 @@ class _Plan:
         self.gate = torch.zeros(t, c.num_attention_heads * c.head_dim, dtype=dtype, device=dev)
         self.attended = torch.zeros(t, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
         self.out = torch.zeros_like(self.x)
+        self.rope: tuple[torch.Tensor, ...] | None = None  # the chunk's rope tables, set by piece 0
         self.delta = [DeltaState(c, dtype, dev) for _ in c.linear_layers]
         self.state_tensors = [d.conv for d in self.delta] + [d.recurrent for d in self.delta]
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
@@ -88,26 +89,27 @@ class PiecewiseForward:
 
     def _piece(self, plan: _Plan, piece: int) -> None:
         """Layers from after attention layer `piece - 1` up to attention layer `piece`'s projections."""
-        m, bounds = self.model, self.attention_layers
+        steps, bounds = self.model.steps, self.attention_layers
         if piece == 0:
-            x, first = m.embed_tokens(plan.ids), 0
+            x, first = steps.embed(plan.ids), 0
+            rope = steps.rope(plan.positions)
+            if plan.rope is None:
+                plan.rope = tuple(r.clone() for r in rope)
+            else:
+                for buf, val in zip(plan.rope, rope):
+                    buf.copy_(val)
         else:
-            layer = m.layers[bounds[piece - 1]]
-            x = plan.x + layer.self_attn.output(plan.attended, plan.gate)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = steps.attention_out(bounds[piece - 1], plan.x, plan.attended, plan.gate)
             first = bounds[piece - 1] + 1
-        last = bounds[piece] if piece < len(bounds) else len(m.layers)
+        last = bounds[piece] if piece < len(bounds) else len(self.model.layers)
         for i in range(first, last):
-            layer = m.layers[i]
-            x = x + layer.linear_attn(layer.input_layernorm(x), plan.delta[self._delta_index[i]], m.kernels)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = steps.gdn(i, x, plan.delta[self._delta_index[i]])
         if piece < len(bounds):
-            rope = rope_tables(m.config, plan.positions, x.dtype)
-            q, k, v, gate = m.layers[last].self_attn.project(m.layers[last].input_layernorm(x), rope)
+            q, k, v, gate = steps.attention_in(last, x, plan.rope)
             for buf, val in ((plan.q, q), (plan.k, k), (plan.v, v), (plan.gate, gate), (plan.x, x)):
                 buf.copy_(val)
         else:
-            plan.out.copy_(m.norm(x))
+            plan.out.copy_(steps.final(x))
 
     def _capture(self, plan: _Plan) -> None:
         """Warm each piece up on a side stream (Triton autotunes there), then capture it."""

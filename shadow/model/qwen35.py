@@ -142,6 +142,42 @@ class Layer(nn.Module):
         self.post_attention_layernorm = Norm(c.hidden_size, c.rms_norm_eps)
 
 
+class ModuleSteps:
+    """The forward's steps as the modules compute them (the reference arithmetic, any kernel set).
+
+    A steps object is what the forward and `PiecewiseForward` call between attention layers; the
+    fused one (`fused.FusedSteps`) offers the same five steps with merged projections."""
+
+    def __init__(self, model: Qwen35):
+        self.model = model
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(self.model.config, positions, self.model.dtype)
+
+    def gdn(self, i: int, x: torch.Tensor, state: DeltaState) -> torch.Tensor:
+        """Layer i (a GDN layer) whole: x [T, hidden] -> x; replaces its conv and recurrent state."""
+        layer = self.model.layers[i]
+        x = x + layer.linear_attn(layer.input_layernorm(x), state, self.model.kernels)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def attention_in(self, i: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
+        """Attention layer i up to attention: q [Hq, T, D], k, v [Hkv, T, D], gate [T, Hq * D]."""
+        layer = self.model.layers[i]
+        return layer.self_attn.project(layer.input_layernorm(x), rope)
+
+    def attention_out(self, i: int, x: torch.Tensor, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """Attention layer i after attention (attended [T, Hq, D]): the output projection and the MLP."""
+        layer = self.model.layers[i]
+        x = x + layer.self_attn.output(attended, gate)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(x)
+
+
 class Qwen35(nn.Module):
     """Qwen3.5 text model. `forward(ids, state)` reads ids at rows state.length.. and advances the state."""
 
@@ -157,6 +193,7 @@ class Qwen35(nn.Module):
         for module in self.modules():
             if isinstance(module, Norm):
                 module.kernel = kernels.norm
+        self._steps = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -165,6 +202,19 @@ class Qwen35(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+    @property
+    def steps(self):
+        """The forward's steps: fused (merged projections, built once from the loaded weights on
+        first use) when the kernel set says so, the modules' own otherwise."""
+        if self._steps is None:
+            if self.kernels.fused:
+                from shadow.model.fused import FusedSteps
+
+                self._steps = FusedSteps(self)
+            else:
+                self._steps = ModuleSteps(self)
+        return self._steps
 
     def new_state(self) -> ModelState:
         return ModelState(self.config, self.dtype, self.device)
@@ -175,21 +225,17 @@ class Qwen35(nn.Module):
 
         Writes KV rows and replaces the GDN state in place; state.length grows by T.
         """
-        start = state.length
-        x = self.embed_tokens(ids)
-        positions = torch.arange(start, start + ids.shape[0], device=ids.device)
-        rope = rope_tables(self.config, positions, x.dtype)
-        for layer, layer_state in zip(self.layers, state.layers):
-            h = layer.input_layernorm(x)
+        steps, start = self.steps, state.length
+        x = steps.embed(ids)
+        rope = steps.rope(torch.arange(start, start + ids.shape[0], device=ids.device))
+        for i, (layer, layer_state) in enumerate(zip(self.layers, state.layers)):
             if layer.kind == "full_attention":
-                q, k, v, gate = layer.self_attn.project(h, rope)
-                h = layer.self_attn.output(attend(layer_state, start, q, k, v, self.kernels), gate)
+                q, k, v, gate = steps.attention_in(i, x, rope)
+                x = steps.attention_out(i, x, attend(layer_state, start, q, k, v, self.kernels), gate)
             else:
-                h = layer.linear_attn(h, layer_state, self.kernels)
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+                x = steps.gdn(i, x, layer_state)
         state.length = start + ids.shape[0]
-        return self.norm(x)
+        return steps.final(x)
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,159 @@
+"""The forward's steps fused: merged projections and one-launch kernels, for the fast path.
+
+Per GDN layer one GEMM computes q, k, v, z, b and a together (`in_proj`), one kernel runs the
+causal conv and splits q, k, v, flash-linear-attention computes the decay and beta inside its
+kernel, and the MLP's gate and up projections are one GEMM followed by one SwiGLU kernel. Per
+attention layer one GEMM computes q (with its gate), k and v, and one kernel per tensor runs the
+head norm and RoPE. Norm weights (1 + w) are prepared once.
+
+The merged weights are built from the loaded model once; the modules' own weights become views
+into them, so the model holds no second copy and its plain steps still see the same values.
+The arithmetic differs from `ModuleSteps` (one rounding where the modules round several times),
+so this is a kernel set of its own (`fla-fused`): exact against itself, close to the reference.
+On CUDA the one-launch kernels are Triton's (`triton_ops`); elsewhere their PyTorch twins
+(`kernel_twins`, for tests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shadow.model.qwen35 import Qwen35, rope_tables
+from shadow.state import DeltaState
+
+
+def _merge(linears: list[nn.Linear]) -> torch.Tensor:
+    """One weight [sum of outputs, in] for several projections of the same rows; each module's
+    weight becomes a view into it (same values, no second copy)."""
+    merged = torch.cat([lin.weight.data for lin in linears], dim=0)
+    row = 0
+    for lin in linears:
+        n = lin.weight.shape[0]
+        lin.weight.data = merged[row : row + n]
+        row += n
+    return merged
+
+
+def _norm_weight(norm: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    return (1.0 + norm.weight.float()).to(dtype)
+
+
+@dataclass
+class _Mlp:
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class _Gdn:
+    input_norm: torch.Tensor
+    in_proj: torch.Tensor  # [conv_dim + value_dim + 2 Hv, hidden]: qkv, z, b, a
+    conv_weight: torch.Tensor  # [conv_dim, K]
+    a_log: torch.Tensor
+    dt_bias: torch.Tensor
+    norm_weight: torch.Tensor
+    out_proj: torch.Tensor
+    mlp: _Mlp
+
+
+@dataclass
+class _Attention:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [Hq 2D + 2 Hkv D, hidden]: q with its gate, k, v
+    q_norm: torch.Tensor  # float32 1 + w
+    k_norm: torch.Tensor
+    o_proj: torch.Tensor
+    mlp: _Mlp
+
+
+class FusedSteps:
+    """`ModuleSteps`' five steps with merged projections; same shapes and state contract."""
+
+    def __init__(self, model: Qwen35):
+        self.model = model
+        c, dtype = model.config, model.dtype
+        self.c = c
+        self.kernels = model.kernels
+        self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+        self.on_cuda = model.device.type == "cuda"
+        if self.on_cuda:
+            from shadow.model import triton_ops as one_launch
+        else:
+            from shadow.model import kernel_twins as one_launch
+        self.one_launch = one_launch
+        self.layers: list[_Gdn | _Attention] = []
+        for layer in model.layers:
+            mlp = _Mlp(_norm_weight(layer.post_attention_layernorm, dtype),
+                       _merge([layer.mlp.gate_proj, layer.mlp.up_proj]), layer.mlp.down_proj.weight)
+            if layer.kind == "full_attention":
+                a = layer.self_attn
+                self.layers.append(_Attention(
+                    _norm_weight(layer.input_layernorm, dtype), _merge([a.q_proj, a.k_proj, a.v_proj]),
+                    1.0 + a.q_norm.weight.float(), 1.0 + a.k_norm.weight.float(), a.o_proj.weight, mlp))
+            else:
+                g = layer.linear_attn
+                self.layers.append(_Gdn(
+                    _norm_weight(layer.input_layernorm, dtype),
+                    _merge([g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a]),
+                    g.conv1d.weight.squeeze(1).contiguous(), g.A_log, g.dt_bias, g.norm.weight,
+                    g.out_proj.weight, mlp))
+        self.final_norm = _norm_weight(model.norm, dtype)
+
+    def _norm(self, x, weight):
+        return F.rms_norm(x, (x.shape[-1],), weight=weight, eps=self.c.rms_norm_eps)
+
+    # the steps ---------------------------------------------------------------------------------
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(ids)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, rotary_dim] in float32 (the norm-and-rope kernel rounds once, after)."""
+        return rope_tables(self.c, positions, torch.float32)
+
+    def _mlp(self, x: torch.Tensor, w: _Mlp) -> torch.Tensor:
+        return x + F.linear(self.one_launch.swiglu(F.linear(self._norm(x, w.post_norm), w.gate_up)), w.down)
+
+    def gdn(self, i: int, x: torch.Tensor, state: DeltaState) -> torch.Tensor:
+        c, w, t = self.c, self.layers[i], x.shape[0]
+        proj = F.linear(self._norm(x, w.input_norm), w.in_proj)
+        conv_dim, hv = c.conv_dim, c.linear_num_value_heads
+        q, k, v, conv = self.one_launch.causal_conv_split(proj[:, :conv_dim], state.conv, w.conv_weight, self.key_dim)
+        z = proj[:, conv_dim : conv_dim + c.value_dim]
+        b = proj[:, conv_dim + c.value_dim : conv_dim + c.value_dim + hv]
+        a = proj[:, conv_dim + c.value_dim + hv :]
+        out, recurrent = self.kernels.gdn_gated(
+            q.view(t, c.linear_num_key_heads, c.linear_key_head_dim),
+            k.view(t, c.linear_num_key_heads, c.linear_key_head_dim),
+            v.view(t, hv, c.linear_value_head_dim), a, b, w.a_log, w.dt_bias, state.recurrent,
+        )
+        state.conv.copy_(conv)
+        state.recurrent.copy_(recurrent)
+        z = z.reshape(t, hv, c.linear_value_head_dim)
+        out = self.kernels.gated_norm(out.to(x.dtype), z, w.norm_weight, c.rms_norm_eps)
+        return self._mlp(x + F.linear(out.reshape(t, c.value_dim), w.out_proj), w.mlp)
+
+    def attention_in(self, i: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
+        c, w, t = self.c, self.layers[i], x.shape[0]
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        proj = F.linear(self._norm(x, w.input_norm), w.qkv)
+        q_gate = proj[:, : hq * 2 * d].view(t, hq, 2 * d)
+        eps = c.rms_norm_eps
+        q = self.one_launch.norm_rope(q_gate[..., :d], w.q_norm, *rope, eps)
+        k = self.one_launch.norm_rope(proj[:, hq * 2 * d : (hq * 2 + hkv) * d].view(t, hkv, d), w.k_norm, *rope, eps)
+        v = proj[:, (hq * 2 + hkv) * d :].view(t, hkv, d).transpose(0, 1)
+        return q, k, v, q_gate[..., d:].reshape(t, hq * d)
+
+    def attention_out(self, i: int, x: torch.Tensor, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        w = self.layers[i]
+        x = x + F.linear(attended.reshape(gate.shape) * torch.sigmoid(gate), w.o_proj)
+        return self._mlp(x, w.mlp)
+
+    def final(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x, self.final_norm)
+

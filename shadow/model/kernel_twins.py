@@ -1,0 +1,40 @@
+"""The Triton kernels of `triton_ops` in plain PyTorch, same names and contracts (float32
+inside, one rounding at the end): what `fused.FusedSteps` runs off CUDA, and what tests compare
+the kernels with. No Triton import here."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv_split(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, key_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GDN causal conv with silu, split into q, k, v [T, key_dim], [T, key_dim], [T, rest],
+    and the new state [C, K-1]; x [T, C], state [C, K-1], weight [C, K]."""
+    kk = weight.shape[-1]
+    seq = torch.cat([state.t().float(), x.float()], dim=0)
+    t = x.shape[0]
+    acc = sum(seq[i : i + t] * weight[:, i].float() for i in range(kk))
+    y = F.silu(acc).to(x.dtype)
+    q, k, v = y.split([key_dim, key_dim, x.shape[1] - 2 * key_dim], dim=-1)
+    return q.contiguous(), k.contiguous(), v.contiguous(), seq[t:].t().to(state.dtype).contiguous()
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2I] (gate first); [T, I] in its dtype."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm of x [T, H, D] (weight is 1 + w), RoPE on the first R features (cos, sin
+    [T, R]); returns [H, T, D] contiguous in x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    r, half = cos.shape[-1], cos.shape[-1] // 2
+    rot = y[..., :r]
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    y = torch.cat([rot * cos[:, None, :] + rotated * sin[:, None, :], y[..., r:]], dim=-1)
+    return y.to(x.dtype).transpose(0, 1).contiguous()

@@ -1,0 +1,121 @@
+"""Small Triton kernels for the fused fast path: each replaces a run of elementwise launches.
+
+Every kernel computes in float32 and rounds once to the output dtype; every one is a pure
+function of its inputs at given shapes (no atomics, no autotuning), so a chunk replays the same
+bits. `fused.FusedSteps` calls them on CUDA; elsewhere it calls their plain PyTorch twins of the
+same names in `kernel_twins`, which tests compare with these (under Triton's interpreter on a CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_kernel(
+    x, x_row, state, weight, q, k, v, new_state, T, C, KEY, VALUE,
+    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+):
+    pid_t, pid_c = tl.program_id(0), tl.program_id(1)
+    rows = pid_t * BT + tl.arange(0, BT)[:, None]  # [BT, 1]
+    cols = pid_c * BC + tl.arange(0, BC)[None, :]  # [1, BC]
+    in_c = cols < C
+    live = (rows < T) & in_c
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
+    for i in tl.static_range(K):
+        src = rows + i - (K - 1)  # the input row, or (when < 0) state column src + K - 1
+        from_x = tl.load(x + src * x_row + cols, mask=live & (src >= 0), other=0.0).to(tl.float32)
+        from_state = tl.load(state + cols * (K - 1) + (src + K - 1), mask=live & (src < 0), other=0.0).to(tl.float32)
+        w = tl.load(weight + cols * K + i, mask=in_c, other=0.0).to(tl.float32)
+        acc += w * (from_x + from_state)
+    y = (acc * tl.sigmoid(acc)).to(q.dtype.element_ty)
+    tl.store(q + rows * KEY + cols, y, mask=live & (cols < KEY))
+    tl.store(k + rows * KEY + (cols - KEY), y, mask=live & (cols >= KEY) & (cols < 2 * KEY))
+    tl.store(v + rows * VALUE + (cols - 2 * KEY), y, mask=live & (cols >= 2 * KEY))
+    if pid_t == 0:  # the new state: the last K-1 rows of [state | x]
+        for j in tl.static_range(K - 1):
+            src = T + j - (K - 1)
+            c1 = pid_c * BC + tl.arange(0, BC)
+            m = c1 < C
+            from_x = tl.load(x + src * x_row + c1, mask=m & (src >= 0), other=0.0)
+            from_state = tl.load(state + c1 * (K - 1) + (src + K - 1), mask=m & (src < 0), other=0.0)
+            tl.store(new_state + c1 * (K - 1) + j, tl.where(src >= 0, from_x, from_state), mask=m)
+
+
+def causal_conv_split(
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, key_dim: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GDN causal conv (`ops.causal_conv` with silu) in one launch, split into q, k, v.
+
+    x: [T, C] rows (any row stride, unit column stride; e.g. the first C columns of the merged
+    input projection); state: [C, K-1] contiguous; weight: [C, K] contiguous.
+    Returns q, k [T, key_dim], v [T, C - 2 key_dim] (contiguous, x's dtype) and the new state [C, K-1].
+    """
+    t, c = x.shape
+    kk = weight.shape[-1]
+    value_dim = c - 2 * key_dim
+    q = torch.empty(t, key_dim, dtype=x.dtype, device=x.device)
+    k = torch.empty_like(q)
+    v = torch.empty(t, value_dim, dtype=x.dtype, device=x.device)
+    new_state = torch.empty_like(state)
+    bt, bc = 16, 128
+    grid = (triton.cdiv(t, bt), triton.cdiv(c, bc))
+    _conv_kernel[grid](x, x.stride(0), state, weight, q, k, v, new_state, t, c, key_dim, value_dim, K=kk, BT=bt, BC=bc)
+    return q, k, v, new_state
+
+
+@triton.jit
+def _swiglu_kernel(gu, out, T, I, BT: tl.constexpr, BI: tl.constexpr):
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)[:, None]
+    cols = tl.program_id(1) * BI + tl.arange(0, BI)[None, :]
+    m = (rows < T) & (cols < I)
+    g = tl.load(gu + rows * (2 * I) + cols, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(gu + rows * (2 * I) + I + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + rows * I + cols, (g * tl.sigmoid(g) * u).to(out.dtype.element_ty), mask=m)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2I] (gate first, contiguous); [T, I] in its dtype."""
+    t, two_i = gate_up.shape
+    i = two_i // 2
+    out = torch.empty(t, i, dtype=gate_up.dtype, device=gate_up.device)
+    bt, bi = 8, 256
+    _swiglu_kernel[(triton.cdiv(t, bt), triton.cdiv(i, bi))](gate_up, out, t, i, BT=bt, BI=bi)
+    return out
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x, x_row, x_head, weight, cos, sin, out, T, H, eps,
+    D: tl.constexpr, R: tl.constexpr,
+):
+    t, h = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, D)
+    base = x + t * x_row + h * x_head
+    row = tl.load(base + d).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(row * row, axis=0) / D + eps)
+    y = row * rstd * tl.load(weight + d).to(tl.float32)
+    half = R // 2
+    partner = tl.where(d < half, d + half, d - half)
+    rotating = d < R
+    p = tl.load(base + partner, mask=rotating, other=0.0).to(tl.float32) * rstd
+    p = p * tl.load(weight + partner, mask=rotating, other=0.0).to(tl.float32)
+    p = tl.where(d < half, -p, p)
+    c = tl.load(cos + t * R + d, mask=rotating, other=1.0).to(tl.float32)
+    s = tl.load(sin + t * R + d, mask=rotating, other=0.0).to(tl.float32)
+    y = tl.where(rotating, y * c + p * s, y)
+    tl.store(out + h * T * D + t * D + d, y.to(out.dtype.element_ty))
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNorm (weight already 1 + w, float32) then RoPE on the first R features.
+
+    x: [T, H, D] with unit stride in D (heads and rows may be strided, e.g. q inside the
+    q-and-gate projection); cos, sin: [T, R] float32. Returns [H, T, D] contiguous in x's dtype.
+    """
+    t, h, d = x.shape
+    out = torch.empty(h, t, d, dtype=x.dtype, device=x.device)
+    _norm_rope_kernel[(t, h)](x, x.stride(0), x.stride(1), weight, cos, sin, out, t, h, eps, D=d, R=cos.shape[-1])
+    return out

@@ -1,0 +1,112 @@
+"""The fused steps (merged projections, one-launch kernels) against the modules' own steps, on
+the CPU in float32 with the kernels' PyTorch twins; and the Triton kernels against those twins
+under Triton's interpreter (when Triton is installed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from shadow.model import load_model, ops
+from shadow.model.fused import FusedSteps
+from shadow.model.piecewise import PiecewiseForward
+from shadow.model.qwen35 import ModuleSteps
+from shadow.reader import Reader
+from shadow.verify import compare_states
+
+FUSED_REFERENCE = dataclasses.replace(ops.REFERENCE, name="reference-fused", fused=True)
+
+
+@pytest.fixture(scope="module")
+def fused(shadow_cache):
+    return load_model("tiny", kernels=FUSED_REFERENCE).model
+
+
+def ids_of(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 248044, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_fused_steps_close_to_the_modules_steps_with_state_carried(tiny, fused):
+    assert isinstance(fused.steps, FusedSteps) and isinstance(tiny.model.steps, ModuleSteps)
+    ids = ids_of(200, 0)
+    plain, merged = tiny.model.new_state(), fused.new_state()
+    for lo, hi in ((0, 64), (64, 190), (190, 191), (191, 200)):  # chunks, a decode step, a tail
+        a, b = tiny.model(ids[lo:hi], plain), fused(ids[lo:hi], merged)
+        assert rel(b, a) < 1e-4, (lo, hi, rel(b, a))
+    for x, y in zip(plain.layers, merged.layers):
+        for name in ("conv", "recurrent", "k", "v"):
+            if hasattr(x, name):
+                assert rel(getattr(y, name).float(), getattr(x, name).float()) < 1e-4, name
+
+
+def test_module_weights_become_views_of_the_merged_ones(fused):
+    steps = fused.steps
+    layer = next(i for i, l in enumerate(fused.layers) if l.kind != "full_attention")
+    gdn = fused.layers[layer].linear_attn
+    merged = steps.layers[layer].in_proj
+    assert gdn.in_proj_qkv.weight.data_ptr() == merged.data_ptr()
+    assert torch.equal(merged[-gdn.in_proj_a.weight.shape[0] :], gdn.in_proj_a.weight)
+
+
+def test_fused_pieces_equal_the_fused_forward_bit_for_bit(fused):
+    pieces = PiecewiseForward(fused, sizes={64}, graphs=False)
+    ids = ids_of(192, 1)
+    plain, split = fused.new_state(), fused.new_state()
+    for lo in range(0, 192, 64):
+        assert torch.equal(fused(ids[lo : lo + 64], plain), pieces(ids[lo : lo + 64], split))
+    assert compare_states(plain, split)[1] == []
+
+
+def test_fused_reader_keeps_the_exactness_contract(fused):
+    reader = Reader(fused, 64)
+    ids = ids_of(700, 2).tolist()
+    s = reader.new_session("f")
+    reader.feed_prompt(s, ids[:300])
+    reader.advance(s)
+    before = {k: v.clone() for k, v in s.state.tensors().items()}
+    reader.ask(s, ids[:40], [32, 33])
+    reader.decode(s, ids[:5], 3)
+    assert all(torch.equal(before[k], v) for k, v in s.state.tensors().items())
+    reader.feed_prompt(s, ids[:200] + ids[400:700])  # differs at 200: back to the checkpoint at 192
+    reader.advance(s)
+    compared, mismatched, _ = compare_states(s.state, reader.prefill(s.ids[: s.committed]))
+    assert compared > 0 and mismatched == []
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_triton_kernels_match_their_twins_under_the_interpreter():
+    """Run in a child process: TRITON_INTERPRET must be set before Triton compiles anything."""
+    script = textwrap.dedent("""
+        import torch
+        from shadow.model import kernel_twins as twin, ops, triton_ops as tri
+        torch.manual_seed(0)
+        worst = 0.0
+        for t in (1, 3, 70):
+            x = torch.randn(t, 136)[:, :96]  # strided rows, as a slice of the merged projection
+            state, w = torch.randn(96, 3), torch.randn(96, 4)
+            got, want = tri.causal_conv_split(x, state, w, 16), twin.causal_conv_split(x, state, w, 16)
+            worst = max(worst, *((a - b).abs().max().item() for a, b in zip(got, want)))
+            y, s = ops.causal_conv(x, state, w)
+            worst = max(worst, (torch.cat(got[:3], -1) - y).abs().max().item(), (got[3] - s).abs().max().item())
+        gu = torch.randn(5, 600)
+        worst = max(worst, (tri.swiglu(gu) - twin.swiglu(gu)).abs().max().item())
+        x = torch.randn(6, 3, 64)[..., :32]
+        args = (torch.randn(32), torch.randn(6, 8), torch.randn(6, 8), 1e-6)
+        worst = max(worst, (tri.norm_rope(x, *args) - twin.norm_rope(x, *args)).abs().max().item())
+        print(worst)
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) < 1e-5
