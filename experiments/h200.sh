@@ -18,7 +18,7 @@ for step in "$@"; do
     tests) timeout 300 python3 -m pytest -q -rfE tests/test_gpu.py tests/test_piecewise.py tests/test_fused.py 2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
     profile) timeout 300 python3 experiments/profile_chunk.py 2>&1 | tee "$OUT/profile.txt" | tail -45 ;;
     rate512) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,16384,65536 --repeats 5 \
-               --json 2>&1 | tail -12 ;;
+               --json 2>&1 | tee "$OUT/read-rate-512.txt" | tail -12 ;;
     verify) timeout 400 shadow verify-exact --model qwen3.5-0.8b --device cuda --grid 512 --against-grid 2048 \
               --conversation $D/django__django-16950.traj.json --conversation $D/pytest-dev__pytest-6197.traj.json \
               --json > "$OUT/verify-exact-h200.txt" 2>&1; tail -c 1200 "$OUT/verify-exact-h200.txt" ;;

@@ -35,13 +35,13 @@ def _conv_kernel(
     tl.store(k + rows * KEY + (cols - KEY), y, mask=live & (cols >= KEY) & (cols < 2 * KEY))
     tl.store(v + rows * VALUE + (cols - 2 * KEY), y, mask=live & (cols >= 2 * KEY))
     if pid_t == 0:  # the new state: the last K-1 rows of [state | x]
+        channels = pid_c * BC + tl.arange(0, BC)
+        in_range = channels < C
         for j in tl.static_range(K - 1):
-            src = T + j - (K - 1)
-            c1 = pid_c * BC + tl.arange(0, BC)
-            m = c1 < C
-            from_x = tl.load(x + src * x_row + c1, mask=m & (src >= 0), other=0.0)
-            from_state = tl.load(state + c1 * (K - 1) + (src + K - 1), mask=m & (src < 0), other=0.0)
-            tl.store(new_state + c1 * (K - 1) + j, tl.where(src >= 0, from_x, from_state), mask=m)
+            row = T + j - (K - 1)
+            x_part = tl.load(x + row * x_row + channels, mask=in_range & (row >= 0), other=0.0)
+            state_part = tl.load(state + channels * (K - 1) + (row + K - 1), mask=in_range & (row < 0), other=0.0)
+            tl.store(new_state + channels * (K - 1) + j, tl.where(row >= 0, x_part, state_part), mask=in_range)
 
 
 def causal_conv_split(
