@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 
 import torch
 
@@ -26,7 +27,9 @@ def reference_model(loaded: LoadedModel):
     model.load_state_dict(weights, assign=True, strict=True)
     model.model.rotary_emb.to_empty(device=ours.device)
     rotary = model.model.rotary_emb
-    inv_freq, _ = rotary.compute_default_rope_parameters(rotary.config, device=ours.device)
+    with warnings.catch_warnings():  # a transformers deprecation notice; the library never prints
+        warnings.simplefilter("ignore")
+        inv_freq, _ = rotary.compute_default_rope_parameters(rotary.config, device=ours.device)
     rotary.inv_freq = inv_freq
     rotary.original_inv_freq = inv_freq.clone()
     return model.eval()
