@@ -473,3 +473,15 @@ def test_a_late_answer_never_lands_after_a_newer_prompt(server):
     finally:
         service.release_device()
     assert service.store.peek("late").ids == list(range(300)) + [7] * 50 + [5]
+
+
+def test_text_stream_holds_a_character_split_over_ids_until_whole(tokenizer):
+    from shadow.server.app import TextStream
+
+    text = "héllo wörld — 日本語のテキスト 🎉🎉 done"
+    ids = tokenizer.encode(text)
+    stream = TextStream(tokenizer)
+    pieces = [stream.push(i) for i in ids]
+    assert "".join(pieces) + stream.rest() == text
+    assert not any("\ufffd" in p for p in pieces)  # no half character is ever sent
+    assert "" in pieces  # the emoji's first id alone adds nothing yet

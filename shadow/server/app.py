@@ -157,22 +157,35 @@ def create_app(
             return out
 
         if body.get("stream"):
+            def event_lines(kind: str, value, out: list[int], first: bool) -> tuple[str, bool]:
+                """The SSE text of one event, and whether the stream ends with it."""
+                if kind == "token":
+                    out.append(value)
+                    text = stream.push(value) if value not in eos else ""
+                    return f"data: {json.dumps(chunk(value, text, None, first))}\n\n", False
+                if kind == "done":
+                    return f"data: {json.dumps(chunk(None, stream.rest(), value, first))}\n\ndata: [DONE]\n\n", True
+                return f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n", True
+
+            stream = TextStream(tokenizer)
+
             async def sse():
-                first, out = True, []
+                out: list[int] = []
                 while True:
-                    kind, value = await asyncio.to_thread(events.get)
-                    if kind == "token":
-                        out.append(value)
-                        text = incremental_text(tokenizer, out)
-                        yield f"data: {json.dumps(chunk(value, text, None, first))}\n\n"
-                        first = False
-                    elif kind == "done":
-                        yield f"data: {json.dumps(chunk(None, '', value, first))}\n\n"
-                        yield "data: [DONE]\n\n"
-                        return
-                    else:
-                        yield f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\n"
-                        return
+                    batch = [await asyncio.to_thread(events.get)]
+                    while True:  # whatever else is queued goes in the same write
+                        try:
+                            batch.append(events.get_nowait())
+                        except queue.Empty:
+                            break
+                    text = []
+                    for kind, value in batch:
+                        line, last = event_lines(kind, value, out, first=not out)
+                        text.append(line)
+                        if last:
+                            yield "".join(text)
+                            return
+                    yield "".join(text)
 
             return StreamingResponse(sse(), media_type="text/event-stream", headers={"x-shadow-session": session})
 
@@ -306,6 +319,26 @@ def parse_messages(raw) -> list[Message]:
     return out
 
 
-def incremental_text(tokenizer: Tokenizer, ids: Sequence[int]) -> str:
-    """The text the last id adds (decode of all ids minus decode of all but the last)."""
-    return tokenizer.decode(list(ids))[len(tokenizer.decode(list(ids[:-1]))):]
+class TextStream:
+    """Text of a stream of ids, piece by piece: each `push` returns what the new id adds, holding
+    back a character split over ids until it is whole; `rest` returns what is still held. Work
+    per id stays constant (a short window is decoded, never the whole output)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] decode to text already emitted
+        self.read = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        done = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix :])
+        if len(text) > len(done) and not text.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(done) :]
+        return ""
+
+    def rest(self) -> str:
+        done = self.tokenizer.decode(self.ids[self.prefix : self.read])
+        return self.tokenizer.decode(self.ids[self.prefix :])[len(done) :]
