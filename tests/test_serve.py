@@ -103,8 +103,8 @@ def wait_until_read(service: ShadowService, names, timeout: float = 60.0) -> Non
         with service.state_lock:
             done = all(service.store.get(n).pending < GRID for n in names) and not service.turns
             done = done and not service.pending  # standing questions answered
-        if done and service.device_lock.acquire(timeout=timeout):  # and no chunk in flight
-            service.device_lock.release()
+        if done:
+            service.device.run(lambda: None)  # and no chunk in flight
             return
         time.sleep(0.1)
     raise AssertionError("the idle window did not catch up")
@@ -119,7 +119,7 @@ def settled(service: ShadowService, timeout: float = 30.0) -> None:
 
 
 def assert_exact(service: ShadowService, name: str) -> None:
-    with service.device_lock, service.state_lock:
+    with service.device.hold(), service.state_lock:
         s = service.store.get(name)
         fresh = service.reader.prefill(s.ids[: s.committed])
         compared, mismatched, _ = compare_states(s.state, fresh)
@@ -445,14 +445,11 @@ def test_a_proxied_stream_never_waits_for_the_shadow(proxied):
     """With the shadow's device held (as by a long ask), a stream through the proxy still ends;
     the shadow takes its ids once the device is free."""
     proxy, service, engine = proxied
-    service.device_lock.acquire()
-    try:
+    with service.device.hold():
         chunks, _ = stream_chat(proxy, "busy", [{"role": "user", "content": long_text(60, 150)}], max_tokens=5)
         assert chunks and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
         with service.state_lock:
             assert service.store.peek("busy") is None or service.store.peek("busy").ids == []
-    finally:
-        service.device_lock.release()
     settled(service)
     s = service.store.peek("busy")
     assert s is not None and s.ids[:2] == [248045, 846] and len(s.ids) > 150  # prompt and output, fed late
@@ -461,8 +458,8 @@ def test_a_proxied_stream_never_waits_for_the_shadow(proxied):
 def test_a_late_answer_never_lands_after_a_newer_prompt(server):
     """The service drops output (or a prompt) of a turn older than the session's newest fed turn."""
     _, service = server
-    service.acquire_device()
-    try:
+
+    def turns() -> None:
         service.begin_turn(101, "late", list(range(300)))
         service.begin_turn(102, "late", list(range(300)) + [7] * 50)  # the next turn came first
         service.add_output(101, [9, 9, 9])  # turn 101's answer arrives after it
@@ -470,8 +467,8 @@ def test_a_late_answer_never_lands_after_a_newer_prompt(server):
         service.add_output(102, [5])
         for t in (101, 102):
             service.end_turn(t)
-    finally:
-        service.release_device()
+
+    service.run_request(turns)
     assert service.store.peek("late").ids == list(range(300)) + [7] * 50 + [5]
 
 

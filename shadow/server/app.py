@@ -211,8 +211,11 @@ def create_app(
 
     def serve_turn(turn_id: int, session: str, prompt: list[int], max_tokens: int, stop_ids: list[int],
                    events: queue.Queue, reference: str | None) -> None:
-        """One request on the device: feed the prompt, generate, and between rounds the share."""
-        service.acquire_device()
+        """One request (run on the device thread): feed the prompt, generate, and between rounds the share."""
+        service.run_request(lambda: generate_turn(turn_id, session, prompt, max_tokens, stop_ids, events, reference))
+
+    def generate_turn(turn_id: int, session: str, prompt: list[int], max_tokens: int, stop_ids: list[int],
+                      events: queue.Queue, reference: str | None) -> None:
         out: list[int] = []
         try:
             service.begin_turn(turn_id, session, prompt, reference)
@@ -229,7 +232,6 @@ def create_app(
         finally:
             if turn_id in service.turns:
                 service.end_turn(turn_id)
-            service.release_device()
 
     @app.post("/v1/shadow/ask")
     async def ask(request: Request):

@@ -27,28 +27,28 @@ PASS_HEADERS = ("authorization", "content-type", "accept", "openai-organization"
 
 def _on_device(service: ShadowService, turn_id: int, prompt=None, output=None, first=False, share=False,
                wait: bool = True) -> bool:
-    """Feed the shadow with the device held: the prompt, the first token's time, output ids, a
+    """Feed the shadow on the device thread: the prompt, the first token's time, output ids, a
     share slice. Ids the shadow cannot take (none rendered, outside its vocabulary) are skipped:
     the client's response never depends on the shadow. With wait False and the device busy (an
     ask reading), nothing is done and False comes back: the stream does not wait for the shadow."""
+
+    def feed() -> None:
+        try:
+            if prompt is not None:
+                service.set_prompt(turn_id, prompt)
+            if first:
+                service.first_token(turn_id)
+            if output and service.has_prompt(turn_id):
+                service.add_output(turn_id, output)
+            if share:
+                service.share_slice(turn_id)
+        except ShadowInputError as e:
+            log.warning("the shadow skipped ids of turn %s: %s", turn_id, e)
+
     if wait:
-        service.acquire_device()
-    elif not service.device_lock.acquire(blocking=False):
-        return False
-    try:
-        if prompt is not None:
-            service.set_prompt(turn_id, prompt)
-        if first:
-            service.first_token(turn_id)
-        if output and service.has_prompt(turn_id):
-            service.add_output(turn_id, output)
-        if share:
-            service.share_slice(turn_id)
-    except ShadowInputError as e:
-        log.warning("the shadow skipped ids of turn %s: %s", turn_id, e)
-    finally:
-        service.release_device()
-    return True
+        service.run_request(feed)
+        return True
+    return service.device.run_if_idle(feed, "turn")[0]
 
 
 def _output_ids(choice: dict) -> list[int] | None:

@@ -1,10 +1,12 @@
 """The live shadow: sessions fed from served turns, read under the bandwidth rule, asked over HTTP.
 
-One lock guards the device: the generator (or nothing, behind a proxy) and the reader never run
-at once. The idle window is a thread: every poll it looks whether a request runs or waits, and
-if none does it reads whole chunks for at most a burst, checking before every chunk. Inside a
-turn, the request's own thread calls `share_slice` between decode rounds (or streamed deltas) and
-reads whole chunks within the share of the time since the turn's first token.
+One thread owns the device (`DeviceThread`): the generator's turns (or, behind a proxy, the
+feeding of the shadow), the reader's chunks, asks and spills all run on it, one at a time. The
+idle window is a thread of its own: every poll it looks whether a request runs or waits, and if
+none does it hands the device one chunk at a time for at most a burst, checking before every
+chunk, so a request waits for at most one chunk. Inside a turn, `share_slice` runs between decode
+rounds (or streamed deltas) and reads whole chunks within the share of the time since the turn's
+first token.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import json
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -24,7 +26,10 @@ from shadow.errors import ShadowInputError
 from shadow.reader import Reader, Session, common_prefix
 from shadow.routereval import ids_crc
 from shadow.schedule import BandwidthRule
+from shadow.server.device import DeviceThread
 from shadow.store import SessionStore
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -107,13 +112,11 @@ class ShadowService:
         self.standing = standing
         self.pending: dict[str, Pending] = {}
         self.clock = clock
-        # the GPU (or CPU): generator, reader, asks, and any spill of a session to disk. Reentrant,
-        # so a request holding it can end its turn (which may spill) without letting go first.
-        self.device_lock = threading.RLock()
+        # the GPU (or CPU): generator, reader, asks, and any spill of a session to disk
+        self.device = DeviceThread()
         self.state_lock = threading.Lock()  # sessions, turns, counters
         self.turns: dict[int, Turn] = {}
         self.waiting = 0
-        self._holder: str | None = None  # "reader" while the idle window holds the device
         self.counters = Counters()
         self._recent: list[str] = []
         self._latest: dict[str, int] = {}  # session -> the newest turn that fed its prompt
@@ -130,26 +133,34 @@ class ShadowService:
         self._stop.set()
         if self._idle.is_alive():
             self._idle.join(timeout=30)
-        with self.device_lock, self.state_lock:
-            self.store.close()
+
+        def close() -> None:
+            with self.state_lock:
+                self.store.close()
+
+        self.device.run(close, "stop")
+        self.device.close()
 
     # turns ------------------------------------------------------------------------------
 
-    def acquire_device(self) -> None:
-        """Take the device for a request; how long it waited on the reader is recorded."""
+    def run_request(self, fn: Callable[[], T]) -> T:
+        """Run a request's device work (a turn, the feeding of a proxied one) on the device; while it
+        waits it counts as waiting (the idle reader stops), and how long it waited behind the
+        reader is recorded."""
         with self.state_lock:
             self.waiting += 1
-            behind_reader = self._holder == "reader"
+            behind_reader = self.device.running == "reader"
         start = self.clock()
-        self.device_lock.acquire()
-        waited = (self.clock() - start) * 1000
-        with self.state_lock:
-            self.waiting -= 1
-            if behind_reader:
-                self.counters.max_wait_on_reader_ms = max(self.counters.max_wait_on_reader_ms, waited)
 
-    def release_device(self) -> None:
-        self.device_lock.release()
+        def job() -> T:
+            waited = (self.clock() - start) * 1000
+            with self.state_lock:
+                self.waiting -= 1
+                if behind_reader:
+                    self.counters.max_wait_on_reader_ms = max(self.counters.max_wait_on_reader_ms, waited)
+            return fn()
+
+        return self.device.run(job, "turn")
 
     def begin_turn(self, turn_id: int, session: str, prompt_ids: Sequence[int] | None = None,
                    reference: str | None = None) -> None:
@@ -222,12 +233,16 @@ class ShadowService:
         return done
 
     def end_turn(self, turn_id: int) -> None:
-        """The request is over; sessions past the cap spill, with the device held (a spill reads
-        session tensors, which nothing may change meanwhile)."""
-        with self.device_lock, self.state_lock:
-            turn = self.turns.pop(turn_id)
-            if turn.prompt_fed:
-                self.store.settle(keep=turn.session)
+        """The request is over; sessions past the cap spill, on the device (a spill reads session
+        tensors, which nothing may change meanwhile)."""
+
+        def end() -> None:
+            with self.state_lock:
+                turn = self.turns.pop(turn_id)
+                if turn.prompt_fed:
+                    self.store.settle(keep=turn.session)
+
+        self.device.run(end, "end turn")
 
     # the idle window ----------------------------------------------------------------------
 
@@ -241,27 +256,27 @@ class ShadowService:
             if self._stop.is_set() or self.busy() or not self.enabled:
                 continue
             burst_start = self.clock()
-            while not self._stop.is_set() and not self.busy():
+            while not self._stop.is_set() and not self.busy() and self.device.idle():
                 chunk_s = self.counters.last_chunk_ms / 1000
                 if not self.rule.burst_allows(burst_start, self.clock(), chunk_s):
                     break
-                if not self.device_lock.acquire(blocking=False):
+                if not self.device.run(self._idle_chunk, "reader"):
                     break
-                self._holder = "reader"
-                try:
-                    if self.busy():  # checked before every chunk: a waiting request goes first
-                        break
-                    with self.state_lock:
-                        session = self._next_backlog()
-                    if session is None:
-                        break
-                    done = self._read(session, 1)
-                    with self.state_lock:
-                        self.counters.chunks_idle += done
-                        self.store.settle(keep=session.name)
-                finally:
-                    self._holder = None
-                    self.device_lock.release()
+
+    def _idle_chunk(self) -> int:
+        """One chunk of the session with the most recent turn that has one, unless a request came
+        (checked on the device, before every chunk: a waiting request goes first)."""
+        if self.busy():
+            return 0
+        with self.state_lock:
+            session = self._next_backlog()
+        if session is None:
+            return 0
+        done = self._read(session, 1)
+        with self.state_lock:
+            self.counters.chunks_idle += done
+            self.store.settle(keep=session.name)
+        return done
 
     def _next_backlog(self) -> Session | None:
         """The resident session with the most recent turn that has a whole chunk to read (spilled
@@ -355,30 +370,20 @@ class ShadowService:
         with self.state_lock:
             return session in self._recent or session in self.store.names()
 
-    @contextmanager
-    def _read_to_end(self, session: str, timeout_s: float):
-        """Hold the device and read `session` to its last whole chunk (answering standing questions
-        on the way) within timeout_s; yields (session, ids unread before, chunks read)."""
-        if not self.known(session):
-            raise ShadowInputError(f"unknown session {session!r}")
-        started = self.clock()
-        self.acquire_device()
-        self._holder = "ask"
-        try:
-            with self.state_lock:
-                s = self.store.get(session)
-                behind = len(s.ids) - s.committed
-            read = 0
-            while self.clock() - started < timeout_s:
-                waiting = s.name in self.pending
-                if self._read(s, 1):
-                    read += 1
-                elif not (waiting and s.name not in self.pending):  # nothing read, nothing answered
-                    break
-            yield s, behind, read
-        finally:
-            self._holder = None
-            self.device_lock.release()
+    def _read_to_end(self, session: str, timeout_s: float, started: float) -> tuple[Session, int, int]:
+        """On the device: read `session` to its last whole chunk (answering standing questions on
+        the way) until timeout_s after `started`; returns (session, ids unread before, chunks read)."""
+        with self.state_lock:
+            s = self.store.get(session)
+            behind = len(s.ids) - s.committed
+        read = 0
+        while self.clock() - started < timeout_s:
+            waiting = s.name in self.pending
+            if self._read(s, 1):
+                read += 1
+            elif not (waiting and s.name not in self.pending):  # nothing read, nothing answered
+                break
+        return s, behind, read
 
     def ask(self, session: str, question: Sequence[int], choices: Sequence[int], labels: Sequence[str],
             timeout_s: float = 10.0, reference: str | None = None, fresh: bool | None = None) -> dict:
@@ -386,11 +391,18 @@ class ShadowService:
         then one forward of the pending tail and the question in a fork: the letters' softmax."""
         question = self.reader.check_ids(question)
         choice_ids = self.reader.check_ids(choices)
+        if not self.known(session):
+            raise ShadowInputError(f"unknown session {session!r}")
         started = self.clock()
-        with self._read_to_end(session, timeout_s) as (s, behind, read):
+
+        def on_device():
+            s, behind, read = self._read_to_end(session, timeout_s, started)
             probs = self.reader.ask(s, question, choice_ids).tolist()
             with self.state_lock:
                 self.store.settle(keep=session)
+            return s, behind, read, probs
+
+        s, behind, read, probs = self.device.run(on_device, "ask")
         best = max(range(len(probs)), key=probs.__getitem__)
         answer = {
             "session": session, "choices": list(labels), "probs": probs, "label": labels[best],
@@ -412,11 +424,17 @@ class ShadowService:
         """Read the session to its end (within timeout_s), then decode greedily from a fork over the
         pending tail and `prompt` (a summary of the session); the session is left as it was."""
         prompt = self.reader.check_ids(prompt)
+        if not self.known(session):
+            raise ShadowInputError(f"unknown session {session!r}")
         started = self.clock()
-        with self._read_to_end(session, timeout_s) as (s, behind, _):
+
+        def on_device():
+            s, behind, _ = self._read_to_end(session, timeout_s, started)
             decode_start = self.clock()
             out = self.reader.decode(s, prompt, max_tokens, stop=[self.reader.model.config.eos_token_id])
-            decode_s = self.clock() - decode_start
+            return out, behind, self.clock() - decode_start
+
+        out, behind, decode_s = self.device.run(on_device, "ask")
         return {"session": session, "ids": out, "behind": behind, "weights": self.weights,
                 "latency_ms": round((self.clock() - started) * 1000, 3),
                 "decode_ms_per_token": round(decode_s * 1000 / max(1, len(out)), 3)}

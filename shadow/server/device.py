@@ -1,0 +1,108 @@
+"""One thread owns the device: every piece of model work of the service runs on it, in order.
+
+A request's turn, the idle reader's chunks, asks and spills are jobs handed to this thread; the
+caller waits for its job's result. Jobs never overlap, so the device needs no lock, and all model
+work comes from one OS thread (on a CPU, torch's thread pool then serves one caller instead of
+one per thread, which two callers on few cores make contend). A job that hands in another job
+runs it in place.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class DeviceThread:
+    def __init__(self, name: str = "shadow-device"):
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0  # jobs handed in and not finished
+        self.running: str | None = None  # the kind of the job running ("reader", "turn", "ask", ...)
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, kind, future = job
+            self.running = kind
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as e:  # the caller gets it
+                        future.set_exception(e)
+            finally:
+                self.running = None
+                with self._lock:
+                    self._pending -= 1
+
+    def here(self) -> bool:
+        """True on the device thread itself."""
+        return threading.current_thread() is self._thread
+
+    def submit(self, fn: Callable[[], T], kind: str = "job") -> Future:
+        """Queue fn; its Future holds the result (or the exception)."""
+        future: Future = Future()
+        with self._lock:
+            self._pending += 1
+            self._jobs.put((fn, kind, future))
+        return future
+
+    def run(self, fn: Callable[[], T], kind: str = "job") -> T:
+        """fn's result, computed on the device thread after the jobs queued before it."""
+        if self.here():
+            return fn()
+        return self.submit(fn, kind).result()
+
+    def run_if_idle(self, fn: Callable[[], T], kind: str = "job") -> tuple[bool, T | None]:
+        """(True, fn's result) when nothing runs or waits on the device; (False, None) at once
+        otherwise (a caller that must not wait, e.g. a stream being passed through)."""
+        if self.here():
+            return True, fn()
+        future: Future = Future()
+        with self._lock:
+            if self._pending:
+                return False, None
+            self._pending += 1
+            self._jobs.put((fn, kind, future))
+        return True, future.result()
+
+    def idle(self) -> bool:
+        with self._lock:
+            return self._pending == 0
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Keep the device thread waiting while the caller's block runs (no job runs meanwhile)."""
+        if self.here():
+            yield
+            return
+        started, done = threading.Event(), threading.Event()
+
+        def wait() -> None:
+            started.set()
+            done.wait()
+
+        future = self.submit(wait, "hold")
+        started.wait()
+        try:
+            yield
+        finally:
+            done.set()
+            future.result()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Finish the jobs handed in, then end the thread."""
+        self._jobs.put(None)
+        if not self.here():
+            self._thread.join(timeout)
