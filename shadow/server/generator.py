@@ -1,5 +1,5 @@
 """The embedded generator: a Qwen3.5 checkpoint answering chat requests with the project's own
-forward, greedy, one request at a time (the caller holds the device). Between two decode rounds
+forward, greedy, one request at a time (on the service's device thread). Between two decode rounds
 the caller may run the shadow's share."""
 
 from __future__ import annotations

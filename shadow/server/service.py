@@ -88,7 +88,7 @@ class Counters:
     chunks_idle: int = 0
     chunks_share: int = 0
     chunks_ask: int = 0
-    max_wait_on_reader_ms: float = 0.0  # the longest a request waited for the device lock
+    max_wait_on_reader_ms: float = 0.0  # the longest a request waited behind a reader chunk
     last_chunk_ms: float = 0.0
     asks: int = 0
     standing_answered: int = 0
@@ -165,7 +165,7 @@ class ShadowService:
     def begin_turn(self, turn_id: int, session: str, prompt_ids: Sequence[int] | None = None,
                    reference: str | None = None) -> None:
         """A request starts (the idle window stops). With its prompt, the prompt is fed (rolling
-        back where it differs), the device held by the caller. Checks ids before any change."""
+        back where it differs), on the device thread. Checks ids before any change."""
         ids = None if prompt_ids is None else self.reader.check_ids(prompt_ids)
         with self.state_lock:
             self.turns[turn_id] = Turn(session, self.clock(), reference=reference)
@@ -174,7 +174,7 @@ class ShadowService:
             self.set_prompt(turn_id, ids)
 
     def set_prompt(self, turn_id: int, prompt_ids: Sequence[int]) -> None:
-        """Feed a turn's prompt once known (a proxy learns it from the engine), device held by the caller."""
+        """Feed a turn's prompt once known (a proxy learns it from the engine), on the device thread."""
         ids = self.reader.check_ids(prompt_ids)
         if not self.enabled:
             return
@@ -211,7 +211,7 @@ class ShadowService:
             self.reader.feed_output(self.store.get(turn.session), ids)
 
     def share_slice(self, turn_id: int) -> int:
-        """Between two rounds, with the device held by the caller: read whole chunks of this turn's
+        """Between two rounds, on the device thread: read whole chunks of this turn's
         session within the share of the time since its first token, at most one slice."""
         with self.state_lock:
             turn = self.turns[turn_id]
@@ -301,7 +301,7 @@ class ShadowService:
 
     def _answer_if_ready(self, session: Session) -> None:
         """Answer the session's standing question once the reader sits at its insertion point's
-        grid line (the device held by the caller)."""
+        grid line (on the device thread)."""
         p = self.pending.get(session.name)
         line = None if p is None else p.insertion // self.reader.grid * self.reader.grid
         if p is None or session.committed < line:
