@@ -100,6 +100,7 @@ def load_model(
     target = dtype or tensors["embed_tokens.weight"].dtype
     model.load_state_dict({k: t.to(device=device, dtype=_param_dtype(k, target)) for k, t in tensors.items()}, assign=True)
     model.eval()
+    model.build_steps()  # merged weights (fused kernels) now, not inside a first chunk's graph capture
     return LoadedModel(model, folder, _hash_files(files), (folder / RANDOM_MARKER).exists())
 
 

@@ -205,16 +205,20 @@ class Qwen35(nn.Module):
 
     @property
     def steps(self):
-        """The forward's steps: fused (merged projections, built once from the loaded weights on
-        first use) when the kernel set says so, the modules' own otherwise."""
+        """The forward's steps: fused (merged projections) when the kernel set says so, the
+        modules' own otherwise; built on first use unless `build_steps` ran."""
         if self._steps is None:
-            if self.kernels.fused:
-                from shadow.model.fused import FusedSteps
-
-                self._steps = FusedSteps(self)
-            else:
-                self._steps = ModuleSteps(self)
+            self.build_steps()
         return self._steps
+
+    def build_steps(self) -> None:
+        """Build the steps from the weights as they are now (call after loading them)."""
+        if self.kernels.fused:
+            from shadow.model.fused import FusedSteps
+
+            self._steps = FusedSteps(self)
+        else:
+            self._steps = ModuleSteps(self)
 
     def new_state(self) -> ModelState:
         return ModelState(self.config, self.dtype, self.device)
