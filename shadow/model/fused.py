@@ -104,7 +104,7 @@ class FusedSteps:
                     g.out_proj.weight, mlp))
         self.final_norm = _norm_weight(model.norm, dtype)
 
-    def _norm(self, x, weight):
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight=weight, eps=self.c.rms_norm_eps)
 
     # the steps ---------------------------------------------------------------------------------
