@@ -58,3 +58,12 @@ def test_run_if_idle_does_not_wait_while_the_device_is_held(device):
         assert not late.done()  # held: no job runs
     assert late.result(timeout=5) == "after"
     assert device.run_if_idle(lambda: 2) == (True, 2)
+
+
+def test_jobs_after_close_are_refused_not_left_waiting():
+    device = DeviceThread()
+    assert device.run(lambda: 1) == 1
+    device.close()
+    device.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="stopped"):
+        device.run(lambda: 2)

@@ -25,6 +25,7 @@ class DeviceThread:
         self._lock = threading.Lock()
         self._pending = 0  # jobs handed in and not finished
         self.running: str | None = None  # the kind of the job running ("reader", "turn", "ask", ...)
+        self.closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -54,6 +55,7 @@ class DeviceThread:
         """Queue fn; its Future holds the result (or the exception)."""
         future: Future = Future()
         with self._lock:
+            self._check_open()
             self._pending += 1
             self._jobs.put((fn, kind, future))
         return future
@@ -71,11 +73,16 @@ class DeviceThread:
             return True, fn()
         future: Future = Future()
         with self._lock:
+            self._check_open()
             if self._pending:
                 return False, None
             self._pending += 1
             self._jobs.put((fn, kind, future))
         return True, future.result()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the device thread has stopped")
 
     def idle(self) -> bool:
         with self._lock:
@@ -102,7 +109,11 @@ class DeviceThread:
             future.result()
 
     def close(self, timeout: float = 30.0) -> None:
-        """Finish the jobs handed in, then end the thread."""
-        self._jobs.put(None)
+        """Finish the jobs handed in, then end the thread; jobs handed in later are refused."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self._jobs.put(None)
         if not self.here():
             self._thread.join(timeout)
