@@ -25,6 +25,7 @@ def read_rate(
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     kernels: KernelsOpt = "auto",
+    also_kernels: Annotated[list[str] | None, typer.Option(help="More kernel sets for the same model whose per-chunk sweep is timed too, in the same run (repeatable), e.g. fla beside the default fast.")] = None,
     repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (the median is reported).")] = 5,
     full_read_tokens: Annotated[int, typer.Option(help="Session length for the whole read from empty (0: skip).")] = 58_278,
     ask_tokens: Annotated[int, typer.Option(help="Session length at whose end ask and fork decode are timed (0: skip).")] = 41_802,
@@ -72,6 +73,13 @@ def read_rate(
             del extra
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
+        for other in also_kernels or []:
+            extra, _ = open_reader(model, grid=grids[0], device=device, dtype=parse_dtype(dtype), kernels=other)
+            for g in grids:
+                result.rows += rr.chunk_times(reader_for(extra, g), depths, repeats, progress=say, model=model)
+            del extra
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
         if full_read_tokens:
             say(f"whole read of {full_read_tokens:,} ids")
             result.full_read_tokens = full_read_tokens
@@ -91,12 +99,14 @@ def read_rate(
             del ref
     seconds = time.perf_counter() - started
 
-    head = _headline([r for r in result.rows if r.model == model], grids[0])
+    mine = loaded.model.kernels.name
+    head = _headline([r for r in result.rows if r.model == model and r.kernels == mine], grids[0])
     table = Table(title=f"read-rate · {model} ({loaded.weights_label} weights) · {loaded.model.kernels.name} kernels · {device_name}")
-    for col in ("model", "grid", "context", "ms / chunk", "ms / 1k tokens"):
-        table.add_column(col, justify="left" if col == "model" else "right")
+    for col in ("model", "kernels", "grid", "context", "ms / chunk", "ms / 1k tokens"):
+        table.add_column(col, justify="left" if col in ("model", "kernels") else "right")
     for row in result.rows:
-        table.add_row(row.model, f"{row.grid:,}", f"{row.context:,}", f"{row.ms_per_chunk:.2f}", f"{row.ms_per_1k_tokens:.2f}")
+        table.add_row(row.model, row.kernels, f"{row.grid:,}", f"{row.context:,}", f"{row.ms_per_chunk:.2f}",
+                      f"{row.ms_per_1k_tokens:.2f}")
     console.print(table)
     if full_read_tokens:
         console.print(f"whole read of {result.full_read_tokens:,} ids from empty: {result.full_read_s:.3f} s")
@@ -146,9 +156,9 @@ def _plot(path: Path, result, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for m, g in sorted({(r.model, r.grid) for r in result.rows}):
-        rows = [r for r in result.rows if (r.model, r.grid) == (m, g)]
-        ax.plot([r.context for r in rows], [r.ms_per_1k_tokens for r in rows], marker="o", label=f"{m}, grid {g}")
+    for m, k, g in sorted({(r.model, r.kernels, r.grid) for r in result.rows}):
+        rows = [r for r in result.rows if (r.model, r.kernels, r.grid) == (m, k, g)]
+        ax.plot([r.context for r in rows], [r.ms_per_1k_tokens for r in rows], marker="o", label=f"{m}, {k}, grid {g}")
     if result.reference_ms_per_1k_tokens:
         ax.axhline(result.reference_ms_per_1k_tokens, ls="--", color="grey",
                    label=f"transformers reference ({result.compare_tokens:,} ids from empty)")

@@ -17,7 +17,7 @@ for step in "$@"; do
   case $step in
     tests) timeout 300 python3 -m pytest -q -rfE tests/test_gpu.py tests/test_piecewise.py tests/test_fused.py 2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
     profile) timeout 300 python3 experiments/profile_chunk.py 2>&1 | tee "$OUT/profile.txt" | tail -45 ;;
-    rate512) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,16384,65536 --repeats 5 \
+    rate512) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,16384,65536 --repeats 5 --also-kernels fla \
                --json 2>&1 | tee "$OUT/read-rate-512.txt" | tail -12 ;;
     verify) timeout 400 shadow verify-exact --model qwen3.5-0.8b --device cuda --grid 512 --against-grid 2048 \
               --conversation $D/django__django-16950.traj.json --conversation $D/pytest-dev__pytest-6197.traj.json \

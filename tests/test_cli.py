@@ -86,7 +86,8 @@ def test_read_rate_on_cpu_with_tiny(tmp_path):
     other = write_random_checkpoint(tmp_path / "tiny2", PRESETS["tiny"], seed=3)
     plot, csv_path = tmp_path / "rate.png", tmp_path / "rate.csv"
     result = runner.invoke(app, [
-        "read-rate", "--also-model", str(other), "--grid", "256", "--grid", "512", "--contexts", "0,1024", "--repeats", "1",
+        "read-rate", "--also-model", str(other), "--also-kernels", "reference", "--grid", "256", "--grid", "512",
+        "--contexts", "0,1024", "--repeats", "1",
         "--full-read-tokens", "1500", "--ask-tokens", "900", "--decode-tokens", "2",
         "--reference-tokens", "512", "--plot", str(plot), "--csv", str(csv_path), "--json",
     ])
@@ -99,8 +100,10 @@ def test_read_rate_on_cpu_with_tiny(tmp_path):
     assert doc["device"] == "cpu" and doc["weights"] == "random" and doc["grid"] == 256
     assert [(r["model"], r["grid"], r["context"]) for r in doc["rows"]][:4] == [
         ("tiny", 256, 0), ("tiny", 256, 1024), ("tiny", 512, 0), ("tiny", 512, 1024)]
-    assert [(r["grid"], r["context"]) for r in doc["rows"][4:]] == [(256, 0), (256, 1024), (512, 0), (512, 1024)]
-    assert {r["model"] for r in doc["rows"][4:]} == {str(other)}
+    assert [(r["grid"], r["context"]) for r in doc["rows"][4:8]] == [(256, 0), (256, 1024), (512, 0), (512, 1024)]
+    assert {r["model"] for r in doc["rows"][4:8]} == {str(other)}
+    assert [(r["model"], r["kernels"]) for r in doc["rows"][8:]] == [("tiny", "reference")] * 4  # --also-kernels
+    assert doc["kernels"] == "reference" and all(r["kernels"] == "reference" for r in doc["rows"])
     assert all(r["ms_per_chunk"] > 0 for r in doc["rows"])
     assert plot.read_bytes()[:4] == b"\x89PNG" and csv_path.read_text().startswith("model,grid,context")
 

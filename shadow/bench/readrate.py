@@ -28,6 +28,7 @@ class DepthRow:
     context: int
     ms_per_chunk: float
     ms_per_1k_tokens: float
+    kernels: str = ""
 
 
 @dataclass
@@ -75,7 +76,7 @@ def chunk_times(
                 reader.forward(chunk, state)
 
         ms = time_ms(one_chunk, device, repeats=repeats, warmup=2)
-        rows.append(DepthRow(model, reader.grid, depth, ms, ms * 1000 / reader.grid))
+        rows.append(DepthRow(model, reader.grid, depth, ms, ms * 1000 / reader.grid, reader.model.kernels.name))
     return rows
 
 
