@@ -10,8 +10,8 @@ import typer
 from rich.table import Table
 
 from cli.common import (
-    CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelOpt, console, emit_json, errors, parse_dtype,
-    user_errors, write_csv,
+    CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelOpt, console, emit_json, parse_dtype, user_errors,
+    write_csv,
 )
 from shadow.errors import ShadowInputError
 

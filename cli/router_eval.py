@@ -9,7 +9,9 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from cli.common import CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, parse_dtype, console, emit_json, errors, user_errors, write_csv
+from cli.common import (
+    CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, console, emit_json, errors, parse_dtype, user_errors, write_csv,
+)
 from shadow.errors import ShadowInputError
 
 
@@ -52,7 +54,7 @@ device, dtype and kernels, which the journal records as its arithmetic)."""
             for q in questions:
                 task = bar.add_task(f"{name} · {q.name}", total=len(entries))
                 scores.append(evaluate(entries, ids, reader, loaded.weights_hash, loaded.random, tokenizer, q, name,
-                                       lambda: bar.advance(task)))
+                                       lambda task=task: bar.advance(task)))
     table = Table(title=f"router-eval · {journal} · {len(entries)} labelled asks ({unlabelled} unlabelled)")
     for col in ("model", "question", "turns", "agree", "constant", "fresh", "fresh agree", "fresh constant", "control max |Δp|", "changed"):
         table.add_column(col, justify="left" if col in ("model", "question") else "right")

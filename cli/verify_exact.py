@@ -44,8 +44,8 @@ def verify_exact(
     from shadow.engine import open_reader
     from shadow.reader import check_grid
     from shadow.sample import sample_conversation
-    from shadow.tokenizer import load_tokenizer
     from shadow.store import SessionStore
+    from shadow.tokenizer import load_tokenizer
     from shadow.verify import KINDS, verify
 
     check_grid(grid)

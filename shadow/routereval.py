@@ -19,9 +19,8 @@ from pathlib import Path
 from safetensors import safe_open
 
 from shadow.errors import ShadowInputError
-from shadow.sessionfile import arithmetic_of
 from shadow.reader import Reader
-from shadow.sessionfile import SessionFileError, read_header
+from shadow.sessionfile import SessionFileError, arithmetic_of, read_header
 from shadow.tokenizer import Tokenizer
 
 

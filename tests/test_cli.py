@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import shared_file
 from typer.testing import CliRunner
 
 from cli.main import app
-from conftest import shared_file
 from shadow.conversations import save_jsonl
 from shadow.sample import sample_conversation
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import shared_file
+
 from shadow.chat import Message, render_output, render_prompt
 from shadow.conversations import load_conversation, save_jsonl
 from shadow.errors import ShadowInputError

@@ -53,7 +53,8 @@ def test_fla_gate_in_kernel_matches_the_reference_gate():
 
 
 def test_triton_kernels_match_their_twins_on_cuda():
-    from shadow.model import kernel_twins as twin, triton_ops as tri
+    from shadow.model import kernel_twins as twin
+    from shadow.model import triton_ops as tri
 
     g = torch.Generator(device="cuda").manual_seed(4)
     for t in (1, 3, 512):

@@ -7,8 +7,8 @@ import random
 import re
 
 import pytest
-
 from conftest import shared_file
+
 from shadow.errors import ShadowInputError
 from shadow.ledger import Request, ServiceModel, import_mooncake, import_trajectory, read_ledger, write_ledger
 from shadow.replay import replay

@@ -12,11 +12,10 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
 import httpx
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shadow.chat import Message, render_prompt, render_question
