@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
-#   bash experiments/h200.sh tests profile rate512 verify rate attention
+#   bash experiments/h200.sh tests profile rate512 verify rate attention generator
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -27,6 +27,8 @@ for step in "$@"; do
             --csv "$OUT/read-rate-h200.csv" --json > "$OUT/read-rate-h200.txt" 2>&1; tail -c 1500 "$OUT/read-rate-h200.txt" ;;
     ab) MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=6 AB_TIMEOUT=380 \
           timeout 560 bash experiments/serve_demo.sh "$OUT" 2>&1 | tail -25 ;;
+    generator) timeout 400 python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda 2>&1 \
+                 | tee "$OUT/generator-speed.txt" | tail -6 ;;
     attention) timeout 200 python3 experiments/attention_split.py --device cuda 2>&1 | tee "$OUT/attention-split.txt" ;;
     restore) timeout 300 python3 experiments/restore_speed.py --device cuda --runs 5 2>&1 | tail -3 | tee "$OUT/restore-h200.txt" ;;
     *) echo "unknown step $step" ;;

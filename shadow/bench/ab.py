@@ -38,8 +38,10 @@ def prompt_text(tokenizer: Tokenizer, tokens: int, tag: str) -> str:
 
 
 def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, session: str, arm: str, pair: int) -> Run:
+    # token ids asked for (vLLM's return_token_ids; the project's serve too), so every token counts,
+    # also one whose text waits for the rest of a character; without ids, non-empty deltas count
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "min_tokens": max_tokens}
+            "ignore_eos": True, "min_tokens": max_tokens, "return_token_ids": True}
     times, count = [], 0
     start = time.perf_counter()
     with client.stream("POST", base + "/chat/completions", json=body, headers={"x-session-id": session}) as r:

@@ -1,0 +1,94 @@
+"""How fast the embedded generator decodes alone, and through `shadow serve`: which one is slow.
+
+The H200 ab run (docs/BENCHMARKS.md) saw a 4B-shape generator decode at 18 tok/s through serve,
+about a tenth of what its weights' bytes allow. This times, for one preset, a prompt of
+--prompt ids and --tokens greedy tokens: (1) `Generator.on(model).generate` in this process
+(graphed on a GPU), (2) the plain eager forward, (3) a streamed request to a `shadow serve` of
+the same preset started here (shadow switched off, then on). Decode rates exclude the first token.
+
+    python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda     # on the H200
+    python3 experiments/generator_speed.py --model tiny --prompt 2000 --tokens 40   # on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import httpx
+
+from shadow.bench.ab import prompt_text, stream_once, switch
+from shadow.bench.readrate import random_ids
+from shadow.model import load_model
+from shadow.model.checkpoint import read_config, resolve_checkpoint
+from shadow.model.fast import pick
+from shadow.server.generator import Generator
+from shadow.tokenizer import load_tokenizer
+
+
+def in_process(generator: Generator, prompt: list[int], tokens: int) -> tuple[float, float]:
+    """(seconds to the first token, decode tok/s after it), EOS ignored."""
+    start = time.perf_counter()
+    first = None
+    n = 0
+    for _ in generator.generate(prompt, tokens):
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+    return first - start, (n - 1) / (time.perf_counter() - first)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prompt", type=int, default=16350)
+    parser.add_argument("--tokens", type=int, default=346)
+    parser.add_argument("--port", type=int, default=8795)
+    args = parser.parse_args()
+
+    kernels = pick("auto", args.device, read_config(resolve_checkpoint(args.model)).linear_key_head_dim)
+    model = load_model(args.model, device=args.device, kernels=kernels).model
+    prompt = random_ids(args.prompt, seed=3)
+    ways = [("graphed", Generator.on(model)), ("eager", Generator(model))] if model.device.type == "cuda" \
+        else [("eager", Generator(model))]
+    for name, generator in ways:
+        in_process(generator, prompt[:600], 4)  # warm-up: graphs captured, kernels tuned
+        ttft, rate = in_process(generator, prompt, args.tokens)
+        print(f"in process, {name:<8}: TTFT {ttft:.3f} s, decode {rate:.1f} tok/s", flush=True)
+    del model, generator
+
+    log = open(os.environ.get("SERVE_LOG", "/tmp/generator-speed-serve.log"), "w")
+    server = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", "serve", "--model", args.model,
+                               "--device", args.device, "--port", str(args.port)], stdout=log, stderr=log)
+    base = f"http://127.0.0.1:{args.port}/v1"
+    try:
+        deadline = time.time() + 600
+        while True:
+            try:
+                httpx.get(base + "/models", timeout=2).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if server.poll() is not None or time.time() > deadline:
+                    raise SystemExit("shadow serve did not come up; see its log")
+                time.sleep(0.5)
+        tokenizer = load_tokenizer(None)
+        with httpx.Client(timeout=600) as client:
+            stream_once(client, base, prompt_text(tokenizer, 600, "warm"), 4, "warm", "off", 0)
+            for arm in ("off", "on"):
+                switch(client, base, arm == "on")
+                tag = uuid.uuid4().hex[:12]
+                run = stream_once(client, base, prompt_text(tokenizer, args.prompt, tag), args.tokens, f"g-{tag}", arm, 0)
+                print(f"through serve, shadow {arm:<3}: TTFT {run.ttft_s:.3f} s, decode {run.decode_tok_s:.1f} tok/s "
+                      f"({run.tokens} tokens)", flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+if __name__ == "__main__":
+    main()
