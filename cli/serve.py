@@ -64,6 +64,9 @@ def serve(
 
     from shadow.engine import open_reader
     from shadow.model import load_model
+    from shadow.model.checkpoint import RANDOM_MARKER, read_config, resolve_checkpoint
+    from shadow.model.fast import pick
+    from shadow.reader import check_grid
     from shadow.schedule import BandwidthRule
     from shadow.server.app import create_app
     from shadow.server.generator import Generator
@@ -73,21 +76,36 @@ def serve(
 
     if not 0 < share < 1:
         raise ShadowInputError("--share must be between 0 and 1")
-    loaded, reader = open_reader(model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels)
-    store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk, model=model)
-    tokenizer = load_tokenizer(loaded.path)
-    standing = load_standing(standing_question, tokenizer) if standing_question else None
-    service = ShadowService(reader, store, BandwidthRule(share=share), journal, loaded.weights_label,
-                            standing=standing)
+    rule = BandwidthRule(share=share)
     headers = tuple(h.strip() for h in session_headers.split(",") if h.strip())
     identity = {"session_headers": headers, "prefix_match": prefix_match}
-    if upstream:
+    if upstream:  # proxy mode: requests pass through at once; the shadow loads in the background
+        check_grid(grid)
+        folder = resolve_checkpoint(model)
+        config = read_config(folder)
+        pick(kernels, device, config.linear_key_head_dim)  # a bad --kernels fails here, not in the background
+        tokenizer = load_tokenizer(folder)
+        standing = load_standing(standing_question, tokenizer) if standing_question else None
+
+        def load():
+            loaded, reader = open_reader(model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels)
+            store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk, model=model)
+            return reader, store, loaded.weights_label
+
+        service = ShadowService(None, None, rule, journal, standing=standing, load=load, config=config)
         app = create_app(service, tokenizer, "upstream", upstream=upstream, ask_token_ids=ask_token_ids, **identity)
-    else:
+        random = (folder / RANDOM_MARKER).exists()
+    else:  # embedded: the generator needs its model before the first request
+        loaded, reader = open_reader(model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels)
+        store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk, model=model)
+        tokenizer = load_tokenizer(loaded.path)
+        standing = load_standing(standing_question, tokenizer) if standing_question else None
+        service = ShadowService(reader, store, rule, journal, loaded.weights_label, standing=standing)
         gen_model = loaded.model if generator_model in (None, model) else load_model(
             generator_model, dtype=parse_dtype(dtype), device=device, kernels=loaded.model.kernels).model
         app = create_app(service, tokenizer, generator_model or model, generator=Generator.on(gen_model), **identity)
-    if loaded.random:
+        random = loaded.random
+    if random:
         console.print("[yellow]weights are random:[/] answers and generated text mean nothing; exactness and timing do.")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
     uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -3,3 +3,7 @@
 
 class ShadowInputError(ValueError):
     """Bad input (a preset, a path, a file, ids, a grid, choices). Raised before any state changes."""
+
+
+class ShadowUnavailable(RuntimeError):
+    """The shadow cannot answer yet (its model is still loading, or failed to load); serve answers 503."""

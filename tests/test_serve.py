@@ -482,3 +482,65 @@ def test_text_stream_holds_a_character_split_over_ids_until_whole(tokenizer):
     assert "".join(pieces) + stream.rest() == text
     assert not any("\ufffd" in p for p in pieces)  # no half character is ever sent
     assert "" in pieces  # the emoji's first id alone adds nothing yet
+
+
+@contextmanager
+def proxy_loading_in_background(upstream: str, load):
+    """A proxy whose shadow loads with `load` on the device thread after start (as `shadow serve
+    --upstream` does)."""
+    from shadow.model.checkpoint import read_config, resolve_checkpoint
+
+    service = ShadowService(None, None, BandwidthRule(), load=load, config=read_config(resolve_checkpoint("tiny")))
+    app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream)
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    while not srv.started:
+        time.sleep(0.02)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+            yield client, service
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_a_proxy_serves_while_its_shadow_loads_then_reads_what_came_meanwhile(tiny):
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(30)  # the model "loads" until the test lets it finish
+        _, reader = open_reader("tiny", grid=GRID)
+        return reader, SessionStore(reader, tiny.weights_hash, cap_gib=None), tiny.weights_label
+
+    with running() as (engine, _):
+        with proxy_loading_in_background(str(engine.base_url).rstrip("/") + "/v1", slow_load) as (proxy, service):
+            assert proxy.get("/v1/shadow/status").json()["ready"] is False
+            chunks, _ = stream_chat(proxy, "early", [{"role": "user", "content": long_text(70, 300)}], max_tokens=4)
+            assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")  # answered while loading
+            asked = proxy.post("/v1/shadow/ask", json={"session": "early", "question": "A or B?", "choices": ["A", "B"],
+                                                       "timeout_s": 0.2})
+            assert asked.status_code == 503 and "loading" in asked.json()["error"]["message"]
+            release.set()
+            settled(service)
+            assert service.ready.is_set() and proxy.get("/v1/shadow/status").json()["ready"] is True
+            wait_until_read(service, ["early"])
+            s = service.store.peek("early")
+            assert s is not None and len(s.ids) > 300  # the prompt and the answer that came while loading
+            assert_exact(service, "early")
+
+
+def test_a_proxy_whose_shadow_fails_to_load_still_passes_requests_through(tiny):
+    def broken_load():
+        raise OSError("no such checkpoint")
+
+    with running() as (engine, _):
+        with proxy_loading_in_background(str(engine.base_url).rstrip("/") + "/v1", broken_load) as (proxy, service):
+            chunks, _ = stream_chat(proxy, "x", [{"role": "user", "content": long_text(71, 100)}], max_tokens=3)
+            assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+            settled(service)
+            status = proxy.get("/v1/shadow/status").json()
+            assert status["ready"] is False and "no such checkpoint" in status["load_error"]
+            asked = proxy.post("/v1/shadow/ask", json={"session": "x", "question": "A?", "choices": ["A", "B"]})
+            assert asked.status_code == 503 and "failed to load" in asked.json()["error"]["message"]

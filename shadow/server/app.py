@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shadow.chat import Message, render_prompt, render_question
-from shadow.errors import ShadowInputError
+from shadow.errors import ShadowInputError, ShadowUnavailable
 from shadow.server.generator import Generator
 from shadow.server.proxy import PASS_HEADERS, forward
 from shadow.server.service import ShadowService
@@ -47,7 +47,7 @@ def create_app(
         raise ValueError("give a generator (embedded mode) or an upstream (proxy mode)")
     turn_ids = itertools.count(1)
     auto_names = itertools.count(1)
-    eos = [service.reader.model.config.eos_token_id if generator is None else generator.model.config.eos_token_id]
+    eos = [service.config.eos_token_id if generator is None else generator.model.config.eos_token_id]
     client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) if upstream else None
 
     @asynccontextmanager
@@ -63,6 +63,10 @@ def create_app(
     @app.exception_handler(ShadowInputError)
     async def bad_input(request: Request, exc: ShadowInputError):
         return error(400, str(exc))
+
+    @app.exception_handler(ShadowUnavailable)
+    async def unavailable(request: Request, exc: ShadowUnavailable):
+        return error(503, str(exc), "unavailable")
 
     async def body_of(request: Request) -> dict:
         try:

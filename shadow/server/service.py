@@ -12,6 +12,7 @@ first token.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import deque
@@ -22,7 +23,8 @@ from typing import TypeVar
 
 import torch
 
-from shadow.errors import ShadowInputError
+from shadow.errors import ShadowInputError, ShadowUnavailable
+from shadow.model.config import ModelConfig
 from shadow.reader import Reader, Session, common_prefix
 from shadow.routereval import ids_crc
 from shadow.schedule import BandwidthRule
@@ -30,6 +32,7 @@ from shadow.server.device import DeviceThread
 from shadow.store import SessionStore
 
 T = TypeVar("T")
+log = logging.getLogger("shadow.serve")
 
 
 @dataclass
@@ -97,17 +100,31 @@ class Counters:
 
 
 class ShadowService:
+    """The live shadow. With `reader` and `store` it is ready at once; with `load` instead (a
+    function returning reader, store and the weights' label) it loads on the device thread as
+    its first job after `start`, while requests pass through (proxy mode); until then nothing
+    is fed, `match_session` finds nothing, and asks wait for it."""
+
     def __init__(
-        self, reader: Reader, store: SessionStore, rule: BandwidthRule = BandwidthRule(),
+        self, reader: Reader | None, store: SessionStore | None, rule: BandwidthRule = BandwidthRule(),
         journal: Path | None = None, weights: str = "", clock=time.monotonic,
         standing: StandingQuestion | None = None,
+        load: Callable[[], tuple[Reader, SessionStore, str]] | None = None, config: ModelConfig | None = None,
     ):
-        self.reader = reader
-        self.store = store
+        if (reader is None or store is None) and (load is None or config is None):
+            raise ValueError("give a reader and a store, or a function that loads them and the model's config")
+        self.config = reader.model.config if reader is not None else config
+        self.reader: Reader | None = None
+        self.store: SessionStore | None = None
+        self.weights, self.weights_hash = weights, ""
+        self.ready = threading.Event()  # the model is loaded
+        self._load_ended = threading.Event()  # loaded, or failed to
+        self.load_error: str | None = None
+        self._load = load
+        if reader is not None and store is not None:
+            self._use(reader, store, weights)
         self.rule = rule
         self.journal = Path(journal) if journal else None
-        self.weights = weights
-        self.weights_hash = store.identity.weights_hash
         self.enabled = True  # switched off, the shadow feeds and reads nothing (for A/B runs)
         self.standing = standing
         self.pending: dict[str, Pending] = {}
@@ -125,8 +142,33 @@ class ShadowService:
 
     # lifecycle --------------------------------------------------------------------------
 
+    def _use(self, reader: Reader, store: SessionStore, weights: str) -> None:
+        self.reader, self.store, self.weights = reader, store, weights
+        self.weights_hash = store.identity.weights_hash
+        self.ready.set()
+        self._load_ended.set()
+
+    def _load_now(self) -> None:
+        """On the device thread, first: load the model; a failure is kept for status and asks."""
+        try:
+            self._use(*self._load())
+        except Exception as e:  # the proxy goes on passing requests through without a shadow
+            self.load_error = f"{type(e).__name__}: {e}"
+            log.error("the shadow failed to load: %s", self.load_error)
+        finally:
+            self._load_ended.set()
+
     def start(self) -> None:
+        if not self.ready.is_set():
+            self.device.submit(self._load_now, "load")
         self._idle.start()
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        """Wait for a model loading in the background, up to timeout_s."""
+        self._load_ended.wait(timeout_s)
+        if not self.ready.is_set():
+            raise ShadowUnavailable(self.load_error and f"the shadow failed to load ({self.load_error})"
+                                    or "the shadow is still loading its model")
 
     def stop(self) -> None:
         """A planned stop: the idle reader ends after its chunk in flight; sessions go to disk."""
@@ -136,7 +178,8 @@ class ShadowService:
 
         def close() -> None:
             with self.state_lock:
-                self.store.close()
+                if self.store is not None:
+                    self.store.close()
 
         self.device.run(close, "stop")
         self.device.close()
@@ -166,7 +209,7 @@ class ShadowService:
                    reference: str | None = None) -> None:
         """A request starts (the idle window stops). With its prompt, the prompt is fed (rolling
         back where it differs), on the device thread. Checks ids before any change."""
-        ids = None if prompt_ids is None else self.reader.check_ids(prompt_ids)
+        ids = None if prompt_ids is None or not self.ready.is_set() else self.reader.check_ids(prompt_ids)
         with self.state_lock:
             self.turns[turn_id] = Turn(session, self.clock(), reference=reference)
             self.counters.requests += 1
@@ -175,9 +218,9 @@ class ShadowService:
 
     def set_prompt(self, turn_id: int, prompt_ids: Sequence[int]) -> None:
         """Feed a turn's prompt once known (a proxy learns it from the engine), on the device thread."""
-        ids = self.reader.check_ids(prompt_ids)
-        if not self.enabled:
+        if not self.ready.is_set() or not self.enabled:  # no model (it failed to load), or switched off
             return
+        ids = self.reader.check_ids(prompt_ids)
         with self.state_lock:
             turn = self.turns[turn_id]
             if self._latest.get(turn.session, 0) > turn_id:
@@ -368,7 +411,7 @@ class ShadowService:
 
     def known(self, session: str) -> bool:
         with self.state_lock:
-            return session in self._recent or session in self.store.names()
+            return session in self._recent or (self.store is not None and session in self.store.names())
 
     def _read_to_end(self, session: str, timeout_s: float, started: float) -> tuple[Session, int, int]:
         """On the device: read `session` to its last whole chunk (answering standing questions on
@@ -389,6 +432,7 @@ class ShadowService:
             timeout_s: float = 10.0, reference: str | None = None, fresh: bool | None = None) -> dict:
         """Read the session up to the question's insertion point (its last id, within timeout_s),
         then one forward of the pending tail and the question in a fork: the letters' softmax."""
+        self._wait_ready(timeout_s)
         question = self.reader.check_ids(question)
         choice_ids = self.reader.check_ids(choices)
         if not self.known(session):
@@ -423,6 +467,7 @@ class ShadowService:
     def summarize(self, session: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 10.0) -> dict:
         """Read the session to its end (within timeout_s), then decode greedily from a fork over the
         pending tail and `prompt` (a summary of the session); the session is left as it was."""
+        self._wait_ready(timeout_s)
         prompt = self.reader.check_ids(prompt)
         if not self.known(session):
             raise ShadowInputError(f"unknown session {session!r}")
@@ -442,9 +487,12 @@ class ShadowService:
     def status(self) -> dict:
         with self.state_lock:
             c = self.counters
+            ready = self.ready.is_set()
             return {
-                "grid": self.reader.grid, "weights": self.weights, "enabled": self.enabled,
-                "sessions": [vars(r) for r in self.store.status()], "store": self.store.totals(),
+                "ready": ready, "load_error": self.load_error,
+                "grid": self.reader.grid if ready else None, "weights": self.weights, "enabled": self.enabled,
+                "sessions": [vars(r) for r in self.store.status()] if ready else [],
+                "store": self.store.totals() if ready else None,
                 "turns_in_flight": len(self.turns), "waiting": self.waiting,
                 "counters": {
                     "requests": c.requests, "chunks_idle": c.chunks_idle, "chunks_share": c.chunks_share,
