@@ -66,17 +66,11 @@ def read_rate(
         for i, g in enumerate(grids):
             r = reader if i == 0 else reader_for(loaded, g)
             result.rows += rr.chunk_times(r, depths, repeats, progress=say, model=model)
-        for other in also_model or []:
-            extra, _ = open_reader(other, grid=grids[0], device=device, dtype=parse_dtype(dtype), kernels=kernels)
+        extras = [(other, kernels) for other in also_model or []] + [(model, k) for k in also_kernels or []]
+        for name, kernel_set in extras:  # other models, or the same model with other kernels
+            extra, _ = open_reader(name, grid=grids[0], device=device, dtype=parse_dtype(dtype), kernels=kernel_set)
             for g in grids:
-                result.rows += rr.chunk_times(reader_for(extra, g), depths, repeats, progress=say, model=other)
-            del extra
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-        for other in also_kernels or []:
-            extra, _ = open_reader(model, grid=grids[0], device=device, dtype=parse_dtype(dtype), kernels=other)
-            for g in grids:
-                result.rows += rr.chunk_times(reader_for(extra, g), depths, repeats, progress=say, model=model)
+                result.rows += rr.chunk_times(reader_for(extra, g), depths, repeats, progress=say, model=name)
             del extra
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

@@ -47,6 +47,13 @@ def running(upstream: str | None = None, disk=None, journal=None, standing=None,
         app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream, **identity)
     else:
         app = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model), **identity)
+    with serving(app) as client:
+        yield client, service
+
+
+@contextmanager
+def serving(app):
+    """`app` under uvicorn on a free loopback port in a thread; a client of it."""
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -57,7 +64,7 @@ def running(upstream: str | None = None, disk=None, journal=None, standing=None,
     assert srv.started
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
-            yield client, service
+            yield client
     finally:
         srv.should_exit = True
         thread.join(timeout=30)
@@ -491,19 +498,8 @@ def proxy_loading_in_background(upstream: str, load):
     from shadow.model.checkpoint import read_config, resolve_checkpoint
 
     service = ShadowService(None, None, BandwidthRule(), load=load, config=read_config(resolve_checkpoint("tiny")))
-    app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    while not srv.started:
-        time.sleep(0.02)
-    try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
-            yield client, service
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
+    with serving(create_app(service, load_tokenizer(None), "upstream", upstream=upstream)) as client:
+        yield client, service
 
 
 def test_a_proxy_serves_while_its_shadow_loads_then_reads_what_came_meanwhile(tiny):
