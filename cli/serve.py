@@ -49,6 +49,7 @@ def serve(
     standing_question: Annotated[Path | None, typer.Option(envvar="SHADOW_SERVE_STANDING_QUESTION", help="A JSON file {name, text, choices, min_prompt_tokens (8192), label_header (x-shadow-label)}: asked of the shadow at every turn with at least that many prompt tokens, at the prompt's last <|im_end|>, journaled beside the turn's label header.")] = None,
     session_headers: Annotated[str, typer.Option(envvar="SHADOW_SERVE_SESSION_HEADERS", help="Request headers that name a session, first match wins (comma-separated).")] = "x-session-id,x-openwebui-chat-id",
     prefix_match: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_PREFIX_MATCH", help="Without a session header, continue the resident session sharing the longest prefix with the prompt.")] = True,
+    unload_slack_gib: Annotated[float | None, typer.Option(envvar="SHADOW_SERVE_UNLOAD_SLACK_GIB", help="Proxy mode, with --disk: after an idle burst that leaves more than this many GiB free in the shadow's CUDA memory pool, park every session on disk and unload the model; the next turn or ask loads it again (DESIGN suggests 2). Default: never.")] = None,
     ask_token_ids: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_ASK_TOKEN_IDS", help="Proxy mode: add return_token_ids to requests (vLLM returns the prompt and output ids).")] = True,
 ) -> None:
     """Serve OpenAI-compatible /v1/chat/completions, /v1/completions and /v1/models from an
@@ -76,6 +77,8 @@ def serve(
 
     if not 0 < share < 1:
         raise ShadowInputError("--share must be between 0 and 1")
+    if unload_slack_gib is not None and (not upstream or disk is None or unload_slack_gib < 0):
+        raise ShadowInputError("--unload-slack-gib needs proxy mode (--upstream), a --disk to park sessions on, and a slack >= 0")
     rule = BandwidthRule(share=share)
     headers = tuple(h.strip() for h in session_headers.split(",") if h.strip())
     identity = {"session_headers": headers, "prefix_match": prefix_match}
@@ -92,7 +95,9 @@ def serve(
             store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk, model=model)
             return reader, store, loaded.weights_label
 
-        service = ShadowService(None, None, rule, journal, standing=standing, load=load, config=config)
+        slack = None if unload_slack_gib is None else int(unload_slack_gib * 2**30)
+        service = ShadowService(None, None, rule, journal, standing=standing, load=load, config=config,
+                                unload_slack_bytes=slack)
         app = create_app(service, tokenizer, "upstream", upstream=upstream, ask_token_ids=ask_token_ids, **identity)
         random = (folder / RANDOM_MARKER).exists()
     else:  # embedded: the generator needs its model before the first request

@@ -204,3 +204,12 @@ def test_serve_help_and_config_errors(tmp_path):
     assert result.exit_code == 2 and "--share must be between 0 and 1" in result.output
     result = runner.invoke(app, ["serve", "--config", str(bad), "--model", "nope"], env={"SHADOW_SERVE_SHARE": "0.05"})
     assert result.exit_code == 2 and "no checkpoint folder" in result.output  # ... the variable wins over it
+
+
+def test_serve_refuses_an_unload_slack_it_cannot_honour(tmp_path):
+    result = runner.invoke(app, ["serve", "--unload-slack-gib", "2"])  # embedded: the generator needs the model
+    assert result.exit_code == 2 and "--unload-slack-gib needs proxy mode" in result.output
+    result = runner.invoke(app, ["serve", "--unload-slack-gib", "2", "--upstream", "http://127.0.0.1:9/v1"])
+    assert result.exit_code == 2 and "a --disk" in result.output  # nowhere to park sessions
+    result = runner.invoke(app, ["serve", "--upstream", "http://127.0.0.1:9/v1", "--kernels", "fast"])
+    assert result.exit_code == 2 and "need CUDA" in result.output  # refused at start, not in the background

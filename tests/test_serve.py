@@ -540,3 +540,40 @@ def test_a_proxy_whose_shadow_fails_to_load_still_passes_requests_through(tiny):
             assert status["ready"] is False and "no such checkpoint" in status["load_error"]
             asked = proxy.post("/v1/shadow/ask", json={"session": "x", "question": "A?", "choices": ["A", "B"]})
             assert asked.status_code == 503 and "failed to load" in asked.json()["error"]["message"]
+
+
+def test_an_idle_proxy_unloads_past_the_slack_and_the_next_turn_reads_on_exactly(tiny, tmp_path):
+    """With more than the slack free after an idle burst, sessions go to disk and the model is
+    let go; the next turn loads it again, restores the session and continues bit for bit."""
+    from shadow.model.checkpoint import read_config, resolve_checkpoint
+
+    free = {"bytes": 0}  # the test decides when the pool "has" memory to give back
+
+    def load():
+        _, reader = open_reader("tiny", grid=GRID)
+        return reader, SessionStore(reader, tiny.weights_hash, cap_gib=None, disk=tmp_path / "disk"), "random"
+
+    service = ShadowService(None, None, BandwidthRule(), load=load, config=read_config(resolve_checkpoint("tiny")),
+                            unload_slack_bytes=1 << 20, pool_free=lambda: free["bytes"])
+    with running() as (engine, _):
+        app = create_app(service, load_tokenizer(None), "upstream", upstream=str(engine.base_url).rstrip("/") + "/v1")
+        with serving(app) as proxy:
+            first = [{"role": "user", "content": long_text(80, 300)}]
+            _, answer = stream_chat(proxy, "u", first, max_tokens=4)
+            settled(service)
+            wait_until_read(service, ["u"])
+            free["bytes"] = 1 << 30
+            deadline = time.time() + 30
+            while service.counters.unloads == 0 and time.time() < deadline:
+                time.sleep(0.05)
+            free["bytes"] = 0
+            status = proxy.get("/v1/shadow/status").json()
+            assert status["counters"]["unloads"] == 1 and status["ready"] is False
+            assert list((tmp_path / "disk").glob("*.safetensors"))  # the session, parked
+            second = first + [{"role": "assistant", "content": answer}, {"role": "user", "content": long_text(81, 300)}]
+            stream_chat(proxy, "u", second, max_tokens=4)
+            settled(service)
+            assert service.ready.is_set()  # loaded again by the turn
+            wait_until_read(service, ["u"])
+            assert service.store.peek("u").committed > GRID
+            assert_exact(service, "u")

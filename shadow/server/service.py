@@ -11,6 +11,7 @@ first token.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import threading
@@ -96,6 +97,7 @@ class Counters:
     asks: int = 0
     standing_answered: int = 0
     standing_replaced: int = 0  # a newer turn came before the reader reached the older point
+    unloads: int = 0  # times the model was unloaded after an idle burst (sessions parked on disk)
     last_answers: deque = field(default_factory=lambda: deque(maxlen=20))
 
 
@@ -103,13 +105,17 @@ class ShadowService:
     """The live shadow. With `reader` and `store` it is ready at once; with `load` instead (a
     function returning reader, store and the weights' label) it loads on the device thread as
     its first job after `start`, while requests pass through (proxy mode); until then nothing
-    is fed, `match_session` finds nothing, and asks wait for it."""
+    is fed, `match_session` finds nothing, and asks wait for it. With a loader, a disk and
+    `unload_slack_bytes`, an idle burst that leaves more than that free in the device's memory
+    pool (`pool_free`, by default CUDA's reserved minus allocated bytes) parks every session on
+    disk and drops the model; the next turn or ask loads it again and reads on from disk."""
 
     def __init__(
         self, reader: Reader | None, store: SessionStore | None, rule: BandwidthRule = BandwidthRule(),
         journal: Path | None = None, weights: str = "", clock=time.monotonic,
         standing: StandingQuestion | None = None,
         load: Callable[[], tuple[Reader, SessionStore, str]] | None = None, config: ModelConfig | None = None,
+        unload_slack_bytes: int | None = None, pool_free: Callable[[], int] | None = None,
     ):
         if (reader is None or store is None) and (load is None or config is None):
             raise ValueError("give a reader and a store, or a function that loads them and the model's config")
@@ -121,6 +127,9 @@ class ShadowService:
         self._load_ended = threading.Event()  # loaded, or failed to
         self.load_error: str | None = None
         self._load = load
+        self._loading = False
+        self.unload_slack = unload_slack_bytes  # None: never unload
+        self._pool_free = pool_free or self._cuda_pool_free
         if reader is not None and store is not None:
             self._use(reader, store, weights)
         self.rule = rule
@@ -148,23 +157,37 @@ class ShadowService:
         self.ready.set()
         self._load_ended.set()
 
+    def _start_load(self) -> None:
+        """Hand the device a load job, unless the model is there or a load is on its way."""
+        with self.state_lock:
+            if self._loading or self.ready.is_set() or self._load is None:
+                return
+            self._loading = True
+            self._load_ended.clear()
+        self.device.submit(self._load_now, "load")
+
     def _load_now(self) -> None:
-        """On the device thread, first: load the model; a failure is kept for status and asks."""
+        """On the device thread: load the model (unless there); a failure is kept for status and asks."""
         try:
-            self._use(*self._load())
+            if not self.ready.is_set():
+                self._use(*self._load())
+                self.load_error = None
         except Exception as e:  # the proxy goes on passing requests through without a shadow
             self.load_error = f"{type(e).__name__}: {e}"
             log.error("the shadow failed to load: %s", self.load_error)
         finally:
+            with self.state_lock:
+                self._loading = False
             self._load_ended.set()
 
     def start(self) -> None:
-        if not self.ready.is_set():
-            self.device.submit(self._load_now, "load")
+        self._start_load()
         self._idle.start()
 
     def _wait_ready(self, timeout_s: float) -> None:
-        """Wait for a model loading in the background, up to timeout_s."""
+        """Wait for the model (loading in the background, or loaded again after an unload), up to timeout_s."""
+        if not self.ready.is_set() and self.load_error is None:
+            self._start_load()
         self._load_ended.wait(timeout_s)
         if not self.ready.is_set():
             raise ShadowUnavailable(self.load_error and f"the shadow failed to load ({self.load_error})"
@@ -218,6 +241,8 @@ class ShadowService:
 
     def set_prompt(self, turn_id: int, prompt_ids: Sequence[int]) -> None:
         """Feed a turn's prompt once known (a proxy learns it from the engine), on the device thread."""
+        if not self.ready.is_set() and self.load_error is None and self.enabled:
+            self._load_now()  # unloaded after an idle burst: load again, then read on from disk
         if not self.ready.is_set() or not self.enabled:  # no model (it failed to load), or switched off
             return
         ids = self.reader.check_ids(prompt_ids)
@@ -305,11 +330,39 @@ class ShadowService:
                     break
                 if not self.device.run(self._idle_chunk, "reader"):
                     break
+            if self.unload_slack is not None and not self.busy() and self.device.idle():
+                self.device.run(self._unload_if_slack, "unload")
+
+    def _cuda_pool_free(self) -> int:
+        """Bytes the caching allocator holds for the model's device and nothing uses (0 off CUDA)."""
+        device = self.reader.model.device if self.reader is not None else None
+        if device is None or device.type != "cuda":
+            return 0
+        return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+    def _unload_if_slack(self) -> None:
+        """On the device, after an idle burst with nothing left to read: when more than the slack
+        sits free in the pool, park every session on disk and let the model go (DESIGN 7); the
+        next turn or ask loads it again and reads on from disk."""
+        if (self.busy() or not self.ready.is_set() or self._load is None or self.store.disk is None
+                or self.pending or self._pool_free() <= self.unload_slack):
+            return
+        with self.state_lock:
+            if self._next_backlog() is not None:
+                return
+            self.store.close()
+            self.reader, self.store = None, None
+            self.ready.clear()
+            self._load_ended.clear()
+            self.counters.unloads += 1
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def _idle_chunk(self) -> int:
         """One chunk of the session with the most recent turn that has one, unless a request came
         (checked on the device, before every chunk: a waiting request goes first)."""
-        if self.busy():
+        if self.busy() or not self.ready.is_set():
             return 0
         with self.state_lock:
             session = self._next_backlog()
@@ -399,6 +452,8 @@ class ShadowService:
     def match_session(self, prompt_ids: Sequence[int], minimum: int = 64) -> str | None:
         """The resident session sharing the longest prefix (at least `minimum` ids) with a prompt."""
         best, best_len = None, minimum - 1
+        if not self.ready.is_set():
+            return None
         with self.state_lock:
             for name in self._recent:
                 s = self.store.peek(name)
@@ -498,7 +553,7 @@ class ShadowService:
                     "requests": c.requests, "chunks_idle": c.chunks_idle, "chunks_share": c.chunks_share,
                     "chunks_ask": c.chunks_ask, "asks": c.asks, "last_chunk_ms": round(c.last_chunk_ms, 3),
                     "standing_answered": c.standing_answered, "standing_replaced": c.standing_replaced,
-                    "standing_pending": len(self.pending),
+                    "standing_pending": len(self.pending), "unloads": c.unloads,
                     "max_wait_on_reader_ms": round(c.max_wait_on_reader_ms, 3),
                 },
                 "last_answers": list(c.last_answers),
