@@ -184,6 +184,13 @@ class ShadowService:
         self._start_load()
         self._idle.start()
 
+    def _ensure_loaded(self) -> None:
+        """On the device thread, before model work: load again if an idle burst unloaded the model."""
+        if not self.ready.is_set() and self.load_error is None:
+            self._load_now()
+        if not self.ready.is_set():
+            raise ShadowUnavailable(f"the shadow failed to load ({self.load_error})")
+
     def _wait_ready(self, timeout_s: float) -> None:
         """Wait for the model (loading in the background, or loaded again after an unload), up to timeout_s."""
         if not self.ready.is_set() and self.load_error is None:
@@ -495,6 +502,7 @@ class ShadowService:
         started = self.clock()
 
         def on_device():
+            self._ensure_loaded()  # an idle burst may have unloaded it since the wait
             s, behind, read = self._read_to_end(session, timeout_s, started)
             probs = self.reader.ask(s, question, choice_ids).tolist()
             with self.state_lock:
@@ -529,6 +537,7 @@ class ShadowService:
         started = self.clock()
 
         def on_device():
+            self._ensure_loaded()
             s, behind, _ = self._read_to_end(session, timeout_s, started)
             decode_start = self.clock()
             out = self.reader.decode(s, prompt, max_tokens, stop=[self.reader.model.config.eos_token_id])
