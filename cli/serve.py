@@ -49,6 +49,7 @@ def serve(
     standing_question: Annotated[Path | None, typer.Option(envvar="SHADOW_SERVE_STANDING_QUESTION", help="A JSON file {name, text, choices, min_prompt_tokens (8192), label_header (x-shadow-label)}: asked of the shadow at every turn with at least that many prompt tokens, at the prompt's last <|im_end|>, journaled beside the turn's label header.")] = None,
     session_headers: Annotated[str, typer.Option(envvar="SHADOW_SERVE_SESSION_HEADERS", help="Request headers that name a session, first match wins (comma-separated).")] = "x-session-id,x-openwebui-chat-id",
     prefix_match: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_PREFIX_MATCH", help="Without a session header, continue the resident session sharing the longest prefix with the prompt.")] = True,
+    label_from_upstream: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_LABEL_FROM_UPSTREAM", help="Proxy mode, with --standing-question: after a turn with no label header, ask the engine the standing question (one greedy token after the turn's messages) and journal its answer as the reference label.")] = False,
     unload_slack_gib: Annotated[float | None, typer.Option(envvar="SHADOW_SERVE_UNLOAD_SLACK_GIB", help="Proxy mode, with --disk: after an idle burst that leaves more than this many GiB free in the shadow's CUDA memory pool, park every session on disk and unload the model; the next turn or ask loads it again (DESIGN suggests 2). Default: never.")] = None,
     ask_token_ids: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_ASK_TOKEN_IDS", help="Proxy mode: add return_token_ids to requests (vLLM returns the prompt and output ids).")] = True,
 ) -> None:
@@ -77,6 +78,8 @@ def serve(
 
     if not 0 < share < 1:
         raise ShadowInputError("--share must be between 0 and 1")
+    if label_from_upstream and (not upstream or standing_question is None):
+        raise ShadowInputError("--label-from-upstream needs proxy mode (--upstream) and a --standing-question")
     if unload_slack_gib is not None and (not upstream or disk is None or unload_slack_gib < 0):
         raise ShadowInputError("--unload-slack-gib needs proxy mode (--upstream), a --disk to park sessions on, and a slack >= 0")
     rule = BandwidthRule(share=share)
@@ -97,7 +100,7 @@ def serve(
 
         slack = None if unload_slack_gib is None else int(unload_slack_gib * 2**30)
         service = ShadowService(None, None, rule, journal, standing=standing, load=load, config=config,
-                                unload_slack_bytes=slack)
+                                unload_slack_bytes=slack, label_from_upstream=label_from_upstream)
         app = create_app(service, tokenizer, "upstream", upstream=upstream, ask_token_ids=ask_token_ids, **identity)
         random = (folder / RANDOM_MARKER).exists()
     else:  # embedded: the generator needs its model before the first request

@@ -211,5 +211,7 @@ def test_serve_refuses_an_unload_slack_it_cannot_honour(tmp_path):
     assert result.exit_code == 2 and "--unload-slack-gib needs proxy mode" in result.output
     result = runner.invoke(app, ["serve", "--unload-slack-gib", "2", "--upstream", "http://127.0.0.1:9/v1"])
     assert result.exit_code == 2 and "a --disk" in result.output  # nowhere to park sessions
+    result = runner.invoke(app, ["serve", "--upstream", "http://127.0.0.1:9/v1", "--label-from-upstream"])
+    assert result.exit_code == 2 and "a --standing-question" in result.output
     result = runner.invoke(app, ["serve", "--upstream", "http://127.0.0.1:9/v1", "--kernels", "fast"])
     assert result.exit_code == 2 and "need CUDA" in result.output  # refused at start, not in the background

@@ -36,13 +36,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def running(upstream: str | None = None, disk=None, journal=None, standing=None, **identity):
+def running(upstream: str | None = None, disk=None, journal=None, standing=None, label_from_upstream=False,
+            **identity):
     """A real `shadow serve` app on loopback in a thread: embedded, or a proxy in front of
     `upstream`; leaving it is a planned stop (sessions parked on `disk`)."""
     loaded, reader = open_reader("tiny", grid=GRID)
     store = SessionStore(reader, loaded.weights_hash, cap_gib=None, disk=disk)
     service = ShadowService(reader, store, BandwidthRule(), journal=journal, weights=loaded.weights_label,
-                            standing=standing)
+                            standing=standing, label_from_upstream=label_from_upstream)
     if upstream:
         app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream, **identity)
     else:
@@ -577,3 +578,42 @@ def test_an_idle_proxy_unloads_past_the_slack_and_the_next_turn_reads_on_exactly
             wait_until_read(service, ["u"])
             assert service.store.peek("u").committed > GRID
             assert_exact(service, "u")
+
+
+def test_the_upstream_model_labels_a_standing_question_when_no_header_does(tiny, tmp_path):
+    """Opt-in: after a proxied turn with no label header, the engine is asked the standing question
+    (one greedy token after the turn's messages); its answer is the journal's reference when it
+    is one of the choices, and is kept beside it either way. A header label still wins."""
+    from shadow.server.service import load_standing
+
+    spec = tmp_path / "router.json"
+    spec.write_text(json.dumps({"name": "router", "text": "Class? A code, B chat", "choices": ["A", "B"],
+                                "min_prompt_tokens": 100}))
+    standing = load_standing(spec, load_tokenizer(None))
+    journal = tmp_path / "journal.jsonl"
+    messages = [{"role": "user", "content": long_text(90, 200)}]
+    with running() as (engine, _):
+        upstream = str(engine.base_url).rstrip("/") + "/v1"
+        with running(upstream=upstream, journal=journal, standing=standing, label_from_upstream=True) as (proxy, service):
+            assert proxy.post("/v1/chat/completions", headers={"x-session-id": "unlabelled"},
+                              json={"messages": messages, "max_tokens": 3}).status_code == 200
+            stream_chat(proxy, "streamed", [{"role": "user", "content": long_text(91, 200)}], max_tokens=3)
+            assert proxy.post("/v1/chat/completions", headers={"x-session-id": "labelled", "x-shadow-label": "B"},
+                              json={"messages": [{"role": "user", "content": long_text(92, 200)}],
+                                    "max_tokens": 3}).status_code == 200
+            settled(service)
+            wait_until_read(service, ["unlabelled", "streamed", "labelled"])
+            deadline = time.time() + 30
+            while len(journal.read_text().splitlines()) < 3 and time.time() < deadline:
+                time.sleep(0.05)
+        # what the engine says to the same question, asked directly
+        direct = engine.post("/v1/chat/completions", json={
+            "messages": messages + [{"role": "user", "content": standing.text}], "max_tokens": 1, "temperature": 0})
+        said = direct.json()["choices"][0]["message"]["content"].strip()
+    rows = {r["session"]: r for r in map(json.loads, journal.read_text().splitlines())}
+    assert rows["unlabelled"]["reference_source"] == "upstream" and rows["unlabelled"]["upstream_answer"] == said
+    assert rows["unlabelled"]["reference"] == (said if said in ("A", "B") else None)
+    assert rows["streamed"]["reference_source"] == "upstream"  # a streamed turn is labelled the same way
+    assert rows["labelled"]["reference"] == "B" and rows["labelled"]["reference_source"] == "header"
+    assert "upstream_answer" not in rows["labelled"]  # a header label: the engine is not asked
+    assert rows["unlabelled"]["arithmetic"] == service.store.identity.arithmetic

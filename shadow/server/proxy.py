@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import threading
+from collections.abc import Callable
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -69,6 +70,9 @@ async def forward(
     tokenizer: Tokenizer, turn_id: int, rendered: list[int] | None, chat: bool, ask_ids: bool,
 ) -> Response:
     """Forward one completion request; the turn is registered already and ended here."""
+    label = None  # chat turns with no label header: the upstream model labels the standing question
+    if chat and service.label_from_upstream and service.standing is not None:
+        label = label_asker(upstream, request_headers, body, service.standing)
     sent = dict(body)
     if ask_ids:
         sent.setdefault("return_token_ids", True)
@@ -84,7 +88,7 @@ async def forward(
         content = await upstream_response.aread()
         await upstream_response.aclose()
         if upstream_response.status_code == 200:  # the shadow feeds after the response, never before it
-            threading.Thread(target=_feed_whole, args=(service, turn_id, content, tokenizer, rendered, chat),
+            threading.Thread(target=_feed_whole, args=(service, turn_id, content, tokenizer, rendered, chat, label),
                              daemon=True).start()
         else:
             await asyncio.to_thread(service.end_turn, turn_id)
@@ -119,15 +123,41 @@ async def forward(
             if not fed_ids and text:
                 held += tokenizer.encode("".join(text))
             # what waited for the device is fed when it is free, after the response has ended
-            threading.Thread(target=_finish, args=(service, turn_id, prompt, held, first), daemon=True).start()
+            threading.Thread(target=_finish, args=(service, turn_id, prompt, held, first, label), daemon=True).start()
 
     return StreamingResponse(relay(), status_code=200, media_type=upstream_response.headers.get("content-type"))
 
 
-def _finish(service: ShadowService, turn_id: int, prompt, held: list[int], first: bool) -> None:
+def _finish(service: ShadowService, turn_id: int, prompt, held: list[int], first: bool, label=None) -> None:
+    """After the response: feed what waited, ask the upstream for the standing question's label
+    when this turn wants one (`label`), end the turn."""
     if prompt is not None or held:
         _on_device(service, turn_id, prompt, held, first)
+    if label is not None and service.wants_label(turn_id):
+        service.upstream_label(turn_id, *label())
     service.end_turn(turn_id)
+
+
+def label_asker(upstream: str, request_headers, body: dict, question) -> Callable[[], tuple[str | None, str | None]]:
+    """A function that asks the upstream model the standing question after the turn's messages
+    (one token, greedy) and returns (the label if the answer is one of the choices, the answer)."""
+    headers = {k: v for k, v in request_headers.items() if k.lower() in PASS_HEADERS}
+    request = {"messages": list(body["messages"]) + [{"role": "user", "content": question.text}],
+               "max_tokens": 1, "temperature": 0, "stream": False}
+    if "model" in body:
+        request["model"] = body["model"]
+
+    def ask() -> tuple[str | None, str | None]:
+        try:
+            r = httpx.post(upstream.rstrip("/") + "/chat/completions", json=request, headers=headers, timeout=120)
+            r.raise_for_status()
+            answer = (r.json()["choices"][0]["message"].get("content") or "").strip()
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+            log.warning("the upstream gave no label: %s", e)
+            return None, None
+        return (answer if answer in question.labels else None), answer
+
+    return ask
 
 
 def _event(line: bytes) -> dict | None:
@@ -145,7 +175,7 @@ def _event(line: bytes) -> dict | None:
 
 
 def _feed_whole(service: ShadowService, turn_id: int, content: bytes, tokenizer: Tokenizer,
-                rendered: list[int], chat: bool) -> None:
+                rendered: list[int], chat: bool, label=None) -> None:
     """Feed a whole (non-streamed) answer, then end the turn."""
     try:
         body = json.loads(content)
@@ -157,4 +187,4 @@ def _feed_whole(service: ShadowService, turn_id: int, content: bytes, tokenizer:
     ids = _output_ids(choice)
     if ids is None:
         ids = tokenizer.encode(_text(choice, chat, streamed=False))
-    _finish(service, turn_id, prompt, ids, first=True)
+    _finish(service, turn_id, prompt, ids, first=True, label=label)

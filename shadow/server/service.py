@@ -60,6 +60,7 @@ class StandingQuestion:
     labels: tuple[str, ...]
     min_prompt_tokens: int = 8192
     label_header: str = "x-shadow-label"
+    text: str = ""  # as written in the file (what the upstream model is asked, when it labels)
 
 
 def load_standing(path: Path, tokenizer) -> StandingQuestion:
@@ -71,7 +72,7 @@ def load_standing(path: Path, tokenizer) -> StandingQuestion:
             name=str(doc.get("name", Path(path).stem)), question_ids=tuple(tokenizer.encode(doc["text"])),
             choice_ids=tuple(tokenizer.single_token(c) for c in labels), labels=labels,
             min_prompt_tokens=int(doc.get("min_prompt_tokens", 8192)),
-            label_header=str(doc.get("label_header", "x-shadow-label")).lower(),
+            label_header=str(doc.get("label_header", "x-shadow-label")).lower(), text=str(doc["text"]),
         )
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ShadowInputError(f"{path}: not a standing question file ({type(e).__name__}: {e})") from None
@@ -84,6 +85,10 @@ class Pending:
     reference: str | None
     behind: int  # ids of the session not read when the turn began
     registered: float
+    turn_id: int | None = None
+    label_wanted: bool = False  # the upstream model is being asked for the reference label
+    reference_source: str | None = None  # "header" or "upstream"
+    upstream_answer: str | None = None
 
 
 @dataclass
@@ -116,6 +121,7 @@ class ShadowService:
         standing: StandingQuestion | None = None,
         load: Callable[[], tuple[Reader, SessionStore, str]] | None = None, config: ModelConfig | None = None,
         unload_slack_bytes: int | None = None, pool_free: Callable[[], int] | None = None,
+        label_from_upstream: bool = False,
     ):
         if (reader is None or store is None) and (load is None or config is None):
             raise ValueError("give a reader and a store, or a function that loads them and the model's config")
@@ -129,6 +135,8 @@ class ShadowService:
         self._load = load
         self._loading = False
         self.unload_slack = unload_slack_bytes  # None: never unload
+        self.label_from_upstream = label_from_upstream  # a turn with no label header: the proxy asks the engine
+        self._awaiting_label: dict[int, dict] = {}  # turn id -> a standing answer waiting for its label
         self._pool_free = pool_free or self._cuda_pool_free
         if reader is not None and store is not None:
             self._use(reader, store, weights)
@@ -263,7 +271,7 @@ class ShadowService:
             self.reader.feed_prompt(session, ids)
             turn.prompt_fed = True
             self._touch(turn.session)
-            self._register_standing(session, ids, turn.reference, behind)
+            self._register_standing(session, ids, turn.reference, behind, turn_id)
         self._answer_if_ready(session)
 
     def has_prompt(self, turn_id: int) -> bool:
@@ -390,7 +398,8 @@ class ShadowService:
                 return s
         return None
 
-    def _register_standing(self, session: Session, prompt: list[int], reference: str | None, behind: int) -> None:
+    def _register_standing(self, session: Session, prompt: list[int], reference: str | None, behind: int,
+                           turn_id: int | None = None) -> None:
         q = self.standing
         if q is None or len(prompt) < q.min_prompt_tokens:
             return
@@ -400,7 +409,32 @@ class ShadowService:
             return
         if session.name in self.pending:
             self.counters.standing_replaced += 1
-        self.pending[session.name] = Pending(session.name, last + 1, reference, behind, self.clock())
+        wanted = self.label_from_upstream and reference is None
+        self.pending[session.name] = Pending(session.name, last + 1, reference, behind, self.clock(), turn_id, wanted,
+                                             "header" if reference is not None else None)
+
+    def wants_label(self, turn_id: int) -> bool:
+        """Whether this turn's standing question waits for a label from the upstream model."""
+        with self.state_lock:
+            return turn_id in self._awaiting_label or any(
+                p.turn_id == turn_id and p.label_wanted for p in list(self.pending.values()))
+
+    def upstream_label(self, turn_id: int, label: str | None, answer: str | None) -> None:
+        """The upstream model's answer to the turn's standing question (`label` when it is one of
+        the choices, else None): it becomes the reference of the shadow's answer, which is then
+        journaled (at once if the shadow answered already)."""
+
+        def attach() -> None:
+            record = self._awaiting_label.pop(turn_id, None)
+            if record is not None:
+                self._record(record | {"reference": label, "reference_source": "upstream", "upstream_answer": answer})
+                return
+            for p in self.pending.values():
+                if p.turn_id == turn_id and p.label_wanted:
+                    p.reference, p.reference_source, p.upstream_answer = label, "upstream", answer
+                    p.label_wanted = False
+
+        self.device.run(attach, "label")
 
     def _answer_if_ready(self, session: Session) -> None:
         """Answer the session's standing question once the reader sits at its insertion point's
@@ -416,15 +450,22 @@ class ShadowService:
         probs = self.reader.ask(session, q.question_ids, q.choice_ids, end=p.insertion).tolist()
         best = max(range(len(probs)), key=probs.__getitem__)
         self.pending.pop(session.name)
-        self._record({
+        record = {
             "standing": q.name, "session": session.name, "choices": list(q.labels), "probs": probs,
-            "label": q.labels[best], "reference": p.reference, "fresh": None, "behind": p.behind,
-            "lag_s": round(self.clock() - p.registered, 4), "weights": self.weights,
-            "weights_hash": self.weights_hash, "grid": self.reader.grid, "insertion": p.insertion,
+            "label": q.labels[best], "reference": p.reference, "reference_source": p.reference_source,
+            "fresh": None, "behind": p.behind, "lag_s": round(self.clock() - p.registered, 4),
+            "weights": self.weights, "weights_hash": self.weights_hash, "grid": self.reader.grid,
+            "arithmetic": self.store.identity.arithmetic, "insertion": p.insertion,
             "prefix_crc": ids_crc(session.ids[: p.insertion]), "question_tokens": len(q.question_ids),
             "question_ids": list(q.question_ids), "time": time.time(),
-        })
+        }
+        if p.upstream_answer is not None:
+            record["upstream_answer"] = p.upstream_answer
         self.counters.standing_answered += 1
+        if p.label_wanted and p.turn_id is not None:  # journaled when the upstream's label comes
+            self._awaiting_label[p.turn_id] = record
+        else:
+            self._record(record)
 
     def _record(self, answer: dict) -> None:
         self.counters.last_answers.append(answer)
