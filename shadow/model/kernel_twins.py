@@ -31,10 +31,8 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-head RMSNorm of x [T, H, D] (weight is 1 + w), RoPE on the first R features (cos, sin
     [T, R]); returns [H, T, D] contiguous in x's dtype."""
+    from shadow.model.qwen35 import apply_rope
+
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    r, half = cos.shape[-1], cos.shape[-1] // 2
-    rot = y[..., :r]
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    y = torch.cat([rot * cos[:, None, :] + rotated * sin[:, None, :], y[..., r:]], dim=-1)
-    return y.to(x.dtype).transpose(0, 1).contiguous()
+    return apply_rope(y, cos.float(), sin.float()).to(x.dtype).transpose(0, 1).contiguous()

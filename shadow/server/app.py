@@ -68,6 +68,12 @@ def create_app(
     async def unavailable(request: Request, exc: ShadowUnavailable):
         return error(503, str(exc), "unavailable")
 
+    def session_named(body: dict) -> str:
+        session = body.get("session")
+        if not isinstance(session, str) or not session:
+            raise ShadowInputError("'session' must be a session name")
+        return session
+
     async def body_of(request: Request) -> dict:
         try:
             body = json.loads(await request.body())
@@ -239,9 +245,7 @@ def create_app(
     @app.post("/v1/shadow/ask")
     async def ask(request: Request):
         body = await body_of(request)
-        session = body.get("session")
-        if not isinstance(session, str) or not session:
-            raise ShadowInputError("'session' must be a session name")
+        session = session_named(body)
         choices = body.get("choices")
         if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
             raise ShadowInputError("'choices' must be a non-empty list of single-token strings (letters)")
@@ -276,9 +280,7 @@ def create_app(
     async def summarize(request: Request):
         """A summary of a session decoded from a fork over the whole session (text and ids)."""
         body = await body_of(request)
-        session = body.get("session")
-        if not isinstance(session, str) or not session:
-            raise ShadowInputError("'session' must be a session name")
+        session = session_named(body)
         instruction = body.get("instruction", "Summarise the latest turn in one sentence.")
         if not isinstance(instruction, str) or not instruction:
             raise ShadowInputError("'instruction' must be text")

@@ -26,6 +26,11 @@ log = logging.getLogger("shadow.proxy")
 PASS_HEADERS = ("authorization", "content-type", "accept", "openai-organization", "openai-project")
 
 
+def _passed_headers(request_headers) -> dict[str, str]:
+    """The client's headers the engine gets (credentials and content negotiation, nothing else)."""
+    return {k: v for k, v in request_headers.items() if k.lower() in PASS_HEADERS}
+
+
 def _on_device(service: ShadowService, turn_id: int, prompt=None, output=None, first=False, share=False,
                wait: bool = True) -> bool:
     """Feed the shadow on the device thread: the prompt, the first token's time, output ids, a
@@ -76,7 +81,7 @@ async def forward(
     sent = dict(body)
     if ask_ids:
         sent.setdefault("return_token_ids", True)
-    headers = {k: v for k, v in request_headers.items() if k.lower() in PASS_HEADERS}
+    headers = _passed_headers(request_headers)
     url = upstream.rstrip("/") + path
     try:
         upstream_response = await client.send(client.build_request("POST", url, json=sent, headers=headers), stream=True)
@@ -141,7 +146,7 @@ def _finish(service: ShadowService, turn_id: int, prompt, held: list[int], first
 def label_asker(upstream: str, request_headers, body: dict, question) -> Callable[[], tuple[str | None, str | None]]:
     """A function that asks the upstream model the standing question after the turn's messages
     (one token, greedy) and returns (the label if the answer is one of the choices, the answer)."""
-    headers = {k: v for k, v in request_headers.items() if k.lower() in PASS_HEADERS}
+    headers = _passed_headers(request_headers)
     request = {"messages": list(body["messages"]) + [{"role": "user", "content": question.text}],
                "max_tokens": 1, "temperature": 0, "stream": False}
     if "model" in body:
