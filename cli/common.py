@@ -22,7 +22,7 @@ ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset (tiny, qwen
 GridOpt = Annotated[int, typer.Option(help="Grid G: rows per chunk; the state advances only at multiples of G (a positive multiple of 64).")]
 DeviceOpt = Annotated[str, typer.Option(help="torch device: cpu, cuda, cuda:1 ...")]
 DtypeOpt = Annotated[str, typer.Option(help="Model dtype: auto (as stored: float32 for tiny, bfloat16 for the other presets), float32, bfloat16.")]
-KernelsOpt = Annotated[str, typer.Option(help="Kernels: auto (fast on CUDA when fla is installed, else reference), reference (plain PyTorch), fast (fused steps: merged projections, fla and Triton kernels), fla (fla's kernels in the plain steps).")]
+KernelsOpt = Annotated[str, typer.Option(help="Kernels: auto (fast on CUDA when fla is installed, else reference), reference (plain PyTorch), fast = fla-triton (fused steps: merged projections, fla and Triton kernels, Triton chunk attention), fla-fused (the same with SDPA attention), fla (fla's kernels in the plain steps).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="End stdout with one JSON object on its own line.")]
 CsvOpt = Annotated[Path | None, typer.Option("--csv", help="Also write the table as CSV to this path.")]
 

@@ -25,7 +25,7 @@ def read_rate(
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     kernels: KernelsOpt = "auto",
-    also_kernels: Annotated[list[str] | None, typer.Option(help="More kernel sets for the same model whose per-chunk sweep is timed too, in the same run (repeatable), e.g. fla beside the default fast.")] = None,
+    also_kernels: Annotated[list[str] | None, typer.Option(help="More kernel sets for the same model whose per-chunk sweep is timed too, in the same run (repeatable), e.g. fla-fused beside the default fast.")] = None,
     repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (the median is reported).")] = 5,
     full_read_tokens: Annotated[int, typer.Option(help="Session length for the whole read from empty (0: skip).")] = 58_278,
     ask_tokens: Annotated[int, typer.Option(help="Session length at whose end ask and fork decode are timed (0: skip).")] = 41_802,

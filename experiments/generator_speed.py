@@ -42,6 +42,19 @@ def in_process(generator: Generator, prompt: list[int], tokens: int) -> tuple[fl
     return first - start, (n - 1) / (time.perf_counter() - first)
 
 
+def profile_decode(generator: Generator, prompt: list[int], name: str, steps: int = 16) -> None:
+    """The torch profiler over `steps` decode steps after the prompt: where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens = generator.generate(prompt, steps + 2)
+    next(tokens)  # the prompt is read and the first token out: what follows is decode
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in tokens:
+            pass
+    print(f"-- {name}: {steps} decode steps")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=50), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
@@ -49,6 +62,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=16350)
     parser.add_argument("--tokens", type=int, default=346)
     parser.add_argument("--port", type=int, default=8795)
+    parser.add_argument("--profile", action="store_true", help="profile 16 decode steps each way in process, skip serve")
     args = parser.parse_args()
 
     kernels = pick("auto", args.device, read_config(resolve_checkpoint(args.model)).linear_key_head_dim)
@@ -60,6 +74,10 @@ def main() -> None:
         in_process(generator, prompt[:600], 4)  # warm-up: graphs captured, kernels tuned
         ttft, rate = in_process(generator, prompt, args.tokens)
         print(f"in process, {name:<8}: TTFT {ttft:.3f} s, decode {rate:.1f} tok/s", flush=True)
+        if args.profile:
+            profile_decode(generator, prompt, name)
+    if args.profile:
+        return
     del model, generator
 
     log = open(os.environ.get("SERVE_LOG", "/tmp/generator-speed-serve.log"), "w")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
-#   bash experiments/h200.sh tests profile rate512 verify rate attention generator
+#   bash experiments/h200.sh tests sweep profile rate512 verify rate attention generator
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -20,7 +20,7 @@ for step in "$@"; do
   case $step in
     tests) timeout 300 python3 -m pytest -q -rfE tests/test_gpu.py tests/test_piecewise.py tests/test_fused.py 2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
     profile) timeout 300 python3 experiments/profile_chunk.py 2>&1 | tee "$OUT/profile.txt" | tail -45 ;;
-    rate512) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,16384,65536 --repeats 5 --also-kernels fla \
+    rate512) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,16384,65536 --repeats 5 --also-kernels fla-fused \
                --json 2>&1 | tee "$OUT/read-rate-512.txt" | tail -12 ;;
     verify) timeout 400 shadow verify-exact --model qwen3.5-0.8b --device cuda --grid 512 --against-grid 2048 \
               --conversation $D/django__django-16950.traj.json --conversation $D/pytest-dev__pytest-6197.traj.json \
@@ -32,6 +32,9 @@ for step in "$@"; do
           timeout 560 bash experiments/serve_demo.sh "$OUT" 2>&1 | tail -25 ;;
     generator) timeout 400 python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda 2>&1 \
                  | tee "$OUT/generator-speed.txt" | tail -6 ;;
+    sweep) timeout 200 python3 experiments/tile_sweep.py 2>&1 | tee "$OUT/tile-sweep.txt" ;;
+    genprofile) timeout 300 python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda --profile 2>&1 \
+                  | tee "$OUT/generator-profile.txt" | grep -v "^-\{20\}" | head -60 ;;
     attention) timeout 200 python3 experiments/attention_split.py --device cuda 2>&1 | tee "$OUT/attention-split.txt" ;;
     restore) timeout 300 python3 experiments/restore_speed.py --device cuda --runs 5 2>&1 | tail -3 | tee "$OUT/restore-h200.txt" ;;
     *) echo "unknown step $step" ;;

@@ -81,7 +81,23 @@ def test_sdpa_attention_matches_reference_kernel():
     assert rel(out, ref) < 2e-2
 
 
-@pytest.fixture(scope="module", params=[fast.FAST, fast.FUSED], ids=["fla", "fused"])
+@pytest.mark.parametrize("t, cached", [(512, 0), (512, 16384), (620, 41182), (17, 3000)])
+def test_triton_chunk_attention_matches_reference_and_repeats_its_bits(t, cached):
+    """The 0.8B's heads over the valid rows of a larger buffer, as in a session."""
+    from shadow.model.triton_attention import chunk_attention
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    length = cached + t
+    q = torch.randn(8, t, 256, device="cuda", generator=g).bfloat16()
+    k = torch.randn(2, length + 4000, 256, device="cuda", generator=g).bfloat16()[:, :length]
+    v = torch.randn(2, length + 4000, 256, device="cuda", generator=g).bfloat16()[:, :length]
+    out = chunk_attention(q, k, v, 256 ** -0.5)
+    ref = ops.attention(q.float(), k.float(), v.float(), 256 ** -0.5)
+    assert out.shape == (t, 8, 256) and rel(out, ref) < 2e-2
+    assert torch.equal(out, chunk_attention(q, k, v, 256 ** -0.5))
+
+
+@pytest.fixture(scope="module", params=[fast.FAST, fast.FUSED, fast.TRITON], ids=["fla", "fused", "triton"])
 def tiny_cuda(request):
     return load_model("tiny", dtype=torch.bfloat16, device="cuda", kernels=request.param)
 
@@ -100,7 +116,7 @@ TINY_XFAIL = pytest.mark.xfail(
 )
 
 
-@pytest.mark.parametrize("kernels", [fast.FAST, fast.FUSED], ids=["fla", "fused"])
+@pytest.mark.parametrize("kernels", [fast.FAST, fast.FUSED, fast.TRITON], ids=["fla", "fused", "triton"])
 @pytest.mark.parametrize("config", [pytest.param("tiny", marks=TINY_XFAIL), "wide"])
 def test_fast_forward_close_to_reference_on_the_same_rounded_weights(config, kernels, tmp_path):
     """The fla/SDPA forward in bfloat16 against the reference kernels in float32 on the same

@@ -1,4 +1,4 @@
-"""The fast kernel set for CUDA: flash-linear-attention's gated delta rule, SDPA attention.
+"""The fast kernel sets for CUDA: flash-linear-attention's gated delta rule; SDPA or Triton attention.
 
 Same contracts as the reference set in `ops`. Exactness rests on determinism: fla's Triton
 kernels are autotuned once per shape and the choice is cached (FLA_CACHE_RESULTS=1, under
@@ -81,6 +81,19 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out[0].transpose(0, 1)
 
 
+def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`ops.attention`'s contract: the project's Triton chunk attention (`triton_attention`) from
+    CHUNK_ATTENTION_ROWS rows up (chunks, asks), SDPA below (decode steps)."""
+    if q.shape[1] < CHUNK_ATTENTION_ROWS:
+        return attention_sdpa(q, k, v, scale)
+    from shadow.model.triton_attention import chunk_attention
+
+    return chunk_attention(q, k, v, scale)
+
+
+CHUNK_ATTENTION_ROWS = 16
+
+
 def causal_conv_rows(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`ops.causal_conv`'s contract computed in the rows' own layout ([T, C], no transposes):
     K shifted multiply-adds in float32, then silu; a few elementwise launches instead of a cat
@@ -113,25 +126,28 @@ FAST = ops.Kernels(
     norm=rms_norm_fused, gated_norm=gated_rms_norm_fla, gdn_gated=gdn_fla_gated,
 )
 FUSED = dataclasses.replace(FAST, name="fla-fused", fused=True)  # `fused.FusedSteps` on these kernels
+TRITON = dataclasses.replace(FUSED, name="fla-triton", attention=attention_triton)  # and Triton chunk attention
+SETS = {"fast": TRITON, "fla-triton": TRITON, "fla-fused": FUSED, "fla": FAST}
 
 
 MIN_FAST_HEAD_DIM = 64  # fla 0.6.0 at the tiny preset's 16-dim GDN heads was off by ~12% on the H200
 
 
 def pick(name: str, device: str, head_dim: int = 128) -> ops.Kernels:
-    """'reference'; 'fast' (the fused steps on fla and Triton: merged projections, one-launch
-    kernels); 'fla' (fla's kernels inside the modules' own steps, the previous fast path); or
-    'auto' (fast on CUDA when fla is installed and the GDN heads are at least MIN_FAST_HEAD_DIM
-    wide, the reference kernels otherwise)."""
+    """'reference'; 'fast' = 'fla-triton' (the fused steps on fla and Triton: merged projections,
+    one-launch kernels, Triton chunk attention); 'fla-fused' (the same with SDPA attention); 'fla'
+    (fla's kernels inside the modules' own steps, the first fast path); or 'auto' (fast on CUDA
+    when fla is installed and the GDN heads are at least MIN_FAST_HEAD_DIM wide, the reference
+    kernels otherwise)."""
     from shadow.errors import ShadowInputError
 
     if name == "reference":
         return ops.REFERENCE
-    if name not in ("auto", "fast", "fla"):
-        raise ShadowInputError(f"unknown kernels {name!r} (auto, reference, fast, fla)")
+    if name != "auto" and name not in SETS:
+        raise ShadowInputError(f"unknown kernels {name!r} (auto, reference, {', '.join(SETS)})")
     wide = head_dim >= MIN_FAST_HEAD_DIM
     if name == "auto" and not (device.startswith("cuda") and available() and wide):
         return ops.REFERENCE
     if not available():
         raise ShadowInputError("the fast kernels need CUDA and flash-linear-attention (pip install fla-core)")
-    return FAST if name == "fla" else FUSED
+    return SETS["fast" if name == "auto" else name]

@@ -44,15 +44,20 @@ def _conv_kernel(
             tl.store(new_state + channels * (K - 1) + j, tl.where(row >= 0, x_part, state_part), mask=in_range)
 
 
+CONV_TILES = {"BT": 16, "BC": 128, "num_warps": 4}  # any tiles give the same bits (each output is its own sum)
+
+
 def causal_conv_split(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, key_dim: int,
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, key_dim: int, tiles: dict[str, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The GDN causal conv (`ops.causal_conv` with silu) in one launch, split into q, k, v.
 
     x: [T, C] rows (any row stride, unit column stride; e.g. the first C columns of the merged
     input projection); state: [C, K-1] contiguous; weight: [C, K] contiguous.
     Returns q, k [T, key_dim], v [T, C - 2 key_dim] (contiguous, x's dtype) and the new state [C, K-1].
+    `tiles` overrides CONV_TILES (tile sweeps).
     """
+    tiles = CONV_TILES if tiles is None else tiles
     t, c = x.shape
     kk = weight.shape[-1]
     value_dim = c - 2 * key_dim
@@ -60,9 +65,10 @@ def causal_conv_split(
     k = torch.empty_like(q)
     v = torch.empty(t, value_dim, dtype=x.dtype, device=x.device)
     new_state = torch.empty_like(state)
-    bt, bc = 16, 128
+    bt, bc = tiles["BT"], tiles["BC"]
     grid = (triton.cdiv(t, bt), triton.cdiv(c, bc))
-    _conv_kernel[grid](x, x.stride(0), state, weight, q, k, v, new_state, t, c, key_dim, value_dim, K=kk, BT=bt, BC=bc)
+    _conv_kernel[grid](x, x.stride(0), state, weight, q, k, v, new_state, t, c, key_dim, value_dim, K=kk, BT=bt, BC=bc,
+                       num_warps=tiles["num_warps"])
     return q, k, v, new_state
 
 
