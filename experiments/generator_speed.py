@@ -13,7 +13,9 @@ the same preset started here (shadow switched off, then on). Decode rates exclud
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -30,16 +32,21 @@ from shadow.server.generator import Generator
 from shadow.tokenizer import load_tokenizer
 
 
-def in_process(generator: Generator, prompt: list[int], tokens: int) -> tuple[float, float]:
-    """(seconds to the first token, decode tok/s after it), EOS ignored."""
+def in_process(generator: Generator, prompt: list[int], tokens: int) -> tuple[float, float, list[float]]:
+    """(seconds to the first token, decode tok/s after it, ms of each decode step), EOS ignored."""
     start = time.perf_counter()
-    first = None
-    n = 0
+    stamps = []
     for _ in generator.generate(prompt, tokens):
-        n += 1
-        if first is None:
-            first = time.perf_counter()
-    return first - start, (n - 1) / (time.perf_counter() - first)
+        stamps.append(time.perf_counter())
+    steps = [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
+    return stamps[0] - start, (len(stamps) - 1) / (stamps[-1] - stamps[0]), steps
+
+
+def step_segments(steps: list[float], bounds=(0, 16, 32, 48, 64, 128)) -> str:
+    """Median step ms over decode steps [a, b) for consecutive bounds, then the rest."""
+    edges = [*bounds, len(steps)]
+    parts = [f"{a + 1}-{b}: {statistics.median(steps[a:b]):.1f}" for a, b in itertools.pairwise(edges) if b > a]
+    return "step ms by decode step: " + ", ".join(parts)
 
 
 def profile_decode(generator: Generator, prompt: list[int], name: str, steps: int = 16) -> None:
@@ -72,8 +79,8 @@ def main() -> None:
         else [("eager", Generator(model))]
     for name, generator in ways:
         in_process(generator, prompt[:600], 4)  # warm-up: graphs captured, kernels tuned
-        ttft, rate = in_process(generator, prompt, args.tokens)
-        print(f"in process, {name:<8}: TTFT {ttft:.3f} s, decode {rate:.1f} tok/s", flush=True)
+        ttft, rate, steps = in_process(generator, prompt, args.tokens)
+        print(f"in process, {name:<8}: TTFT {ttft:.3f} s, decode {rate:.1f} tok/s; {step_segments(steps)}", flush=True)
         if args.profile:
             profile_decode(generator, prompt, name)
     if args.profile:

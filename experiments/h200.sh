@@ -34,7 +34,7 @@ for step in "$@"; do
                  | tee "$OUT/generator-speed.txt" | tail -6 ;;
     sweep) timeout 200 python3 experiments/tile_sweep.py 2>&1 | tee "$OUT/tile-sweep.txt" ;;
     genprofile) timeout 300 python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda --profile 2>&1 \
-                  | tee "$OUT/generator-profile.txt" | grep -v "^-\{20\}" | head -60 ;;
+                  | tee "$OUT/generator-profile.txt" | grep "in process" ;;
     attention) timeout 200 python3 experiments/attention_split.py --device cuda 2>&1 | tee "$OUT/attention-split.txt" ;;
     restore) timeout 300 python3 experiments/restore_speed.py --device cuda --runs 5 2>&1 | tail -3 | tee "$OUT/restore-h200.txt" ;;
     *) echo "unknown step $step" ;;
