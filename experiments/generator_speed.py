@@ -44,7 +44,7 @@ def in_process(generator: Generator, prompt: list[int], tokens: int) -> tuple[fl
 
 def step_segments(steps: list[float], bounds=(0, 16, 32, 48, 64, 128)) -> str:
     """Median step ms over decode steps [a, b) for consecutive bounds, then the rest."""
-    edges = [*bounds, len(steps)]
+    edges = [b for b in bounds if b < len(steps)] + [len(steps)]
     parts = [f"{a + 1}-{b}: {statistics.median(steps[a:b]):.1f}" for a, b in itertools.pairwise(edges) if b > a]
     return "step ms by decode step: " + ", ".join(parts)
 
@@ -55,11 +55,25 @@ def profile_decode(generator: Generator, prompt: list[int], name: str, steps: in
 
     tokens = generator.generate(prompt, steps + 2)
     next(tokens)  # the prompt is read and the first token out: what follows is decode
+    started = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in tokens:
             pass
-    print(f"-- {name}: {steps} decode steps")
+    print(f"-- {name}: {steps} decode steps, {(time.perf_counter() - started) * 1000 / (steps + 1):.1f} ms a step under the profiler")
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=50), flush=True)
+    import cProfile
+    import pstats
+
+    tokens = generator.generate(prompt, steps + 2)
+    next(tokens)
+    python = cProfile.Profile()
+    started = time.perf_counter()
+    python.enable()
+    for _ in tokens:
+        pass
+    python.disable()
+    print(f"-- {name}: {(time.perf_counter() - started) * 1000 / (steps + 1):.1f} ms a step under cProfile")
+    pstats.Stats(python).sort_stats("tottime").print_stats(14)
 
 
 def main() -> None:
