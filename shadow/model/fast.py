@@ -13,6 +13,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shadow.model import ops
 
@@ -65,20 +66,28 @@ def gdn_fla_gated(
 
 
 def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """`ops.attention`'s contract on torch SDPA (flash or memory-efficient backend), GQA in the kernel."""
+    """`ops.attention`'s contract on torch SDPA (flash or memory-efficient backend), GQA in the kernel.
+
+    Never cuDNN: torch builds a cuDNN graph for each new key length, tens of milliseconds, and a
+    decode step has a new length every time (on the H200 a 4B-shape decode step took 37 ms so,
+    about 5 ms where the lengths had been seen before)."""
     from torch.nn.attention.bias import causal_lower_right
 
     t, length = q.shape[1], k.shape[1]
     kwargs = {"scale": scale, "enable_gqa": True}
-    if t == 1:
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], **kwargs)
-    elif t == length:
-        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, **kwargs)
-    else:
-        out = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=causal_lower_right(t, length), **kwargs
-        )
+    with sdpa_kernel(SDPA_BACKENDS):
+        if t == 1:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], **kwargs)
+        elif t == length:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, **kwargs)
+        else:
+            out = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=causal_lower_right(t, length), **kwargs
+            )
     return out[0].transpose(0, 1)
+
+
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
 def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
