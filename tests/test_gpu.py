@@ -71,9 +71,10 @@ def test_triton_kernels_match_their_twins_on_cuda():
     assert rel(tri.norm_rope(x, *args), twin.norm_rope(x, *args)) < 1e-2
 
 
-def test_sdpa_attention_matches_reference_kernel():
+@pytest.mark.parametrize("t", [1, 512, 4096])  # a decode step, a chunk over cached rows, a first chunk
+def test_sdpa_attention_matches_reference_kernel(t):
     g = torch.Generator(device="cuda").manual_seed(1)
-    q = torch.randn(8, 512, 256, device="cuda", generator=g).bfloat16()
+    q = torch.randn(8, t, 256, device="cuda", generator=g).bfloat16()
     k = torch.randn(2, 4096, 256, device="cuda", generator=g).bfloat16()
     v = torch.randn(2, 4096, 256, device="cuda", generator=g).bfloat16()
     out = fast.attention_sdpa(q, k, v, 256 ** -0.5)
