@@ -82,7 +82,7 @@ def test_sdpa_attention_matches_reference_kernel(t):
     assert rel(out, ref) < 2e-2
 
 
-@pytest.mark.parametrize("t, cached", [(512, 0), (512, 16384), (620, 41182), (17, 3000)])
+@pytest.mark.parametrize("t, cached", [(512, 0), (512, 16384), (620, 41182), (17, 3000), (32, 100)])
 def test_triton_chunk_attention_matches_reference_and_repeats_its_bits(t, cached):
     """The 0.8B's heads over the valid rows of a larger buffer, as in a session."""
     from shadow.model.triton_attention import chunk_attention

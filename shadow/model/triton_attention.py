@@ -126,5 +126,5 @@ def chunk_attention(
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
-    _attention_merge[(t, hq)](o_part, m_part, l_part, out, t, slices, D=d, BS=triton.next_power_of_2(slices))
+    _attention_merge[(t, hq)](o_part, m_part, l_part, out, t, slices, D=d, BS=max(2, triton.next_power_of_2(slices)))
     return out
