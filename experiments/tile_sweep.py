@@ -5,7 +5,7 @@ replayed between two CUDA events after warm-up; median of 5 replays), its larges
 reference, and whether two calls give the same bits. Attention is timed beside today's SDPA call
 (flash) at the 0.8B's heads (8 query, 2 kv, 256 wide) for one 512-row chunk at several depths, on
 the valid rows of a larger buffer as in a session; the conv at the 0.8B's GDN width (6,144
-channels read from the 8,224-wide merged projection). The chosen tiles go into TILES and
+channels convolved and 2,080 copied out of the 8,224-wide merged projection). The chosen tiles go into TILES and
 CONV_TILES and docs/BENCHMARKS.md.
 
     python3 experiments/tile_sweep.py          # on the H200
@@ -97,15 +97,15 @@ def attention_at(depth: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
 
 def conv_rows() -> None:
     g = torch.Generator(device="cuda").manual_seed(1)
-    x = torch.randn(T, 8224, device="cuda", generator=g).bfloat16()[:, :6144]
+    x = torch.randn(T, 8224, device="cuda", generator=g).bfloat16()
     state = torch.randn(6144, 3, device="cuda", generator=g).bfloat16()
     w = torch.randn(6144, 4, device="cuda", generator=g).bfloat16()
-    want = kernel_twins.causal_conv_split(x, state, w, 2048)
+    want = kernel_twins.conv_split(x, state, w, 2048, 2048, 16)
     for tiles in CONV_TILES:
         name = f"{tiles['BT']}x{tiles['BC']} w{tiles['num_warps']}"
-        got = tri.causal_conv_split(x, state, w, 2048, tiles)
-        same = all(torch.equal(a, b) for a, b in zip(got, tri.causal_conv_split(x, state, w, 2048)))
-        ms = gpu_ms(lambda tiles=tiles: tri.causal_conv_split(x, state, w, 2048, tiles))
+        got = tri.conv_split(x, state, w, 2048, 2048, 16, tiles)
+        same = all(torch.equal(a, b) for a, b in zip(got, tri.conv_split(x, state, w, 2048, 2048, 16)))
+        ms = gpu_ms(lambda tiles=tiles: tri.conv_split(x, state, w, 2048, 2048, 16, tiles))
         err = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
         print(f"conv {name:<16} {ms * 1000:7.1f} us  max|diff| vs twin {err:.1e}  same bits as default tiles: {same}",
               flush=True)

@@ -1,7 +1,7 @@
 """The forward's steps fused: merged projections and one-launch kernels, for the fast path.
 
 Per GDN layer one GEMM computes q, k, v, z, b and a together (`in_proj`), one kernel runs the
-causal conv and splits q, k, v, flash-linear-attention computes the decay and beta inside its
+causal conv, splits q, k, v and copies z, b, a out contiguous, flash-linear-attention computes the decay and beta inside its
 kernel, and the MLP's gate and up projections are one GEMM followed by one SwiGLU kernel. Per
 attention layer one GEMM computes q (with its gate), k and v, and one kernel per tensor runs the
 head norm and RoPE. Norm weights (1 + w) are prepared once.
@@ -122,11 +122,8 @@ class FusedSteps:
     def gdn(self, i: int, x: torch.Tensor, state: DeltaState) -> torch.Tensor:
         c, w, t = self.c, self.layers[i], x.shape[0]
         proj = F.linear(self._norm(x, w.input_norm), w.in_proj)
-        conv_dim, hv = c.conv_dim, c.linear_num_value_heads
-        q, k, v, conv = self.one_launch.causal_conv_split(proj[:, :conv_dim], state.conv, w.conv_weight, self.key_dim)
-        z = proj[:, conv_dim : conv_dim + c.value_dim]
-        b = proj[:, conv_dim + c.value_dim : conv_dim + c.value_dim + hv]
-        a = proj[:, conv_dim + c.value_dim + hv :]
+        hv = c.linear_num_value_heads
+        q, k, v, z, b, a, conv = self.one_launch.conv_split(proj, state.conv, w.conv_weight, self.key_dim, c.value_dim, hv)
         out, recurrent = self.kernels.gdn_gated(
             q.view(t, c.linear_num_key_heads, c.linear_key_head_dim),
             k.view(t, c.linear_num_key_heads, c.linear_key_head_dim),

@@ -8,18 +8,22 @@ import torch
 import torch.nn.functional as F
 
 
-def causal_conv_split(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, key_dim: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The GDN causal conv with silu, split into q, k, v [T, key_dim], [T, key_dim], [T, rest],
-    and the new state [C, K-1]; x [T, C], state [C, K-1], weight [C, K]."""
-    kk = weight.shape[-1]
+def conv_split(
+    proj: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, key_dim: int, z_dim: int, heads: int,
+) -> tuple[torch.Tensor, ...]:
+    """The GDN causal conv with silu over proj's first C channels (state [C, K-1], weight [C, K]),
+    split into q, k [T, key_dim] and v; then z [T, z_dim], b, a [T, heads] copied from the
+    columns after them; and the new state [C, K-1]. All contiguous."""
+    c, kk = weight.shape
+    x, rest = proj[:, :c], proj[:, c:]
     seq = torch.cat([state.t().float(), x.float()], dim=0)
     t = x.shape[0]
     acc = sum(seq[i : i + t] * weight[:, i].float() for i in range(kk))
     y = F.silu(acc).to(x.dtype)
-    q, k, v = y.split([key_dim, key_dim, x.shape[1] - 2 * key_dim], dim=-1)
-    return q.contiguous(), k.contiguous(), v.contiguous(), seq[t:].t().to(state.dtype).contiguous()
+    q, k, v = y.split([key_dim, key_dim, c - 2 * key_dim], dim=-1)
+    z, b, a = rest.split([z_dim, heads, heads], dim=-1)
+    parts = (q, k, v, z, b, a, seq[t:].t().to(state.dtype))
+    return tuple(p.contiguous() for p in parts)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

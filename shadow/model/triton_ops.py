@@ -15,14 +15,15 @@ import triton.language as tl
 
 @triton.jit
 def _conv_kernel(
-    x, x_row, state, weight, q, k, v, new_state, T, C, KEY, VALUE,
+    x, x_row, state, weight, q, k, v, z, b, a, new_state, T, C, KEY, VALUE, Z, H,
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
     pid_t, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_t * BT + tl.arange(0, BT)[:, None]  # [BT, 1]
     cols = pid_c * BC + tl.arange(0, BC)[None, :]  # [1, BC]
+    in_rows = rows < T
     in_c = cols < C
-    live = (rows < T) & in_c
+    live = in_rows & in_c
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for i in tl.static_range(K):
         src = rows + i - (K - 1)  # the input row, or (when < 0) state column src + K - 1
@@ -34,6 +35,13 @@ def _conv_kernel(
     tl.store(q + rows * KEY + cols, y, mask=live & (cols < KEY))
     tl.store(k + rows * KEY + (cols - KEY), y, mask=live & (cols >= KEY) & (cols < 2 * KEY))
     tl.store(v + rows * VALUE + (cols - 2 * KEY), y, mask=live & (cols >= 2 * KEY))
+    # the columns after the conv's (z, then b, then a) are copied out as they are, each contiguous
+    after = cols - C
+    copied = in_rows & (after >= 0) & (after < Z + 2 * H)
+    raw = tl.load(x + rows * x_row + cols, mask=copied, other=0.0)
+    tl.store(z + rows * Z + after, raw, mask=copied & (after < Z))
+    tl.store(b + rows * H + (after - Z), raw, mask=copied & (after >= Z) & (after < Z + H))
+    tl.store(a + rows * H + (after - Z - H), raw, mask=copied & (after >= Z + H))
     if pid_t == 0:  # the new state: the last K-1 rows of [state | x]
         channels = pid_c * BC + tl.arange(0, BC)
         in_range = channels < C
@@ -47,29 +55,36 @@ def _conv_kernel(
 CONV_TILES = {"BT": 16, "BC": 128, "num_warps": 4}  # any tiles give the same bits (each output is its own sum)
 
 
-def causal_conv_split(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, key_dim: int, tiles: dict[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The GDN causal conv (`ops.causal_conv` with silu) in one launch, split into q, k, v.
+def conv_split(
+    proj: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, key_dim: int, z_dim: int, heads: int,
+    tiles: dict[str, int] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """The GDN causal conv (`ops.causal_conv` with silu) in one launch, split into q, k, v, with the
+    projection's other parts (z, b, a) copied out beside it, so every later kernel reads
+    contiguous rows.
 
-    x: [T, C] rows (any row stride, unit column stride; e.g. the first C columns of the merged
-    input projection); state: [C, K-1] contiguous; weight: [C, K] contiguous.
-    Returns q, k [T, key_dim], v [T, C - 2 key_dim] (contiguous, x's dtype) and the new state [C, K-1].
-    `tiles` overrides CONV_TILES (tile sweeps).
+    proj: [T, C + z_dim + 2 heads] rows of the merged input projection (any row stride, unit
+    column stride): the conv's C channels (q, k, v), then z, b, a; state: [C, K-1] contiguous;
+    weight: [C, K] contiguous. Returns q, k [T, key_dim], v [T, C - 2 key_dim], z [T, z_dim],
+    b, a [T, heads] (contiguous, proj's dtype; z, b, a are proj's values bit for bit) and the new
+    state [C, K-1]. `tiles` overrides CONV_TILES (tile sweeps).
     """
     tiles = CONV_TILES if tiles is None else tiles
-    t, c = x.shape
-    kk = weight.shape[-1]
+    t = proj.shape[0]
+    c, kk = weight.shape
+    if proj.shape[1] != c + z_dim + 2 * heads or proj.stride(1) != 1:
+        raise ValueError("proj must hold the conv's channels, z, b and a, with unit column stride")
     value_dim = c - 2 * key_dim
-    q = torch.empty(t, key_dim, dtype=x.dtype, device=x.device)
-    k = torch.empty_like(q)
-    v = torch.empty(t, value_dim, dtype=x.dtype, device=x.device)
+    out = {"dtype": proj.dtype, "device": proj.device}
+    q, k = torch.empty(t, key_dim, **out), torch.empty(t, key_dim, **out)
+    v, z = torch.empty(t, value_dim, **out), torch.empty(t, z_dim, **out)
+    b, a = torch.empty(t, heads, **out), torch.empty(t, heads, **out)
     new_state = torch.empty_like(state)
     bt, bc = tiles["BT"], tiles["BC"]
-    grid = (triton.cdiv(t, bt), triton.cdiv(c, bc))
-    _conv_kernel[grid](x, x.stride(0), state, weight, q, k, v, new_state, t, c, key_dim, value_dim, K=kk, BT=bt, BC=bc,
-                       num_warps=tiles["num_warps"])
-    return q, k, v, new_state
+    grid = (triton.cdiv(t, bt), triton.cdiv(proj.shape[1], bc))
+    _conv_kernel[grid](proj, proj.stride(0), state, weight, q, k, v, z, b, a, new_state, t, c, key_dim, value_dim,
+                       z_dim, heads, K=kk, BT=bt, BC=bc, num_warps=tiles["num_warps"])
+    return q, k, v, z, b, a, new_state
 
 
 @triton.jit
