@@ -38,7 +38,7 @@ def read_rate(
     """Time the reader on seeded random ids (speed does not depend on the values): ms per grid
     chunk and per 1,000 tokens by grid and context depth; a whole session read from empty; an ask
     (9 choices, a 290-id question, the pending tail) at the end of a long session; fork decode ms
-    per token; and, in the same run on the same ids, transformers' Qwen3_5ForCausalLM read in
+    per token (each timing at key lengths no earlier one met); and, in the same run on the same ids, transformers' Qwen3_5ForCausalLM read in
     grid chunks through its cache (with flash-linear-attention when installed). Timings are
     medians after warm-up, the device synchronised around each."""
     import torch
