@@ -1,8 +1,9 @@
 """The forward's steps fused: merged projections and one-launch kernels, for the fast path.
 
 Per GDN layer one GEMM computes q, k, v, z, b and a together (`in_proj`), one kernel runs the
-causal conv, splits q, k, v and copies z, b, a out contiguous, flash-linear-attention computes the decay and beta inside its
-kernel, and the MLP's gate and up projections are one GEMM followed by one SwiGLU kernel. Per
+causal conv, splits q, k, v and copies z, b, a out contiguous, flash-linear-attention computes
+the decay and beta inside its kernel, and the MLP's gate and up projections are one GEMM
+followed by one SwiGLU kernel. Per
 attention layer one GEMM computes q (with its gate), k and v, and one kernel per tensor runs the
 head norm and RoPE. Norm weights (1 + w) are prepared once.
 
