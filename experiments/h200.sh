@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
-#   bash experiments/h200.sh tests sweep profile rate512 verify rate attention generator
+#   bash experiments/h200.sh tests sweep profile rate512 verify rate attention generator genprofile ab restore
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
