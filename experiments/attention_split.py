@@ -20,18 +20,9 @@ import statistics
 import torch
 import torch.nn.functional as F
 
+from shadow.model import ops
+
 HQ, HKV, D, T = 8, 2, 256, 512  # the 0.8B's attention heads; one 512-row chunk
-
-
-def reference(q, k, v, scale):
-    """Float32 lower-right causal attention, GQA by repeating kv heads: [Hq, T, D]."""
-    groups = q.shape[0] // k.shape[0]
-    k, v = k.float().repeat_interleave(groups, 0), v.float().repeat_interleave(groups, 0)
-    scores = (q.float() @ k.transpose(-1, -2)) * scale
-    t, length = q.shape[1], k.shape[1]
-    future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
-    scores[..., length - t :].masked_fill_(future, float("-inf"))
-    return torch.softmax(scores, -1) @ v
 
 
 def one_call(q, k, v, scale):
@@ -120,7 +111,7 @@ def main() -> None:
         k_buf = torch.randn(HKV, capacity, D, device=args.device, generator=gen, dtype=dtype)
         v_buf = torch.randn(HKV, capacity, D, device=args.device, generator=gen, dtype=dtype)
         k, v = k_buf[:, :length], v_buf[:, :length]
-        want = reference(q, k, v, scale)
+        want = ops.attention(q.float(), k.float(), v.float(), scale).transpose(0, 1)  # [Hq, T, D]
         for name, fn in ways.items():
             try:
                 first, second = fn(q, k, v, scale), fn(q, k, v, scale)
