@@ -69,8 +69,7 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     """`ops.attention`'s contract on torch SDPA (flash or memory-efficient backend), GQA in the kernel.
 
     Never cuDNN: torch builds a cuDNN graph for each new key length, tens of milliseconds, and a
-    decode step has a new length every time (on the H200 a 4B-shape decode step took 37 ms at new
-    lengths, about 5 ms at lengths seen before)."""
+    decode step has a new length every time (measured in docs/BENCHMARKS.md, the A/B section)."""
     from torch.nn.attention.bias import causal_lower_right
 
     t, length = q.shape[1], k.shape[1]
