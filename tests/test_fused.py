@@ -107,6 +107,9 @@ def test_triton_kernels_match_their_twins_under_the_interpreter():
             state, w = torch.randn(96, 3), torch.randn(96, 4)
             got, want = tri.conv_split(proj, state, w, 16, 32, 4), twin.conv_split(proj, state, w, 16, 32, 4)
             assert all(g.is_contiguous() and g.shape == h.shape for g, h in zip(got, want))
+            # blocks as wide as a head: every program takes a straight branch (one part, no state)
+            aligned = tri.conv_split(proj, state, w, 16, 32, 4, {"BT": 2, "BC": 16, "num_warps": 1})
+            assert all(torch.equal(g, h) for g, h in zip(got, aligned))
             worst = max(worst, *((a - b).abs().max().item() for a, b in zip(got, want)))
             y, s = ops.causal_conv(proj[:, :96], state, w)
             worst = max(worst, (torch.cat(got[:3], -1) - y).abs().max().item(), (got[6] - s).abs().max().item())
@@ -147,7 +150,8 @@ def test_triton_kernels_compile_for_the_h200():
     ptr, i32 = "*bf16", "i32"
     kernels = [
         (tri._conv_kernel, dict(x=ptr, x_row=i32, state=ptr, weight=ptr, q=ptr, k=ptr, v=ptr, z=ptr, b=ptr, a=ptr,
-                                new_state=ptr, T=i32, C=i32, KEY=i32, VALUE=i32, Z=i32, H=i32), dict(K=4, BT=16, BC=128)),
+                                new_state=ptr, T=i32, C=i32, KEY=i32, VALUE=i32, Z=i32, H=i32, CONV_BLOCKS=i32),
+         dict(K=4, BT=16, BC=128)),
         (tri._swiglu_kernel, dict(gu=ptr, out=ptr, T=i32, I=i32), dict(BT=8, BI=256)),
         (tri._norm_rope_kernel, dict(x=ptr, x_row=i32, x_head=i32, weight="*fp32", cos="*fp32", sin="*fp32",
                                      out=ptr, T=i32, H=i32, eps="fp32"), dict(D=256, R=64)),

@@ -15,41 +15,56 @@ import triton.language as tl
 
 @triton.jit
 def _conv_kernel(
-    x, x_row, state, weight, q, k, v, z, b, a, new_state, T, C, KEY, VALUE, Z, H,
+    x, x_row, state, weight, q, k, v, z, b, a, new_state, T, C, KEY, VALUE, Z, H, CONV_BLOCKS,
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
 ):
+    # Programs pid_c < CONV_BLOCKS convolve BC of the C channels; the rest copy z, b, a out.
+    # Every branch below is on program ids, so a program runs straight-line code: no stores
+    # masked off for most of its elements (the cost of one kernel doing every part at once).
     pid_t, pid_c = tl.program_id(0), tl.program_id(1)
     rows = pid_t * BT + tl.arange(0, BT)[:, None]  # [BT, 1]
-    cols = pid_c * BC + tl.arange(0, BC)[None, :]  # [1, BC]
     in_rows = rows < T
-    in_c = cols < C
-    live = in_rows & in_c
-    acc = tl.zeros([BT, BC], dtype=tl.float32)
-    for i in tl.static_range(K):
-        src = rows + i - (K - 1)  # the input row, or (when < 0) state column src + K - 1
-        from_x = tl.load(x + src * x_row + cols, mask=live & (src >= 0), other=0.0).to(tl.float32)
-        from_state = tl.load(state + cols * (K - 1) + (src + K - 1), mask=live & (src < 0), other=0.0).to(tl.float32)
-        w = tl.load(weight + cols * K + i, mask=in_c, other=0.0).to(tl.float32)
-        acc += w * (from_x + from_state)
-    y = (acc * tl.sigmoid(acc)).to(q.dtype.element_ty)
-    tl.store(q + rows * KEY + cols, y, mask=live & (cols < KEY))
-    tl.store(k + rows * KEY + (cols - KEY), y, mask=live & (cols >= KEY) & (cols < 2 * KEY))
-    tl.store(v + rows * VALUE + (cols - 2 * KEY), y, mask=live & (cols >= 2 * KEY))
-    # the columns after the conv's (z, then b, then a) are copied out as they are, each contiguous
-    after = cols - C
-    copied = in_rows & (after >= 0) & (after < Z + 2 * H)
-    raw = tl.load(x + rows * x_row + cols, mask=copied, other=0.0)
-    tl.store(z + rows * Z + after, raw, mask=copied & (after < Z))
-    tl.store(b + rows * H + (after - Z), raw, mask=copied & (after >= Z) & (after < Z + H))
-    tl.store(a + rows * H + (after - Z - H), raw, mask=copied & (after >= Z + H))
-    if pid_t == 0:  # the new state: the last K-1 rows of [state | x]
-        channels = pid_c * BC + tl.arange(0, BC)
-        in_range = channels < C
-        for j in tl.static_range(K - 1):
-            row = T + j - (K - 1)
-            x_part = tl.load(x + row * x_row + channels, mask=in_range & (row >= 0), other=0.0)
-            state_part = tl.load(state + channels * (K - 1) + (row + K - 1), mask=in_range & (row < 0), other=0.0)
-            tl.store(new_state + channels * (K - 1) + j, tl.where(row >= 0, x_part, state_part), mask=in_range)
+    if pid_c < CONV_BLOCKS:
+        c0 = pid_c * BC
+        cols = c0 + tl.arange(0, BC)[None, :]  # [1, BC]
+        in_c = cols < C
+        live = in_rows & in_c
+        acc = tl.zeros([BT, BC], dtype=tl.float32)
+        for i in tl.static_range(K):
+            src = rows + i - (K - 1)  # the input row, or (when < 0) state column src + K - 1
+            tap = tl.load(x + src * x_row + cols, mask=live & (src >= 0), other=0.0).to(tl.float32)
+            if pid_t * BT < K - 1:  # only the first rows reach back into the state
+                tap += tl.load(state + cols * (K - 1) + (src + K - 1), mask=live & (src < 0), other=0.0).to(tl.float32)
+            acc += tl.load(weight + cols * K + i, mask=in_c, other=0.0).to(tl.float32) * tap
+        y = (acc * tl.sigmoid(acc)).to(q.dtype.element_ty)
+        if c0 + BC <= KEY:
+            tl.store(q + rows * KEY + cols, y, mask=in_rows)
+        elif c0 >= KEY and c0 + BC <= 2 * KEY:
+            tl.store(k + rows * KEY + (cols - KEY), y, mask=in_rows)
+        elif c0 >= 2 * KEY:
+            tl.store(v + rows * VALUE + (cols - 2 * KEY), y, mask=live)
+        else:  # a block across a boundary (head widths that are not a multiple of BC)
+            tl.store(q + rows * KEY + cols, y, mask=live & (cols < KEY))
+            tl.store(k + rows * KEY + (cols - KEY), y, mask=live & (cols >= KEY) & (cols < 2 * KEY))
+            tl.store(v + rows * VALUE + (cols - 2 * KEY), y, mask=live & (cols >= 2 * KEY))
+        if pid_t == 0:  # the new state: the last K-1 rows of [state | x]
+            channels = c0 + tl.arange(0, BC)
+            in_range = channels < C
+            for j in tl.static_range(K - 1):
+                row = T + j - (K - 1)
+                x_part = tl.load(x + row * x_row + channels, mask=in_range & (row >= 0), other=0.0)
+                state_part = tl.load(state + channels * (K - 1) + (row + K - 1), mask=in_range & (row < 0), other=0.0)
+                tl.store(new_state + channels * (K - 1) + j, tl.where(row >= 0, x_part, state_part), mask=in_range)
+    else:  # z, then b, then a: the columns after the conv's, copied out as they are
+        a0 = (pid_c - CONV_BLOCKS) * BC
+        after = a0 + tl.arange(0, BC)[None, :]
+        raw = tl.load(x + rows * x_row + C + after, mask=in_rows & (after < Z + 2 * H), other=0.0)
+        if a0 + BC <= Z:
+            tl.store(z + rows * Z + after, raw, mask=in_rows)
+        else:
+            tl.store(z + rows * Z + after, raw, mask=in_rows & (after < Z))
+            tl.store(b + rows * H + (after - Z), raw, mask=in_rows & (after >= Z) & (after < Z + H))
+            tl.store(a + rows * H + (after - Z - H), raw, mask=in_rows & (after >= Z + H) & (after < Z + 2 * H))
 
 
 CONV_TILES = {"BT": 16, "BC": 128, "num_warps": 4}  # any tiles give the same bits (each output is its own sum)
@@ -81,9 +96,10 @@ def conv_split(
     b, a = torch.empty(t, heads, **out), torch.empty(t, heads, **out)
     new_state = torch.empty_like(state)
     bt, bc = tiles["BT"], tiles["BC"]
-    grid = (triton.cdiv(t, bt), triton.cdiv(proj.shape[1], bc))
+    conv_blocks = triton.cdiv(c, bc)
+    grid = (triton.cdiv(t, bt), conv_blocks + triton.cdiv(z_dim + 2 * heads, bc))
     _conv_kernel[grid](proj, proj.stride(0), state, weight, q, k, v, z, b, a, new_state, t, c, key_dim, value_dim,
-                       z_dim, heads, K=kk, BT=bt, BC=bc, num_warps=tiles["num_warps"])
+                       z_dim, heads, conv_blocks, K=kk, BT=bt, BC=bc, num_warps=tiles["num_warps"])
     return q, k, v, z, b, a, new_state
 
 
