@@ -47,14 +47,15 @@ def arithmetic_of(model) -> str:
 
 
 def session_tensors(session: Session) -> dict[str, torch.Tensor]:
-    """Every tensor a file holds, on the CPU, contiguous."""
+    """Every tensor a file holds, on the CPU, contiguous, each its own copy (a state's GDN tensors
+    are views of one arena, and safetensors refuses tensors that share memory)."""
     out = {"ids": torch.tensor(session.ids, dtype=torch.int64)}
     out.update(session.state.tensors())
     for j, snap in enumerate(session.checkpoints):
         for i, (conv, rec) in enumerate(zip(snap.conv, snap.recurrent)):
             out[f"checkpoints.{j}.{i}.conv"] = conv
             out[f"checkpoints.{j}.{i}.recurrent"] = rec
-    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in out.items()}
 
 
 def _crc(t: torch.Tensor) -> int:

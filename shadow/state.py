@@ -48,18 +48,34 @@ class AttentionState:
 
 
 class DeltaState:
-    """Gated DeltaNet state of one layer: conv [conv_dim, K-1] (model dtype), recurrent [H, Dk, Dv] float32."""
+    """Gated DeltaNet state of one layer: conv [conv_dim, K-1] (model dtype), recurrent [H, Dk, Dv]
+    float32; views into a `DeltaArena`, written in place by the forward."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
-        c = config
-        self.conv = torch.zeros(c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(
-            c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
-            dtype=torch.float32, device=device,
-        )
+    def __init__(self, conv: torch.Tensor, recurrent: torch.Tensor):
+        self.conv, self.recurrent = conv, recurrent
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
+
+
+class DeltaArena:
+    """Every GDN layer's state in two tensors, conv [n, conv_dim, K-1] (model dtype) and recurrent
+    [n, H, Dk, Dv] float32, with one `DeltaState` of views per layer (`layers`): copying the whole
+    GDN state of a session is two copies, not two per layer. The forward writes the views in place."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+        c, n = config, len(config.linear_layers)
+        self.conv = torch.zeros(n, c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(
+            n, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+            dtype=torch.float32, device=device,
+        )
+        self.layers = [DeltaState(self.conv[j], self.recurrent[j]) for j in range(n)]
+
+    def copy_(self, other: DeltaArena) -> None:
+        """Take `other`'s values (same config, dtype)."""
+        self.conv.copy_(other.conv)
+        self.recurrent.copy_(other.recurrent)
 
 
 @dataclass
@@ -69,6 +85,8 @@ class DeltaSnapshot:
     position: int
     conv: list[torch.Tensor]
     recurrent: list[torch.Tensor]
+    whole: tuple[torch.Tensor, torch.Tensor] | None = None  # conv, recurrent of every layer, when
+    # taken from a `DeltaArena` (conv and recurrent are then views of these; restoring is two copies)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.conv, *self.recurrent))
@@ -82,10 +100,12 @@ class ModelState:
         self.config = config
         self.device = device
         self.length = 0
+        self.arena = DeltaArena(config, dtype, device)
+        delta = iter(self.arena.layers)
         self.layers: list[AttentionState | DeltaState] = [
             AttentionState(config.num_key_value_heads, config.head_dim, dtype, device)
             if kind == "full_attention"
-            else DeltaState(config, dtype, device)
+            else next(delta)
             for kind in config.layer_types
         ]
 
@@ -107,16 +127,18 @@ class ModelState:
 
     def snapshot(self) -> DeltaSnapshot:
         """Copy the GDN state at the current length (KV rows need no copy: rows below a cut stay valid)."""
-        conv = [torch.empty_like(d.conv) for d in self.delta]
-        recurrent = [torch.empty_like(d.recurrent) for d in self.delta]
-        copy_all(conv + recurrent, [d.conv for d in self.delta] + [d.recurrent for d in self.delta])
-        return DeltaSnapshot(position=self.length, conv=conv, recurrent=recurrent)
+        conv, recurrent = self.arena.conv.clone(), self.arena.recurrent.clone()
+        return DeltaSnapshot(self.length, list(conv.unbind(0)), list(recurrent.unbind(0)), whole=(conv, recurrent))
 
     def restore(self, snap: DeltaSnapshot) -> None:
         """Go back to `snap`: its GDN state is copied in place and the KV rows above it are dropped."""
         if snap.position > self.length:
             raise ValueError(f"snapshot at {snap.position} is past the state's length {self.length}")
-        copy_all([d.conv for d in self.delta] + [d.recurrent for d in self.delta], snap.conv + snap.recurrent)
+        if snap.whole is not None:
+            self.arena.conv.copy_(snap.whole[0])
+            self.arena.recurrent.copy_(snap.whole[1])
+        else:
+            copy_all([d.conv for d in self.delta] + [d.recurrent for d in self.delta], snap.conv + snap.recurrent)
         self.length = snap.position
 
     def tensors(self) -> dict[str, torch.Tensor]:

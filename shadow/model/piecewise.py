@@ -3,7 +3,8 @@
 A session's KV buffer is its own and moves when it grows, so attention (the KV write and the
 attention over the valid rows) runs eagerly between the pieces; everything else (embedding,
 the GDN layers, MLPs, norms, projections) replays from graphs that read and write static
-buffers. The GDN state is copied into the static buffers before a call and back after it.
+buffers. The GDN state is copied into the static buffers before a call and back after it
+(two copies each way: both sides hold it in a `DeltaArena`).
 
 The arithmetic is the model's own (the same steps as `Qwen35.forward`, `model.steps`), so with
 graphs off the pieces give the same bits as the plain forward; tests check that on the CPU.
@@ -16,11 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from shadow.model.qwen35 import Qwen35, attend
-from shadow.state import DeltaState, ModelState, copy_all
-
-
-def _delta_tensors(state: ModelState) -> list[torch.Tensor]:
-    return [d.conv for d in state.delta] + [d.recurrent for d in state.delta]
+from shadow.state import DeltaArena, ModelState
 
 
 class _Plan:
@@ -39,8 +36,7 @@ class _Plan:
         self.attended = torch.zeros(t, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
         self.out = torch.zeros_like(self.x)
         self.rope: tuple[torch.Tensor, ...] | None = None  # the chunk's rope tables, set by piece 0
-        self.delta = [DeltaState(c, dtype, dev) for _ in c.linear_layers]
-        self.state_tensors = [d.conv for d in self.delta] + [d.recurrent for d in self.delta]
+        self.arena = DeltaArena(c, dtype, dev)
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
 
 
@@ -66,7 +62,7 @@ class PiecewiseForward:
         plan = self._plan(t)
         plan.ids.copy_(ids, non_blocking=True)
         torch.arange(start, start + t, out=plan.positions)
-        copy_all(plan.state_tensors, _delta_tensors(state))
+        plan.arena.copy_(state.arena)
         for piece in range(len(self.attention_layers) + 1):
             if plan.graphs is not None:
                 plan.graphs[piece].replay()
@@ -75,7 +71,7 @@ class PiecewiseForward:
             if piece < len(self.attention_layers):
                 kv = state.layers[self.attention_layers[piece]]
                 plan.attended.copy_(attend(kv, start, plan.q, plan.k, plan.v, self.model.kernels))
-        copy_all(_delta_tensors(state), plan.state_tensors)
+        state.arena.copy_(plan.arena)
         state.length = start + t
         return plan.out.clone()
 
@@ -103,7 +99,7 @@ class PiecewiseForward:
             first = bounds[piece - 1] + 1
         last = bounds[piece] if piece < len(bounds) else len(self.model.layers)
         for i in range(first, last):
-            x = steps.gdn(i, x, plan.delta[self._delta_index[i]])
+            x = steps.gdn(i, x, plan.arena.layers[self._delta_index[i]])
         if piece < len(bounds):
             q, k, v, gate = steps.attention_in(last, x, plan.rope)
             for buf, val in ((plan.q, q), (plan.k, k), (plan.v, v), (plan.gate, gate), (plan.x, x)):
