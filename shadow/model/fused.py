@@ -145,11 +145,12 @@ class FusedSteps:
         q = self.one_launch.norm_rope(q_gate[..., :d], w.q_norm, *rope, eps)
         k = self.one_launch.norm_rope(proj[:, hq * 2 * d : (hq * 2 + hkv) * d].view(t, hkv, d), w.k_norm, *rope, eps)
         v = proj[:, (hq * 2 + hkv) * d :].view(t, hkv, d).transpose(0, 1)
-        return q, k, v, q_gate[..., d:].reshape(t, hq * d)
+        return q, k, v, q_gate[..., d:]  # the gate [T, Hq, D]: a view, read in place by attention_out
 
     def attention_out(self, i: int, x: torch.Tensor, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         w = self.layers[i]
-        x = x + F.linear(attended.reshape(gate.shape) * torch.sigmoid(gate), w.o_proj)
+        t = x.shape[0]
+        x = x + F.linear((attended.reshape(gate.shape) * torch.sigmoid(gate)).reshape(t, -1), w.o_proj)
         return self._mlp(x, w.mlp)
 
     def final(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,13 +28,10 @@ class _Plan:
         self.t = t
         self.ids = torch.zeros(t, dtype=torch.long, device=dev)
         self.positions = torch.zeros(t, dtype=torch.long, device=dev)
-        self.x = torch.zeros(t, c.hidden_size, dtype=dtype, device=dev)
-        self.q = torch.zeros(c.num_attention_heads, t, c.head_dim, dtype=dtype, device=dev)
-        self.k = torch.zeros(c.num_key_value_heads, t, c.head_dim, dtype=dtype, device=dev)
-        self.v = torch.zeros_like(self.k)
-        self.gate = torch.zeros(t, c.num_attention_heads * c.head_dim, dtype=dtype, device=dev)
+        # each piece's outputs: set by the piece (under a graph, tensors of its pool that every
+        # replay rewrites in place), read by the attention between pieces and by the next piece
+        self.q = self.k = self.v = self.gate = self.x = self.out = None
         self.attended = torch.zeros(t, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
-        self.out = torch.zeros_like(self.x)
         self.rope: tuple[torch.Tensor, ...] | None = None  # the chunk's rope tables, set by piece 0
         self.arena = DeltaArena(c, dtype, dev)
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
@@ -101,11 +98,10 @@ class PiecewiseForward:
         for i in range(first, last):
             x = steps.gdn(i, x, plan.arena.layers[self._delta_index[i]])
         if piece < len(bounds):
-            q, k, v, gate = steps.attention_in(last, x, plan.rope)
-            for buf, val in ((plan.q, q), (plan.k, k), (plan.v, v), (plan.gate, gate), (plan.x, x)):
-                buf.copy_(val)
+            plan.q, plan.k, plan.v, plan.gate = steps.attention_in(last, x, plan.rope)
+            plan.x = x
         else:
-            plan.out.copy_(steps.final(x))
+            plan.out = steps.final(x)
 
     def _capture(self, plan: _Plan) -> None:
         """Warm each piece up on a side stream (Triton autotunes there), then capture it."""

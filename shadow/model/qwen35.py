@@ -164,7 +164,8 @@ class ModuleSteps:
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def attention_in(self, i: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
-        """Attention layer i up to attention: q [Hq, T, D], k, v [Hkv, T, D], gate [T, Hq * D]."""
+        """Attention layer i up to attention: q [Hq, T, D], k, v [Hkv, T, D], and the gate, which
+        callers hand back to `attention_out` as it is ([T, Hq * D] here; the fused steps' differs)."""
         layer = self.model.layers[i]
         return layer.self_attn.project(layer.input_layernorm(x), rope)
 
