@@ -14,6 +14,7 @@ from cli.common import (
     write_csv,
 )
 from shadow.errors import ShadowInputError
+from shadow.model import fast
 
 
 @user_errors
@@ -119,7 +120,7 @@ def read_rate(
     if json_out:
         emit_json({
             "command": "read-rate", "device": device_name, "model": model, "weights": loaded.weights_label,
-            "kernels": loaded.model.kernels.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
+            "kernels": loaded.model.kernels.name, "autotune_pins": fast.pinned(), "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "grid": head.grid, "context": head.context, "ms_per_chunk": round(head.ms_per_chunk, 4),
             "ms_per_1k_tokens": round(head.ms_per_1k_tokens, 4),
             "compare_tokens": result.compare_tokens,

@@ -11,11 +11,12 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shadow.errors import ShadowInputError
 from cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, console, emit_json, errors, parse_dtype,
     user_errors, write_csv,
 )
+from shadow.errors import ShadowInputError
+from shadow.model import fast
 
 
 @user_errors
@@ -101,7 +102,7 @@ def verify_exact(
         others = [v.other_grid for v in verdicts if v.other_grid]
         emit_json({
             "command": "verify-exact", "model": model, "weights": loaded.weights_label,
-            "weights_hash": loaded.weights_hash, "device": device, "kernels": loaded.model.kernels.name, "dtype": str(loaded.model.dtype).removeprefix("torch."),
+            "weights_hash": loaded.weights_hash, "device": device, "kernels": loaded.model.kernels.name, "autotune_pins": fast.pinned(), "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "grid": grid, "turns": sum(v.turns for v in verdicts), "tokens": sum(v.tokens for v in verdicts),
             "rollbacks": sum(v.rollbacks for v in verdicts), "ids_reread": sum(v.ids_reread for v in verdicts),
             "same_grid_bit_equal": equal, "tensors_compared": sum(v.tensors_compared for v in verdicts),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
-#   bash experiments/h200.sh tests sweep convsweep profile rate512 verify rate attention generator genprofile ab restore
+#   bash experiments/h200.sh tests sweep convsweep pins profile rate512 verify rate attention generator genprofile ab restore
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -33,6 +33,7 @@ for step in "$@"; do
     generator) timeout 400 python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda 2>&1 \
                  | tee "$OUT/generator-speed.txt" | tail -6 ;;
     sweep) timeout 200 python3 experiments/tile_sweep.py 2>&1 | tee "$OUT/tile-sweep.txt" ;;
+    pins) timeout 200 python3 experiments/pin_autotune.py "$OUT" 2>&1 | tail -25 ;;
     convsweep) timeout 100 python3 experiments/tile_sweep.py conv 2>&1 | tee "$OUT/conv-sweep.txt" ;;
     genprofile) timeout 300 python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda --profile 2>&1 \
                   | tee "$OUT/generator-profile.txt" | grep "in process" ;;

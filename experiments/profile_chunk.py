@@ -1,5 +1,5 @@
 """Where a grid chunk's time goes on the GPU (0.8B shape, random weights), and whether two
-processes compute the same state. Run on the device: python3 experiments/profile_chunk.py
+processes compute the same state (and a third with an empty Triton cache). Run on the device: python3 experiments/profile_chunk.py
 Prints: ms per chunk (advance over 32 chunks at 16k), GPU busy time per chunk from the torch
 profiler with the top kernels, attention alone at two depths, and a cross-process state hash."""
 
@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -68,8 +70,17 @@ def main() -> None:
         flops = 4 * 512 * length * 256 * 8
         print(f"attention T=512 L={length}: {ms:.3f} ms, {flops / ms / 1e9:.0f} TFLOP/s")
 
-    hashes = [subprocess.run([sys.executable, __file__, "hash"], capture_output=True, text=True).stdout.strip().splitlines()[-1] for _ in range(2)]
-    print(json.dumps({"cross_process_hashes": hashes, "cross_process_equal": hashes[0] == hashes[1]}))
+    def hash_in_child(env: dict[str, str]) -> str:
+        run = subprocess.run([sys.executable, __file__, "hash"], capture_output=True, text=True, env=env)
+        return (run.stdout.strip().splitlines() or ["failed: " + run.stderr[-300:]])[-1]
+
+    hashes = [hash_in_child(dict(os.environ)) for _ in range(2)]
+    # a third process with an empty Triton cache: fla tunes again unless its configs are pinned
+    with tempfile.TemporaryDirectory() as empty:
+        cleared = hash_in_child({**os.environ, "TRITON_CACHE_DIR": empty})
+    print(json.dumps({"cross_process_hashes": hashes, "cross_process_equal": hashes[0] == hashes[1],
+                      "cleared_cache_hash": cleared, "cleared_cache_equal": cleared == hashes[0],
+                      "autotune_pins": fast.pin_autotuning()}))
 
 
 if __name__ == "__main__":

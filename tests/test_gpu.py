@@ -153,3 +153,19 @@ def test_graphed_reader_is_exact_after_turns_rollback_and_forks(tiny_cuda):
     fresh = reader.prefill(s.ids[: s.committed])
     compared, mismatched, _ = compare_states(s.state, fresh)
     assert compared == 8 and mismatched == []
+
+
+def test_pinned_autotuning_gives_the_same_bits_as_tuning(tiny_cuda):
+    """Every fla autotuner's choices recorded, forgotten, and put back from the recording: the
+    forward gives the same bits (the pins are what a cleared cache would otherwise re-tune)."""
+    from shadow.model import autotune_pins
+
+    model = tiny_cuda.model
+    ids = torch.randint(0, 248044, (512,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    before = model(ids, model.new_state())
+    recording = autotune_pins.record()
+    assert recording, "no fla autotuner has chosen a config"
+    for tuner in autotune_pins._autotuners().values():
+        tuner.cache.clear()
+    assert autotune_pins.apply_recording(recording) == sum(len(v) for v in recording.values())
+    assert torch.equal(model(ids, model.new_state()), before)

@@ -2,8 +2,10 @@
 
 Same contracts as the reference set in `ops`. Exactness rests on determinism: fla's Triton
 kernels are autotuned once per shape and the choice is cached (FLA_CACHE_RESULTS=1, under
-TRITON_CACHE_DIR), so later calls and later processes on the machine run the same configs;
-the FlashQLA backend is switched off (FLA_FLASH_QLA=0) so one backend computes every chunk.
+TRITON_CACHE_DIR), so later calls and later processes on the machine run the same configs; where
+the project holds a recording for the GPU (`autotune_pins`), the choices are pinned from it, so a
+cleared cache changes nothing. The FlashQLA backend is switched off (FLA_FLASH_QLA=0) so one
+backend computes every chunk.
 """
 
 from __future__ import annotations
@@ -158,4 +160,24 @@ def pick(name: str, device: str, head_dim: int = 128) -> ops.Kernels:
         return ops.REFERENCE
     if not available():
         raise ShadowInputError("the fast kernels need CUDA and flash-linear-attention (pip install fla-core)")
+    pin_autotuning()
     return SETS["fast" if name == "auto" else name]
+
+
+_pinned: int | None = None
+
+
+def pin_autotuning() -> int:
+    """Pin fla's autotuned configs from this GPU's committed recording (`autotune_pins`), once per
+    process; returns the keys pinned (0: no recording for this GPU and these versions)."""
+    global _pinned
+    if _pinned is None:
+        from shadow.model import autotune_pins
+
+        _pinned = autotune_pins.apply()
+    return _pinned
+
+
+def pinned() -> int | None:
+    """Keys pinned by `pin_autotuning` in this process; None when no fast set was picked."""
+    return _pinned

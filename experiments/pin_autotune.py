@@ -1,0 +1,40 @@
+"""Record the configs fla's autotuners choose on this GPU, for `shadow/model/autotune_pins.py`.
+
+Runs the shapes the reader meets (0.8B shape, random weights, fast kernels): grid chunks of 512,
+an ask over a pending tail, fork decode, and a prefill in 2,048-row chunks (verify-exact's other
+grid); then writes every autotuner's choices to OUT/pins/<GPU>.json. Commit that file under
+shadow/model/pins/ to pin them.
+
+    python3 experiments/pin_autotune.py OUT     # on the device
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from shadow.bench.readrate import ask_and_decode, random_ids
+from shadow.engine import open_reader
+from shadow.model import autotune_pins
+
+
+def main() -> None:
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "out") / "pins"
+    out.mkdir(parents=True, exist_ok=True)
+    loaded, reader = open_reader("qwen3.5-0.8b", device="cuda")
+    ids = random_ids(4 * 2048, seed=5)
+    reader.prefill(ids[:2048], chunk=2048)
+    reader.prefill(ids, chunk=512)
+    ask_and_decode(reader, 4 * 512 + 330, repeats=2, decode_tokens=4)
+    torch.cuda.synchronize()
+    path = out / autotune_pins.pins_path(torch.cuda.get_device_name()).name
+    keys = autotune_pins.write(path)
+    for name, entries in autotune_pins.record().items():
+        print(f"{name}: {len(entries)} key(s)")
+    print(f"{keys} keys written to {path}")
+
+
+if __name__ == "__main__":
+    main()
