@@ -42,8 +42,10 @@ class Identity:
 
 
 def arithmetic_of(model) -> str:
-    """The kernel set and dtype a model computes with, e.g. 'fla/bfloat16'."""
-    return f"{model.kernels.name}/{str(model.dtype).removeprefix('torch.')}"
+    """The kernel set (with its revision, if any) and dtype a model computes with, e.g.
+    'fla/bfloat16' or 'fla-triton.2/bfloat16'."""
+    revision = f".{model.kernels.revision}" if model.kernels.revision else ""
+    return f"{model.kernels.name}{revision}/{str(model.dtype).removeprefix('torch.')}"
 
 
 def session_tensors(session: Session) -> dict[str, torch.Tensor]:

@@ -116,6 +116,14 @@ def test_triton_kernels_match_their_twins_under_the_interpreter():
             assert torch.equal(torch.cat(got[3:6], -1), proj[:, 96:])  # z, b, a: the projection's bits
         gu = torch.randn(5, 600)
         worst = max(worst, (tri.swiglu(gu) - twin.swiglu(gu)).abs().max().item())
+        h, d, weight = torch.randn(7, 100)[:, :96], torch.randn(7, 96), torch.rand(96) + 0.5  # a strided x, D < block
+        for got, want in zip(tri.add_rms_norm(h, d, weight, 1e-6), twin.add_rms_norm(h, d, weight, 1e-6)):
+            worst = max(worst, (got - want).abs().max().item())
+        total, normed = tri.add_rms_norm(h, d, weight, 1e-6)
+        assert torch.equal(tri.add_rms_norm(total, None, weight, 1e-6)[1], normed)  # a sum's norm = its norm alone
+        assert tri.add_rms_norm(h, None, weight, 1e-6)[0] is h
+        proj, attended = torch.randn(4, 3, 64), torch.randn(4, 3, 32)
+        worst = max(worst, (tri.gate_mul(attended, proj[..., 32:]) - twin.gate_mul(attended, proj[..., 32:])).abs().max().item())
         x = torch.randn(6, 3, 64)[..., :32]
         args = (torch.randn(32), torch.randn(6, 8), torch.randn(6, 8), 1e-6)
         worst = max(worst, (tri.norm_rope(x, *args) - twin.norm_rope(x, *args)).abs().max().item())
@@ -153,6 +161,11 @@ def test_triton_kernels_compile_for_the_h200():
                                 new_state=ptr, T=i32, C=i32, KEY=i32, VALUE=i32, Z=i32, H=i32, CONV_BLOCKS=i32),
          dict(K=4, BT=16, BC=128)),
         (tri._swiglu_kernel, dict(gu=ptr, out=ptr, T=i32, I=i32), dict(BT=8, BI=256)),
+        (tri._add_norm_kernel, dict(x=ptr, x_row=i32, delta=ptr, delta_row=i32, weight=ptr, out_sum=ptr, out_norm=ptr,
+                                    D=i32, eps="fp32"), dict(HAS_DELTA=True, BD=1024)),
+        (tri._add_norm_kernel, dict(x=ptr, x_row=i32, delta=ptr, delta_row=i32, weight=ptr, out_sum=ptr, out_norm=ptr,
+                                    D=i32, eps="fp32"), dict(HAS_DELTA=False, BD=1024)),
+        (tri._gate_kernel, dict(attended=ptr, gate=ptr, g_row=i32, g_head=i32, out=ptr, H=i32), dict(D=256)),
         (tri._norm_rope_kernel, dict(x=ptr, x_row=i32, x_head=i32, weight="*fp32", cos="*fp32", sin="*fp32",
                                      out=ptr, T=i32, H=i32, eps="fp32"), dict(D=256, R=64)),
     ]
@@ -169,9 +182,17 @@ def test_triton_kernels_compile_for_the_h200():
     for fn, signature, constants in kernels:
         # the launcher marks pointers and strides divisible by 16 as such; so does this compile
         aligned = {(i,): [["tt.divisibility", 16]] for i, (name, kind) in enumerate(signature.items())
-                   if kind.startswith("*") or name in ("x_row", "x_head", "q_head", "q_row", "k_head", "k_row",
+                   if kind.startswith("*") or name in ("x_row", "x_head", "q_head", "q_row", "k_head", "k_row", "delta_row", "g_row", "g_head",
                                                        "v_head", "v_row", "slice_rows")}
         source = ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constants}},
                            constexprs=constants, attrs=aligned)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options.get(fn, {}))
         assert ".entry" in compiled.asm["ptx"], fn.__name__
+
+
+def test_a_kernel_set_revision_is_part_of_the_stored_arithmetic(fused):
+    from shadow.sessionfile import arithmetic_of
+
+    assert arithmetic_of(fused) == "reference-fused/float32"
+    revised = load_model("tiny", kernels=dataclasses.replace(FUSED_REFERENCE, revision=2)).model
+    assert arithmetic_of(revised) == "reference-fused.2/float32"

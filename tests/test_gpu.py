@@ -71,6 +71,16 @@ def test_triton_kernels_match_their_twins_on_cuda():
     args = (torch.rand(256, device="cuda", generator=g) + 0.5, torch.randn(512, 64, device="cuda", generator=g),
             torch.randn(512, 64, device="cuda", generator=g), 1e-6)
     assert rel(tri.norm_rope(x, *args), twin.norm_rope(x, *args)) < 1e-2
+    for t in (1, 512):
+        h, d = torch.randn(t, 1024, device="cuda", generator=g).bfloat16(), torch.randn(t, 1024, device="cuda", generator=g).bfloat16()
+        weight = (torch.rand(1024, device="cuda", generator=g) + 0.5).bfloat16()
+        total, normed = tri.add_rms_norm(h, d, weight, 1e-6)
+        want_total, want_normed = twin.add_rms_norm(h, d, weight, 1e-6)
+        assert torch.equal(total, want_total) and rel(normed, want_normed) < 1e-2
+        assert torch.equal(tri.add_rms_norm(total, None, weight, 1e-6)[1], normed)  # a sum's norm = its norm alone
+        proj = torch.randn(t, 8, 512, device="cuda", generator=g).bfloat16()
+        attended = torch.randn(t, 8, 256, device="cuda", generator=g).bfloat16()
+        assert rel(tri.gate_mul(attended, proj[..., 256:]), twin.gate_mul(attended, proj[..., 256:])) < 1e-2
 
 
 @pytest.mark.parametrize("t", [1, 512, 4096])  # a decode step, a chunk over cached rows, a first chunk

@@ -135,7 +135,9 @@ FAST = ops.Kernels(
     name="fla", gdn=gdn_fla, conv=causal_conv_rows, attention=attention_sdpa,
     norm=rms_norm_fused, gated_norm=gated_rms_norm_fla, gdn_gated=gdn_fla_gated,
 )
-FUSED = dataclasses.replace(FAST, name="fla-fused", fused=True)  # `fused.FusedSteps` on these kernels
+# `fused.FusedSteps` on these kernels; revision 2: residual adds fused with the norms that read them,
+# the attention gate in one kernel, fla's autotuning pinned
+FUSED = dataclasses.replace(FAST, name="fla-fused", fused=True, revision=2)
 TRITON = dataclasses.replace(FUSED, name="fla-triton", attention=attention_triton)  # and Triton chunk attention
 SETS = {"fast": TRITON, "fla-triton": TRITON, "fla-fused": FUSED, "fla": FAST}
 

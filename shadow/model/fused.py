@@ -4,8 +4,10 @@ Per GDN layer one GEMM computes q, k, v, z, b and a together (`in_proj`), one ke
 causal conv, splits q, k, v and copies z, b, a out contiguous, flash-linear-attention computes
 the decay and beta inside its kernel, and the MLP's gate and up projections are one GEMM
 followed by one SwiGLU kernel. Per
-attention layer one GEMM computes q (with its gate), k and v, and one kernel per tensor runs the
-head norm and RoPE. Norm weights (1 + w) are prepared once.
+attention layer one GEMM computes q (with its gate), k and v, one kernel per tensor runs the
+head norm and RoPE, and one kernel gates the attended rows. Every residual add runs in one kernel
+with the norm that reads its sum (the MLP's, the next layer's input norm, or the final norm).
+Norm weights (1 + w) are prepared once.
 
 The merged weights are built from the loaded model once; the modules' own weights become views
 into them, so the model holds no second copy and its plain steps still see the same values.
@@ -104,9 +106,20 @@ class FusedSteps:
                     g.conv1d.weight.squeeze(1).contiguous(), g.A_log, g.dt_bias, g.norm.weight,
                     g.out_proj.weight, mlp))
         self.final_norm = _norm_weight(model.norm, dtype)
+        # the norm that reads layer i's output: layer i + 1's input norm, the final norm after the last
+        self.next_norm = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        self._normed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # x, weight, norm
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight=weight, eps=self.c.rms_norm_eps)
+        """The RMSNorm of x with weight: the one the step before computed with its residual add
+        (when handed that same x, for that weight), or computed now; the same bits either way."""
+        left, self._normed = self._normed, None
+        if left is not None and left[0] is x and left[1] is weight:
+            return left[2]
+        return self.one_launch.add_rms_norm(x, None, weight, self.c.rms_norm_eps)[1]
+
+    def _add_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.one_launch.add_rms_norm(x, delta, weight, self.c.rms_norm_eps)
 
     # the steps ---------------------------------------------------------------------------------
 
@@ -117,8 +130,17 @@ class FusedSteps:
         """cos, sin [T, rotary_dim] in float32 (the norm-and-rope kernel rounds once, after)."""
         return rope_tables(self.c, positions, torch.float32)
 
-    def _mlp(self, x: torch.Tensor, w: _Mlp) -> torch.Tensor:
-        return x + F.linear(self.one_launch.swiglu(F.linear(self._norm(x, w.post_norm), w.gate_up)), w.down)
+    def _residual_and_mlp(self, i: int, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """x + delta (the mixer's output), then the MLP and its residual. Each residual add runs in
+        one kernel with the norm that reads its result: the MLP's, then the next layer's input
+        norm (or the final norm), which is left for `_norm` to hand to the next step."""
+        w = self.layers[i].mlp
+        x, normed = self._add_norm(x, delta, w.post_norm)
+        down = F.linear(self.one_launch.swiglu(F.linear(normed, w.gate_up)), w.down)
+        following = self.next_norm[i]
+        x, normed = self._add_norm(x, down, following)
+        self._normed = (x, following, normed)
+        return x
 
     def gdn(self, i: int, x: torch.Tensor, state: DeltaState) -> torch.Tensor:
         c, w, t = self.c, self.layers[i], x.shape[0]
@@ -134,7 +156,7 @@ class FusedSteps:
         state.recurrent.copy_(recurrent)
         z = z.reshape(t, hv, c.linear_value_head_dim)
         out = self.kernels.gated_norm(out.to(x.dtype), z, w.norm_weight, c.rms_norm_eps)
-        return self._mlp(x + F.linear(out.reshape(t, c.value_dim), w.out_proj), w.mlp)
+        return self._residual_and_mlp(i, x, F.linear(out.reshape(t, c.value_dim), w.out_proj))
 
     def attention_in(self, i: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
         c, w, t = self.c, self.layers[i], x.shape[0]
@@ -148,10 +170,7 @@ class FusedSteps:
         return q, k, v, q_gate[..., d:]  # the gate [T, Hq, D]: a view, read in place by attention_out
 
     def attention_out(self, i: int, x: torch.Tensor, attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        w = self.layers[i]
-        t = x.shape[0]
-        x = x + F.linear((attended.reshape(gate.shape) * torch.sigmoid(gate)).reshape(t, -1), w.o_proj)
-        return self._mlp(x, w.mlp)
+        return self._residual_and_mlp(i, x, F.linear(self.one_launch.gate_mul(attended, gate), self.layers[i].o_proj))
 
     def final(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.final_norm)

@@ -40,3 +40,18 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return apply_rope(y, cos.float(), sin.float()).to(x.dtype).transpose(0, 1).contiguous()
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta rounded to x's dtype, its RMSNorm with weight (already 1 + w)); delta None: (x, norm of x)."""
+    total = x if delta is None else (x.float() + delta.float()).to(x.dtype)
+    f = total.float()
+    return total, (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def gate_mul(attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """attended [T, H, D] * sigmoid(gate [T, H, D]), rounded once; [T, H * D]."""
+    t = gate.shape[0]
+    return (attended.float().reshape(gate.shape) * torch.sigmoid(gate.float())).to(attended.dtype).reshape(t, -1)

@@ -192,6 +192,7 @@ class Kernels:
     gated_norm: Callable[..., torch.Tensor] = gated_rms_norm
     gdn_gated: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_gated_reference
     fused: bool = False  # the forward runs `fused.FusedSteps` (merged projections, one-launch kernels)
+    revision: int = 0  # raised whenever the set's arithmetic changes, so state stored by an older one is not read
 
 
 REFERENCE = Kernels(name="reference", gdn=gdn_reference, conv=causal_conv, attention=attention_online)

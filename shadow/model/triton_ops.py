@@ -157,3 +157,58 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: tor
     out = torch.empty(h, t, d, dtype=x.dtype, device=x.device)
     _norm_rope_kernel[(t, h)](x, x.stride(0), x.stride(1), weight, cos, sin, out, t, h, eps, D=d, R=cos.shape[-1])
     return out
+
+
+@triton.jit
+def _add_norm_kernel(x, x_row, delta, delta_row, weight, out_sum, out_norm, D, eps,
+                     HAS_DELTA: tl.constexpr, BD: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BD)
+    m = cols < D
+    s = tl.load(x + row * x_row + cols, mask=m, other=0.0)
+    if HAS_DELTA:  # the residual add, rounded as a separate add would round it
+        d = tl.load(delta + row * delta_row + cols, mask=m, other=0.0)
+        s = (s.to(tl.float32) + d.to(tl.float32)).to(out_sum.dtype.element_ty)
+        tl.store(out_sum + row * D + cols, s, mask=m)
+    f = s.to(tl.float32)  # the norm reads the rounded rows either way, so both paths agree bit for bit
+    rstd = tl.rsqrt(tl.sum(f * f, axis=0) / D + eps)
+    y = f * rstd * tl.load(weight + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_norm + row * D + cols, y.to(out_norm.dtype.element_ty), mask=m)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, RMSNorm of it) in one launch; with delta None, (x, RMSNorm of x).
+
+    x, delta: [T, D] with unit column stride; weight: [D] (already 1 + w). The sum is rounded to
+    x's dtype before the norm reads it, so the norm of a sum equals the norm of that sum passed
+    alone. Returns the sum (a new tensor, or x itself) and the norm [T, D], contiguous.
+    """
+    t, d = x.shape
+    normed = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    total = x if delta is None else torch.empty(t, d, dtype=x.dtype, device=x.device)
+    other = x if delta is None else delta
+    block = triton.next_power_of_2(d)
+    _add_norm_kernel[(t,)](x, x.stride(0), other, other.stride(0), weight, total, normed, d, eps,
+                           HAS_DELTA=delta is not None, BD=block, num_warps=4 if block <= 2048 else 8)
+    return total, normed
+
+
+@triton.jit
+def _gate_kernel(attended, gate, g_row, g_head, out, H, D: tl.constexpr):
+    t, h = tl.program_id(0), tl.program_id(1)
+    d = tl.arange(0, D)
+    a = tl.load(attended + (t * H + h) * D + d).to(tl.float32)
+    g = tl.load(gate + t * g_row + h * g_head + d).to(tl.float32)
+    tl.store(out + (t * H + h) * D + d, (a * tl.sigmoid(g)).to(out.dtype.element_ty))
+
+
+def gate_mul(attended: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """attended * sigmoid(gate), rounded once: attended [T, H, D] (copied if not contiguous), gate [T, H, D] with
+    unit stride in D (e.g. a view into the q-and-gate projection). Returns [T, H * D]."""
+    t, h, d = gate.shape
+    attended = attended.reshape(t, h, d).contiguous()
+    out = torch.empty(t, h * d, dtype=attended.dtype, device=attended.device)
+    _gate_kernel[(t, h)](attended, gate, gate.stride(0), gate.stride(1), out, h, D=d)
+    return out
