@@ -28,9 +28,11 @@ class _Plan:
         self.t = t
         self.ids = torch.zeros(t, dtype=torch.long, device=dev)
         self.positions = torch.zeros(t, dtype=torch.long, device=dev)
-        # each piece's outputs: set by the piece (under a graph, tensors of its pool that every
-        # replay rewrites in place), read by the attention between pieces and by the next piece
-        self.q = self.k = self.v = self.gate = self.x = self.out = None
+        # what piece p hands on, set by the piece: q, k, v (read by the attention after it), the
+        # gate and x (read by piece p + 1); under a graph these are tensors of its pool that every
+        # replay rewrites in place, so each piece keeps its own. `out`: the last piece's rows.
+        self.handoff: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.out: torch.Tensor | None = None
         self.attended = torch.zeros(t, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
         self.rope: tuple[torch.Tensor, ...] | None = None  # the chunk's rope tables, set by piece 0
         self.arena = DeltaArena(c, dtype, dev)
@@ -67,7 +69,8 @@ class PiecewiseForward:
                 self._piece(plan, piece)
             if piece < len(self.attention_layers):
                 kv = state.layers[self.attention_layers[piece]]
-                plan.attended.copy_(attend(kv, start, plan.q, plan.k, plan.v, self.model.kernels))
+                q, k, v = plan.handoff[piece][:3]
+                plan.attended.copy_(attend(kv, start, q, k, v, self.model.kernels))
         state.arena.copy_(plan.arena)
         state.length = start + t
         return plan.out.clone()
@@ -92,14 +95,14 @@ class PiecewiseForward:
                 for buf, val in zip(plan.rope, rope):
                     buf.copy_(val)
         else:
-            x = steps.attention_out(bounds[piece - 1], plan.x, plan.attended, plan.gate)
+            gate, x = plan.handoff[piece - 1][3:]
+            x = steps.attention_out(bounds[piece - 1], x, plan.attended, gate)
             first = bounds[piece - 1] + 1
         last = bounds[piece] if piece < len(bounds) else len(self.model.layers)
         for i in range(first, last):
             x = steps.gdn(i, x, plan.arena.layers[self._delta_index[i]])
         if piece < len(bounds):
-            plan.q, plan.k, plan.v, plan.gate = steps.attention_in(last, x, plan.rope)
-            plan.x = x
+            plan.handoff[piece] = (*steps.attention_in(last, x, plan.rope), x)
         else:
             plan.out = steps.final(x)
 
