@@ -1,9 +1,14 @@
-"""The piecewise forward (what CUDA graphs capture) gives the plain forward's bits; on CPU, eagerly."""
+"""The piecewise forward (what CUDA graphs capture) gives the plain forward's bits; on CPU, eagerly,
+and under an emulation of a graph's replays (the tensors a capture made are the ones replays write)."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
+from shadow.model import PRESETS, load_model, ops, write_random_checkpoint
 from shadow.model.piecewise import PiecewiseForward
 from shadow.reader import Reader
 from shadow.verify import compare_states
@@ -41,3 +46,89 @@ def test_reader_with_pieces_pads_fork_reads_and_stays_exact(tiny):
     q = pieced.ask(sessions[1], question, [11, 12, 13])
     assert torch.allclose(p, q, atol=1e-5)
     assert pieced.decode(sessions[1], question, 4) == plain.decode(sessions[0], question, 4)
+
+
+def _rebuilt(value):
+    """The containers of a plan attribute copied, the tensors in them shared."""
+    if isinstance(value, dict):
+        return {k: _rebuilt(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rebuilt(v) for v in value)
+    return value
+
+
+def _tensors(value, path=()):
+    """(path, tensor) for every tensor inside a plan attribute's containers."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensors(v, (*path, k))
+    elif isinstance(value, (tuple, list)):
+        for i, v in enumerate(value):
+            yield from _tensors(v, (*path, i))
+
+
+def _bindings(plan) -> dict:
+    return {k: _rebuilt(v) for k, v in vars(plan).items() if k != "graphs"}
+
+
+def _bind(plan, bindings: dict) -> None:
+    for k, v in bindings.items():
+        setattr(plan, k, _rebuilt(v))
+
+
+class _EmulatedGraph:
+    """A CUDA graph's address semantics on the CPU. A real replay runs no Python: every kernel
+    reads and writes the tensors it met at capture, and the plan's attributes keep whatever the
+    last capture bound them to. So a replay here binds the plan as its capture found it (the
+    inputs it read), runs the piece, writes each new value into the tensor its capture made, and
+    binds the plan back as the last capture left it."""
+
+    def __init__(self, forward, plan, piece: int, before: dict, after: dict):
+        self.forward, self.plan, self.piece, self.before, self.after = forward, plan, piece, before, after
+
+    def replay(self) -> None:
+        last = _bindings(self.plan)
+        _bind(self.plan, self.before)
+        self.forward._piece(self.plan, self.piece)
+        fresh = dict(_tensors(_bindings(self.plan)))
+        found_before = dict(_tensors(self.before))
+        for path, made in _tensors(self.after):
+            if found_before.get(path) is not made:  # a tensor this capture made: the replay writes it
+                made.copy_(fresh[path])
+        _bind(self.plan, last)
+
+
+class _EmulatedGraphs(PiecewiseForward):
+    def _capture(self, plan) -> None:
+        pieces = range(len(self.attention_layers) + 1)
+        for _ in range(2):  # warm-up, as the real capture does
+            for piece in pieces:
+                self._piece(plan, piece)
+        graphs = []
+        for piece in pieces:
+            before = _bindings(plan)
+            self._piece(plan, piece)
+            graphs.append(_EmulatedGraph(self, plan, piece, before, _bindings(plan)))
+        plan.graphs = graphs
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["module-steps", "fused-steps"])
+def test_graph_replays_hand_each_attention_its_own_pieces_tensors(shadow_cache, tmp_path, fused):
+    """Graphed pieces (emulated: the plan keeps the captures' tensors, replays write into them)
+    against the same pieces run eagerly, with another row count's graphs replayed in between, on
+    eight layers (two attention layers, so three pieces). Fails if the attention between two
+    replays reads any tensor but its own piece's, as it did when a plan kept one hand-off slot."""
+    layers = ("linear_attention",) * 3 + ("full_attention",)
+    config = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=8, layer_types=layers * 2)
+    kernels = dataclasses.replace(ops.REFERENCE, name="reference-fused", fused=True) if fused else ops.REFERENCE
+    model = load_model(str(write_random_checkpoint(tmp_path / "eight", config)), kernels=kernels).model
+    assert len(model.config.attention_layers) == 2
+    graphed = _EmulatedGraphs(model, sizes={64, 16}, graphs=True)
+    eager = PiecewiseForward(model, sizes={64, 16}, graphs=False)
+    ids = torch.randint(0, 248044, (240,), generator=torch.Generator().manual_seed(4))
+    a, b = model.new_state(), model.new_state()
+    for lo, hi in ((0, 64), (64, 80), (80, 144), (144, 208), (208, 224)):
+        assert torch.equal(graphed(ids[lo:hi], a), eager(ids[lo:hi], b)), (lo, hi)
+    assert compare_states(a, b)[1] == []
