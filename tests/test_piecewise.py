@@ -132,3 +132,33 @@ def test_graph_replays_hand_each_attention_its_own_pieces_tensors(shadow_cache, 
     for lo, hi in ((0, 64), (64, 80), (80, 144), (144, 208), (208, 224)):
         assert torch.equal(graphed(ids[lo:hi], a), eager(ids[lo:hi], b)), (lo, hi)
     assert compare_states(a, b)[1] == []
+
+
+def test_a_reader_on_emulated_graphs_keeps_the_contract_through_turns_rollback_and_forks(shadow_cache, tmp_path):
+    """The reader as it runs on a GPU (graphs for the grid and the fork sizes), with the graphs
+    emulated, on eight layers: turns, a rollback, an ask and a fork decode, then the session's
+    state against a fresh prefill, bit for bit, and the ask against the eager reader's."""
+    from shadow.engine import FORK_SIZES
+
+    layers = ("linear_attention",) * 3 + ("full_attention",)
+    config = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=8, layer_types=layers * 2)
+    model = load_model(str(write_random_checkpoint(tmp_path / "eight", config))).model
+    graphed = Reader(model, 64, forward=_EmulatedGraphs(model, sizes={64, *FORK_SIZES}, graphs=True))
+    eager = Reader(model, 64, forward=PiecewiseForward(model, sizes={64, *FORK_SIZES}, graphs=False))
+    ids = torch.randint(0, 248044, (900,), generator=torch.Generator().manual_seed(7)).tolist()
+    sessions = []
+    for reader in (graphed, eager):
+        s = reader.new_session("a")
+        reader.feed_prompt(s, ids[:300])
+        reader.advance(s)
+        reader.feed_output(s, ids[300:420])
+        reader.advance(s)
+        reader.feed_prompt(s, ids[:300] + ids[500:900])  # differs at 300: back to a checkpoint
+        reader.advance(s)
+        sessions.append(s)
+    g, e = sessions
+    assert g.rollbacks == 1 and g.committed == e.committed
+    assert torch.equal(graphed.ask(g, ids[:37], [11, 12, 13]), eager.ask(e, ids[:37], [11, 12, 13]))
+    assert graphed.decode(g, ids[:20], 4) == eager.decode(e, ids[:20], 4)
+    assert compare_states(g.state, graphed.prefill(g.ids[: g.committed]))[1] == []
+    assert compare_states(g.state, e.state)[1] == []
