@@ -75,7 +75,11 @@ class _Attention:
 
 
 class FusedSteps:
-    """`ModuleSteps`' five steps with merged projections; same shapes and state contract."""
+    """`ModuleSteps`' five steps with merged projections; same shapes and state contract.
+
+    One norm is carried from a step to the next (`_normed`: the sum a residual add made, the
+    weight, its norm); a step handed any other x computes the norm itself, with the same bits,
+    so forwards that interleave (forks, other row counts) stay correct."""
 
     def __init__(self, model: Qwen35):
         self.model = model
