@@ -181,19 +181,24 @@ def test_pinned_autotuning_gives_the_same_bits_as_tuning(tiny_cuda):
     assert torch.equal(model(ids, model.new_state()), before)
 
 
+@pytest.fixture(scope="module")
+def eight_layers(tmp_path_factory):
+    """A checkpoint of the 0.8B's head shapes in eight layers: two attention layers, three pieces."""
+    import dataclasses
+
+    layers = ("linear_attention",) * 3 + ("full_attention",)
+    config = dataclasses.replace(WIDE, num_hidden_layers=8, layer_types=layers * 2)
+    return write_random_checkpoint(tmp_path_factory.mktemp("eight"), config, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("kernels", [fast.FAST, fast.FUSED, fast.TRITON], ids=["fla", "fused", "triton"])
-def test_graphed_pieces_equal_eager_pieces_bit_for_bit(kernels, tmp_path):
+def test_graphed_pieces_equal_eager_pieces_bit_for_bit(kernels, eight_layers):
     """Graph replays against the same pieces run eagerly, chunk after chunk, with a graph of
     another row count replayed in between, on eight layers (two attention layers, three pieces):
     each attention must read its own layer's q, k, v (a replay rewrites the tensors its capture
     made; reading another piece's would still repeat its bits run to run, so only this comparison
     shows it; `tests/test_piecewise.py` emulates it on the CPU)."""
-    import dataclasses
-
-    layers = ("linear_attention",) * 3 + ("full_attention",)
-    config = dataclasses.replace(WIDE, num_hidden_layers=8, layer_types=layers * 2)
-    folder = write_random_checkpoint(tmp_path / "eight", config, dtype=torch.bfloat16)
-    model = load_model(str(folder), dtype=torch.bfloat16, device="cuda", kernels=kernels).model
+    model = load_model(str(eight_layers), dtype=torch.bfloat16, device="cuda", kernels=kernels).model
     graphed, eager = PiecewiseForward(model, sizes={512, 64}), PiecewiseForward(model, sizes={512, 64}, graphs=False)
     ids = torch.randint(0, 248044, (1600,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(6))
     a, b = model.new_state(), model.new_state()
