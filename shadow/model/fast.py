@@ -131,12 +131,13 @@ def gated_rms_norm_fla(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor
     return out.reshape(shape)
 
 
+# revision 1: fla's autotuning pinned (its configs, and with them the bits, may differ from a tuning)
 FAST = ops.Kernels(
     name="fla", gdn=gdn_fla, conv=causal_conv_rows, attention=attention_sdpa,
-    norm=rms_norm_fused, gated_norm=gated_rms_norm_fla, gdn_gated=gdn_fla_gated,
+    norm=rms_norm_fused, gated_norm=gated_rms_norm_fla, gdn_gated=gdn_fla_gated, revision=1,
 )
-# `fused.FusedSteps` on these kernels; revision 2: residual adds fused with the norms that read them,
-# the attention gate in one kernel, fla's autotuning pinned
+# `fused.FusedSteps` on these kernels; revision 2: also residual adds fused with the norms that read
+# them, the attention gate in one kernel
 FUSED = dataclasses.replace(FAST, name="fla-fused", fused=True, revision=2)
 TRITON = dataclasses.replace(FUSED, name="fla-triton", attention=attention_triton)  # and Triton chunk attention
 SETS = {"fast": TRITON, "fla-triton": TRITON, "fla-fused": FUSED, "fla": FAST}
@@ -150,7 +151,7 @@ def pick(name: str, device: str, head_dim: int = 128) -> ops.Kernels:
     one-launch kernels, Triton chunk attention); 'fla-fused' (the same with SDPA attention); 'fla'
     (fla's kernels inside the modules' own steps, the first fast path); or 'auto' (fast on CUDA
     when fla is installed and the GDN heads are at least MIN_FAST_HEAD_DIM wide, the reference
-    kernels otherwise)."""
+    kernels otherwise). Picking a fast set pins fla's autotuning (`pin_autotuning`)."""
     from shadow.errors import ShadowInputError
 
     if name == "reference":
