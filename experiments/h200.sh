@@ -18,14 +18,15 @@ D=.carry/data
 for step in "$@"; do
   echo "== $step"
   case $step in
-    tests) timeout 300 python3 -m pytest -q -rfE tests/test_gpu.py tests/test_piecewise.py tests/test_fused.py 2>&1 | tail -8 | tee "$OUT/gpu-tests.txt" ;;
+    tests) timeout 280 python3 -m pytest -q -rfEx --durations=5 tests/test_gpu.py tests/test_piecewise.py tests/test_fused.py \
+             > "$OUT/gpu-tests.txt" 2>&1; echo "pytest exit $?" >> "$OUT/gpu-tests.txt"; tail -22 "$OUT/gpu-tests.txt" ;;
     profile) timeout 300 python3 experiments/profile_chunk.py 2>&1 | tee "$OUT/profile.txt" | tail -45 ;;
     rate512) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,16384,65536 --repeats 5 --also-kernels fla-fused \
                --json 2>&1 | tee "$OUT/read-rate-512.txt" | tail -12 ;;
     verify) timeout 400 shadow verify-exact --model qwen3.5-0.8b --device cuda --grid 512 --against-grid 2048 \
               --conversation $D/django__django-16950.traj.json --conversation $D/pytest-dev__pytest-6197.traj.json \
               --json > "$OUT/verify-exact-h200.txt" 2>&1; tail -c 1200 "$OUT/verify-exact-h200.txt" ;;
-    rate) timeout 500 shadow read-rate --model qwen3.5-0.8b --device cuda --grid 512 --grid 256 --grid 1024 --grid 2048 \
+    rate) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --grid 512 --grid 256 --grid 1024 --grid 2048 \
             --grid 4096 --contexts 0,16384,65536,100352 --repeats 7 --plot "$OUT/read-rate-h200.png" \
             --csv "$OUT/read-rate-h200.csv" --json > "$OUT/read-rate-h200.txt" 2>&1; tail -c 1500 "$OUT/read-rate-h200.txt" ;;
     ab) MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=6 AB_TIMEOUT=380 \
