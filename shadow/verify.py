@@ -117,14 +117,21 @@ def verify(
     progress: Callable[[int, int, str], None] | None = None,
 ) -> list[Verdict]:
     """Replay `conversations` (interleaved, through `store`; default: one with no cap), then
-    compare each final state with fresh prefills. progress(done, total, stage) is called as it
+    compare each final state with fresh prefills. ShadowInputError, before anything is read or
+    written, when `store` already holds a session named like a conversation. progress(done, total, stage) is called as it
     goes (total = all turns + 2 per conversation)."""
     if against_grid is not None:
         check_grid(against_grid)
     names = [c.name for c in conversations]
     if len(set(names)) != len(names):
-        raise ShadowInputError(f"two conversations share a name: {sorted(n for n in names if names.count(n) > 1)[0]}")
+        raise ShadowInputError(f"two conversations share a name: {min(n for n in names if names.count(n) > 1)}")
     store = store or SessionStore(reader, weights_hash="", cap_gib=None)
+    held = sorted(set(names) & set(store.names()))
+    if held:  # a replay starts from an empty session; an earlier run's would be continued
+        raise ShadowInputError(
+            f"the store already holds a session named {held[0]!r} (an earlier run's?): "
+            "verify replays each conversation from empty, so give it a folder without it"
+        )
     turns = {c.name: sum(1 for _ in c.requests()) for c in conversations}
     total, done = sum(turns.values()) + 2 * len(conversations), 0
     report = progress or (lambda done, total, stage: None)

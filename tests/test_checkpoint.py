@@ -26,6 +26,17 @@ def test_same_seed_same_hash_other_seed_other_hash(tiny):
     assert load_model("tiny", seed=1).weights_hash != tiny.weights_hash
 
 
+def test_random_checkpoint_bytes_repeat_whatever_the_safetensors_version(tmp_path):
+    """The weights hash is of the file's bytes; safetensors before 0.6 writes a metadata map's keys
+    in a per-process order, so the file carries one key (its bytes then repeat on any version)."""
+    a = write_random_checkpoint(tmp_path / "a", PRESETS["tiny"]) / "model.safetensors"
+    b = write_random_checkpoint(tmp_path / "b", PRESETS["tiny"]) / "model.safetensors"
+    assert a.read_bytes() == b.read_bytes()
+    raw = a.read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    assert header["__metadata__"] == {"format": "pt"}
+
+
 def test_text_form_checkpoint_with_model_prefix_loads(tmp_path, tiny):
     """A text-only folder (model_type qwen3_5_text, weights under `model.`, vision/MTP extras) loads the same."""
     config = PRESETS["tiny"]

@@ -141,6 +141,19 @@ def test_verify_exact_spills_and_restores_three_real_conversations_exactly(tmp_p
     assert sorted(f["session"] for f in files_doc["files"]) == sorted(p.name.split(".")[0] for p in files)
 
 
+def test_verify_exact_refuses_a_disk_that_holds_its_sessions_and_changes_nothing(small_conversation, tmp_path):
+    """A second run into the same folder would continue the first run's session (and add its counters)."""
+    args = ["verify-exact", "-c", str(small_conversation), "--against-grid", "0", "--cap-gib", "0",
+            "--disk", str(tmp_path / "disk"), "--json"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    files = {p: p.read_bytes() for p in (tmp_path / "disk").iterdir()}
+    assert files
+    again = runner.invoke(app, args)
+    assert again.exit_code == 2 and "already holds a session named 'small'" in again.output
+    assert {p: p.read_bytes() for p in (tmp_path / "disk").iterdir()} == files
+
+
 def test_store_command_on_a_missing_folder_exits_2(tmp_path):
     result = runner.invoke(app, ["store", str(tmp_path / "nope")])
     assert result.exit_code == 2 and "no store folder" in result.output

@@ -164,7 +164,9 @@ def write_random_checkpoint(
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
         weights = {f"model.language_model.{k}": v for k, v in random_weights(config, seed, dtype).items()}
-        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt", "shadow_random": "1"})
+        # one metadata key: safetensors before 0.6 writes a map's keys in a per-process order,
+        # and the weights hash is of the file's bytes
+        save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         hf = {
             "architectures": ["Qwen3_5ForConditionalGeneration"],
             "model_type": "qwen3_5",
