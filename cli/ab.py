@@ -28,8 +28,9 @@ def ab(
 ) -> None:
     """Drive a running server with the shadow switched off and on (POST /v1/shadow/switch),
     arms alternating, a new session and a fresh prompt each run, and compare decode tok/s
-    (from streamed token times, the first token excluded) and time to first token. Exit code 1
-    when the slowdown is over the gate."""
+    (from streamed token times, the first token excluded) and time to first token, with the time
+    the shadow read inside each decode as the server charged it to its share. Exit code 1 when the
+    slowdown is over the gate."""
     import httpx
 
     from shadow.bench.ab import run_ab, summarize
@@ -64,6 +65,9 @@ def ab(
                   f"paired: {', '.join(f'{x:+.1f}' for x in summary['paired_deltas_pct'])} %; "
                   f"TTFT median off {t['off']:.3f} s, on {t['on']:.3f} s; gate {gate_pct:g} %: "
                   + ("[green]passed[/]" if summary["passed"] else "[red]failed[/]"))
+    if summary["share_pct"] is not None:
+        console.print(f"the shadow read inside the decode for {summary['share_pct']:.2f} % of it "
+                      "(the share it was charged, median of the on runs)")
     if csv:
         write_csv(csv, [dataclasses.asdict(r) for r in results])
     if plot:

@@ -309,6 +309,26 @@ def test_upstream_down_gives_502_and_the_shadow_stays_consistent(tiny):
         assert status["turns_in_flight"] == 0 and status["sessions"] == []
 
 
+def test_share_slices_are_charged_to_the_turn_and_counted(tiny):
+    """Between two rounds the reader reads within the share of the time since the first token;
+    what it used is charged to the turn and summed in the status counters."""
+    loaded, reader = open_reader("tiny", grid=GRID)
+    offset = [0.0]
+    service = ShadowService(reader, SessionStore(reader, loaded.weights_hash, cap_gib=None), BandwidthRule(),
+                            clock=lambda: time.monotonic() + offset[0])
+    service.begin_turn(1, "s", list(range(1000, 1000 + 8 * GRID)))
+    assert service.share_slice(1) == 0  # no first token yet: no share
+    service.first_token(1)
+    offset[0] += 10.0  # 10 s of decode: a budget of 0.2 s, read in slices of at most 0.15 s
+    read = service.share_slice(1)
+    read += service.share_slice(1)
+    turn = service.turns[1]
+    counters = service.status()["counters"]
+    assert read > 0 and counters["chunks_share"] == read
+    assert 0 < turn.share_used == service.counters.share_s and counters["share_s"] == round(turn.share_used, 6)
+    assert service.store.get("s").committed == read * GRID
+
+
 def test_ab_against_an_embedded_server(server, tmp_path):
     from typer.testing import CliRunner
 
@@ -324,6 +344,8 @@ def test_ab_against_an_embedded_server(server, tmp_path):
     assert doc["runs"] == 2 and set(doc["decode_tok_s"]) == {"off", "on"} and set(doc["ttft_s"]) == {"off", "on"}
     assert len(doc["paired_deltas_pct"]) == 2 and doc["gate_pct"] == 1000 and doc["passed"] is True
     assert all(r["tokens"] == 6 for r in doc["per_run"])
+    assert all(r["share_s"] == 0 for r in doc["per_run"] if r["arm"] == "off")  # switched off: no reading
+    assert all(r["share_s"] >= 0 for r in doc["per_run"]) and doc["share_pct"] >= 0
     status = client.get("/v1/shadow/status").json()
     assert status["enabled"] is True  # switched back on
     ab_sessions = [r for r in status["sessions"] if r["name"].startswith("ab-")]

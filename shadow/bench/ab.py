@@ -7,6 +7,7 @@ request's send to its first token. The shadow is switched through `POST /v1/shad
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import time
@@ -26,6 +27,12 @@ class Run:
     ttft_s: float
     decode_tok_s: float
     tokens: int
+    share_s: float | None = None  # the server's reading charged to shares during the run (None: not reported)
+
+    @property
+    def decode_s(self) -> float:
+        """From the first streamed token to the last."""
+        return (self.tokens - 1) / self.decode_tok_s
 
 
 def prompt_text(tokenizer: Tokenizer, tokens: int, tag: str) -> str:
@@ -60,6 +67,13 @@ def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, ses
     return Run(arm, pair, times[0] - start, (count - 1) / (times[-1] - times[0]), count)
 
 
+def share_seconds(client: httpx.Client, base: str) -> float | None:
+    """The server's `share_s` counter (seconds read inside turns' shares), if it reports one."""
+    r = client.get(base + "/shadow/status")
+    r.raise_for_status()
+    return r.json().get("counters", {}).get("share_s")
+
+
 def switch(client: httpx.Client, base: str, on: bool) -> None:
     r = client.post(base + "/shadow/switch", json={"on": on})
     r.raise_for_status()
@@ -75,8 +89,12 @@ def run_ab(base: str, tokenizer: Tokenizer, prompt_tokens: int, output_tokens: i
             for arm in (("off", "on") if pair % 2 == 0 else ("on", "off")):
                 switch(client, base, arm == "on")
                 tag = uuid.uuid4().hex[:12]
-                out.append(stream_once(client, base, prompt_text(tokenizer, prompt_tokens, tag), output_tokens,
-                                       f"ab-{tag}", arm, pair))
+                before = share_seconds(client, base)
+                run = stream_once(client, base, prompt_text(tokenizer, prompt_tokens, tag), output_tokens,
+                                  f"ab-{tag}", arm, pair)
+                after = share_seconds(client, base)
+                share = None if before is None or after is None else after - before
+                out.append(dataclasses.replace(run, share_s=share))
                 if progress:
                     progress(len(out), 2 * runs, out[-1])
                 time.sleep(pause_s)
@@ -85,7 +103,10 @@ def run_ab(base: str, tokenizer: Tokenizer, prompt_tokens: int, output_tokens: i
 
 
 def summarize(runs: list[Run], gate_pct: float) -> dict:
-    """Medians per arm, the change in decode rate (on vs off, %), paired deltas, the verdict."""
+    """Medians per arm, the change in decode rate (on vs off, %), paired deltas, the verdict, and
+    `share_pct`: the median over "on" runs of the reading the server charged to shares, as a % of
+    the run's decode time (None when the server does not report it); a slowdown beyond it is
+    cost the share does not account for."""
     arms = {a: [r for r in runs if r.arm == a] for a in ("off", "on")}
     decode = {a: statistics.median(r.decode_tok_s for r in rs) for a, rs in arms.items()}
     ttft = {a: statistics.median(r.ttft_s for r in rs) for a, rs in arms.items()}
@@ -96,5 +117,7 @@ def summarize(runs: list[Run], gate_pct: float) -> dict:
         on = next(r for r in arms["on"] if r.pair == p)
         paired.append(100 * (on.decode_tok_s - off.decode_tok_s) / off.decode_tok_s)
     delta = 100 * (decode["on"] - decode["off"]) / decode["off"]
+    charged = [100 * r.share_s / r.decode_s for r in arms["on"] if r.share_s is not None]
     return {"runs": len(pairs), "decode_tok_s": decode, "ttft_s": ttft, "delta_pct": delta,
-            "paired_deltas_pct": paired, "gate_pct": gate_pct, "passed": -delta <= gate_pct}
+            "paired_deltas_pct": paired, "share_pct": statistics.median(charged) if charged else None,
+            "gate_pct": gate_pct, "passed": -delta <= gate_pct}

@@ -96,6 +96,7 @@ class Counters:
     requests: int = 0
     chunks_idle: int = 0
     chunks_share: int = 0
+    share_s: float = 0.0  # seconds of reading charged to turns' shares (inside their decodes)
     chunks_ask: int = 0
     max_wait_on_reader_ms: float = 0.0  # the longest a request waited behind a reader chunk
     last_chunk_ms: float = 0.0
@@ -311,7 +312,9 @@ class ShadowService:
         start = self.clock()
         done = self._read(session, chunks)
         with self.state_lock:
-            turn.share_used += self.clock() - start
+            used = self.clock() - start
+            turn.share_used += used
+            self.counters.share_s += used
             self.counters.chunks_share += done
         return done
 
@@ -601,6 +604,7 @@ class ShadowService:
                 "turns_in_flight": len(self.turns), "waiting": self.waiting,
                 "counters": {
                     "requests": c.requests, "chunks_idle": c.chunks_idle, "chunks_share": c.chunks_share,
+                    "share_s": round(c.share_s, 6),
                     "chunks_ask": c.chunks_ask, "asks": c.asks, "last_chunk_ms": round(c.last_chunk_ms, 3),
                     "standing_answered": c.standing_answered, "standing_replaced": c.standing_replaced,
                     "standing_pending": len(self.pending), "unloads": c.unloads,
