@@ -155,19 +155,24 @@ def _session_from(name, tensors, positions, marks, committed, meta, state: Model
                     raise SessionFileError(f"layers.{i}.{part} does not fit this model")
                 dst.copy_(src, non_blocking=True)
     state.length = committed
-    delta_layers = [i for i, layer in enumerate(state.layers) if not isinstance(layer, AttentionState)]
     checkpoints = [
-        DeltaSnapshot(
-            position=p,
-            conv=[tensors[f"checkpoints.{j}.{i}.conv"].to(device) for i in range(len(delta_layers))],
-            recurrent=[tensors[f"checkpoints.{j}.{i}.recurrent"].to(device) for i in range(len(delta_layers))],
-        )
+        DeltaSnapshot(p, _stacked(tensors, f"checkpoints.{j}", "conv", state.arena.conv),
+                      _stacked(tensors, f"checkpoints.{j}", "recurrent", state.arena.recurrent))
         for j, p in enumerate(positions)
     ]
     return Session(
         name=name, state=state, ids=tensors["ids"].tolist(), checkpoints=checkpoints, marks=marks,
         rollbacks=int(meta.get("rollbacks", 0)), ids_reread=int(meta.get("ids_reread", 0)),
     )
+
+
+def _stacked(tensors: dict[str, torch.Tensor], prefix: str, part: str, like: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's per-layer `part` tensors as one tensor shaped and typed like `like` (the
+    state's arena tensor), on its device."""
+    layers = [tensors.get(f"{prefix}.{i}.{part}") for i in range(like.shape[0])]
+    if any(t is None or t.shape != like.shape[1:] or t.dtype != like.dtype for t in layers):
+        raise SessionFileError(f"{prefix} does not fit this model")
+    return torch.stack(layers).to(like.device)
 
 
 def _fsync_dir(folder: Path) -> None:

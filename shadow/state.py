@@ -80,16 +80,16 @@ class DeltaArena:
 
 @dataclass
 class DeltaSnapshot:
-    """A copy of every GDN layer's conv and recurrent state at `position` (a checkpoint, or a fork's return point)."""
+    """A copy of every GDN layer's conv and recurrent state at `position` (a checkpoint, or a fork's
+    return point), shaped like a `DeltaArena`: conv [n, conv_dim, K-1], recurrent [n, H, Dk, Dv]
+    (iterating either gives the layers in order); restoring it is two copies."""
 
     position: int
-    conv: list[torch.Tensor]
-    recurrent: list[torch.Tensor]
-    whole: tuple[torch.Tensor, torch.Tensor] | None = None  # conv, recurrent of every layer, when
-    # taken from a `DeltaArena` (conv and recurrent are then views of these; restoring is two copies)
+    conv: torch.Tensor
+    recurrent: torch.Tensor
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.conv, *self.recurrent))
+        return sum(t.numel() * t.element_size() for t in (self.conv, self.recurrent))
 
 
 class ModelState:
@@ -127,18 +127,14 @@ class ModelState:
 
     def snapshot(self) -> DeltaSnapshot:
         """Copy the GDN state at the current length (KV rows need no copy: rows below a cut stay valid)."""
-        conv, recurrent = self.arena.conv.clone(), self.arena.recurrent.clone()
-        return DeltaSnapshot(self.length, list(conv.unbind(0)), list(recurrent.unbind(0)), whole=(conv, recurrent))
+        return DeltaSnapshot(self.length, self.arena.conv.clone(), self.arena.recurrent.clone())
 
     def restore(self, snap: DeltaSnapshot) -> None:
         """Go back to `snap`: its GDN state is copied in place and the KV rows above it are dropped."""
         if snap.position > self.length:
             raise ValueError(f"snapshot at {snap.position} is past the state's length {self.length}")
-        if snap.whole is not None:
-            self.arena.conv.copy_(snap.whole[0])
-            self.arena.recurrent.copy_(snap.whole[1])
-        else:
-            copy_all([d.conv for d in self.delta] + [d.recurrent for d in self.delta], snap.conv + snap.recurrent)
+        self.arena.conv.copy_(snap.conv)
+        self.arena.recurrent.copy_(snap.recurrent)
         self.length = snap.position
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -152,12 +148,6 @@ class ModelState:
                 out[f"layers.{i}.conv"] = layer.conv
                 out[f"layers.{i}.recurrent"] = layer.recurrent
         return out
-
-
-def copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """dst[i].copy_(src[i]) for all i, in one fused launch where the device allows."""
-    if dst:
-        torch._foreach_copy_(dst, src)
 
 
 def tensor_kind(name: str) -> str:

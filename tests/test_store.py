@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 import torch
@@ -43,7 +44,7 @@ def fed(store: SessionStore, reader: Reader, name: str, n: int = 300, seed: int 
 def fingerprint(session) -> dict:
     out = {k: v.clone() for k, v in session.state.tensors().items()}
     out["ids"] = list(session.ids)
-    out["checkpoints"] = [(c.position, [t.clone() for t in c.conv + c.recurrent]) for c in session.checkpoints]
+    out["checkpoints"] = [(c.position, [t.clone() for t in (*c.conv, *c.recurrent)]) for c in session.checkpoints]
     out["marks"] = list(session.marks)
     return out
 
@@ -163,11 +164,25 @@ def _not_a_session(path, reader):
     _rewrite(path, lambda m: m.update(format="something-else"))
 
 
+def _checkpoint_of_another_shape(path, reader):
+    """A checkpoint tensor cut short, with its checksum made to match: valid bytes, wrong shape."""
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = f.metadata()
+    name = next(k for k in tensors if k.startswith("checkpoints.") and k.endswith(".conv"))
+    tensors[name] = tensors[name][:-1].contiguous()
+    crcs = json.loads(meta["crc32"])
+    crcs[name] = zlib.crc32(tensors[name].view(torch.uint8).numpy().data)
+    meta["crc32"] = json.dumps(crcs)
+    save_file(tensors, path, metadata=meta)
+
+
 BAD = {
     "truncated": (_truncate, "unreadable"),
     "flipped-byte": (_flip, "checksum mismatch"),
     "future-version": (_version, "format version '99'"),
     "foreign-format": (_not_a_session, "not a shadow session file"),
+    "checkpoint-shape": (_checkpoint_of_another_shape, "does not fit this model"),
 }
 
 
