@@ -67,6 +67,10 @@ def gdn_fla_gated(
     return out[0], new[0]
 
 
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]  # never cuDNN (attention_sdpa)
+CHUNK_ATTENTION_ROWS = 16  # from this many query rows up, attention_triton runs the Triton chunk kernel
+
+
 def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """`ops.attention`'s contract on torch SDPA (flash or memory-efficient backend), GQA in the kernel.
 
@@ -88,9 +92,6 @@ def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out[0].transpose(0, 1)
 
 
-SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-
-
 def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """`ops.attention`'s contract: the project's Triton chunk attention (`triton_attention`) from
     CHUNK_ATTENTION_ROWS rows up (chunks, asks), SDPA below (decode steps)."""
@@ -99,9 +100,6 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     from shadow.model.triton_attention import chunk_attention
 
     return chunk_attention(q, k, v, scale)
-
-
-CHUNK_ATTENTION_ROWS = 16
 
 
 def causal_conv_rows(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
