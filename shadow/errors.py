@@ -7,3 +7,7 @@ class ShadowInputError(ValueError):
 
 class ShadowUnavailable(RuntimeError):
     """The shadow cannot answer yet (its model is still loading, or failed to load); serve answers 503."""
+
+
+class ShadowNotExact(RuntimeError):
+    """An ask on a session whose ids are not verified against the engine, with --require-exact; serve answers 409."""

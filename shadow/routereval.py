@@ -71,7 +71,8 @@ class Score:
 
 
 def read_journal(path: str | Path) -> tuple[list[Entry], int]:
-    """The journal's entries that carry a reference label, and how many lines had none."""
+    """The journal's answers that carry a reference label, and how many answers had none (the
+    journal's turn records, `"kind": "turn"`, are skipped)."""
     path = Path(path)
     if not path.is_file():
         raise ShadowInputError(f"no journal file {path}")
@@ -81,6 +82,8 @@ def read_journal(path: str | Path) -> tuple[list[Entry], int]:
             continue
         try:
             row = json.loads(line)
+            if row.get("kind") == "turn":  # a turn's check against the engine, not an answer
+                continue
             if row.get("reference") is None:
                 unlabelled += 1
                 continue

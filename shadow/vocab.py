@@ -118,16 +118,21 @@ def tokenizer_json(vocab: Vocabulary | None = None, nfc: bool = True) -> dict:
     }
 
 
-def write_tokenizer(folder: Path, nfc: bool = True, eos: str = "<|im_end|>") -> Path:
-    """Write `tokenizer.json` and a `tokenizer_config.json` naming its specials into `folder`."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    v = qwen_vocabulary()
-    (folder / "tokenizer.json").write_text(json.dumps(tokenizer_json(v, nfc), ensure_ascii=False))
+def tokenizer_files(nfc: bool = True, eos: str = "<|im_end|>") -> dict[str, str]:
+    """`tokenizer.json` and a `tokenizer_config.json` naming its specials, as file name -> text."""
     config = {"tokenizer_class": "Qwen2Tokenizer", "eos_token": eos, "pad_token": "<|endoftext|>",
               "bos_token": None, "unk_token": None, "model_max_length": 262144,
               "add_bos_token": False, "add_prefix_space": False, "clean_up_tokenization_spaces": False}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return {"tokenizer.json": json.dumps(tokenizer_json(qwen_vocabulary(), nfc), ensure_ascii=False),
+            "tokenizer_config.json": json.dumps(config, indent=1)}
+
+
+def write_tokenizer(folder: Path, nfc: bool = True, eos: str = "<|im_end|>") -> Path:
+    """Write `tokenizer_files` into `folder`; returns the tokenizer.json path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in tokenizer_files(nfc, eos).items():
+        (folder / name).write_text(text, encoding="utf-8")
     return folder / "tokenizer.json"
 
 

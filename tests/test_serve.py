@@ -29,6 +29,11 @@ from shadow.verify import compare_states
 GRID = 128
 
 
+def answers(journal) -> list[dict]:
+    """The journal's answers (its turn records left out)."""
+    return [r for r in map(json.loads, journal.read_text().splitlines()) if r.get("kind") != "turn"]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -37,17 +42,19 @@ def free_port() -> int:
 
 @contextmanager
 def running(upstream: str | None = None, disk=None, journal=None, standing=None, label_from_upstream=False,
-            **identity):
+            prefix_match=True, require_exact=False, **app_options):
     """A real `shadow serve` app on loopback in a thread: embedded, or a proxy in front of
     `upstream`; leaving it is a planned stop (sessions parked on `disk`)."""
     loaded, reader = open_reader("tiny", grid=GRID)
     store = SessionStore(reader, loaded.weights_hash, cap_gib=None, disk=disk)
     service = ShadowService(reader, store, BandwidthRule(), journal=journal, weights=loaded.weights_label,
-                            standing=standing, label_from_upstream=label_from_upstream)
+                            standing=standing, label_from_upstream=label_from_upstream,
+                            prefix_match=prefix_match, require_exact=require_exact)
     if upstream:
-        app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream, **identity)
+        app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream,
+                         label_from_upstream=label_from_upstream, **app_options)
     else:
-        app = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model), **identity)
+        app = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model), **app_options)
     with serving(app) as client:
         yield client, service
 
@@ -288,7 +295,9 @@ def test_proxy_passes_bodies_and_errors_through(proxied):
     assert service.status()["turns_in_flight"] == 0
 
 
-def test_proxy_renders_ids_itself_when_the_engine_returns_none(proxied):
+def test_proxy_strips_the_ids_it_asked_for_and_reads_them(proxied):
+    """The client did not ask for ids: the proxy asks the engine (vLLM dialect), reads them, and
+    the client's response carries none."""
     proxy, service, engine = proxied
     service_prompt_ids = None
     r = proxy.post("/v1/chat/completions", headers={"x-session-id": "p3"},
@@ -428,7 +437,7 @@ def test_standing_question_is_answered_at_the_insertion_point_and_journaled(tiny
         wait_until_read(service, ["t0", "t1", "t2"])
         counters = client.get("/v1/shadow/status").json()["counters"]
     assert counters["standing_answered"] == 3 and counters["standing_pending"] == 0
-    rows = [json.loads(line) for line in journal.read_text().splitlines()]
+    rows = answers(journal)
     # answered as the reader got to each point (the idle window reads the newest turn first)
     assert {r["session"]: r["reference"] for r in rows} == {"t0": "A", "t1": "B", "t2": "A"}
     assert all(r["standing"] == "router" for r in rows)
@@ -626,13 +635,13 @@ def test_the_upstream_model_labels_a_standing_question_when_no_header_does(tiny,
             settled(service)
             wait_until_read(service, ["unlabelled", "streamed", "labelled"])
             deadline = time.time() + 30
-            while len(journal.read_text().splitlines()) < 3 and time.time() < deadline:
+            while len(answers(journal)) < 3 and time.time() < deadline:
                 time.sleep(0.05)
         # what the engine says to the same question, asked directly
         direct = engine.post("/v1/chat/completions", json={
             "messages": messages + [{"role": "user", "content": standing.text}], "max_tokens": 1, "temperature": 0})
         said = direct.json()["choices"][0]["message"]["content"].strip()
-    rows = {r["session"]: r for r in map(json.loads, journal.read_text().splitlines())}
+    rows = {r["session"]: r for r in answers(journal)}
     assert rows["unlabelled"]["reference_source"] == "upstream" and rows["unlabelled"]["upstream_answer"] == said
     assert rows["unlabelled"]["reference"] == (said if said in ("A", "B") else None)
     assert rows["streamed"]["reference_source"] == "upstream"  # a streamed turn is labelled the same way

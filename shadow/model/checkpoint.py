@@ -156,24 +156,34 @@ def random_weights(config: ModelConfig, seed: int, dtype: torch.dtype) -> dict[s
 
 def write_random_checkpoint(
     folder: Path, config: ModelConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-    preset: str = "custom",
+    preset: str = "custom", text_layout: bool = False, extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Write a random-weight checkpoint in the layout of a real multimodal Qwen3.5 folder; atomic."""
+    """Write a random-weight checkpoint in the layout of a real multimodal Qwen3.5 folder (or, with
+    `text_layout`, of a text-only one: `Qwen3_5ForCausalLM`, weights under `model.`), plus
+    `extra_files` (name -> text); atomic."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        weights = {f"model.language_model.{k}": v for k, v in random_weights(config, seed, dtype).items()}
+        prefix = "model." if text_layout else "model.language_model."
+        weights = {(k if k == "lm_head.weight" else prefix + k): v
+                   for k, v in random_weights(config, seed, dtype).items()}
         # one metadata key: safetensors before 0.6 writes a map's keys in a per-process order,
         # and the weights hash is of the file's bytes
         save_file(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-        hf = {
-            "architectures": ["Qwen3_5ForConditionalGeneration"],
-            "model_type": "qwen3_5",
-            "tie_word_embeddings": config.tie_word_embeddings,
-            "text_config": config.to_hf_text() | {"dtype": str(dtype).removeprefix("torch.")},
-        }
+        text = config.to_hf_text() | {"dtype": str(dtype).removeprefix("torch.")}
+        if text_layout:
+            hf = text | {"architectures": ["Qwen3_5ForCausalLM"], "tie_word_embeddings": config.tie_word_embeddings}
+        else:
+            hf = {
+                "architectures": ["Qwen3_5ForConditionalGeneration"],
+                "model_type": "qwen3_5",
+                "tie_word_embeddings": config.tie_word_embeddings,
+                "text_config": text,
+            }
         (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+        for name, body in (extra_files or {}).items():
+            (tmp / name).write_text(body, encoding="utf-8")
         (tmp / RANDOM_MARKER).write_text(json.dumps({"random": True, "preset": preset, "seed": seed}))
         if folder.exists():
             shutil.rmtree(folder)

@@ -19,9 +19,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shadow.chat import Message, render_prompt, render_question
-from shadow.errors import ShadowInputError, ShadowUnavailable
+from shadow.chat_template import ChatRenderer
+from shadow.errors import ShadowInputError, ShadowNotExact, ShadowUnavailable
+from shadow.server.dialects import Dialect, EngineChoice, as_carried
 from shadow.server.generator import Generator
-from shadow.server.proxy import PASS_HEADERS, forward
+from shadow.server.idcheck import TurnIds, check_turn
+from shadow.server.proxy import Proxy, passed_headers, response_headers
 from shadow.server.service import ShadowService
 from shadow.tokenizer import Tokenizer
 
@@ -36,26 +39,39 @@ def error(status: int, message: str, kind: str = "invalid_request_error") -> JSO
 
 def create_app(
     service: ShadowService, tokenizer: Tokenizer, model_name: str, generator: Generator | None = None,
-    upstream: str | None = None, ask_token_ids: bool = True,
-    session_headers: tuple[str, ...] = SESSION_HEADERS, prefix_match: bool = True,
+    upstream: str | None = None, dialect: Dialect | str | None = None, renderer: ChatRenderer | None = None,
+    session_headers: tuple[str, ...] = SESSION_HEADERS, label_from_upstream: bool = False,
+    template_kwargs: dict | None = None,
 ) -> FastAPI:
-    """Embedded mode with a `generator`; proxy mode with an `upstream` base URL (…/v1). A request's
-    session: the first of `session_headers` it carries, else (with `prefix_match`) the resident
-    session sharing the longest prefix with its prompt, else a new one."""
+    """Embedded mode with a `generator`; proxy mode with an `upstream` base URL (…/v1), whose
+    engine speaks `dialect` (a name, a Dialect, or None: probed at start). `renderer` is the big
+    model's chat template and tokenizer (proxy: for the dialects that render; embedded: the
+    generator's template, else the in-code one of `shadow.chat`). A request's session: the first
+    of `session_headers` it carries, else the service's choice (`ShadowService.session_for`)."""
     session_headers = tuple(h.lower() for h in session_headers)
     if (generator is None) == (upstream is None):
         raise ValueError("give a generator (embedded mode) or an upstream (proxy mode)")
     turn_ids = itertools.count(1)
-    auto_names = itertools.count(1)
-    eos = [service.config.eos_token_id if generator is None else generator.model.config.eos_token_id]
-    client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=10.0)) if upstream else None
+    eos_id = service.config.eos_token_id if generator is None else generator.model.config.eos_token_id
+    eos = [eos_id]
+    engine = EngineChoice(upstream, dialect, renderer, eos_id, template_kwargs) if upstream else None
+    proxy_of: dict[str, Proxy] = {}
+
+    def proxy() -> Proxy:
+        if "p" not in proxy_of:
+            proxy_of["p"] = Proxy(upstream, engine.dialect or Dialect(renderer, eos_id=eos_id), service,
+                                  label_from_upstream)
+        return proxy_of["p"]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service.start()
+        if engine is not None:
+            await asyncio.to_thread(engine.choose)
+            service.engine = engine.describe()
         yield
-        if client:
-            await client.aclose()
+        if proxy_of:
+            await proxy_of["p"].close()
         await asyncio.to_thread(service.stop)  # a planned stop: sessions go to disk
 
     app = FastAPI(title="shadow serve", lifespan=lifespan)
@@ -67,6 +83,10 @@ def create_app(
     @app.exception_handler(ShadowUnavailable)
     async def unavailable(request: Request, exc: ShadowUnavailable):
         return error(503, str(exc), "unavailable")
+
+    @app.exception_handler(ShadowNotExact)
+    async def not_exact(request: Request, exc: ShadowNotExact):
+        return error(409, str(exc), "not_exact")
 
     def session_named(body: dict) -> str:
         session = body.get("session")
@@ -85,63 +105,83 @@ def create_app(
 
     @app.get("/v1/models")
     async def models(request: Request):
-        if client:
+        if upstream:
             try:
-                r = await client.get(upstream.rstrip("/") + "/models",
-                                     headers={k: v for k, v in request.headers.items() if k.lower() in PASS_HEADERS})
+                r = await proxy().client.get(upstream.rstrip("/") + "/models", headers=passed_headers(request.headers))
             except httpx.HTTPError as e:
                 return error(502, f"upstream unreachable: {type(e).__name__}: {e}", "upstream_error")
-            return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+            return Response(r.content, status_code=r.status_code, headers=response_headers(r, None))
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "shadow"}]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await body_of(request)
-        try:
-            prompt = tokenizer.encode(render_prompt(parse_messages(body.get("messages"))))
-        except ShadowInputError:
-            if not client:
-                raise
-            prompt = None  # the engine judges the request; the shadow renders nothing
-        return await complete(request, body, prompt, chat=True)
+        if upstream:
+            return await forward(request, body, chat=True)
+        return await complete(request, body, embedded_prompt(body), chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await body_of(request)
+        if upstream:
+            return await forward(request, body, chat=False)
         p = body.get("prompt")
         if isinstance(p, str) and p:
             prompt = tokenizer.encode(p)
-        elif isinstance(p, list) and p and all(isinstance(i, int) for i in p):
+        elif isinstance(p, list) and p and all(isinstance(i, int) and not isinstance(i, bool) for i in p):
             prompt = list(p)
-        elif client:
-            prompt = None
         else:
             raise ShadowInputError("'prompt' must be a non-empty string or a list of token ids")
         return await complete(request, body, prompt, chat=False)
+
+    def embedded_prompt(body: dict) -> list[int]:
+        """The embedded engine's prompt ids: its template (given, else the in-code one)."""
+        if renderer is None:
+            return tokenizer.encode(render_prompt(parse_messages(body.get("messages"))))
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise ShadowInputError("'messages' must be a non-empty list")
+        messages, tools, kwargs = as_carried(body)
+        return renderer.prompt_ids(messages, tools, {**(template_kwargs or {}), **kwargs})
 
     def reference_of(request: Request) -> str | None:
         """The turn's reference label for a standing question (e.g. the router's class), if sent."""
         q = service.standing
         return request.headers.get(q.label_header) if q else None
 
-    def session_of(request: Request, prompt: list[int] | None) -> str:
-        session = next((request.headers[h] for h in session_headers if h in request.headers), None)
-        matched = service.match_session(prompt) if prefix_match and prompt else None
-        return session or matched or f"auto-{next(auto_names)}"
+    def named_session(request: Request) -> str | None:
+        return next((request.headers[h] for h in session_headers if h in request.headers), None)
 
-    async def complete(request: Request, body: dict, prompt: list[int] | None, chat: bool):
-        if client:
-            turn_id = next(turn_ids)
-            service.begin_turn(turn_id, session_of(request, prompt), reference=reference_of(request))
-            path = "/chat/completions" if chat else "/completions"
-            return await forward(client, upstream, path, request.headers, body, service, tokenizer, turn_id,
-                                 prompt, chat, ask_token_ids)
+    async def forward(request: Request, body: dict, chat: bool):
+        """Proxy mode: the turn is registered, its prompt ids sought beside the request, and the
+        request forwarded. A request that names no session waits for its prompt ids (to find
+        its session by prefix); one that names it does not."""
+        p = proxy()
+        if engine.dialect is None:  # the engine did not answer at start: probe it now
+            p.dialect = await asyncio.to_thread(engine.choose)
+            service.engine = engine.describe()
+        else:
+            p.dialect = engine.dialect
+        turn_id = next(turn_ids)
+        before = p.prompt(body, chat)
+        named = named_session(request)
+        session = None
+        if named is None and service.ready.is_set():
+            try:
+                ids = (await asyncio.wrap_future(before)).ids
+            except Exception:  # noqa: BLE001 - the turn says why at its end
+                ids = None
+            if ids:
+                session = service.session_for(None, ids)
+        service.begin_turn(turn_id, session, reference=reference_of(request), requested=named)
+        return await p.forward(request.headers, body, chat, turn_id, named or session, before)
+
+    async def complete(request: Request, body: dict, prompt: list[int], chat: bool):
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 64))
         if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 4096:
             raise ShadowInputError("'max_tokens' must be an integer from 1 to 4096")
         stop_ids = [] if body.get("ignore_eos") else eos  # as vLLM: generate max_tokens whatever comes
         service.reader.check_ids(prompt)
-        session = session_of(request, prompt)
+        session = service.session_for(named_session(request), prompt)
         want_ids = bool(body.get("return_token_ids"))  # as vLLM: ids only when asked for
         turn_id, rid, created = next(turn_ids), f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
         events: queue.Queue = queue.Queue()
@@ -236,6 +276,9 @@ def create_app(
                 service.add_output(turn_id, [token])  # the output so far is readable in the share
                 service.share_slice(turn_id)
             events.put(("done", "stop" if out and out[-1] in eos else "length"))
+            ids = TurnIds(list(prompt), "engine", list(out), "engine", prompt_tokens=len(prompt),
+                          completion_tokens=len(out))
+            service.record_turn(turn_id, check_turn(ids), ids)  # its own engine: the ids are the ones read
         except Exception as e:  # the client gets the error; the shadow keeps what it fed
             events.put(("error", f"{type(e).__name__}: {e}"))
         finally:

@@ -1,9 +1,12 @@
-"""Proxy mode: requests pass to a real OpenAI-compatible engine (vLLM, SGLang, llama.cpp server)
-and its responses come back unchanged (status, body, SSE framing); the shadow reads beside it.
+"""Proxy mode: requests pass to a real OpenAI-compatible engine and its responses come back as the
+engine sent them (status, headers, body, SSE events as they arrive), less only what the proxy
+itself asked for that the client did not (`shadow.server.dialects`). The shadow reads beside it
+the ids the engine read and wrote, from the best source the engine's dialect offers, and checks
+every turn against what the engine shows (`shadow.server.idcheck`).
 
-The shadow takes the ids from the engine where it returns them (vLLM with `return_token_ids`:
-`prompt_token_ids` on the first chunk or the body, `choices[].token_ids`), else it renders them
-with the checkpoint's tokenizer and chat template. Between streamed deltas it reads its share.
+Nothing the client sees depends on the shadow: ids the shadow cannot take are skipped, a stream
+never waits for the device, malformed engine events pass to the client untouched, and every turn
+ends (in a `finally`) whatever happens to the stream.
 """
 
 from __future__ import annotations
@@ -13,30 +16,79 @@ import json
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shadow.errors import ShadowInputError
+from shadow.server.dialects import Dialect, Prompt, engine_root
+from shadow.server.idcheck import check_turn
+from shadow.server.reply import Reply
 from shadow.server.service import ShadowService
-from shadow.tokenizer import Tokenizer
 
 log = logging.getLogger("shadow.proxy")
 
-PASS_HEADERS = ("authorization", "content-type", "accept", "openai-organization", "openai-project")
+# the client's headers the engine gets: credentials and content negotiation (content-type is
+# set by the proxy itself: it forwards JSON)
+PASS_HEADERS = ("authorization", "accept", "openai-organization", "openai-project", "x-request-id")
+# the engine's headers the client does not get: hop by hop, or no longer true of the body
+DROP_RESPONSE_HEADERS = ("content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive",
+                         "date", "server")
 
 
-def _passed_headers(request_headers) -> dict[str, str]:
-    """The client's headers the engine gets (credentials and content negotiation, nothing else)."""
+def passed_headers(request_headers) -> dict[str, str]:
     return {k: v for k, v in request_headers.items() if k.lower() in PASS_HEADERS}
 
 
-def _on_device(service: ShadowService, turn_id: int, prompt=None, output=None, first=False, share=False,
-               wait: bool = True) -> bool:
-    """Feed the shadow on the device thread: the prompt, the first token's time, output ids, a
-    share slice. Ids the shadow cannot take (none rendered, outside its vocabulary) are skipped:
-    the client's response never depends on the shadow. With wait False and the device busy (an
-    ask reading), nothing is done and False comes back: the stream does not wait for the shadow."""
+def response_headers(upstream: httpx.Response, session: str | None) -> dict[str, str]:
+    out = {k: v for k, v in upstream.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS}
+    if session:
+        out["x-shadow-session"] = session
+    return out
+
+
+def error_response(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+
+class Turn:
+    """One proxied turn: what the shadow was fed so far, and what waits for the device."""
+
+    def __init__(self, service: ShadowService, turn_id: int):
+        self.service, self.turn_id = service, turn_id
+        self.reply = Reply()
+        self.fed_prompt: list[int] | None = None
+        self.prompt_due: list[int] | None = None  # known, not yet fed (the device was busy)
+        self.first_due = False  # the first token came and the shadow was not told yet
+        self.fed_output = 0  # output ids fed so far
+        self.held: list[int] = []  # output ids not fed yet
+
+    def take_prompt(self, ids: list[int] | None) -> None:
+        if ids is not None and self.fed_prompt is None and self.prompt_due is None:
+            self.prompt_due = list(ids)
+
+    def feed(self, wait: bool, share: bool) -> bool:
+        """Hand the shadow what it can take now (a prompt, the first token's time, output ids, and
+        between deltas a share slice); with wait False nothing happens while the device is busy."""
+        prompt, first, output = self.prompt_due, self.first_due, self.held
+        share = share and (self.fed_prompt is not None or prompt is not None)
+        if prompt is None and not first and not output and not share:
+            return True
+        if not _on_device(self.service, self.turn_id, prompt, output, first, share, wait):
+            return False
+        if prompt is not None:
+            self.fed_prompt, self.prompt_due = prompt, None
+        self.first_due = False
+        self.fed_output += len(output)
+        self.held = []
+        return True
+
+
+def _on_device(service: ShadowService, turn_id: int, prompt, output, first: bool, share: bool,
+               wait: bool) -> bool:
+    """Feed the shadow on the device thread. Ids it cannot take (outside its vocabulary) are
+    skipped and logged. With wait False and the device busy, nothing is done and False returns."""
 
     def feed() -> None:
         try:
@@ -57,96 +109,180 @@ def _on_device(service: ShadowService, turn_id: int, prompt=None, output=None, f
     return service.device.run_if_idle(feed, "turn")[0]
 
 
-def _output_ids(choice: dict) -> list[int] | None:
-    if isinstance(choice.get("token_ids"), list):
-        return [int(i) for i in choice["token_ids"]]
-    return None
+class Proxy:
+    """The engine behind the shadow: its URL, its dialect, the HTTP clients."""
 
+    def __init__(self, upstream: str, dialect: Dialect, service: ShadowService, label_from_upstream: bool = False,
+                 timeout_s: float = 600.0):
+        self.upstream = upstream.rstrip("/")
+        self.root = engine_root(upstream)
+        self.dialect = dialect
+        self.service = service
+        self.label_from_upstream = label_from_upstream
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
+        self.sync_client = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0))  # /tokenize and the like
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shadow-prompt")
 
-def _text(choice: dict, chat: bool, streamed: bool) -> str:
-    if not chat:
-        return choice.get("text") or ""
-    part = choice.get("delta" if streamed else "message") or {}
-    return part.get("content") or ""
+    async def close(self) -> None:
+        await self.client.aclose()
+        self.sync_client.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
+    def prompt(self, body: dict, chat: bool) -> Future:
+        """The prompt ids the dialect knows before the response, computed in a thread beside the request."""
+        return self.pool.submit(self.dialect.prompt, self.sync_client, self.root, body, chat)
 
-async def forward(
-    client: httpx.AsyncClient, upstream: str, path: str, request_headers, body: dict, service: ShadowService,
-    tokenizer: Tokenizer, turn_id: int, rendered: list[int] | None, chat: bool, ask_ids: bool,
-) -> Response:
-    """Forward one completion request; the turn is registered already and ended here."""
-    label = None  # chat turns with no label header: the upstream model labels the standing question
-    if chat and service.label_from_upstream and service.standing is not None:
-        label = label_asker(upstream, request_headers, body, service.standing)
-    sent = dict(body)
-    if ask_ids:
-        sent.setdefault("return_token_ids", True)
-    headers = _passed_headers(request_headers)
-    url = upstream.rstrip("/") + path
-    try:
-        upstream_response = await client.send(client.build_request("POST", url, json=sent, headers=headers), stream=True)
-    except httpx.HTTPError as e:
-        await asyncio.to_thread(service.end_turn, turn_id)  # it may wait for the device
-        return JSONResponse({"error": {"message": f"upstream unreachable: {type(e).__name__}: {e}",
-                                       "type": "upstream_error"}}, status_code=502)
-    if upstream_response.status_code != 200 or not body.get("stream"):
-        content = await upstream_response.aread()
-        await upstream_response.aclose()
-        if upstream_response.status_code == 200:  # the shadow feeds after the response, never before it
-            threading.Thread(target=_feed_whole, args=(service, turn_id, content, tokenizer, rendered, chat, label),
-                             daemon=True).start()
-        else:
-            await asyncio.to_thread(service.end_turn, turn_id)
-        return Response(content, status_code=upstream_response.status_code,
-                        media_type=upstream_response.headers.get("content-type"))
-
-    async def relay():
-        first, text, fed_ids = True, [], False
-        buffer = b""
-        prompt, held = None, []  # what the shadow has not taken yet (the device was busy)
+    async def forward(self, request_headers, body: dict, chat: bool, turn_id: int, session: str | None,
+                      before: Future) -> Response:
+        """Forward one completion request; the turn is registered already and is ended here."""
+        service = self.service
+        label = None
+        if chat and self.label_from_upstream and service.standing is not None:
+            label = label_asker(self.upstream, request_headers, body, service.standing)
+        asked = self.dialect.ask(body, chat)
+        turn = Turn(service, turn_id)
+        url = self.upstream + ("/chat/completions" if chat else "/completions")
         try:
-            async for piece in upstream_response.aiter_raw():
-                yield piece  # unchanged bytes: the engine's own SSE framing
+            upstream = await self.client.send(
+                self.client.build_request("POST", url, json=asked.body, headers=passed_headers(request_headers)),
+                stream=True)
+        except httpx.HTTPError as e:
+            before.cancel()
+            await asyncio.to_thread(service.end_turn, turn_id)
+            return error_response(502, f"upstream unreachable: {type(e).__name__}: {e}", "upstream_error")
+        headers = response_headers(upstream, session)
+        if upstream.status_code != 200 or not body.get("stream"):
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as e:
+                content = None
+                broke = f"the engine's response broke off: {type(e).__name__}: {e}"
+            finally:
+                await upstream.aclose()
+            if content is None or upstream.status_code != 200:
+                before.cancel()
+                await asyncio.to_thread(service.end_turn, turn_id)
+                if content is None:
+                    return error_response(502, broke, "upstream_error")
+                return Response(content, status_code=upstream.status_code, headers=headers)
+            event = _json(content)
+            if event is not None:
+                turn.reply.read(event, chat)
+                cleaned = self.dialect.clean(event, asked.added, body)
+                if cleaned is not event:
+                    content = json.dumps(cleaned, ensure_ascii=False).encode()
+            else:
+                turn.reply.malformed += 1
+            self._finish_later(turn, before, body, chat, label)
+            return Response(content, status_code=200, headers=headers)
+        return StreamingResponse(self._relay(upstream, turn, asked.added, body, chat, before, label),
+                                 status_code=200, headers=headers)
+
+    async def _relay(self, upstream: httpx.Response, turn: Turn, added, body: dict, chat: bool, before: Future,
+                     label):
+        """The engine's stream, event by event, as it sent it (less what the proxy added); the
+        shadow is fed between events without the stream ever waiting for the device."""
+        buffer = b""
+        try:
+            async for piece in upstream.aiter_bytes():
                 buffer += piece
                 *lines, buffer = buffer.split(b"\n")
+                out = []
                 for line in lines:
-                    event = _event(line)
-                    if event is None:
-                        continue
-                    choice = (event.get("choices") or [{}])[0]
-                    ids = _output_ids(choice)
-                    if first and prompt is None:  # the engine sends prompt ids on its first chunk only
-                        prompt = event.get("prompt_token_ids") or rendered
-                    fed_ids = fed_ids or ids is not None
-                    if ids is None:
-                        text.append(_text(choice, chat, streamed=True))
-                    held += ids or []
-                    if await asyncio.to_thread(_on_device, service, turn_id, prompt, held, first, not first, False):
-                        prompt, held, first = None, [], False
+                    out.append(self._line(line, turn, added, body, chat))
+                yield b"".join(out)
+                if turn.reply.events and turn.fed_prompt is None and turn.prompt_due is None and not turn.first_due:
+                    turn.first_due = True
+                self._take(turn, before)
+                await asyncio.to_thread(turn.feed, False, True)
+            if buffer:
+                yield self._line(buffer, turn, added, body, chat).rstrip(b"\n")
+        except httpx.HTTPError as e:  # the engine broke off mid-stream: the client is told in-band
+            message = {"error": {"message": f"the engine's stream broke off: {type(e).__name__}: {e}",
+                                 "type": "upstream_error"}}
+            yield b"data: " + json.dumps(message).encode() + b"\n\n"
         finally:
-            await upstream_response.aclose()
-            if not fed_ids and text:
-                held += tokenizer.encode("".join(text))
-            # what waited for the device is fed when it is free, after the response has ended
-            threading.Thread(target=_finish, args=(service, turn_id, prompt, held, first, label), daemon=True).start()
+            await upstream.aclose()
+            self._finish_later(turn, before, body, chat, label)
 
-    return StreamingResponse(relay(), status_code=200, media_type=upstream_response.headers.get("content-type"))
+    def _line(self, line: bytes, turn: Turn, added, body: dict, chat: bool) -> bytes:
+        """One SSE line as the client gets it; the shadow reads its event on the way."""
+        event = _event(line)
+        if event is None:
+            return line + b"\n"
+        turn.reply.read(event, chat)
+        if not added:
+            return line + b"\n"
+        cleaned = self.dialect.clean(event, added, body)
+        if cleaned is event:
+            return line + b"\n"
+        if cleaned is None:
+            return b""  # an event the client did not ask for (its blank line stays: an empty event)
+        return b"data: " + json.dumps(cleaned, ensure_ascii=False).encode() + b"\n"
+
+    def _take(self, turn: Turn, before: Future) -> None:
+        """What the engine has shown so far (or the prompt known before it) becomes what the turn feeds."""
+        if turn.reply.prompt_ids is not None:
+            turn.take_prompt(turn.reply.prompt_ids)
+        elif before.done() and not before.cancelled() and before.exception() is None:
+            turn.take_prompt(before.result().ids)
+        if turn.reply.shown_output:
+            turn.held += turn.reply.output_ids[turn.fed_output + len(turn.held):]
+
+    def _finish_later(self, turn: Turn, before: Future, body: dict, chat: bool, label) -> None:
+        threading.Thread(target=self._finish, args=(turn, before, body, chat, label), name="shadow-turn-end",
+                         daemon=True).start()
+
+    def _finish(self, turn: Turn, before: Future, body: dict, chat: bool, label) -> None:
+        """After the response: settle the turn's ids, feed what waited, check the turn against the
+        engine, ask the upstream for a standing question's label, end the turn. Always ends it."""
+        service = self.service
+        try:
+            try:
+                prompt = before.result(timeout=120)
+            except Exception as e:  # noqa: BLE001 - a prompt that could not be had: the turn says why
+                prompt = Prompt(None, None, [f"the prompt could not be had ({type(e).__name__}: {e})"])
+            ids = self.dialect.turn_ids(turn.reply, prompt, body, chat)
+            if ids.prompt is not None and ids.prompt != (turn.fed_prompt or turn.prompt_due):
+                if turn.fed_prompt is not None:
+                    ids.notes.append("the prompt fed first was replaced")
+                turn.fed_prompt, turn.prompt_due = None, list(ids.prompt)
+            if ids.output_source == "engine":
+                turn.held += ids.output[turn.fed_output + len(turn.held):]
+            elif ids.output:
+                turn.held = list(ids.output)
+            turn.feed(wait=True, share=False)
+            service.record_turn(turn.turn_id, check_turn(ids), ids)
+            if label is not None and service.wants_label(turn.turn_id):
+                service.upstream_label(turn.turn_id, *label())
+        except Exception:  # noqa: BLE001 - logged, and the turn still ends
+            log.exception("the shadow could not finish turn %s", turn.turn_id)
+        finally:
+            service.end_turn(turn.turn_id)
 
 
-def _finish(service: ShadowService, turn_id: int, prompt, held: list[int], first: bool, label=None) -> None:
-    """After the response: feed what waited, ask the upstream for the standing question's label
-    when this turn wants one (`label`), end the turn."""
-    if prompt is not None or held:
-        _on_device(service, turn_id, prompt, held, first)
-    if label is not None and service.wants_label(turn_id):
-        service.upstream_label(turn_id, *label())
-    service.end_turn(turn_id)
+def _event(line: bytes) -> dict | None:
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return None
+    return _json(data)
+
+
+def _json(data: bytes):
+    try:
+        event = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return event if isinstance(event, dict) else None
 
 
 def label_asker(upstream: str, request_headers, body: dict, question) -> Callable[[], tuple[str | None, str | None]]:
     """A function that asks the upstream model the standing question after the turn's messages
     (one token, greedy) and returns (the label if the answer is one of the choices, the answer)."""
-    headers = _passed_headers(request_headers)
+    headers = passed_headers(request_headers)
     request = {"messages": list(body["messages"]) + [{"role": "user", "content": question.text}],
                "max_tokens": 1, "temperature": 0, "stream": False}
     if "model" in body:
@@ -163,33 +299,3 @@ def label_asker(upstream: str, request_headers, body: dict, question) -> Callabl
         return (answer if answer in question.labels else None), answer
 
     return ask
-
-
-def _event(line: bytes) -> dict | None:
-    line = line.strip()
-    if not line.startswith(b"data:"):
-        return None
-    data = line[5:].strip()
-    if data == b"[DONE]":
-        return None
-    try:
-        event = json.loads(data)
-    except json.JSONDecodeError:
-        return None
-    return event if isinstance(event, dict) else None
-
-
-def _feed_whole(service: ShadowService, turn_id: int, content: bytes, tokenizer: Tokenizer,
-                rendered: list[int], chat: bool, label=None) -> None:
-    """Feed a whole (non-streamed) answer, then end the turn."""
-    try:
-        body = json.loads(content)
-        choice = (body.get("choices") or [{}])[0]
-    except (json.JSONDecodeError, AttributeError):
-        service.end_turn(turn_id)
-        return  # not JSON: the client gets it as it is; the shadow learns nothing from it
-    prompt = body.get("prompt_token_ids") or choice.get("prompt_token_ids") or rendered
-    ids = _output_ids(choice)
-    if ids is None:
-        ids = tokenizer.encode(_text(choice, chat, streamed=False))
-    _finish(service, turn_id, prompt, ids, first=True, label=label)

@@ -24,12 +24,13 @@ from typing import TypeVar
 
 import torch
 
-from shadow.errors import ShadowInputError, ShadowUnavailable
+from shadow.errors import ShadowInputError, ShadowNotExact, ShadowUnavailable
 from shadow.model.config import ModelConfig
 from shadow.reader import Reader, Session, common_prefix
 from shadow.routereval import ids_crc
 from shadow.schedule import BandwidthRule
 from shadow.server.device import DeviceThread
+from shadow.server.idcheck import SessionChecks, TurnCheck, TurnIds
 from shadow.store import SessionStore
 
 T = TypeVar("T")
@@ -38,10 +39,13 @@ log = logging.getLogger("shadow.serve")
 
 @dataclass
 class Turn:
-    """One request being served: its session, when it started, when its first token came."""
+    """One request being served: its session (the store's name: the session, or a side branch of
+    it), the name the request gave (None: found by prefix or new), when it started, when its
+    first token came."""
 
-    session: str
+    session: str | None
     started: float
+    requested: str | None = None
     first_token: float | None = None
     share_used: float = 0.0
     prompt_fed: bool = False
@@ -122,7 +126,8 @@ class ShadowService:
         standing: StandingQuestion | None = None,
         load: Callable[[], tuple[Reader, SessionStore, str]] | None = None, config: ModelConfig | None = None,
         unload_slack_bytes: int | None = None, pool_free: Callable[[], int] | None = None,
-        label_from_upstream: bool = False,
+        label_from_upstream: bool = False, prefix_match: bool = True, require_exact: bool = False,
+        max_branches: int = 8,
     ):
         if (reader is None or store is None) and (load is None or config is None):
             raise ValueError("give a reader and a store, or a function that loads them and the model's config")
@@ -155,6 +160,14 @@ class ShadowService:
         self.counters = Counters()
         self._recent: list[str] = []
         self._latest: dict[str, int] = {}  # session -> the newest turn that fed its prompt
+        self.engine: dict | None = None  # proxy mode: the engine's dialect and id sources
+        self.prefix_match = prefix_match  # a request with no session name continues the longest matching session
+        self.require_exact = require_exact  # asks on sessions not verified against the engine answer 409
+        self.max_branches = max_branches
+        self.checks: dict[str, SessionChecks] = {}  # store name -> its turns' checks against the engine
+        self._heads: dict[str, list[int]] = {}  # store name -> its first grid of ids (to tell side requests)
+        self._branches: dict[str, list[str]] = {}  # session name -> its side branches' store names
+        self._auto_names = 0
         self._stop = threading.Event()
         self._idle = threading.Thread(target=self._idle_window, name="shadow-idle", daemon=True)
 
@@ -244,13 +257,15 @@ class ShadowService:
 
         return self.device.run(job, "turn")
 
-    def begin_turn(self, turn_id: int, session: str, prompt_ids: Sequence[int] | None = None,
-                   reference: str | None = None) -> None:
-        """A request starts (the idle window stops). With its prompt, the prompt is fed (rolling
-        back where it differs), on the device thread. Checks ids before any change."""
+    def begin_turn(self, turn_id: int, session: str | None, prompt_ids: Sequence[int] | None = None,
+                   reference: str | None = None, requested: str | None = None) -> None:
+        """A request starts (the idle window stops). `session` is the store name when known (see
+        `session_for`); else it is found when the prompt comes, from `requested` (the name the
+        request gave, or None). With its prompt, the prompt is fed (rolling back where it
+        differs), on the device thread. Checks ids before any change."""
         ids = None if prompt_ids is None or not self.ready.is_set() else self.reader.check_ids(prompt_ids)
         with self.state_lock:
-            self.turns[turn_id] = Turn(session, self.clock(), reference=reference)
+            self.turns[turn_id] = Turn(session, self.clock(), requested=requested, reference=reference)
             self.counters.requests += 1
         if ids is not None:
             self.set_prompt(turn_id, ids)
@@ -262,6 +277,10 @@ class ShadowService:
         if not self.ready.is_set() or not self.enabled:  # no model (it failed to load), or switched off
             return
         ids = self.reader.check_ids(prompt_ids)
+        if self.turns[turn_id].session is None:
+            name = self.session_for(self.turns[turn_id].requested, ids)
+            with self.state_lock:
+                self.turns[turn_id].session = name
         with self.state_lock:
             turn = self.turns[turn_id]
             if self._latest.get(turn.session, 0) > turn_id:
@@ -274,6 +293,81 @@ class ShadowService:
             self._touch(turn.session)
             self._register_standing(session, ids, turn.reference, behind, turn_id)
         self._answer_if_ready(session)
+
+    def session_for(self, requested: str | None, prompt: Sequence[int]) -> str:
+        """The store name a prompt is read into: the named session (or, unnamed, the resident
+        session sharing the longest prefix, with prefix matching on; else a new `auto-N`), or
+        one of its side branches. A prompt that shares no whole first block of the grid with a
+        session that has ids (opencode's title request beside its conversation) is read as a
+        side branch (`NAME~K`) instead of rolling the session back; later prompts continue
+        whichever branch they share most with."""
+        with self.state_lock:
+            name = requested
+            if name is None and self.prefix_match:
+                name = self._match(prompt)
+            if name is None:
+                self._auto_names += 1
+                name = f"auto-{self._auto_names}"
+            grid = self.reader.grid if self.reader is not None else 512
+            best, best_shared = None, -1
+            for candidate in [name, *self._branches.get(name, [])]:
+                head = self._heads.get(candidate)
+                if not head:
+                    if candidate == name and best is None:
+                        best, best_shared = name, 0  # empty or new: anything continues it
+                    continue
+                shared = common_prefix(head, prompt)
+                if shared >= min(grid, len(head), len(prompt)) and shared > best_shared:
+                    best, best_shared = candidate, shared
+            if best is None:
+                branches = self._branches.setdefault(name, [])
+                if len(branches) >= self.max_branches:  # the least recently used branch is reused
+                    best = min(branches, key=lambda b: self._recent.index(b) if b in self._recent else -1)
+                else:
+                    best = f"{name}~{len(branches) + 1}"
+                    branches.append(best)
+            self._heads[best] = list(prompt[:grid])
+            return best
+
+    def _match(self, prompt: Sequence[int], minimum: int = 64) -> str | None:
+        """The resident main session sharing the longest prefix (at least `minimum` ids); the caller holds the lock."""
+        best, best_len = None, minimum - 1
+        if not self.ready.is_set():
+            return None
+        side = {b for branches in self._branches.values() for b in branches}
+        for name in self._recent:
+            s = self.store.peek(name)
+            if s is None or name in side:
+                continue
+            n = common_prefix(s.ids, prompt)
+            if n > best_len:
+                best, best_len = name, n
+        return best
+
+    def record_turn(self, turn_id: int, check: TurnCheck, ids: TurnIds | None = None) -> None:
+        """A turn's check against the engine: counted for its session, journaled, and a session's
+        first mismatch logged once."""
+        with self.state_lock:
+            turn = self.turns.get(turn_id)
+            name = (turn.session or turn.requested) if turn else None
+            name = name or "(no session)"
+            checks = self.checks.setdefault(name, SessionChecks())
+            offset = 0
+            first = checks.add(turn_id, check, offset)
+            record = {"kind": "turn", "session": name, "turn": turn_id, **check.as_dict(),
+                      "prompt_ids": None if ids is None or ids.prompt is None else len(ids.prompt),
+                      "output_ids": None if ids is None else len(ids.output),
+                      "notes": [] if ids is None else ids.notes, "time": time.time()}
+            self._journal(record)
+        if first:
+            log.warning("session %s: turn %s does not match the engine (%s); the session is not exact from here on",
+                        name, turn_id, "; ".join(check.reasons))
+
+    def exactness(self, session: str) -> dict:
+        """What the session's answers say of its ids: exact (every turn verified) or why not."""
+        with self.state_lock:
+            checks = self.checks.get(session, SessionChecks())
+            return {"exact": checks.exact, "why_not": checks.why_not(), "id_checks": checks.as_dict()}
 
     def has_prompt(self, turn_id: int) -> bool:
         with self.state_lock:
@@ -472,9 +566,12 @@ class ShadowService:
 
     def _record(self, answer: dict) -> None:
         self.counters.last_answers.append(answer)
+        self._journal(answer)
+
+    def _journal(self, record: dict) -> None:
         if self.journal:
             with open(self.journal, "a") as f:
-                f.write(json.dumps(answer) + "\n")
+                f.write(json.dumps(record) + "\n")
 
     def _read(self, session: Session, chunks: int) -> int:
         """Read up to `chunks` whole chunks, stopping at a standing question's grid line to answer
@@ -500,20 +597,27 @@ class ShadowService:
 
     # questions --------------------------------------------------------------------------
 
-    def match_session(self, prompt_ids: Sequence[int], minimum: int = 64) -> str | None:
-        """The resident session sharing the longest prefix (at least `minimum` ids) with a prompt."""
-        best, best_len = None, minimum - 1
-        if not self.ready.is_set():
-            return None
+    def main_branch(self, session: str) -> str:
+        """The store name an ask about `session` reads: of the session and its side branches, the
+        one holding the most ids (the conversation, not a title request beside it)."""
         with self.state_lock:
-            for name in self._recent:
-                s = self.store.peek(name)
-                if s is None:
-                    continue
-                n = common_prefix(s.ids, prompt_ids)
-                if n > best_len:
-                    best, best_len = name, n
-        return best
+            names = [session, *self._branches.get(session, [])]
+            if len(names) == 1:
+                return session
+            return max(names, key=lambda n: self._length(n))
+
+    def _length(self, name: str) -> int:
+        s = self.store.peek(name) if self.store is not None else None
+        if s is not None:
+            return len(s.ids)
+        row = next((r for r in self.store.status() if r.name == name), None) if self.store is not None else None
+        return row.committed + row.pending if row is not None else 0
+
+    def _exact_or_refuse(self, session: str) -> dict:
+        exact = self.exactness(session)
+        if self.require_exact and not exact["exact"]:
+            raise ShadowNotExact(f"session {session!r} is not exact: {exact['why_not']}")
+        return exact
 
     def known(self, session: str) -> bool:
         with self.state_lock:
@@ -543,6 +647,8 @@ class ShadowService:
         choice_ids = self.reader.check_ids(choices)
         if not self.known(session):
             raise ShadowInputError(f"unknown session {session!r}")
+        named, session = session, self.main_branch(session)
+        exact = self._exact_or_refuse(session)
         started = self.clock()
 
         def on_device():
@@ -556,14 +662,14 @@ class ShadowService:
         s, behind, read, probs = self.device.run(on_device, "ask")
         best = max(range(len(probs)), key=probs.__getitem__)
         answer = {
-            "session": session, "choices": list(labels), "probs": probs, "label": labels[best],
+            "session": named, "read": session, "choices": list(labels), "probs": probs, "label": labels[best],
             "behind": behind, "read_chunks": read, "pending_after": len(s.ids) - s.committed,
             "latency_ms": round((self.clock() - started) * 1000, 3), "weights": self.weights,
             "weights_hash": self.weights_hash, "grid": self.reader.grid, "arithmetic": self.store.identity.arithmetic,
             "insertion": len(s.ids),
             "prefix_crc": ids_crc(s.ids),
             "question_tokens": len(question), "question_ids": list(question), "reference": reference,
-            "fresh": fresh, "time": time.time(),
+            "fresh": fresh, "time": time.time(), **exact,
         }
         with self.state_lock:
             self.counters.asks += 1
@@ -578,6 +684,8 @@ class ShadowService:
         prompt = self.reader.check_ids(prompt)
         if not self.known(session):
             raise ShadowInputError(f"unknown session {session!r}")
+        named, session = session, self.main_branch(session)
+        exact = self._exact_or_refuse(session)
         started = self.clock()
 
         def on_device():
@@ -588,18 +696,20 @@ class ShadowService:
             return out, behind, self.clock() - decode_start
 
         out, behind, decode_s = self.device.run(on_device, "ask")
-        return {"session": session, "ids": out, "behind": behind, "weights": self.weights,
+        return {"session": named, "read": session, "ids": out, "behind": behind, "weights": self.weights,
                 "latency_ms": round((self.clock() - started) * 1000, 3),
-                "decode_ms_per_token": round(decode_s * 1000 / max(1, len(out)), 3)}
+                "decode_ms_per_token": round(decode_s * 1000 / max(1, len(out)), 3), **exact}
 
     def status(self) -> dict:
         with self.state_lock:
             c = self.counters
             ready = self.ready.is_set()
             return {
-                "ready": ready, "load_error": self.load_error,
+                "ready": ready, "load_error": self.load_error, "engine": self.engine,
                 "grid": self.reader.grid if ready else None, "weights": self.weights, "enabled": self.enabled,
-                "sessions": [vars(r) for r in self.store.status()] if ready else [],
+                "sessions": [vars(r) | {"id_checks": self.checks.get(r.name, SessionChecks()).as_dict()}
+                             for r in self.store.status()] if ready else [],
+                "branches": {k: list(v) for k, v in self._branches.items() if v},
                 "store": self.store.totals() if ready else None,
                 "turns_in_flight": len(self.turns), "waiting": self.waiting,
                 "counters": {

@@ -1,0 +1,162 @@
+"""Whether the ids the shadow read for a turn are the ids the engine read and wrote.
+
+A turn's ids come from a source (prompt: `engine`, `engine-tokenize`, `template`; output:
+`engine`, `logprobs`, `retokenised`) and are checked against what the engine shows: its own ids,
+where it returns them (equal, id for id), and the `usage` counts always. A turn is verified when
+every check that could run passed and at least one ran for the prompt and one for the output;
+mismatched when any failed; unknown otherwise. A count check is weaker than an id check (equal
+counts do not prove equal ids); the record says which checks ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROMPT_SOURCES = ("engine", "engine-tokenize", "template")
+OUTPUT_SOURCES = ("engine", "logprobs", "retokenised")
+
+
+@dataclass
+class TurnIds:
+    """The ids the shadow reads for one turn, where they came from, and what the engine showed."""
+
+    prompt: list[int] | None = None
+    prompt_source: str | None = None
+    output: list[int] = field(default_factory=list)
+    output_source: str | None = None
+    engine_prompt: list[int] | None = None  # the engine's own prompt ids, when it showed them
+    engine_output: list[int] | None = None
+    prompt_tokens: int | None = None  # usage
+    completion_tokens: int | None = None
+    notes: list[str] = field(default_factory=list)  # why a source was missing or fell back
+
+
+@dataclass(frozen=True)
+class TurnCheck:
+    verified: bool | None  # True, False (a check failed), None (nothing could be checked)
+    prompt_source: str | None
+    output_source: str | None
+    checks: tuple[str, ...]  # what ran and passed, e.g. "prompt ids", "prompt count", "output count"
+    reasons: tuple[str, ...]  # what failed or could not run
+    first_diff: int | None = None  # first differing position in the prompt (ids compared), if any
+
+    def as_dict(self) -> dict:
+        return {"verified": self.verified, "ids_source": {"prompt": self.prompt_source, "output": self.output_source},
+                "checks": list(self.checks), "reasons": list(self.reasons), "first_diff": self.first_diff}
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return None if len(a) == len(b) else n
+
+
+def check_turn(t: TurnIds) -> TurnCheck:
+    passed, failed, unknown = [], [], []
+    first_diff = None
+    # the prompt
+    if t.prompt is None:
+        unknown.append("no prompt ids" + (f" ({'; '.join(t.notes)})" if t.notes else ""))
+    else:
+        if t.engine_prompt is not None and t.prompt_source != "engine":
+            first_diff = first_difference(t.prompt, t.engine_prompt)
+            (failed if first_diff is not None else passed).append(
+                "prompt ids" if first_diff is None else f"prompt ids differ from the engine's at {first_diff}")
+        elif t.prompt_source == "engine":
+            passed.append("prompt ids")
+        if t.prompt_tokens is None:
+            unknown.append("no usage.prompt_tokens")
+        elif t.prompt_tokens == len(t.prompt):
+            passed.append("prompt count")
+        else:
+            failed.append(f"prompt: {len(t.prompt)} ids, the engine counted {t.prompt_tokens}")
+    prompt_ok = [c for c in passed if c.startswith("prompt")]
+    # the output
+    if t.output_source is None:
+        unknown.append("no output ids")
+    else:
+        if t.engine_output is not None and t.output_source != "engine":
+            d = first_difference(t.output, t.engine_output)
+            (failed if d is not None else passed).append(
+                "output ids" if d is None else f"output ids differ from the engine's at {d}")
+        elif t.output_source == "engine":
+            passed.append("output ids")
+        if t.completion_tokens is None:
+            unknown.append("no usage.completion_tokens")
+        elif _output_count_ok(t):
+            passed.append("output count")
+        else:
+            failed.append(f"output: {len(t.output)} ids ({t.output_source}), the engine counted {t.completion_tokens}")
+    output_ok = [c for c in passed if c.startswith("output")]
+    if failed:
+        verified = False
+    elif prompt_ok and output_ok:
+        verified = True
+    else:
+        verified = None
+    return TurnCheck(verified, t.prompt_source, t.output_source, tuple(passed), tuple(failed + unknown), first_diff)
+
+
+def _output_count_ok(t: TurnIds) -> bool:
+    """usage.completion_tokens counts the generated ids; engines differ on whether the end token
+    is among them, so a count one above it is accepted when the last id read is the end token
+    the engine did not count (the caller appends it; see `dialects`)."""
+    n = len(t.output)
+    return t.completion_tokens == n or ("end token appended" in t.notes and t.completion_tokens == n - 1)
+
+
+@dataclass
+class SessionChecks:
+    """A session's record: turns verified, unverified (unknown) and mismatched, the first
+    mismatch's turn and position, and the last reasons."""
+
+    verified: int = 0
+    unverified: int = 0
+    mismatched: int = 0
+    first_mismatch_turn: int | None = None
+    first_diff: int | None = None
+    last_reasons: tuple[str, ...] = ()
+    logged: bool = False  # a mismatch was logged for this session (once)
+
+    def add(self, turn: int, check: TurnCheck, offset: int = 0) -> bool:
+        """Count a turn; True the first time this session has a mismatch (log it then)."""
+        if check.verified is True:
+            self.verified += 1
+        elif check.verified is None:
+            self.unverified += 1
+            self.last_reasons = check.reasons
+        else:
+            self.mismatched += 1
+            self.last_reasons = check.reasons
+            if self.first_mismatch_turn is None:
+                self.first_mismatch_turn = turn
+                self.first_diff = None if check.first_diff is None else offset + check.first_diff
+            if not self.logged:
+                self.logged = True
+                return True
+        return False
+
+    @property
+    def exact(self) -> bool:
+        """Every turn read was verified against the engine."""
+        return self.unverified == 0 and self.mismatched == 0 and self.verified > 0
+
+    def why_not(self) -> str | None:
+        if self.exact:
+            return None
+        if self.verified + self.unverified + self.mismatched == 0:
+            return "no turn of this session was checked against the engine"
+        parts = []
+        if self.mismatched:
+            parts.append(f"{self.mismatched} turn(s) whose ids differ from the engine's"
+                         + (f" (first at id {self.first_diff})" if self.first_diff is not None else ""))
+        if self.unverified:
+            parts.append(f"{self.unverified} turn(s) that could not be checked")
+        return "; ".join(parts) + (f": {'; '.join(self.last_reasons)}" if self.last_reasons else "")
+
+    def as_dict(self) -> dict:
+        return {"exact": self.exact, "why_not": self.why_not(), "verified": self.verified,
+                "unverified": self.unverified, "mismatched": self.mismatched,
+                "first_mismatch_turn": self.first_mismatch_turn, "first_diff": self.first_diff}
