@@ -2,7 +2,7 @@
 
 import typer
 
-from cli import ab, read_rate, replay_ledger, router_eval, serve, store, verify_exact
+from cli import ab, check_engine, read_rate, replay_ledger, router_eval, serve, store, verify_exact
 
 app = typer.Typer(
     help="Shadow reader toolkit: a small Qwen3.5 model that keeps an exact state of every session.",
@@ -15,6 +15,7 @@ app.command("read-rate", short_help="Time the reader (per chunk, per 1,000 token
 app.command("store", short_help="List and check a folder of spilled sessions.")(store.store)
 app.command("replay-ledger", short_help="How fresh the shadow is at turn starts, replaying real request timelines.")(replay_ledger.replay_ledger)
 app.command("serve", short_help="Serve OpenAI-compatible completions (embedded or in front of an engine) with a live shadow.")(serve.serve)
+app.command("check-engine", short_help="Check, case by case, that a shadow beside an engine reads the ids the engine reads.")(check_engine.check_engine)
 app.command("ab", short_help="What the shadow costs a running server's decode: shadow off against on.")(ab.ab)
 app.command("router-eval", short_help="Re-ask journaled classification questions offline and score them against their labels.")(router_eval.router_eval)
 

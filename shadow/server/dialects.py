@@ -193,24 +193,35 @@ class Dialect:
         return True
 
     def _retokenise(self, reply: Reply, body: dict, chat: bool, t: TurnIds) -> None:
-        tokenizer = self.renderer
-        if tokenizer is None:
+        """The output re-tokenised from its text. Candidates, in order: the reply as the template
+        writes it (reasoning, content, tool calls, through the end token), then the raw text with
+        and without the end token, raw and stripped; the first whose length is the engine's count
+        is taken, else the first. Then, where it still does not match, it is not read at all."""
+        if self.renderer is None:
             t.notes.append("no tokenizer to re-tokenise the output")
             return
-        text = None
+        candidates: list[list[int]] = []
         if chat and reply.finish_reason in ("stop", "tool_calls"):
             try:
                 messages, tools, kwargs = self.template_messages(body)
                 text = self.renderer.reply_text(messages, normalise_message(reply.message()), tools, kwargs,
                                                 end=self.eos_text)
+                if text is not None:
+                    candidates.append(self.renderer.encode(text))
             except Exception as e:  # noqa: BLE001 - a template that cannot write the reply: plain text below
                 t.notes.append(f"the template cannot write the reply ({type(e).__name__})")
-        if text is None:
-            ids = self.renderer.encode(reply.text + "".join(c.arguments for c in reply.tool_calls.values()))
-            self._end(reply, ids, t)
-        else:
+        raw = reply.text + "".join(c.arguments for c in reply.tool_calls.values())
+        ended = reply.finish_reason in ("stop", "tool_calls") and self.eos_id is not None
+        for text in (raw, raw.strip()):
             ids = self.renderer.encode(text)
-        t.output, t.output_source = ids, "retokenised"
+            candidates += [ids + [self.eos_id], ids] if ended else [ids]
+        want = t.completion_tokens
+        chosen = next((c for c in candidates if len(c) == want), candidates[0])
+        t.output, t.output_source = list(chosen), "retokenised"
+        if want is not None and len(chosen) != want:
+            t.output_skipped = (f"output not read: its text re-tokenises to {len(chosen)} ids, "
+                                f"the engine counted {want}")
+            t.output = []
 
     def _end(self, reply: Reply, ids: list[int], t: TurnIds) -> None:
         """Append the end token the engine stopped on and did not show."""

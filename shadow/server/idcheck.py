@@ -3,8 +3,9 @@
 A turn's ids come from a source (prompt: `engine`, `engine-tokenize`, `template`; output:
 `engine`, `logprobs`, `retokenised`) and are checked against what the engine shows: its own ids,
 where it returns them (equal, id for id), and the `usage` counts always. A turn is verified when
-every check that could run passed and at least one ran for the prompt and one for the output;
-mismatched when any failed; unknown otherwise. A count check is weaker than an id check (equal
+every check that could run passed and at least one ran for the prompt and one for the output
+(or the output was not read: re-tokenised text that cannot match the engine's count is left for
+the next prompt to bring); mismatched when any failed; unknown otherwise. A count check is weaker than an id check (equal
 counts do not prove equal ids); the record says which checks ran.
 """
 
@@ -29,11 +30,14 @@ class TurnIds:
     prompt_tokens: int | None = None  # usage
     completion_tokens: int | None = None
     notes: list[str] = field(default_factory=list)  # why a source was missing or fell back
+    output_skipped: str | None = None  # why the output was not read (it could not be made to match the engine)
 
 
 @dataclass(frozen=True)
 class TurnCheck:
     verified: bool | None  # True, False (a check failed), None (nothing could be checked)
+    prompt_verified: bool | None
+    output_verified: bool | None
     prompt_source: str | None
     output_source: str | None
     checks: tuple[str, ...]  # what ran and passed, e.g. "prompt ids", "prompt count", "output count"
@@ -41,7 +45,9 @@ class TurnCheck:
     first_diff: int | None = None  # first differing position in the prompt (ids compared), if any
 
     def as_dict(self) -> dict:
-        return {"verified": self.verified, "ids_source": {"prompt": self.prompt_source, "output": self.output_source},
+        return {"verified": self.verified, "prompt_verified": self.prompt_verified,
+                "output_verified": self.output_verified,
+                "ids_source": {"prompt": self.prompt_source, "output": self.output_source},
                 "checks": list(self.checks), "reasons": list(self.reasons), "first_diff": self.first_diff}
 
 
@@ -74,7 +80,9 @@ def check_turn(t: TurnIds) -> TurnCheck:
             failed.append(f"prompt: {len(t.prompt)} ids, the engine counted {t.prompt_tokens}")
     prompt_ok = [c for c in passed if c.startswith("prompt")]
     # the output
-    if t.output_source is None:
+    if t.output_skipped is not None:
+        unknown.append(t.output_skipped)
+    elif t.output_source is None:
         unknown.append("no output ids")
     else:
         if t.engine_output is not None and t.output_source != "engine":
@@ -90,13 +98,18 @@ def check_turn(t: TurnIds) -> TurnCheck:
         else:
             failed.append(f"output: {len(t.output)} ids ({t.output_source}), the engine counted {t.completion_tokens}")
     output_ok = [c for c in passed if c.startswith("output")]
+    prompt_bad = any(f.startswith("prompt") for f in failed)
+    output_bad = any(f.startswith("output") for f in failed)
+    prompt_verified = False if prompt_bad else (True if prompt_ok else None)
+    output_verified = False if output_bad else (True if output_ok else None)
     if failed:
         verified = False
-    elif prompt_ok and output_ok:
+    elif prompt_ok and (output_ok or t.output_skipped is not None):  # every id read is verified
         verified = True
     else:
         verified = None
-    return TurnCheck(verified, t.prompt_source, t.output_source, tuple(passed), tuple(failed + unknown), first_diff)
+    return TurnCheck(verified, prompt_verified, output_verified, t.prompt_source, t.output_source, tuple(passed),
+                     tuple(failed + unknown), first_diff)
 
 
 def _output_count_ok(t: TurnIds) -> bool:
@@ -109,54 +122,64 @@ def _output_count_ok(t: TurnIds) -> bool:
 
 @dataclass
 class SessionChecks:
-    """A session's record: turns verified, unverified (unknown) and mismatched, the first
-    mismatch's turn and position, and the last reasons."""
+    """A session's record against the engine. History: turns verified, unverified (nothing could
+    be checked) and mismatched, the first mismatch's turn and position. Now: `frontier`, how many
+    of the session's leading ids are verified; the session is exact while it holds no id past
+    the frontier. A prompt that replaces ids pulls the frontier back to what it kept; a verified
+    prompt moves it to the prompt's end, a verified output past the output."""
 
     verified: int = 0
     unverified: int = 0
     mismatched: int = 0
     first_mismatch_turn: int | None = None
     first_diff: int | None = None
+    frontier: int = 0
     last_reasons: tuple[str, ...] = ()
     logged: bool = False  # a mismatch was logged for this session (once)
 
-    def add(self, turn: int, check: TurnCheck, offset: int = 0) -> bool:
-        """Count a turn; True the first time this session has a mismatch (log it then)."""
+    def replaced(self, kept: int) -> None:
+        """A prompt was fed that keeps only the first `kept` ids the session held."""
+        self.frontier = min(self.frontier, kept)
+
+    def add(self, turn: int, check: TurnCheck, prompt_len: int, output_len: int, latest: bool = True) -> bool:
+        """Count a turn (whose prompt of `prompt_len` ids and `output_len` output ids the session
+        read, if it is still the session's `latest`); True the first time the session has a
+        mismatch (log it then)."""
         if check.verified is True:
             self.verified += 1
         elif check.verified is None:
             self.unverified += 1
-            self.last_reasons = check.reasons
         else:
             self.mismatched += 1
+        if check.verified is not True:
             self.last_reasons = check.reasons
+        if latest and check.prompt_verified:
+            self.frontier = prompt_len + (output_len if check.output_verified else 0)
+        if check.verified is False:
             if self.first_mismatch_turn is None:
                 self.first_mismatch_turn = turn
-                self.first_diff = None if check.first_diff is None else offset + check.first_diff
+                self.first_diff = check.first_diff
             if not self.logged:
                 self.logged = True
                 return True
         return False
 
-    @property
-    def exact(self) -> bool:
-        """Every turn read was verified against the engine."""
-        return self.unverified == 0 and self.mismatched == 0 and self.verified > 0
+    def exact(self, length: int) -> bool:
+        """Every id the session holds (`length` of them) is verified against the engine."""
+        return length > 0 and self.frontier >= length
 
-    def why_not(self) -> str | None:
-        if self.exact:
+    def why_not(self, length: int) -> str | None:
+        if self.exact(length):
             return None
+        if length == 0:
+            return "the session holds no ids"
         if self.verified + self.unverified + self.mismatched == 0:
-            return "no turn of this session was checked against the engine"
-        parts = []
-        if self.mismatched:
-            parts.append(f"{self.mismatched} turn(s) whose ids differ from the engine's"
-                         + (f" (first at id {self.first_diff})" if self.first_diff is not None else ""))
-        if self.unverified:
-            parts.append(f"{self.unverified} turn(s) that could not be checked")
-        return "; ".join(parts) + (f": {'; '.join(self.last_reasons)}" if self.last_reasons else "")
+            return "no turn of this session has been checked against the engine yet"
+        why = f"ids {self.frontier:,} to {length:,} are not verified"
+        return why + (f" ({'; '.join(self.last_reasons)})" if self.last_reasons else " (a turn in flight)")
 
-    def as_dict(self) -> dict:
-        return {"exact": self.exact, "why_not": self.why_not(), "verified": self.verified,
-                "unverified": self.unverified, "mismatched": self.mismatched,
-                "first_mismatch_turn": self.first_mismatch_turn, "first_diff": self.first_diff}
+    def as_dict(self, length: int) -> dict:
+        return {"exact": self.exact(length), "why_not": self.why_not(length), "verified_ids": min(self.frontier, length),
+                "ids": length, "turns_verified": self.verified, "turns_unverified": self.unverified,
+                "turns_mismatched": self.mismatched, "first_mismatch_turn": self.first_mismatch_turn,
+                "first_diff": self.first_diff}

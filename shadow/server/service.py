@@ -46,6 +46,8 @@ class Turn:
     session: str | None
     started: float
     requested: str | None = None
+    prompt_len: int = 0  # ids of the prompt fed
+    output_len: int = 0  # output ids fed after it
     first_token: float | None = None
     share_used: float = 0.0
     prompt_fed: bool = False
@@ -288,8 +290,11 @@ class ShadowService:
             self._latest[turn.session] = turn_id
             session = self.store.get(turn.session)
             behind = len(session.ids) - session.committed
-            self.reader.feed_prompt(session, ids)
-            turn.prompt_fed = True
+            known = len(session.ids)
+            feed = self.reader.feed_prompt(session, ids)
+            self.checks.setdefault(turn.session, SessionChecks()).replaced(
+                known if feed.first_diff is None else feed.first_diff)
+            turn.prompt_fed, turn.prompt_len, turn.output_len = True, len(ids), 0
             self._touch(turn.session)
             self._register_standing(session, ids, turn.reference, behind, turn_id)
         self._answer_if_ready(session)
@@ -352,8 +357,8 @@ class ShadowService:
             name = (turn.session or turn.requested) if turn else None
             name = name or "(no session)"
             checks = self.checks.setdefault(name, SessionChecks())
-            offset = 0
-            first = checks.add(turn_id, check, offset)
+            latest = turn is not None and turn.prompt_fed and self._latest.get(name) == turn_id
+            first = checks.add(turn_id, check, turn.prompt_len if turn else 0, turn.output_len if turn else 0, latest)
             record = {"kind": "turn", "session": name, "turn": turn_id, **check.as_dict(),
                       "prompt_ids": None if ids is None or ids.prompt is None else len(ids.prompt),
                       "output_ids": None if ids is None else len(ids.output),
@@ -367,7 +372,8 @@ class ShadowService:
         """What the session's answers say of its ids: exact (every turn verified) or why not."""
         with self.state_lock:
             checks = self.checks.get(session, SessionChecks())
-            return {"exact": checks.exact, "why_not": checks.why_not(), "id_checks": checks.as_dict()}
+            length = self._length(session)
+            return {"exact": checks.exact(length), "why_not": checks.why_not(length), "id_checks": checks.as_dict(length)}
 
     def has_prompt(self, turn_id: int) -> bool:
         with self.state_lock:
@@ -387,6 +393,7 @@ class ShadowService:
                 return
             turn = self.turns[turn_id]
             self.reader.feed_output(self.store.get(turn.session), ids)
+            turn.output_len += len(ids)
 
     def share_slice(self, turn_id: int) -> int:
         """Between two rounds, on the device thread: read whole chunks of this turn's
@@ -707,8 +714,8 @@ class ShadowService:
             return {
                 "ready": ready, "load_error": self.load_error, "engine": self.engine,
                 "grid": self.reader.grid if ready else None, "weights": self.weights, "enabled": self.enabled,
-                "sessions": [vars(r) | {"id_checks": self.checks.get(r.name, SessionChecks()).as_dict()}
-                             for r in self.store.status()] if ready else [],
+                "sessions": [vars(r) | {"id_checks": self.checks.get(r.name, SessionChecks()).as_dict(
+                                 r.committed + r.pending)} for r in self.store.status()] if ready else [],
                 "branches": {k: list(v) for k, v in self._branches.items() if v},
                 "store": self.store.totals() if ready else None,
                 "turns_in_flight": len(self.turns), "waiting": self.waiting,

@@ -1,0 +1,109 @@
+"""Shared by the serve tests: a real `shadow serve` app under uvicorn on loopback, and waits on it."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+from shadow.engine import open_reader
+from shadow.schedule import BandwidthRule
+from shadow.server.app import create_app
+from shadow.server.generator import Generator
+from shadow.server.service import ShadowService
+from shadow.store import SessionStore
+from shadow.tokenizer import load_tokenizer
+from shadow.verify import compare_states
+
+GRID = 128
+
+
+def answers(journal) -> list[dict]:
+    """The journal's answers (its turn records left out)."""
+    return [r for r in map(json.loads, journal.read_text().splitlines()) if r.get("kind") != "turn"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running(upstream: str | None = None, disk=None, journal=None, standing=None, label_from_upstream=False,
+            prefix_match=True, require_exact=False, **app_options):
+    """A real `shadow serve` app on loopback in a thread: embedded, or a proxy in front of
+    `upstream`; leaving it is a planned stop (sessions parked on `disk`)."""
+    loaded, reader = open_reader("tiny", grid=GRID)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=None, disk=disk)
+    service = ShadowService(reader, store, BandwidthRule(), journal=journal, weights=loaded.weights_label,
+                            standing=standing, label_from_upstream=label_from_upstream,
+                            prefix_match=prefix_match, require_exact=require_exact)
+    if upstream:
+        app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream,
+                         label_from_upstream=label_from_upstream, **app_options)
+    else:
+        app = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model), **app_options)
+    with serving(app) as client:
+        yield client, service
+
+
+@contextmanager
+def serving(app):
+    """`app` under uvicorn on a free loopback port in a thread; a client of it."""
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started and time.time() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as client:
+            yield client
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+def long_text(seed: int, words: int = 400) -> str:
+    import random
+
+    rng = random.Random(seed)
+    return " ".join(rng.choice(["cache", "reader", "grid", "chunk", "state", "token", "session", "row"]) for _ in range(words))
+
+
+def wait_until_read(service: ShadowService, names, timeout: float = 60.0) -> None:
+    """The idle window reads every session to its last whole chunk."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with service.state_lock:
+            done = all(service.store.get(n).pending < GRID for n in names) and not service.turns
+            done = done and not service.pending  # standing questions answered
+        if done:
+            service.device.run(lambda: None)  # and no chunk in flight
+            return
+        time.sleep(0.1)
+    raise AssertionError("the idle window did not catch up")
+
+
+def settled(service: ShadowService, timeout: float = 30.0) -> None:
+    """Wait until no turn is in flight (a proxy feeds the shadow after the response has gone)."""
+    deadline = time.time() + timeout
+    while service.turns and time.time() < deadline:
+        time.sleep(0.02)
+    assert not service.turns
+
+
+def assert_exact(service: ShadowService, name: str) -> None:
+    with service.device.hold(), service.state_lock:
+        s = service.store.get(name)
+        fresh = service.reader.prefill(s.ids[: s.committed])
+        compared, mismatched, _ = compare_states(s.state, fresh)
+    assert compared > 0 and mismatched == []
