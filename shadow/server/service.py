@@ -302,10 +302,12 @@ class ShadowService:
     def session_for(self, requested: str | None, prompt: Sequence[int]) -> str:
         """The store name a prompt is read into: the named session (or, unnamed, the resident
         session sharing the longest prefix, with prefix matching on; else a new `auto-N`), or
-        one of its side branches. A prompt that shares no whole first block of the grid with a
-        session that has ids (opencode's title request beside its conversation) is read as a
-        side branch (`NAME~K`) instead of rolling the session back; later prompts continue
-        whichever branch they share most with."""
+        one of its side branches. A prompt that shares less than half of a session's first block
+        of the grid (of its first ids, if it has fewer) is a side request (opencode's title
+        request beside its conversation: another system prompt) and is read as a side branch
+        (`NAME~K`) instead of rolling the session back; an ordinary new turn, even one that
+        differs where the last prompt's generation prompt was, shares far more. Later prompts
+        continue whichever branch they share most with."""
         with self.state_lock:
             name = requested
             if name is None and self.prefix_match:
@@ -322,7 +324,7 @@ class ShadowService:
                         best, best_shared = name, 0  # empty or new: anything continues it
                     continue
                 shared = common_prefix(head, prompt)
-                if shared >= min(grid, len(head), len(prompt)) and shared > best_shared:
+                if 2 * shared >= min(grid, len(head), len(prompt)) and shared > best_shared:
                     best, best_shared = candidate, shared
             if best is None:
                 branches = self._branches.setdefault(name, [])
