@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engines import qwen_template, transformers_serve, transformers_serve_missing
-from serving import GRID, assert_exact, running, settled, wait_until_read
+from serving import assert_exact, running, settled, wait_until_read
 from shadow.enginecheck import READ_TOOL, WEATHER_TOOL
 from shadow.server.reply import Reply
 
