@@ -37,3 +37,22 @@ def shared_file(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"shared data not found at {path}")
     return path
+
+
+@pytest.fixture(scope="session")
+def big_model(tmp_path_factory, shadow_cache) -> Path:
+    """A random-weight big-model folder (tiny shape, text layout) with the real Qwen3.5 vocabulary
+    and chat template, for the real engines."""
+    from engines import qwen_template
+    from shadow.bigmodel import write_engine_folder
+
+    return write_engine_folder(tmp_path_factory.mktemp("big") / "qwen3.5-tiny-big", qwen_template())
+
+
+@pytest.fixture(scope="session")
+def transformers_engine(big_model, tmp_path_factory):
+    """`transformers serve` over `big_model` on loopback, for the whole test session: its /v1 URL."""
+    from engines import transformers_serve
+
+    with transformers_serve(big_model, tmp_path_factory.mktemp("logs") / "transformers-serve.log") as url:
+        yield url

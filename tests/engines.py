@@ -34,7 +34,9 @@ def transformers_serve_missing() -> str | None:
 
 @contextmanager
 def transformers_serve(folder: Path, log: Path):
-    """`transformers serve FOLDER` on a free loopback port, CPU, one thread; yields its /v1 URL."""
+    """`transformers serve FOLDER` on a free loopback port, CPU, one thread; yields its /v1 URL.
+    The folder is named relative to its parent, so the served model's id is the folder's name
+    (a client asks for `model: qwen3.5-tiny-big`, not a path)."""
     missing = transformers_serve_missing()
     if missing:
         pytest.skip(missing)
@@ -42,9 +44,9 @@ def transformers_serve(folder: Path, log: Path):
     env = os.environ | {"OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", str(folder),
+            [sys.executable, "-c", "from transformers.cli.transformers import main; main()", "serve", folder.name,
              "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
-            stdout=out, stderr=subprocess.STDOUT, env=env)
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=folder.parent)
     try:
         deadline = time.time() + 180
         while time.time() < deadline:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from engines import qwen_template, transformers_serve, transformers_serve_missing
+from engines import transformers_serve_missing
 from serving import assert_exact, running, settled, wait_until_read
 from shadow.enginecheck import READ_TOOL, WEATHER_TOOL
 from shadow.server.reply import Reply
@@ -24,17 +24,9 @@ pytestmark = pytest.mark.skipif(transformers_serve_missing() is not None,
                                 reason=transformers_serve_missing() or "")
 
 
-@pytest.fixture(scope="module")
-def big_model(tmp_path_factory, shadow_cache) -> Path:
-    from shadow.bigmodel import write_engine_folder
-
-    return write_engine_folder(tmp_path_factory.mktemp("big") / "qwen3.5-tiny-big", qwen_template())
-
-
-@pytest.fixture(scope="module")
-def engine(big_model, tmp_path_factory):
-    with transformers_serve(big_model, tmp_path_factory.mktemp("logs") / "transformers-serve.log") as url:
-        yield url
+@pytest.fixture()
+def engine(transformers_engine):
+    return transformers_engine
 
 
 @pytest.fixture(scope="module")

@@ -30,44 +30,55 @@ OPENCODE = opencode_binary()
 pytestmark = pytest.mark.skipif(OPENCODE is None, reason="opencode not installed (npm install opencode-ai)")
 
 
-def test_an_opencode_session_is_read_by_the_shadow_and_asked(tmp_path, tiny):
+def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
+    """`shadow serve` (the real CLI) on a free loopback port; its base URL once it answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, "-c", "from cli.main import main; main()", "serve", "--port", str(port), "--grid", "128"],
+        [sys.executable, "-c", "from cli.main import main; main()", "serve", "--port", str(port), "--grid", "128", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            httpx.get(base + "/v1/shadow/status", timeout=1)
+            break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    return server, base
+
+
+def run_opencode(tmp_path: Path, base: str, model: str, prompts: list[list[str]]) -> None:
+    """opencode (a real client) runs `prompts` in one opencode session against `base`."""
+    project, home = tmp_path / "project", tmp_path / "home"
+    project.mkdir()
+    home.mkdir()
+    (project / "opencode.json").write_text(json.dumps({
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {"shadow": {"npm": "@ai-sdk/openai-compatible", "name": "shadow serve",
+                                "options": {"baseURL": base + "/v1"},
+                                "models": {model: {"name": model, "limit": {"context": 200000, "output": 32}}}}},
+        "model": f"shadow/{model}", "small_model": f"shadow/{model}",
+    }))
+    # opencode takes its project folder (and so opencode.json) from PWD, not from the cwd
+    env = os.environ | {"PWD": str(project), "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+                        "XDG_DATA_HOME": str(home / ".local/share"), "XDG_CACHE_HOME": str(home / ".cache")}
+    for args in prompts:
+        run = subprocess.run([OPENCODE, "run", *args], cwd=project, env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def test_an_opencode_session_is_read_by_the_shadow_and_asked(tmp_path, tiny):
+    server, base = start_serve()
     try:
-        for _ in range(300):
-            try:
-                httpx.get(base + "/v1/models", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        project, home = tmp_path / "project", tmp_path / "home"
-        project.mkdir()
-        home.mkdir()
-        (project / "opencode.json").write_text(json.dumps({
-            "$schema": "https://opencode.ai/config.json",
-            "provider": {"shadow": {"npm": "@ai-sdk/openai-compatible", "name": "shadow serve",
-                                    "options": {"baseURL": base + "/v1"},
-                                    "models": {"tiny": {"name": "tiny", "limit": {"context": 200000, "output": 64}}}}},
-            "model": "shadow/tiny", "small_model": "shadow/tiny",
-        }))
-        # opencode takes its project folder (and so opencode.json) from PWD, not from the cwd
-        env = os.environ | {"PWD": str(project), "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
-                            "XDG_DATA_HOME": str(home / ".local/share"), "XDG_CACHE_HOME": str(home / ".cache")}
-        for args in (["Write hello world in Python."], ["-c", "Now add a docstring."]):
-            run = subprocess.run([OPENCODE, "run", *args], cwd=project, env=env, capture_output=True, text=True,
-                                 timeout=240)
-            assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        run_opencode(tmp_path, base, "tiny", [["Write hello world in Python."], ["-c", "Now add a docstring."]])
         time.sleep(1.0)
         status = httpx.get(base + "/v1/shadow/status", timeout=30).json()
         assert status["counters"]["requests"] >= 2
-        sessions = [r for r in status["sessions"] if r["name"].startswith("ses")]  # opencode's x-session-id
-        assert len(sessions) == 1 and sessions[0]["committed"] > 0, status["sessions"]
+        sessions = [r for r in status["sessions"] if r["name"].startswith("ses") and "~" not in r["name"]]
+        assert len(sessions) == 1 and sessions[0]["committed"] > 0, status["sessions"]  # opencode's x-session-id
         answer = httpx.post(base + "/v1/shadow/ask", timeout=60, json={
             "session": sessions[0]["name"], "question": "Is this a coding task? A yes, B no", "choices": ["A", "B"],
         }).json()
@@ -75,3 +86,33 @@ def test_an_opencode_session_is_read_by_the_shadow_and_asked(tmp_path, tiny):
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def test_opencode_in_front_of_transformers_serve_every_turn_verified(tmp_path, tiny, big_model, transformers_engine):
+    """opencode -> shadow serve (proxy) -> transformers serve: the engine's dialect is found, every
+    turn's ids are verified against the engine, and opencode's title request (another system
+    prompt, the same session id) is read as a side branch, never rolling the session back."""
+    journal = tmp_path / "journal.jsonl"
+    server, base = start_serve("--upstream", transformers_engine, "--chat-template", str(big_model),
+                               "--journal", str(journal))
+    try:
+        run_opencode(tmp_path, base, big_model.name, [["Write hello world in Python."], ["-c", "Now add a docstring."]])
+        deadline = time.time() + 60
+        while httpx.get(base + "/v1/shadow/status", timeout=30).json()["turns_in_flight"] and time.time() < deadline:
+            time.sleep(0.2)
+        status = httpx.get(base + "/v1/shadow/status", timeout=30).json()
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert status["engine"]["dialect"] == "transformers"
+    turns = [r for r in map(json.loads, journal.read_text().splitlines()) if r.get("kind") == "turn"]
+    assert len(turns) >= 3, turns  # two conversation requests and at least one title request
+    assert all(t["verified"] is True and t["prompt_verified"] is True for t in turns), turns
+    named = [s["name"] for s in status["sessions"] if s["name"].startswith("ses") and "~" not in s["name"]]
+    assert len(named) == 1, status["sessions"]
+    branches = status["branches"].get(named[0])
+    assert branches, status["branches"]  # the title request beside the conversation (whichever came first)
+    rows = [s for s in status["sessions"] if s["name"] in [named[0], *branches]]
+    assert all(s["rollbacks"] == 0 and s["id_checks"]["exact"] is True for s in rows), rows
+    conversation = max(rows, key=lambda s: s["committed"] + s["pending"])
+    assert conversation["committed"] + conversation["pending"] > 5000, rows  # opencode's tool definitions were read

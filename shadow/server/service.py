@@ -615,6 +615,10 @@ class ShadowService:
                 return session
             return max(names, key=lambda n: self._length(n))
 
+    def _rollbacks(self, name: str) -> int | None:
+        s = self.store.peek(name) if self.store is not None else None
+        return None if s is None else s.rollbacks
+
     def _length(self, name: str) -> int:
         s = self.store.peek(name) if self.store is not None else None
         if s is not None:
@@ -716,8 +720,9 @@ class ShadowService:
             return {
                 "ready": ready, "load_error": self.load_error, "engine": self.engine,
                 "grid": self.reader.grid if ready else None, "weights": self.weights, "enabled": self.enabled,
-                "sessions": [vars(r) | {"id_checks": self.checks.get(r.name, SessionChecks()).as_dict(
-                                 r.committed + r.pending)} for r in self.store.status()] if ready else [],
+                "sessions": [vars(r) | {"rollbacks": self._rollbacks(r.name), "id_checks": self.checks.get(
+                                 r.name, SessionChecks()).as_dict(r.committed + r.pending)}
+                             for r in self.store.status()] if ready else [],
                 "branches": {k: list(v) for k, v in self._branches.items() if v},
                 "store": self.store.totals() if ready else None,
                 "turns_in_flight": len(self.turns), "waiting": self.waiting,
