@@ -125,6 +125,88 @@ def cases(max_tokens: int, long_words: int = 3000) -> list[Case]:
     return out
 
 
+def _words(seed: int, n: int) -> str:
+    import random
+
+    rng = random.Random(seed)
+    return " ".join(rng.choice(["def", "return", "self", "path", "error", "test", "assert", "value", "None", "x"])
+                    for _ in range(n))
+
+
+def _tool_call(k: int, name: str, args: dict) -> dict:
+    return {"role": "assistant", "content": "", "reasoning_content": f"I need the tool ({k}).",
+            "tool_calls": [{"id": f"call_{k}", "type": "function",
+                            "function": {"name": name, "arguments": json.dumps(args)}}]}
+
+
+def session_script() -> dict[str, list[tuple[list[dict], dict]]]:
+    """Five sessions of chat turns: (messages the client adds before the request, request fields).
+    A turn whose added messages open with an assistant message replaces the engine's last reply
+    with it (the client got a tool call); otherwise the engine's reply is added first."""
+    tools = {"tools": [WEATHER_TOOL, READ_TOOL]}
+    sessions = {
+        "plain": [([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}], {})]
+        + [([{"role": "user", "content": f"Again, {k}."}], {}) for k in range(5)],
+        "reasoning": [([{"role": "user", "content": "Think about 12 * 13."}], {"stream": True})]
+        + [([{"role": "user", "content": f"Now {k} more."}], {"stream": True}) for k in range(5)],
+        "tools": [
+            ([{"role": "user", "content": "Weather in Paris?"}], tools),
+            ([_tool_call(1, "get_weather", {"city": "Paris"}),
+              {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 11}"}], tools | {"stream": True}),
+            ([{"role": "user", "content": "And Oslo, in F?"}], tools),
+            ([_tool_call(2, "get_weather", {"city": "Oslo", "unit": "F"}),
+              {"role": "tool", "tool_call_id": "call_2", "content": "{\"temp\": 35}"}], tools | {"stream": True}),
+            ([{"role": "user", "content": "Read setup.py."}], tools),
+            ([_tool_call(3, "read_file", {"path": "setup.py"}),
+              {"role": "tool", "tool_call_id": "call_3", "content": _words(3, 120)}], tools | {"stream": True}),
+        ],
+        "parts": [([{"role": "user", "content": [{"type": "text", "text": "Part one."},
+                                                 {"type": "text", "text": f"Part {k}."}]}],
+                   {"chat_template_kwargs": {"enable_thinking": False}, "stream": bool(k % 2)}) for k in range(6)],
+        "agent": [([{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "Fix the failing test."}],
+                   tools)]
+        + [([_tool_call(10 + k, "read_file", {"path": f"src/m{k}.py"}),
+             {"role": "tool", "tool_call_id": f"call_{10 + k}", "content": _words(10 + k, 300)}],
+            tools | {"stream": bool(k % 2)}) for k in range(6)],
+    }
+    return sessions
+
+
+def play_sessions(client: httpx.Client, script: dict[str, list[tuple[list[dict], dict]]], max_tokens: int = 8,
+                  model: str | None = None) -> Iterator[tuple[str, dict, Reply, int]]:
+    """Send every session's turns through `client` (a shadow serve, or an engine) as a client
+    would: `x-session-id` the session's name, the engine's last reply added to the history before
+    the next turn (or replaced by the turn's scripted assistant message). Yields (session, body,
+    reply, HTTP status) after each request."""
+    for name, steps in script.items():
+        history: list[dict] = []
+        previous: Reply | None = None
+        for added, fields in steps:
+            if previous is not None and added[0]["role"] != "assistant":
+                history.append(previous.message())
+            history = history + added
+            body = {"messages": history, "max_tokens": max_tokens, "temperature": 0} | fields
+            if model is not None:
+                body["model"] = model
+            reply, status = Reply(), 0
+            if body.get("stream"):
+                with client.stream("POST", "/v1/chat/completions", headers={"x-session-id": name}, json=body) as r:
+                    status = r.status_code
+                    for line in r.iter_lines():
+                        if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                            try:
+                                reply.read(json.loads(line[5:]), chat=True)
+                            except json.JSONDecodeError:
+                                reply.malformed += 1
+            else:
+                r = client.post("/v1/chat/completions", headers={"x-session-id": name}, json=body)
+                status = r.status_code
+                if status == 200:
+                    reply.read(r.json(), chat=True)
+            previous = reply
+            yield name, body, reply, status
+
+
 def run_request(client: httpx.Client, upstream: str, dialect: Dialect, endpoint: str, body: dict,
                 model: str | None, headers: dict | None = None) -> tuple[CaseResult, Reply]:
     """One request to the engine as the proxy would send it, and what the dialect makes of it."""

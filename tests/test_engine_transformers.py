@@ -17,8 +17,7 @@ import torch
 
 from engines import transformers_serve_missing
 from serving import assert_exact, running, settled, wait_until_read
-from shadow.enginecheck import READ_TOOL, WEATHER_TOOL
-from shadow.server.reply import Reply
+from shadow.enginecheck import play_sessions, session_script
 
 pytestmark = pytest.mark.skipif(transformers_serve_missing() is not None,
                                 reason=transformers_serve_missing() or "")
@@ -52,72 +51,6 @@ def renderer_of(folder: Path):
     return ChatRenderer(read_template(folder), load_hf_tokenizer(folder))
 
 
-def send(client: httpx.Client, session: str, body: dict) -> Reply:
-    """One request through the proxy, as a client sends it; the engine's reply gathered."""
-    reply = Reply()
-    if body.get("stream"):
-        with client.stream("POST", "/v1/chat/completions", headers={"x-session-id": session}, json=body) as r:
-            assert r.status_code == 200, r.read()
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    event = json.loads(line[6:])
-                    assert "token_ids" not in json.dumps(event)  # nothing the proxy added reaches the client
-                    reply.read(event, chat=True)
-    else:
-        r = client.post("/v1/chat/completions", headers={"x-session-id": session}, json=body)
-        assert r.status_code == 200, r.text
-        reply.read(r.json(), chat=True)
-    assert reply.usage is not None
-    return reply
-
-
-def words(seed: int, n: int) -> str:
-    import random
-
-    rng = random.Random(seed)
-    return " ".join(rng.choice(["def", "return", "self", "path", "error", "test", "assert", "value", "None", "x"])
-                    for _ in range(n))
-
-
-def tool_call(k: int, name: str, args: dict) -> dict:
-    return {"role": "assistant", "content": "", "reasoning_content": f"I need the tool ({k}).",
-            "tool_calls": [{"id": f"call_{k}", "type": "function",
-                            "function": {"name": name, "arguments": json.dumps(args)}}]}
-
-
-def script() -> dict[str, list[tuple[list[dict], dict]]]:
-    """Five sessions of chat turns: (messages the client adds before the request, request fields).
-    A turn whose added messages open with an assistant message replaces the engine's last reply
-    with it (the client got a tool call); otherwise the engine's reply is added first."""
-    tools = {"tools": [WEATHER_TOOL, READ_TOOL]}
-    sessions = {
-        "plain": [([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}], {})]
-        + [([{"role": "user", "content": f"Again, {k}."}], {}) for k in range(5)],
-        "reasoning": [([{"role": "user", "content": "Think about 12 * 13."}], {"stream": True})]
-        + [([{"role": "user", "content": f"Now {k} more."}], {"stream": True}) for k in range(5)],
-        "tools": [
-            ([{"role": "user", "content": "Weather in Paris?"}], tools),
-            ([tool_call(1, "get_weather", {"city": "Paris"}),
-              {"role": "tool", "tool_call_id": "call_1", "content": "{\"temp\": 11}"}], tools | {"stream": True}),
-            ([{"role": "user", "content": "And Oslo, in F?"}], tools),
-            ([tool_call(2, "get_weather", {"city": "Oslo", "unit": "F"}),
-              {"role": "tool", "tool_call_id": "call_2", "content": "{\"temp\": 35}"}], tools | {"stream": True}),
-            ([{"role": "user", "content": "Read setup.py."}], tools),
-            ([tool_call(3, "read_file", {"path": "setup.py"}),
-              {"role": "tool", "tool_call_id": "call_3", "content": words(3, 120)}], tools | {"stream": True}),
-        ],
-        "parts": [([{"role": "user", "content": [{"type": "text", "text": "Part one."},
-                                                 {"type": "text", "text": f"Part {k}."}]}],
-                   {"chat_template_kwargs": {"enable_thinking": False}, "stream": bool(k % 2)}) for k in range(6)],
-        "agent": [([{"role": "system", "content": "You fix bugs."}, {"role": "user", "content": "Fix the failing test."}],
-                   tools)]
-        + [([tool_call(10 + k, "read_file", {"path": f"src/m{k}.py"}),
-             {"role": "tool", "tool_call_id": f"call_{10 + k}", "content": words(10 + k, 300)}],
-            tools | {"stream": bool(k % 2)}) for k in range(6)],
-    }
-    return sessions
-
-
 def test_thirty_one_turns_through_the_proxy_read_the_engines_prompt_ids(engine, big_model, truth, tmp_path):
     """5 sessions, 31 turns (plain, reasoning, tools and tool results, content parts, template
     kwargs; streamed and not) through `shadow serve` in front of `transformers serve`: the dialect
@@ -126,27 +59,19 @@ def test_thirty_one_turns_through_the_proxy_read_the_engines_prompt_ids(engine, 
     bit-equal to a fresh prefill of its ids, and those ids are the engine's."""
     journal = tmp_path / "journal.jsonl"
     equal, turns = 0, 0
-    histories: dict[str, list[dict]] = {}
     last_body: dict[str, dict] = {}
     with running(upstream=engine, journal=journal, renderer=renderer_of(big_model)) as (proxy, service):
-        for name, steps in script().items():
-            history: list[dict] = []
-            previous = None
-            for added, fields in steps:
-                if previous is not None and added[0]["role"] != "assistant":
-                    history.append(previous.message())
-                history += added
-                body = {"messages": history, "max_tokens": 8, "temperature": 0} | fields
-                previous = send(proxy, name, body)
-                settled(service)
-                turns += 1
-                want = truth(body)
-                assert previous.usage["prompt_tokens"] == len(want)  # the ground truth is the engine's
-                with service.state_lock:
-                    got = service.store.get(name).ids[: len(want)]
-                equal += got == want
-                last_body[name] = body
-            histories[name] = history
+        for name, body, reply, status_code in play_sessions(proxy, session_script()):
+            assert status_code == 200 and reply.usage is not None and reply.malformed == 0
+            settled(service)
+            turns += 1
+            want = truth(body)
+            assert reply.usage["prompt_tokens"] == len(want)  # the ground truth is the engine's
+            with service.state_lock:
+                got = service.store.get(name).ids[: len(want)]
+            equal += got == want
+            last_body[name] = body
+        histories = last_body
         status = proxy.get("/v1/shadow/status").json()
         assert status["engine"]["dialect"] == "transformers", status["engine"]
         wait_until_read(service, list(histories))
