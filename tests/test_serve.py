@@ -89,11 +89,21 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": [1, 248320], "max_tokens": 2}, "outside the vocabulary"),
     ("/v1/shadow/ask", {"session": "nobody", "question": "q", "choices": ["A"]}, "unknown session"),
-    ("/v1/shadow/ask", {"session": "s1", "question": "q", "choices": []}, "non-empty list"),
-    ("/v1/shadow/ask", {"session": "s1", "question": "q", "choices": [chr(65 + i) for i in range(26)] + ["AB"]}, "at most 26"),
+    ("/v1/shadow/ask", {"session": "s1", "question": "q", "choices": []}, "choices: List should have at least 1"),
+    ("/v1/shadow/ask", {"session": "s1", "question": "q", "choices": [chr(65 + i) for i in range(26)] + ["AB"]},
+     "at most 26"),
     ("/v1/shadow/ask", {"session": "s1", "question": "q", "choices": ["A long choice"]}, "not a single token"),
-    ("/v1/shadow/ask", {"session": "s1", "question_ids": [5] * 9000, "choices": ["A"]}, "1 to 8192 tokens"),
+    ("/v1/shadow/ask", {"session": "s1", "question_ids": [5] * 9000, "choices": ["A"]}, "1 to 8,192 tokens"),
     ("/v1/shadow/ask", {"session": "s1", "question_ids": [5, 999999], "choices": ["A"]}, "outside the vocabulary"),
+    ("/v1/shadow/ask", b'{"session": "s1", "question": "q", "choices": ["A"], "timeout_s": NaN}', "timeout_s"),
+    ("/v1/shadow/ask", {"session": "s1", "question": "q", "choices": ["A", "A"]}, "choices repeat"),
+    ("/v1/shadow/ask", {"session": "s1", "question": "q", "choices": ["A"], "timeout_s": True}, "timeout_s"),
+    ("/v1/shadow/summarize", {"session": "s1", "max_tokens": 513}, "at most 512"),
+    ("/v1/shadow/switch", {"on": "yes"}, "on: Input should be a valid boolean"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "parts must carry text"),
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", "nests"),
+    ("/v1/completions", {"prompt": [True, False], "max_tokens": 2}, "'prompt' must be"),
 ]
 
 
@@ -104,8 +114,16 @@ def test_bad_requests_get_4xx_json_and_change_nothing(server):
     before = client.get("/v1/shadow/status").json()
     for path, body, message in BAD:
         r = client.post(path, content=body) if isinstance(body, bytes) else client.post(path, json=body)
-        assert r.status_code == 400, (path, body, r.text)
-        assert message in r.json()["error"]["message"], (message, r.text)
+        assert r.status_code == 400, (path, str(body)[:200], r.text[:300])
+        assert message in r.json()["error"]["message"], (message, r.text[:300])
+    for header in ("a\x01b", "x" * 200, "a~b", ""):  # control characters, too long, a branch's mark, empty
+        r = client.post("/v1/chat/completions", headers={"x-session-id": header},
+                        json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+        assert r.status_code == 400 and "session id" in r.json()["error"]["message"]
+        assert not header or header not in r.text  # never echoed back
+    for path, method in (("/v1/nothing", "GET"), ("/v1/shadow/ask", "GET")):
+        r = client.request(method, path)
+        assert r.status_code in (404, 405) and set(r.json()["error"]) == {"message", "type"}
     after = client.get("/v1/shadow/status").json()
     assert after["sessions"] == before["sessions"] and after["counters"] == before["counters"]
 
@@ -421,7 +439,7 @@ def test_a_late_answer_never_lands_after_a_newer_prompt(server):
 
 
 def test_text_stream_holds_a_character_split_over_ids_until_whole(tokenizer):
-    from shadow.server.app import TextStream
+    from shadow.server.embedded import TextStream
 
     text = "héllo wörld — 日本語のテキスト 🎉🎉 done"
     ids = tokenizer.encode(text)

@@ -113,8 +113,12 @@ class Proxy:
     """The engine behind the shadow: its URL, its dialect, the HTTP clients."""
 
     def __init__(self, upstream: str, dialect: Dialect, service: ShadowService, label_from_upstream: bool = False,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, upstream_key: str | None = None, max_prompt_tokens: int | None = None):
+        """`upstream_key`: the engine's own key, sent in place of the client's `Authorization`;
+        `max_prompt_tokens`: longer prompts pass to the engine but the shadow does not read them."""
         self.upstream = upstream.rstrip("/")
+        self.upstream_key = upstream_key
+        self.max_prompt_tokens = max_prompt_tokens
         self.root = engine_root(upstream)
         self.dialect = dialect
         self.service = service
@@ -127,6 +131,13 @@ class Proxy:
         await self.client.aclose()
         self.sync_client.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def engine_headers(self, request_headers) -> dict[str, str]:
+        headers = passed_headers(request_headers)
+        if self.upstream_key is not None:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["authorization"] = f"Bearer {self.upstream_key}"
+        return headers
 
     def prompt(self, body: dict, chat: bool) -> Future:
         """The prompt ids the dialect knows before the response, computed in a thread beside the request."""
@@ -144,7 +155,7 @@ class Proxy:
         url = self.upstream + ("/chat/completions" if chat else "/completions")
         try:
             upstream = await self.client.send(
-                self.client.build_request("POST", url, json=asked.body, headers=passed_headers(request_headers)),
+                self.client.build_request("POST", url, json=asked.body, headers=self.engine_headers(request_headers)),
                 stream=True)
         except httpx.HTTPError as e:
             before.cancel()
@@ -222,10 +233,15 @@ class Proxy:
 
     def _take(self, turn: Turn, before: Future) -> None:
         """What the engine has shown so far (or the prompt known before it) becomes what the turn feeds."""
+        limit = self.max_prompt_tokens
         if turn.reply.prompt_ids is not None:
-            turn.take_prompt(turn.reply.prompt_ids)
+            ids = turn.reply.prompt_ids
         elif before.done() and not before.cancelled() and before.exception() is None:
-            turn.take_prompt(before.result().ids)
+            ids = before.result().ids
+        else:
+            ids = None
+        if ids is not None and (limit is None or len(ids) <= limit):
+            turn.take_prompt(ids)
         if turn.reply.shown_output:
             turn.held += turn.reply.output_ids[turn.fed_output + len(turn.held):]
 
@@ -243,6 +259,10 @@ class Proxy:
             except Exception as e:  # noqa: BLE001 - a prompt that could not be had: the turn says why
                 prompt = Prompt(None, None, [f"the prompt could not be had ({type(e).__name__}: {e})"])
             ids = self.dialect.turn_ids(turn.reply, prompt, body, chat)
+            if ids.prompt is not None and self.max_prompt_tokens is not None and len(ids.prompt) > self.max_prompt_tokens:
+                ids.notes.append(f"a prompt of {len(ids.prompt):,} ids, over the limit of {self.max_prompt_tokens:,}: not read")
+                ids.prompt, ids.prompt_source, ids.output, ids.output_source = None, None, [], None
+                turn.prompt_due, turn.held = None, []
             if ids.prompt is not None and ids.prompt != (turn.fed_prompt or turn.prompt_due):
                 if turn.fed_prompt is not None:
                     ids.notes.append("the prompt fed first was replaced")
