@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Annotated, Callable
 
+import click
 import typer
 from rich.console import Console
 
@@ -27,16 +28,47 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="End stdout with one JSON 
 CsvOpt = Annotated[Path | None, typer.Option("--csv", help="Also write the table as CSV to this path.")]
 
 
+EXIT_FAILED = 1  # the check failed: not bit-equal, gate failed, invalid files
+EXIT_USAGE = 2  # bad input: one line on stderr, nothing changed
+EXIT_INTERNAL = 3  # a bug or an environment failure: one line (the traceback under --debug)
+
+
+def debugging() -> bool:
+    ctx = click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx is not None else None
+    return bool(root is not None and isinstance(root.obj, dict) and root.obj.get("debug"))
+
+
 def user_errors(fn: Callable) -> Callable:
-    """Turn a ShadowInputError into one clear line on stderr and exit code 2 (no traceback)."""
+    """The CLI's contract, in one place: bad input (a ShadowInputError, or a file the user named
+    that cannot be read or written) is one clear line on stderr and exit code 2; anything else
+    unexpected is one line and exit code 3, with the traceback only under `shadow --debug`;
+    Ctrl-C exits 130."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except ShadowInputError as e:
-            errors.print(f"[bold red]error:[/] {e}")
-            raise typer.Exit(2) from None
+            errors.print(f"[bold red]error:[/] {e}", markup=True)
+            raise typer.Exit(EXIT_USAGE) from None
+        except (typer.Exit, click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
+            raise
+        except KeyboardInterrupt:
+            errors.print("interrupted")
+            raise typer.Exit(130) from None
+        except OSError as e:
+            if debugging():
+                raise
+            where = f" {e.filename}" if getattr(e, "filename", None) else ""
+            errors.print(f"[bold red]error:[/] cannot use{where}: {e.strerror or e}")
+            raise typer.Exit(EXIT_USAGE) from None
+        except Exception as e:  # noqa: BLE001 - the contract: no traceback unless asked for
+            if debugging():
+                raise
+            errors.print(f"[bold red]internal error:[/] {type(e).__name__}: {e}", markup=True)
+            errors.print("run `shadow --debug ...` for the traceback")
+            raise typer.Exit(EXIT_INTERNAL) from None
 
     return wrapper
 

@@ -21,8 +21,13 @@ app.command("router-eval", short_help="Re-ask journaled classification questions
 
 
 @app.callback()
-def shadow() -> None:
-    """Shadow reader toolkit: a small Qwen3.5 model that keeps an exact state of every session."""
+def shadow(ctx: typer.Context,
+           debug: bool = typer.Option(False, "--debug", envvar="SHADOW_DEBUG",
+                                      help="Show the traceback of an internal error (exit code 3).")) -> None:
+    """Shadow reader toolkit: a small Qwen3.5 model that keeps an exact state of every session.
+    Exit codes: 0 done, 1 the check failed (not bit-equal, gate failed, invalid files), 2 bad
+    input (nothing changed), 3 an internal error (its traceback with --debug), 130 interrupted."""
+    ctx.obj = {"debug": debug}
 
 
 def main() -> None:

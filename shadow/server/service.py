@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -128,8 +129,8 @@ class ShadowService:
         standing: StandingQuestion | None = None,
         load: Callable[[], tuple[Reader, SessionStore, str]] | None = None, config: ModelConfig | None = None,
         unload_slack_bytes: int | None = None, pool_free: Callable[[], int] | None = None,
-        label_from_upstream: bool = False, prefix_match: bool = True, require_exact: bool = False,
-        max_branches: int = 8,
+        label_from_upstream: bool = False, prefix_match: bool = False, require_exact: bool = False,
+        max_branches: int = 8, max_ask_tail: int | None = None,
     ):
         if (reader is None or store is None) and (load is None or config is None):
             raise ValueError("give a reader and a store, or a function that loads them and the model's config")
@@ -166,6 +167,7 @@ class ShadowService:
         self.prefix_match = prefix_match  # a request with no session name continues the longest matching session
         self.require_exact = require_exact  # asks on sessions not verified against the engine answer 409
         self.max_branches = max_branches
+        self.max_ask_tail = max_ask_tail  # unread ids an ask or summary may prefill in one fork
         self.checks: dict[str, SessionChecks] = {}  # store name -> its turns' checks against the engine
         self._heads: dict[str, list[int]] = {}  # store name -> its first grid of ids (to tell side requests)
         self._branches: dict[str, list[str]] = {}  # session name -> its side branches' store names
@@ -230,13 +232,18 @@ class ShadowService:
         if self._idle.is_alive():
             self._idle.join(timeout=30)
 
-        def close() -> None:
+        def close() -> int:
             with self.state_lock:
-                if self.store is not None:
-                    self.store.close()
+                if self.store is None:
+                    return 0
+                n = len(self.store._resident) if self.store.disk is not None else 0
+                self.store.close()
+                return n
 
-        self.device.run(close, "stop")
+        written = self.device.run(close, "stop")
         self.device.close()
+        if self.store is not None and self.store.disk is not None:
+            log.info("stopped: %d resident session(s) written to %s", written, self.store.disk)
 
     # turns ------------------------------------------------------------------------------
 
@@ -578,8 +585,10 @@ class ShadowService:
         self._journal(answer)
 
     def _journal(self, record: dict) -> None:
+        """Append a record; the journal is the service's own (mode 0600: it holds what was asked)."""
         if self.journal:
-            with open(self.journal, "a") as f:
+            fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            with os.fdopen(fd, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
     def _read(self, session: Session, chunks: int) -> int:
@@ -626,6 +635,13 @@ class ShadowService:
         row = next((r for r in self.store.status() if r.name == name), None) if self.store is not None else None
         return row.committed + row.pending if row is not None else 0
 
+    def _check_tail(self, s: Session) -> None:
+        """An ask forwards the unread tail in one fork: refuse one longer than the limit (memory)."""
+        tail = len(s.ids) - s.committed
+        if self.max_ask_tail is not None and tail > self.max_ask_tail:
+            raise ShadowUnavailable(f"session {s.name!r} is {tail:,} ids behind (more than {self.max_ask_tail:,} "
+                                    "to read in one fork); ask again with a longer timeout_s")
+
     def _exact_or_refuse(self, session: str) -> dict:
         exact = self.exactness(session)
         if self.require_exact and not exact["exact"]:
@@ -667,6 +683,7 @@ class ShadowService:
         def on_device():
             self._ensure_loaded()  # an idle burst may have unloaded it since the wait
             s, behind, read = self._read_to_end(session, timeout_s, started)
+            self._check_tail(s)
             probs = self.reader.ask(s, question, choice_ids).tolist()
             with self.state_lock:
                 self.store.settle(keep=session)
@@ -704,6 +721,7 @@ class ShadowService:
         def on_device():
             self._ensure_loaded()
             s, behind, _ = self._read_to_end(session, timeout_s, started)
+            self._check_tail(s)
             decode_start = self.clock()
             out = self.reader.decode(s, prompt, max_tokens, stop=[self.reader.model.config.eos_token_id])
             return out, behind, self.clock() - decode_start
