@@ -12,6 +12,7 @@ import typer
 
 from cli.common import console, parse_dtype, user_errors
 from shadow.errors import ShadowInputError
+from shadow.server.channels import CHANNELS
 from shadow.server.dialects import DIALECTS, ENGINES
 
 log = logging.getLogger("shadow.serve")
@@ -76,6 +77,8 @@ def serve(
     max_tokens: Annotated[int, typer.Option(envvar=_env("max_tokens"), min=1, help="Most tokens the embedded engine generates for one request.")] = 4096,
     max_ask_tail: Annotated[int, typer.Option(envvar=_env("max_ask_tail"), min=1, help="Most unread ids an ask or summary may prefill in one fork; a session further behind answers 503 (ask again with a longer timeout_s).")] = 16384,
     max_concurrent: Annotated[int, typer.Option(envvar=_env("max_concurrent"), min=1, help="Completion, ask and summary requests in flight (429 beyond).")] = 64,
+    status_channel: Annotated[str, typer.Option(envvar=_env("status_channel"), help="Where status lines (waiting, reading N tokens, thinking, writing a file) go in streamed chat: auto (Open WebUI: status events, then reasoning; opencode: inline; other clients: none), reasoning, content, inline, off.")] = "auto",
+    engine_slots: Annotated[int, typer.Option(envvar=_env("engine_slots"), min=1, help="Requests the engine prefills at once (llama.cpp's -np; high for vLLM and SGLang): a request waits behind that many.")] = 1,
 ) -> None:
     """Serve OpenAI-compatible /v1/chat/completions, /v1/completions and /v1/models from an
     embedded Qwen3.5 generator (the project's own forward), with a shadow reading every session
@@ -98,6 +101,8 @@ def serve(
         raise ShadowInputError("--unload-slack-gib needs proxy mode (--upstream) and a --disk to park sessions on")
     if engine != "auto" and engine not in ENGINES:
         raise ShadowInputError(f"--engine must be auto or one of {', '.join(ENGINES)}")
+    if status_channel not in CHANNELS:
+        raise ShadowInputError(f"--status-channel must be one of {', '.join(CHANNELS)}")
     if upstream is not None and not upstream.startswith(("http://", "https://")):
         raise ShadowInputError(f"--upstream {upstream!r} is not an http(s) URL")
     if host not in LOOPBACK and not api_key:
@@ -123,7 +128,8 @@ def serve(
                              prefix_match=prefix_match, label_from_upstream=label_from_upstream,
                              unload_slack_gib=unload_slack_gib, engine=engine, chat_template=chat_template,
                              tokenizer_path=tokenizer_path, template_kwargs=kwargs, require_exact=require_exact,
-                             access=access, limits=limits, upstream_key=upstream_api_key)
+                             access=access, limits=limits, upstream_key=upstream_api_key,
+                             lines={"status_channel": status_channel, "engine_slots": engine_slots})
     except BaseException:
         listener.close()
         raise
@@ -166,7 +172,7 @@ def _run(app, listener, host: str, port: int) -> None:
 
 def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, disk, share, journal, upstream,
            standing_question, headers, prefix_match, label_from_upstream, unload_slack_gib, engine, chat_template,
-           tokenizer_path, template_kwargs, require_exact, access, limits, upstream_key):
+           tokenizer_path, template_kwargs, require_exact, access, limits, upstream_key, lines):
     """The app for these settings, and whether its weights are random."""
     from shadow.engine import open_reader
     from shadow.model import load_model
@@ -182,7 +188,8 @@ def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, dis
 
     rule = BandwidthRule(share=share)
     options = {"prefix_match": prefix_match, "require_exact": require_exact, "max_ask_tail": limits.max_ask_tail}
-    common = {"session_headers": headers, "template_kwargs": template_kwargs, "access": access, "limits": limits}
+    common = {"session_headers": headers, "template_kwargs": template_kwargs, "access": access, "limits": limits,
+              **lines}
     check_grid(grid)
     folder = resolve_checkpoint(model)
     config = read_config(folder)

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shadow.chat_template import ChatRenderer
 from shadow.errors import ShadowInputError, ShadowNotExact, ShadowUnavailable
+from shadow.server.channels import Channel, choose
 from shadow.server.dialects import Dialect, EngineChoice
 from shadow.server.embedded import EmbeddedEngine
 from shadow.server.generator import Generator
@@ -25,6 +26,7 @@ from shadow.server.guard import Access, Guard, Limits, json_depth, valid_session
 from shadow.server.proxy import Proxy, response_headers
 from shadow.server.service import ShadowService
 from shadow.server.shadow_api import shadow_routes
+from shadow.server.status import strip_request
 from shadow.tokenizer import Tokenizer
 
 SESSION_HEADERS = ("x-session-id", "x-openwebui-chat-id")
@@ -50,7 +52,7 @@ def create_app(
     upstream: str | None = None, dialect: Dialect | str | None = None, renderer: ChatRenderer | None = None,
     session_headers: tuple[str, ...] = SESSION_HEADERS, label_from_upstream: bool = False,
     template_kwargs: dict | None = None, access: Access = Access(), limits: Limits = Limits(),
-    upstream_key: str | None = None,
+    upstream_key: str | None = None, status_channel: str = "auto", engine_slots: int = 1,
 ) -> FastAPI:
     """Embedded mode with a `generator`; proxy mode with an `upstream` base URL (…/v1), whose
     engine speaks `dialect` (a name, a Dialect, or None: probed at start). `renderer` is the big
@@ -58,7 +60,9 @@ def create_app(
     generator's template, else the in-code one of `shadow.chat`). A request's session: the first
     of `session_headers` it carries (validated: `guard.valid_session_id`), else the service's
     choice (`ShadowService.session_for`). `upstream_key`, when given, is the engine's key, sent in
-    place of the client's `Authorization`."""
+    place of the client's `Authorization`. `status_channel`: where status lines go in streamed
+    chat responses (`channels.choose`); framed lines a client sends back are taken out of every
+    request first (`status.strip_request`). `engine_slots`: requests the engine prefills at once."""
     session_headers = tuple(h.lower() for h in session_headers)
     if (generator is None) == (upstream is None):
         raise ValueError("give a generator (embedded mode) or an upstream (proxy mode)")
@@ -73,7 +77,7 @@ def create_app(
         if "p" not in proxy_of:
             proxy_of["p"] = Proxy(upstream, engine.dialect or Dialect(renderer, eos_id=eos_id), service,
                                   label_from_upstream, upstream_key=upstream_key,
-                                  max_prompt_tokens=limits.max_prompt_tokens)
+                                  max_prompt_tokens=limits.max_prompt_tokens, engine_slots=engine_slots)
         return proxy_of["p"]
 
     @asynccontextmanager
@@ -160,15 +164,16 @@ def create_app(
 
     async def complete(request: Request, chat: bool):
         named = named_session(request)
-        body = await body_of(request)
+        body, _ = strip_request(await body_of(request))  # lines a client echoes back never reach a reader
         turn_id = next(turn_ids)
+        channel = choose(status_channel, request.headers) if chat and body.get("stream") else Channel("off")
         if embedded is not None:
             prompt = embedded.prompt_of(body, chat)
             session = service.session_for(named, prompt)
-            return await embedded.complete(body, prompt, chat, session, turn_id, reference_of(request))
-        return await forward(request, body, chat, named, turn_id)
+            return await embedded.complete(body, prompt, chat, session, turn_id, reference_of(request), channel)
+        return await forward(request, body, chat, named, turn_id, channel)
 
-    async def forward(request: Request, body: dict, chat: bool, named: str | None, turn_id: int):
+    async def forward(request: Request, body: dict, chat: bool, named: str | None, turn_id: int, channel: Channel):
         """Proxy mode: the turn is registered, its prompt ids sought beside the request, and the
         request forwarded. A request that names no session waits for its prompt ids (to find
         its session by prefix); one that names it does not."""
@@ -188,7 +193,8 @@ def create_app(
             if ids:
                 session = service.session_for(None, ids)
         service.begin_turn(turn_id, session, reference=reference_of(request), requested=named)
-        return await p.forward(request.headers, body, chat, turn_id, named or session, before)
+        cached = lambda ids: service.cached_prefix(named or session, ids)  # noqa: E731
+        return await p.forward(request.headers, body, chat, turn_id, named or session, before, channel, cached)
 
     app.include_router(shadow_routes(service, tokenizer, [eos_id], limits))
     return app

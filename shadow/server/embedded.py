@@ -18,11 +18,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from shadow.chat import Message, render_prompt
 from shadow.chat_template import ChatRenderer
 from shadow.errors import ShadowInputError
+from shadow.server.channels import Channel, LineWriter
 from shadow.server.dialects import as_carried
 from shadow.server.generator import Generator
 from shadow.server.guard import Limits
 from shadow.server.idcheck import TurnIds, check_turn
 from shadow.server.service import ShadowService
+from shadow.server.status import EngineLoad, TurnStatus
 from shadow.tokenizer import Tokenizer
 
 
@@ -33,6 +35,7 @@ class EmbeddedEngine:
         self.model_name, self.limits = model_name, limits
         self.renderer, self.template_kwargs = renderer, dict(template_kwargs or {})
         self.eos = [generator.model.config.eos_token_id]
+        self.load = EngineLoad(1)  # one request at a time: the waiting line's queue and the reading rate
 
     def prompt_of(self, body: dict, chat: bool) -> list[int]:
         """The prompt ids: the template (given, else the in-code one of `shadow.chat`) over the
@@ -58,7 +61,7 @@ class EmbeddedEngine:
         return self.service.reader.check_ids(ids)
 
     async def complete(self, body: dict, prompt: list[int], chat: bool, session: str, turn_id: int,
-                       reference: str | None) -> Response:
+                       reference: str | None, channel: Channel = Channel("off")) -> Response:
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 64))
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.limits.max_tokens:
             raise ShadowInputError(f"'max_tokens' must be an integer from 1 to {self.limits.max_tokens}")
@@ -66,21 +69,30 @@ class EmbeddedEngine:
         want_ids = bool(body.get("return_token_ids"))  # as vLLM: ids only when asked for
         rid, created = f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
         events: queue.Queue = queue.Queue()
+        self.load.start(turn_id, time.monotonic(), len(prompt))  # no prefix cache: it reads the whole prompt
+        lines = None
+        if chat and body.get("stream") and channel.on:
+            writer = LineWriter(channel, TurnStatus(time.monotonic(), new_tokens=len(prompt)), self.load, turn_id)
+            writer.like = {"id": rid, "created": created, "model": self.model_name}
+            lines = TokenLines(writer, prompt, self.tokenizer)
         threading.Thread(target=self._serve_turn, args=(turn_id, session, prompt, max_tokens, stop_ids, events,
                                                          reference), name="shadow-turn", daemon=True).start()
         reply = Reply(self, rid, created, chat, want_ids, prompt)
         if body.get("stream"):
-            return StreamingResponse(reply.sse(events), media_type="text/event-stream",
-                                     headers={"x-shadow-session": session})
+            return StreamingResponse(reply.sse(events, lines, lambda: self.load.end(turn_id)),
+                                     media_type="text/event-stream", headers={"x-shadow-session": session})
         out, finish = [], None
-        while finish is None:
-            kind, value = await asyncio.to_thread(events.get)
-            if kind == "token":
-                out.append(value)
-            elif kind == "done":
-                finish = value
-            else:
-                return JSONResponse({"error": {"message": value, "type": "server_error"}}, status_code=500)
+        try:
+            while finish is None:
+                kind, value = await asyncio.to_thread(events.get)
+                if kind == "token":
+                    out.append(value)
+                elif kind == "done":
+                    finish = value
+                else:
+                    return JSONResponse({"error": {"message": value, "type": "server_error"}}, status_code=500)
+        finally:
+            self.load.end(turn_id)
         return JSONResponse(reply.whole(out, finish), headers={"x-shadow-session": session})
 
     def _serve_turn(self, turn_id, session, prompt, max_tokens, stop_ids, events, reference) -> None:
@@ -108,6 +120,40 @@ class EmbeddedEngine:
         finally:
             if turn_id in service.turns:
                 service.end_turn(turn_id)
+
+
+THINK, END_THINK, TOOL, END_TOOL = 248068, 248069, 248058, 248059  # <think> </think> <tool_call> </tool_call>
+
+
+class TokenLines:
+    """The embedded engine's tokens classified for the status lines: reasoning between <think>
+    and </think> (from the start, when the prompt opens a think block), a tool call between
+    <tool_call> and </tool_call> (its text kept, to read its action and target), else content."""
+
+    def __init__(self, writer: LineWriter, prompt: list[int], tokenizer: Tokenizer):
+        self.writer, self.tokenizer = writer, tokenizer
+        tail = prompt[-2:]
+        self.thinking = THINK in tail and END_THINK not in tail
+        self.tool_ids: list[int] | None = None
+
+    def before(self, kind: str, value, now: float) -> list[bytes]:
+        if kind != "token":
+            return self.writer.on_delta(now, "end")
+        if value == THINK:
+            self.thinking = True
+        elif value == END_THINK:
+            self.thinking = False
+        elif value == TOOL:
+            self.tool_ids = []
+        elif value == END_TOOL:
+            self.tool_ids = None
+        elif self.tool_ids is not None:
+            self.tool_ids.append(value)
+        if self.tool_ids is not None:
+            text = self.tokenizer.decode(self.tool_ids)
+            name = text.split("<function=", 1)[1].split(">", 1)[0] if "<function=" in text else ""
+            return self.writer.on_delta(now, "tool", (name, text))
+        return self.writer.on_delta(now, "reasoning" if self.thinking else "content")
 
 
 class Reply:
@@ -142,23 +188,32 @@ class Reply:
             return f"data: {json.dumps(self.chunk(None, self.text.rest(), value, first))}\n\ndata: [DONE]\n\n", True
         return f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\ndata: [DONE]\n\n", True
 
-    async def sse(self, events: queue.Queue):
+    async def sse(self, events: queue.Queue, lines: TokenLines | None = None, ended=lambda: None):
         out: list[int] = []
-        while True:
-            batch = [await asyncio.to_thread(events.get)]
-            while True:  # whatever else is queued goes in the same write
+        try:
+            while True:
                 try:
-                    batch.append(events.get_nowait())
-                except queue.Empty:
-                    break
-            text = []
-            for kind, value in batch:
-                line, last = self.event(kind, value, out, first=not out)
-                text.append(line)
-                if last:
-                    yield "".join(text)
-                    return
-            yield "".join(text)
+                    batch = [await asyncio.to_thread(events.get, True, 1.0 if lines else None)]
+                except queue.Empty:  # the engine is silent: lines that are due
+                    yield b"".join(lines.writer.due(time.monotonic()))
+                    continue
+                while True:  # whatever else is queued goes in the same write
+                    try:
+                        batch.append(events.get_nowait())
+                    except queue.Empty:
+                        break
+                text = []
+                for kind, value in batch:
+                    if lines is not None:
+                        text.append(b"".join(lines.before(kind, value, time.monotonic())).decode())
+                    line, last = self.event(kind, value, out, first=not out)
+                    text.append(line)
+                    if last:
+                        yield "".join(text)
+                        return
+                yield "".join(text)
+        finally:
+            ended()
 
     def whole(self, out: list[int], finish: str) -> dict:
         text = self.engine.tokenizer.decode([t for t in out if t not in self.engine.eos])

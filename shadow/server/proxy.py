@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -25,7 +26,9 @@ from shadow.errors import ShadowInputError
 from shadow.server.dialects import Dialect, Prompt, engine_root
 from shadow.server.idcheck import check_turn
 from shadow.server.reply import Reply
+from shadow.server.channels import Channel, LineWriter
 from shadow.server.service import ShadowService
+from shadow.server.status import EngineLoad, TurnStatus
 
 log = logging.getLogger("shadow.proxy")
 
@@ -109,11 +112,56 @@ def _on_device(service: ShadowService, turn_id: int, prompt, output, first: bool
     return service.device.run_if_idle(feed, "turn")[0]
 
 
+class Lines(LineWriter):
+    """A proxied turn's lines: the engine's events classified, and what the shadow knows of the
+    prompt (the new ids the engine must read) taken in when it is known."""
+
+    def __init__(self, channel: Channel, status: TurnStatus, load: EngineLoad, turn_id: int, before: Future,
+                 cached: Callable[[list[int]], int] | None):
+        super().__init__(channel, status, load, turn_id)
+        self.before, self.cached = before, cached
+        self._known = False
+
+    def refresh(self, now: float) -> None:
+        if not self._known and self.before.done() and not self.before.cancelled() and self.before.exception() is None:
+            ids = self.before.result().ids
+            if ids is not None:
+                new = len(ids) - (self.cached(ids) if self.cached else 0)
+                self.status.new_tokens = new
+                self.load.set_new(self.turn_id, new)
+            self._known = True
+        super().refresh(now)
+
+    def before_event(self, event: dict, reply, now: float) -> list[bytes]:
+        """Lines due with this engine event, to go out before it."""
+        choices = event.get("choices") if isinstance(event.get("choices"), list) else []
+        choice = choices[0] if choices and isinstance(choices[0], dict) else {}
+        if self.like is None and "id" in event:
+            self.like = event
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        kind = None
+        if delta.get("reasoning_content") or delta.get("reasoning"):
+            kind = "reasoning"
+        elif delta.get("tool_calls"):
+            kind = "tool"
+        elif delta.get("content"):
+            kind = "content"
+        tool = None
+        if kind == "tool" and reply.tool_calls:
+            last = reply.tool_calls[max(reply.tool_calls)]
+            tool = (last.name, last.arguments)
+        out = self.on_delta(now, kind, tool) if kind else []
+        if choice.get("finish_reason") is not None:
+            out += self.on_delta(now, "end")
+        return out
+
+
 class Proxy:
     """The engine behind the shadow: its URL, its dialect, the HTTP clients."""
 
     def __init__(self, upstream: str, dialect: Dialect, service: ShadowService, label_from_upstream: bool = False,
-                 timeout_s: float = 600.0, upstream_key: str | None = None, max_prompt_tokens: int | None = None):
+                 timeout_s: float = 600.0, upstream_key: str | None = None, max_prompt_tokens: int | None = None,
+                 engine_slots: int = 1):
         """`upstream_key`: the engine's own key, sent in place of the client's `Authorization`;
         `max_prompt_tokens`: longer prompts pass to the engine but the shadow does not read them."""
         self.upstream = upstream.rstrip("/")
@@ -126,6 +174,7 @@ class Proxy:
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
         self.sync_client = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0))  # /tokenize and the like
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shadow-prompt")
+        self.load = EngineLoad(engine_slots)  # requests in flight to the engine, its prefill rate
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -144,22 +193,37 @@ class Proxy:
         return self.pool.submit(self.dialect.prompt, self.sync_client, self.root, body, chat)
 
     async def forward(self, request_headers, body: dict, chat: bool, turn_id: int, session: str | None,
-                      before: Future) -> Response:
-        """Forward one completion request; the turn is registered already and is ended here."""
+                      before: Future, channel: Channel = Channel("off"), cached: Callable[[list[int]], int] | None = None
+                      ) -> Response:
+        """Forward one completion request; the turn is registered already and is ended here.
+        With a `channel` on (a streamed chat), status lines go to the client while the engine
+        works; a request the engine keeps waiting has its stream opened at its first line.
+        `cached(prompt ids)`: how many of them the engine holds already (the shadow knows)."""
         service = self.service
         label = None
         if chat and self.label_from_upstream and service.standing is not None:
             label = label_asker(self.upstream, request_headers, body, service.standing)
         asked = self.dialect.ask(body, chat)
         turn = Turn(service, turn_id)
+        lines = None
+        if chat and body.get("stream") and channel.on:
+            lines = Lines(channel, TurnStatus(time.monotonic()), self.load, turn_id, before, cached)
+        self.load.start(turn_id, time.monotonic())
         url = self.upstream + ("/chat/completions" if chat else "/completions")
+        request = self.client.build_request("POST", url, json=asked.body, headers=self.engine_headers(request_headers))
+        sending = asyncio.ensure_future(self.client.send(request, stream=True))
+        if lines is not None:
+            done, _ = await asyncio.wait({sending}, timeout=lines.status.quiet_s)
+            if not done:  # the engine keeps the request waiting: its stream opens at the first line
+                headers = {"x-shadow-session": session} if session else {}
+                return StreamingResponse(self._relay_when_answered(sending, turn, asked.added, body, chat, before,
+                                                                   label, lines),
+                                         status_code=200, media_type="text/event-stream", headers=headers)
         try:
-            upstream = await self.client.send(
-                self.client.build_request("POST", url, json=asked.body, headers=self.engine_headers(request_headers)),
-                stream=True)
+            upstream = await sending
         except httpx.HTTPError as e:
             before.cancel()
-            await asyncio.to_thread(service.end_turn, turn_id)
+            await self._end(turn_id)
             return error_response(502, f"upstream unreachable: {type(e).__name__}: {e}", "upstream_error")
         headers = response_headers(upstream, session)
         if upstream.status_code != 200 or not body.get("stream"):
@@ -172,7 +236,7 @@ class Proxy:
                 await upstream.aclose()
             if content is None or upstream.status_code != 200:
                 before.cancel()
-                await asyncio.to_thread(service.end_turn, turn_id)
+                await self._end(turn_id)
                 if content is None:
                     return error_response(502, broke, "upstream_error")
                 return Response(content, status_code=upstream.status_code, headers=headers)
@@ -184,41 +248,102 @@ class Proxy:
                     content = json.dumps(cleaned, ensure_ascii=False).encode()
             else:
                 turn.reply.malformed += 1
-            self._finish_later(turn, before, body, chat, label)
+            self._finish_later(turn, before, body, chat, label, None)
             return Response(content, status_code=200, headers=headers)
-        return StreamingResponse(self._relay(upstream, turn, asked.added, body, chat, before, label),
+        return StreamingResponse(self._relay(upstream, turn, asked.added, body, chat, before, label, lines),
                                  status_code=200, headers=headers)
 
-    async def _relay(self, upstream: httpx.Response, turn: Turn, added, body: dict, chat: bool, before: Future,
-                     label):
-        """The engine's stream, event by event, as it sent it (less what the proxy added); the
-        shadow is fed between events without the stream ever waiting for the device."""
-        buffer = b""
+    async def _end(self, turn_id: int) -> None:
+        self.load.end(turn_id)
+        await asyncio.to_thread(self.service.end_turn, turn_id)
+
+    async def _relay_when_answered(self, sending: asyncio.Future, turn: Turn, added, body: dict, chat: bool,
+                                   before: Future, label, lines: "Lines"):
+        """The client's stream, opened before the engine answered: lines while it waits, then
+        the engine's stream; an engine that refuses or fails ends it with an error object."""
+        while not sending.done():
+            for data in lines.due(time.monotonic()):
+                yield data
+            await asyncio.wait({sending}, timeout=1.0)
+        failure = None
         try:
-            async for piece in upstream.aiter_bytes():
+            upstream = sending.result()
+        except httpx.HTTPError as e:
+            failure = f"upstream unreachable: {type(e).__name__}: {e}"
+        else:
+            if upstream.status_code != 200:
+                try:
+                    content = (await upstream.aread()).decode("utf-8", "replace")
+                except httpx.HTTPError:
+                    content = ""
+                await upstream.aclose()
+                failure = f"the engine answered {upstream.status_code}: {content[:500]}"
+        if failure is not None:
+            before.cancel()
+            await self._end(turn.turn_id)
+            message = {"error": {"message": failure, "type": "upstream_error"}}
+            yield b"data: " + json.dumps(message).encode() + b"\n\ndata: [DONE]\n\n"
+            return
+        async for data in self._relay(upstream, turn, added, body, chat, before, label, lines):
+            yield data
+
+    async def _relay(self, upstream: httpx.Response, turn: Turn, added, body: dict, chat: bool, before: Future,
+                     label, lines: "Lines | None"):
+        """The engine's stream, event by event, as it sent it (less what the proxy added), with
+        status lines between events; the shadow is fed between events without the stream ever
+        waiting for the device."""
+        pieces: asyncio.Queue = asyncio.Queue()
+
+        async def pump():
+            try:
+                async for piece in upstream.aiter_bytes():
+                    await pieces.put(piece)
+            except httpx.HTTPError as e:
+                await pieces.put(e)
+            finally:
+                await pieces.put(None)
+
+        pumping = asyncio.ensure_future(pump())
+        buffer, boundary = b"", True
+        try:
+            while True:
+                try:
+                    piece = await asyncio.wait_for(pieces.get(), timeout=1.0 if lines is not None else None)
+                except asyncio.TimeoutError:
+                    piece = b""
+                if piece is None:
+                    break
+                if isinstance(piece, httpx.HTTPError):  # the engine broke off mid-stream: the client is told
+                    message = {"error": {"message": f"the engine's stream broke off: {type(piece).__name__}: {piece}",
+                                         "type": "upstream_error"}}
+                    yield b"data: " + json.dumps(message).encode() + b"\n\n"
+                    break
                 buffer += piece
-                *lines, buffer = buffer.split(b"\n")
+                *complete, buffer = buffer.split(b"\n")
                 out = []
-                for line in lines:
-                    out.append(self._line(line, turn, added, body, chat))
-                yield b"".join(out)
-                if turn.reply.events and turn.fed_prompt is None and turn.prompt_due is None and not turn.first_due:
-                    turn.first_due = True
+                for line in complete:
+                    event = _event(line)
+                    if lines is not None and event is not None and boundary:
+                        out += lines.before_event(event, turn.reply, time.monotonic())
+                    out.append(self._line(line, event, turn, added, body, chat))
+                    boundary = line.strip() == b""
+                    if event is not None and turn.reply.events == 1:
+                        turn.first_due = True
+                if lines is not None and boundary:
+                    out += lines.due(time.monotonic())
+                if out:
+                    yield b"".join(out)
                 self._take(turn, before)
                 await asyncio.to_thread(turn.feed, False, True)
             if buffer:
-                yield self._line(buffer, turn, added, body, chat).rstrip(b"\n")
-        except httpx.HTTPError as e:  # the engine broke off mid-stream: the client is told in-band
-            message = {"error": {"message": f"the engine's stream broke off: {type(e).__name__}: {e}",
-                                 "type": "upstream_error"}}
-            yield b"data: " + json.dumps(message).encode() + b"\n\n"
+                yield self._line(buffer, _event(buffer), turn, added, body, chat).rstrip(b"\n")
         finally:
+            pumping.cancel()
             await upstream.aclose()
-            self._finish_later(turn, before, body, chat, label)
+            self._finish_later(turn, before, body, chat, label, lines)
 
-    def _line(self, line: bytes, turn: Turn, added, body: dict, chat: bool) -> bytes:
+    def _line(self, line: bytes, event: dict | None, turn: Turn, added, body: dict, chat: bool) -> bytes:
         """One SSE line as the client gets it; the shadow reads its event on the way."""
-        event = _event(line)
         if event is None:
             return line + b"\n"
         turn.reply.read(event, chat)
@@ -245,11 +370,12 @@ class Proxy:
         if turn.reply.shown_output:
             turn.held += turn.reply.output_ids[turn.fed_output + len(turn.held):]
 
-    def _finish_later(self, turn: Turn, before: Future, body: dict, chat: bool, label) -> None:
-        threading.Thread(target=self._finish, args=(turn, before, body, chat, label), name="shadow-turn-end",
+    def _finish_later(self, turn: Turn, before: Future, body: dict, chat: bool, label, lines) -> None:
+        self.load.end(turn.turn_id)
+        threading.Thread(target=self._finish, args=(turn, before, body, chat, label, lines), name="shadow-turn-end",
                          daemon=True).start()
 
-    def _finish(self, turn: Turn, before: Future, body: dict, chat: bool, label) -> None:
+    def _finish(self, turn: Turn, before: Future, body: dict, chat: bool, label, lines=None) -> None:
         """After the response: settle the turn's ids, feed what waited, check the turn against the
         engine, ask the upstream for a standing question's label, end the turn. Always ends it."""
         service = self.service
@@ -272,7 +398,9 @@ class Proxy:
             elif ids.output:
                 turn.held = list(ids.output)
             turn.feed(wait=True, share=False)
-            service.record_turn(turn.turn_id, check_turn(ids), ids)
+            said = [] if lines is None else [{"kind": x.kind, "text": x.text, "t": round(x.at - lines.status.started, 3)}
+                                             for x in lines.status.lines]
+            service.record_turn(turn.turn_id, check_turn(ids), ids, said)
             if label is not None and service.wants_label(turn.turn_id):
                 service.upstream_label(turn.turn_id, *label())
         except Exception:  # noqa: BLE001 - logged, and the turn still ends

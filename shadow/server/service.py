@@ -343,6 +343,19 @@ class ShadowService:
             self._heads[best] = list(prompt[:grid])
             return best
 
+    def cached_prefix(self, requested: str | None, prompt: Sequence[int]) -> int:
+        """How many of a prompt's ids the session (or one of its branches) held already: what an
+        engine with a prefix cache holds for it, so the rest is what it must read."""
+        with self.state_lock:
+            if requested is None or self.store is None:
+                return 0
+            best = 0
+            for name in [requested, *self._branches.get(requested, [])]:
+                s = self.store.peek(name)
+                if s is not None:
+                    best = max(best, common_prefix(s.ids, prompt))
+            return best
+
     def _match(self, prompt: Sequence[int], minimum: int = 64) -> str | None:
         """The resident main session sharing the longest prefix (at least `minimum` ids); the caller holds the lock."""
         best, best_len = None, minimum - 1
@@ -358,9 +371,11 @@ class ShadowService:
                 best, best_len = name, n
         return best
 
-    def record_turn(self, turn_id: int, check: TurnCheck, ids: TurnIds | None = None) -> None:
-        """A turn's check against the engine: counted for its session, journaled, and a session's
-        first mismatch logged once."""
+    def record_turn(self, turn_id: int, check: TurnCheck, ids: TurnIds | None = None,
+                    lines: list[dict] | None = None) -> None:
+        """A turn's check against the engine: counted for its session, journaled (with the status
+        lines the client was shown, each with its kind and time), and a session's first mismatch
+        logged once."""
         with self.state_lock:
             turn = self.turns.get(turn_id)
             name = (turn.session or turn.requested) if turn else None
@@ -372,6 +387,8 @@ class ShadowService:
                       "prompt_ids": None if ids is None or ids.prompt is None else len(ids.prompt),
                       "output_ids": None if ids is None else len(ids.output),
                       "notes": [] if ids is None else ids.notes, "time": time.time()}
+            if lines:
+                record["status_lines"] = lines
             self._journal(record)
         if first:
             log.warning("session %s: turn %s does not match the engine (%s); the session is not exact from here on",
