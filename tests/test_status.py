@@ -1,0 +1,285 @@
+"""Status lines: the templates, the framing and its stripping, one turn's timeline (pure, a clock
+passed in), each channel's events; then through the proxy in front of a slow engine on loopback
+and through the embedded engine, in every channel, and a client that echoes the lines back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from serving import long_text, running, serving, settled
+from shadow.chat_template import ChatRenderer, Template, default_hf_tokenizer
+from shadow.server.channels import Channel, LineWriter, choose, client_kind
+from shadow.server.status import (MARK, EngineLoad, TurnStatus, frame, frame_title, reading_line, strip_lines,
+                                  strip_request, tool_action, waited_line, waiting_line)
+
+
+# pure --------------------------------------------------------------------------------------
+
+def test_templates_say_facts_with_numbers():
+    assert waiting_line(1, 40.2) == "waiting: another request is running, position 1, about 40 s"
+    assert reading_line(20745, 17.6, 3.0) == "reading 20,745 tokens, about 18 s left"
+    assert reading_line(None, None, 4.2) == "reading the prompt, 4 s so far"
+    assert waited_line(12874, 14.3) == "Read 12,874 tokens in 14 s"
+    assert tool_action("write", '{"filePath": "/src/render.js", "content": "a\\nb\\nc') == ("writing", "render.js", 3)
+    assert tool_action("bash", '{"command": "pytest -x tests"}') == ("running", "pytest", None)
+    assert tool_action("read_file", '{"path": "setup.py"') == ("calling read_file", "setup.py", None)
+
+
+def test_every_framed_line_is_found_and_taken_out_exactly():
+    said = [frame("reading 20,745 tokens, about 18 s left"), frame_title("thinking 25 s"),
+            frame("weird \u2063 marks\ninside")]
+    text = "Before. " + said[0] + "middle " + said[1] + " after" + said[2] + "end"
+    assert strip_lines(text) == "Before. middle  afterend"
+    body = {"messages": [
+        {"role": "user", "content": "plain"},
+        {"role": "assistant", "content": said[0] + "The answer.", "reasoning_content": said[1] + "I think."},
+        {"role": "user", "content": [{"type": "text", "text": "a" + said[2]}, {"type": "image_url"}]}],
+        "tools": [{"type": "function"}]}
+    clean, n = strip_request(body)
+    assert n == 3 and clean["messages"][1] == {"role": "assistant", "content": "The answer.", "reasoning_content": "I think."}
+    assert clean["messages"][2]["content"] == [{"type": "text", "text": "a"}, {"type": "image_url"}]
+    assert clean["tools"] == body["tools"] and MARK in json.dumps(body)  # the client's body is untouched
+    assert strip_request({"messages": [{"role": "user", "content": "no lines"}]})[1] == 0
+
+
+def test_one_turn_says_nothing_for_short_work_and_each_line_at_its_moment():
+    s = TurnStatus(started=100.0, new_tokens=20000, rate=1000.0)
+    assert s.tick(101.0) == []  # quiet for 1.5 s
+    (line,) = s.tick(101.6)
+    assert (line.kind, line.text) == ("reading", "reading 20,000 tokens, about 18 s left")
+    assert s.tick(105.0) == []  # progress every 10 s, not every tick
+    assert s.tick(111.7)[0].text == "reading 20,000 tokens, about 8 s left"
+    (waited,) = s.on_delta(120.0, "reasoning")
+    assert waited.kind == "waited" and waited.text == "Read 20,000 tokens in 20 s"
+    assert s.tick(134.0) == []
+    assert [x.text for x in s.tick(135.0)] == ["thinking 15 s"]  # from 15 s, then every 25 s
+    assert [x.text for x in s.tick(160.0)] == ["thinking 40 s"]
+    assert s.on_delta(161.0, "tool", ("write", '{"filePath": "a/render.js", "content": "x')) == []
+    assert [x.text for x in s.on_delta(163.0, "tool", ("write", '{"filePath": "a/render.js", "content": "x\\ny'))] \
+        == ["writing render.js, 2 lines so far"]
+    assert [x.kind for x in s.on_delta(170.0, "end")] == ["checking"]
+    quick = TurnStatus(started=0.0, new_tokens=100, rate=1000.0)
+    assert quick.on_delta(0.5, "content") == [] and quick.tick(30.0) == []  # a short turn says nothing
+
+
+def test_a_request_behind_others_is_told_its_position():
+    load = EngineLoad(slots=1)
+    load.start(1, 0.0, 10000)
+    load.first_token(1, 10.0)  # measured: 1,000 tokens a second
+    load.end(1)
+    load.start(2, 20.0, 5000)
+    load.start(3, 21.0, 3000)
+    assert load.ahead(2, 21.0) == [] and load.ahead(3, 22.0) == [3.0]  # 2 reads first: 5 s from 20.0
+    s = TurnStatus(started=21.0, new_tokens=3000, rate=load.rate, ahead=load.ahead(3, 23.0))
+    assert s.tick(23.0)[0].text == "waiting: another request is running, position 1, about 5 s"
+
+
+def test_channels_carry_a_line_as_their_client_renders_it():
+    s = TurnStatus(started=0.0, new_tokens=300, rate=100.0)
+    (line,) = s.tick(2.0)
+    like = {"id": "chatcmpl-1", "created": 5, "model": "m"}
+    (ev,) = Channel("reasoning").events(line, like)
+    assert ev["choices"][0]["delta"] == {"reasoning_content": frame(line.text)} and ev["id"] == "chatcmpl-1"
+    (ev,) = Channel("content").events(line, like)
+    assert ev["choices"][0]["delta"] == {"content": frame(line.text)}
+    close, title = Channel("inline").events(line, like)
+    assert close["choices"][0]["delta"] == {"tool_calls": []}
+    assert title["choices"][0]["delta"] == {"reasoning_content": frame_title(line.text)}
+    (ev,) = Channel("reasoning", status_events=True).events(line, like)
+    assert ev == {"event": {"type": "status", "data": {"description": line.text, "done": False}}}
+    assert choose("auto", {"x-openwebui-chat-id": "c"}) == Channel("reasoning", True)
+    assert choose("auto", {"user-agent": "opencode/1.18.33 ai-sdk/provider-utils/4.0.23"}) == Channel("inline")
+    assert choose("auto", {}) == Channel("off") and not Channel("off").on
+    assert client_kind({"x-session-affinity": "ses_1"}) == "opencode"
+
+
+def test_inline_lines_close_their_part_before_the_models_reasoning():
+    writer = LineWriter(Channel("inline"), TurnStatus(started=0.0, new_tokens=10, rate=1.0), EngineLoad(), 1)
+    sent = writer.due(2.0)
+    assert len(sent) == 2 and writer.open_part
+    after = writer.on_delta(3.0, "reasoning")
+    assert json.loads(after[-1][6:])["choices"][0]["delta"] == {"tool_calls": []} and not writer.open_part
+
+
+# through the proxy, in front of a slow engine ---------------------------------------------------------------
+
+def slow_engine(seen: list[dict], delay_s: float) -> FastAPI:
+    """An engine whose first token takes `delay_s`, then reasoning, a content piece, usage."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "m"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        seen.append(body)
+
+        async def events():
+            yield 'data: {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", ' \
+                  '"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
+            await asyncio.sleep(delay_s)
+            for delta in ({"reasoning_content": "hm"}, {"content": "ok"}):
+                yield "data: " + json.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                             "choices": [{"index": 0, "delta": delta}]}) + "\n\n"
+            yield "data: " + json.dumps({"id": "c1", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}) + "\n\n"
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def renderer() -> ChatRenderer:
+    template = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"
+                "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+    return ChatRenderer(Template(template, "test.jinja"), default_hf_tokenizer())
+
+
+def stream(client, headers: dict, messages: list[dict]) -> list[dict]:
+    events = []
+    with client.stream("POST", "/v1/chat/completions", headers=headers,
+                       json={"messages": messages, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+@pytest.mark.parametrize("channel", ["reasoning", "content", "inline", "openwebui"])
+def test_proxied_lines_arrive_in_each_channel_with_the_right_numbers(tiny, channel):
+    seen: list[dict] = []
+    messages = [{"role": "user", "content": long_text(5, 300)}]
+    setting = "auto" if channel == "openwebui" else channel
+    headers = {"x-openwebui-chat-id": "chat-1"} if channel == "openwebui" else {"x-session-id": "s1"}
+    with serving(slow_engine(seen, 3.5)) as engine, running(upstream=str(engine.base_url).rstrip("/") + "/v1",
+                                                            dialect="openai", renderer=renderer(),
+                                                            status_channel=setting) as (proxy, service):
+        events = stream(proxy, headers, messages)
+        settled(service)
+    want = len(renderer().prompt_ids(messages))  # a new session: every id is new to the engine
+    reading = f"reading {want:,} tokens"
+    if channel == "openwebui":
+        status = [e["event"]["data"] for e in events if "event" in e]
+        assert status[0]["description"].startswith(reading) and not status[0]["done"]
+        assert status[-1]["description"].startswith(f"Read {want:,} tokens in ") and status[-1]["done"]
+        # the status events all come before the model's first piece; its reasoning is untouched
+        first_model = next(i for i, e in enumerate(events) if "choices" in e and e["choices"][0]["delta"].get("reasoning_content"))
+        assert all(i < first_model for i, e in enumerate(events) if "event" in e)
+        assert events[first_model]["choices"][0]["delta"]["reasoning_content"] == "hm"
+        return
+    key = "content" if channel == "content" else "reasoning_content"
+    said = [e["choices"][0]["delta"][key] for e in events if "choices" in e and e["choices"]
+            and MARK in (e["choices"][0]["delta"].get(key) or "")]
+    assert said and reading in said[0]
+    assert all(e["id"] == "c1" for e in events if "choices" in e and e["choices"])  # the engine's own id
+    if channel == "inline":
+        deltas = [e["choices"][0]["delta"] for e in events if "choices" in e and e["choices"]]
+        i = next(k for k, d in enumerate(deltas) if MARK in (d.get("reasoning_content") or ""))
+        assert deltas[i - 1] == {"tool_calls": []}  # the line opens a part of its own
+        j = next(k for k, d in enumerate(deltas) if d.get("reasoning_content") == "hm")
+        assert deltas[j - 1] == {"tool_calls": []}  # and the model's reasoning another
+
+
+def test_a_client_that_echoes_the_lines_changes_nothing_the_engine_or_the_shadow_reads(tiny):
+    """Two sessions of three turns, one whose client sends every line back in the assistant's
+    content and reasoning: the engine receives the same prompts, the shadow reads the same ids
+    and holds bit-equal states."""
+    seen: list[dict] = []
+    with serving(slow_engine(seen, 2.2)) as engine, running(upstream=str(engine.base_url).rstrip("/") + "/v1",
+                                                            dialect="openai", renderer=renderer(),
+                                                            status_channel="content") as (proxy, service):
+        for name, echo in (("quiet", False), ("echo", True)):
+            messages = [{"role": "user", "content": long_text(9, 200)}]
+            for turn in range(3):
+                events = stream(proxy, {"x-session-id": name}, messages)
+                content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                                  if "choices" in e and e["choices"])
+                reasoning = "".join(e["choices"][0]["delta"].get("reasoning_content") or "" for e in events
+                                    if "choices" in e and e["choices"])
+                assert (MARK in content) is True  # lines were said in this channel
+                if not echo:
+                    content = strip_lines(content)
+                messages = messages + [{"role": "assistant", "content": content, "reasoning_content": reasoning},
+                                       {"role": "user", "content": f"turn {turn}"}]
+            settled(service)
+        with service.state_lock:
+            quiet, echoed = service.store.get("quiet"), service.store.get("echo")
+            assert quiet.ids == echoed.ids and len(quiet.ids) > 0
+        from serving import assert_exact
+
+        assert_exact(service, "quiet")
+        assert_exact(service, "echo")
+    assert len(seen) == 6 and seen[:3] == seen[3:]  # the engine got the same requests
+    assert all(MARK not in json.dumps(body) for body in seen)
+
+
+def test_a_request_the_engine_keeps_waiting_opens_its_stream_at_its_first_line(tiny):
+    """The engine sends nothing, not even headers, for 3 s: the client's stream opens with the
+    first line; when the engine then refuses, the stream ends with its error and [DONE]."""
+    app = FastAPI()
+    gate = threading.Event()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": []}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        await asyncio.sleep(3.0)
+        from fastapi.responses import JSONResponse
+
+        return JSONResponse({"error": {"message": "context too long", "type": "invalid_request_error"}},
+                            status_code=400)
+
+    with serving(app) as engine, running(upstream=str(engine.base_url).rstrip("/") + "/v1", dialect="openai",
+                                         renderer=renderer(), status_channel="reasoning") as (proxy, service):
+        start = time.monotonic()
+        with proxy.stream("POST", "/v1/chat/completions", headers={"x-session-id": "w"},
+                          json={"messages": [{"role": "user", "content": "hi"}], "stream": True}) as r:
+            assert r.status_code == 200
+            opened = time.monotonic() - start
+            text = r.read().decode()
+        settled(service)
+    assert opened < 3.0  # opened at the first line, not when the engine answered
+    assert MARK in text and "context too long" in text and text.rstrip().endswith("data: [DONE]")
+    gate.set()
+
+
+def test_embedded_lines_while_a_request_waits_for_another(tiny):
+    """Embedded: a request behind another on the one device is told its position, then reads."""
+    with running(status_channel="reasoning") as (client, service):
+        hold = threading.Event()
+        service.device.submit(hold.wait, "test")  # the device is busy for 2.5 s: both requests wait
+        threading.Timer(2.5, hold.set).start()
+        results = {}
+
+        def go(name, delay):
+            time.sleep(delay)
+            results[name] = stream(client, {"x-session-id": name}, [{"role": "user", "content": long_text(3, 200)}])
+
+        threads = [threading.Thread(target=go, args=("first", 0.0)), threading.Thread(target=go, args=("second", 0.3))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        settled(service)
+    said = {name: [e["choices"][0]["delta"]["content"] for e in events if MARK in (e["choices"][0]["delta"].get("content") or "")]
+            for name, events in results.items()}
+    lines = {name: [e["choices"][0]["delta"].get("reasoning_content") for e in events
+                    if MARK in (e["choices"][0]["delta"].get("reasoning_content") or "")]
+             for name, events in results.items()}
+    assert any("reading" in x for x in lines["first"]), lines
+    assert any("waiting: another request is running, position 1" in x for x in lines["second"]), lines
+    assert said == {"first": [], "second": []}  # the lines went to the reasoning channel only
