@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import stat
+import threading
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,49 +211,67 @@ def check_identity(meta: dict[str, str] | Header, identity: Identity) -> None:
 
 def read_ids(path: Path) -> tuple[str, list[int]]:
     """A file's session name and ids, every byte verified (no model needed)."""
-    header, tensors = _load(path)
+    header, tensors, data = _read(path)
+    if hashlib.sha256(data).hexdigest() != header.meta["data_sha256"]:
+        raise SessionFileError(DATA_MISMATCH)
     return header.name, _ids_of(header, tensors, None).tolist()
 
 
 def read_session(path: Path, identity: Identity, model_state: ModelState, max_checkpoints: int = MAX_CHECKPOINTS) -> Session:
     """Load a session into `model_state` (a fresh state of the reader's model, on its device).
-    Every byte is verified and every field validated against the model before any value is used."""
-    header, tensors = _load(path)
+    The header is verified and every field validated against the model before any tensor is
+    touched; the data digest is computed (in a thread) while the tensors are copied into the fresh
+    state, and checked before the session is returned or any id is read: on a mismatch the state
+    is left to the caller to discard, and nothing is returned."""
+    header, tensors, data = _read(path)
     check_identity(header, identity)
     try:
-        ids = _fit(header, tensors, model_state, max_checkpoints)
+        _fit(header, tensors, model_state, max_checkpoints)
     except SessionFileError:
         raise
     except Exception as e:  # a check that failed in an unforeseen way is still a refusal
         raise SessionFileError(f"does not fit this model ({type(e).__name__}: {str(e)[:120]})") from None
-    return _session_from(header, ids, tensors, model_state)
+    digest: list[str] = []
+    hasher = threading.Thread(target=lambda: digest.append(hashlib.sha256(data).hexdigest()), daemon=True)
+    hasher.start()
+    try:
+        checkpoints = _fill(header, tensors, model_state)
+    finally:
+        hasher.join()
+    if digest != [header.meta["data_sha256"]]:
+        raise SessionFileError(DATA_MISMATCH)
+    ids = _ids_of(header, tensors, model_state.config.vocab_size)
+    return Session(
+        name=header.name, state=model_state, ids=ids.tolist(), checkpoints=checkpoints, marks=list(header.marks),
+        rollbacks=header.rollbacks, ids_reread=header.ids_reread,
+    )
 
 
-def _load(path: Path) -> tuple[Header, dict[str, torch.Tensor]]:
-    """Header and tensors (views of one buffer), every byte verified."""
+DATA_MISMATCH = "data digest mismatch (a tensor's bytes changed since the file was written)"
+
+
+def _read(path: Path) -> tuple[Header, dict[str, torch.Tensor], memoryview]:
+    """The verified header, the tensors (views of one buffer, in memory), and the data bytes (not
+    yet verified: the caller checks `data_sha256` over them)."""
     with _opened(path) as (fd, size):
         prefix = _pread(fd, 8, 0)
         n = _header_length(prefix, size)
-        buf = bytearray(size)
-        view = memoryview(buf)
+        buf = torch.empty(size, dtype=torch.uint8)  # not zero-filled: every byte is read into it
+        view = memoryview(buf.numpy())
         got = 0
         while got < size:
             step = os.preadv(fd, [view[got:]], got)
             if step == 0:
                 raise SessionFileError(f"truncated while reading ({got} of {size} bytes)")
             got += step
-    header, spans = _parse(bytes(buf[:8]), bytes(buf[8 : 8 + n]), size)
-    if bytes(buf[:8]) != prefix:
-        raise SessionFileError("changed while being read")
-    if hashlib.sha256(view[8 + n :]).hexdigest() != header.meta["data_sha256"]:
-        raise SessionFileError("data digest mismatch (a tensor's bytes changed since the file was written)")
+    header, spans = _parse(bytes(view[:8]), bytes(view[8 : 8 + n]), size)
     tensors = {}
     for name, (dtype, shape, begin, end) in spans.items():
-        t = torch.frombuffer(buf, dtype=torch.uint8, count=end - begin, offset=8 + n + begin) if end > begin else torch.empty(0, dtype=torch.uint8)
+        t = buf[8 + n + begin : 8 + n + end]
         if t.data_ptr() % dtype.itemsize:
             t = t.clone()
         tensors[name] = t.view(dtype).reshape(shape)
-    return header, tensors
+    return header, tensors, view[8 + n :]
 
 
 class _opened:
@@ -429,22 +448,23 @@ def _spans(entries: dict, data_bytes: int) -> dict[str, tuple]:
 # validation against the model ------------------------------------------------------------------
 
 
-def _ids_of(header: Header, tensors: dict[str, torch.Tensor], vocab: int | None) -> torch.Tensor:
+def _ids_of(header: Header, tensors: dict[str, torch.Tensor], vocab: int | None, values: bool = True) -> torch.Tensor:
+    """The ids tensor, checked: int64 of length `tokens`; with `values`, each within [0, vocab)."""
     ids = tensors.get("ids")
     if ids is None or ids.dtype != torch.int64 or ids.shape != (header.tokens,):
         got = "missing" if ids is None else f"{str(ids.dtype).removeprefix('torch.')} {list(ids.shape)}"
         raise SessionFileError(f"ids are {got}, expected int64 [{header.tokens}]")
-    if ids.numel() and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
+    if values and ids.numel() and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
         raise SessionFileError(f"ids outside the vocabulary (0 .. {vocab})")
     return ids
 
 
-def _fit(header: Header, tensors: dict[str, torch.Tensor], state: ModelState, max_checkpoints: int) -> torch.Tensor:
+def _fit(header: Header, tensors: dict[str, torch.Tensor], state: ModelState, max_checkpoints: int) -> None:
     """Check every tensor's name, dtype and shape against a fresh state of the model at the
-    committed length; returns the ids."""
+    committed length (the ids' values are checked once the data digest is)."""
     if len(header.checkpoints) > max_checkpoints:
         raise SessionFileError(f"{len(header.checkpoints)} checkpoints, this reader keeps {max_checkpoints}")
-    ids = _ids_of(header, tensors, state.config.vocab_size)
+    _ids_of(header, tensors, None, values=False)
     want: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for i, layer in enumerate(state.layers):
         if isinstance(layer, AttentionState):
@@ -467,10 +487,10 @@ def _fit(header: Header, tensors: dict[str, torch.Tensor], state: ModelState, ma
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise SessionFileError(f"{name} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, "
                                    f"this model needs {str(dtype).removeprefix('torch.')} {list(shape)}")
-    return ids
 
 
-def _session_from(header: Header, ids: torch.Tensor, tensors: dict[str, torch.Tensor], state: ModelState) -> Session:
+def _fill(header: Header, tensors: dict[str, torch.Tensor], state: ModelState) -> list[DeltaSnapshot]:
+    """Copy the tensors into the fresh state; returns the checkpoints."""
     device = state.device
     for i, layer in enumerate(state.layers):
         if isinstance(layer, AttentionState):
@@ -480,7 +500,7 @@ def _session_from(header: Header, ids: torch.Tensor, tensors: dict[str, torch.Te
             layer.recurrent.copy_(tensors[f"layers.{i}.recurrent"])
     state.length = header.committed
     n = state.arena.conv.shape[0]
-    checkpoints = [
+    return [
         DeltaSnapshot(
             p,
             torch.stack([tensors[f"checkpoints.{j}.{i}.conv"] for i in range(n)]).to(device),
@@ -488,10 +508,6 @@ def _session_from(header: Header, ids: torch.Tensor, tensors: dict[str, torch.Te
         )
         for j, p in enumerate(header.checkpoints)
     ]
-    return Session(
-        name=header.name, state=state, ids=ids.tolist(), checkpoints=checkpoints, marks=list(header.marks),
-        rollbacks=header.rollbacks, ids_reread=header.ids_reread,
-    )
 
 
 def session_file_name(name: str) -> str:

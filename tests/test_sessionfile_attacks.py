@@ -146,10 +146,11 @@ def split(data: bytes) -> tuple[dict, dict, bytes]:
     return header.pop("__metadata__"), header, data[8 + n :]
 
 
-def sign(meta: dict, entries: dict, body: bytes) -> bytes:
+def sign(meta: dict, entries: dict, body: bytes, data_sha256: str | None = None) -> bytes:
     """A file with these fields whose digests are valid, computed here from the format's
-    definition: sha256 of the tensor bytes, sha256 of length and header with its own digest as zeros."""
-    meta = {**meta, "data_sha256": hashlib.sha256(body).hexdigest(), "header_sha256": "0" * 64}
+    definition: sha256 of the tensor bytes (unless given), sha256 of length and header with its
+    own digest as zeros."""
+    meta = {**meta, "data_sha256": data_sha256 or hashlib.sha256(body).hexdigest(), "header_sha256": "0" * 64}
     return sign_text(json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode(), body)
 
 
@@ -190,7 +191,7 @@ def forge_meta(**fields):
         meta.update({k: v for k, v in fields.items() if v is not None})
         for k in [k for k, v in fields.items() if v is None]:
             meta.pop(k)
-        return sign(meta, entries, body)
+        return sign(meta, entries, body, fields.get("data_sha256"))
     return forge
 
 
