@@ -18,6 +18,7 @@ killed writer leaves the old file or the new one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -116,7 +117,7 @@ def write_session(path: Path, session: Session, identity: Identity, last_use: fl
     meta = {
         "name": session.name, "model": model, "weights_hash": identity.weights_hash, "grid": str(identity.grid),
         "arithmetic": identity.arithmetic, "committed": str(session.committed), "tokens": str(len(session.ids)),
-        "last_use": repr(float(last_use)), "rollbacks": str(session.rollbacks), "ids_reread": str(session.ids_reread),
+        "last_use": repr(float(last_use) if math.isfinite(last_use) and last_use >= 0 else 0.0), "rollbacks": str(session.rollbacks), "ids_reread": str(session.ids_reread),
         "checkpoints": json.dumps([c.position for c in session.checkpoints]), "marks": json.dumps(session.marks),
     }
     return _write_atomic(Path(path), encode(session_tensors(session), meta))
@@ -174,9 +175,14 @@ def _write_atomic(path: Path, pieces: list[memoryview | bytes]) -> int:
 
 
 def _fsync_dir(folder: Path) -> None:
+    """Make the rename durable; a file system that cannot fsync a folder (EINVAL, ENOTSUP) has
+    nothing more to offer, any other error is the write's failure."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 
@@ -193,9 +199,7 @@ def read_header(path: Path) -> dict[str, str]:
 def read_fields(path: Path) -> Header:
     """The file's header, verified and validated, typed; the tensors are not read."""
     with _opened(path) as (fd, size):
-        prefix = _pread(fd, 8, 0)
-        n = _header_length(prefix, size)
-        return _parse(prefix, _pread(fd, n, 8), size)[0]
+        return _header_of(fd, size)[0]
 
 
 def check_identity(meta: dict[str, str] | Header, identity: Identity) -> None:
@@ -211,26 +215,26 @@ def check_identity(meta: dict[str, str] | Header, identity: Identity) -> None:
 
 def read_ids(path: Path) -> tuple[str, list[int]]:
     """A file's session name and ids, every byte verified (no model needed)."""
-    header, tensors, data = _read(path)
+    with _opened(path) as (fd, size):
+        header, spans, n = _header_of(fd, size)
+        _ids_span(header, spans)
+        tensors, data = _data(fd, size, n, spans)
     if hashlib.sha256(data).hexdigest() != header.meta["data_sha256"]:
         raise SessionFileError(DATA_MISMATCH)
-    return header.name, _ids_of(header, tensors, None).tolist()
+    return header.name, _id_values(tensors["ids"], None)
 
 
 def read_session(path: Path, identity: Identity, model_state: ModelState, max_checkpoints: int = MAX_CHECKPOINTS) -> Session:
     """Load a session into `model_state` (a fresh state of the reader's model, on its device).
-    The header is verified and every field validated against the model before any tensor is
-    touched; the data digest is computed (in a thread) while the tensors are copied into the fresh
-    state, and checked before the session is returned or any id is read: on a mismatch the state
-    is left to the caller to discard, and nothing is returned."""
-    header, tensors, data = _read(path)
-    check_identity(header, identity)
-    try:
-        _fit(header, tensors, model_state, max_checkpoints)
-    except SessionFileError:
-        raise
-    except Exception as e:  # a check that failed in an unforeseen way is still a refusal
-        raise SessionFileError(f"does not fit this model ({type(e).__name__}: {str(e)[:120]})") from None
+    The header is verified and every field validated against the model before the tensors are
+    read; the data digest is computed (in a thread) while they are copied into the fresh state,
+    and checked before any id is read or the session returned: on a mismatch nothing is returned
+    (the caller discards the state)."""
+    with _opened(path) as (fd, size):
+        header, spans, n = _header_of(fd, size)
+        check_identity(header, identity)
+        _fit(header, spans, model_state, max_checkpoints)
+        tensors, data = _data(fd, size, n, spans)
     digest: list[str] = []
     hasher = threading.Thread(target=lambda: digest.append(hashlib.sha256(data).hexdigest()), daemon=True)
     hasher.start()
@@ -240,9 +244,9 @@ def read_session(path: Path, identity: Identity, model_state: ModelState, max_ch
         hasher.join()
     if digest != [header.meta["data_sha256"]]:
         raise SessionFileError(DATA_MISMATCH)
-    ids = _ids_of(header, tensors, model_state.config.vocab_size)
+    ids = _id_values(tensors["ids"], model_state.config.vocab_size)
     return Session(
-        name=header.name, state=model_state, ids=ids.tolist(), checkpoints=checkpoints, marks=list(header.marks),
+        name=header.name, state=model_state, ids=ids, checkpoints=checkpoints, marks=list(header.marks),
         rollbacks=header.rollbacks, ids_reread=header.ids_reread,
     )
 
@@ -250,28 +254,35 @@ def read_session(path: Path, identity: Identity, model_state: ModelState, max_ch
 DATA_MISMATCH = "data digest mismatch (a tensor's bytes changed since the file was written)"
 
 
-def _read(path: Path) -> tuple[Header, dict[str, torch.Tensor], memoryview]:
-    """The verified header, the tensors (views of one buffer, in memory), and the data bytes (not
-    yet verified: the caller checks `data_sha256` over them)."""
-    with _opened(path) as (fd, size):
-        prefix = _pread(fd, 8, 0)
-        n = _header_length(prefix, size)
-        buf = torch.empty(size, dtype=torch.uint8)  # not zero-filled: every byte is read into it
-        view = memoryview(buf.numpy())
-        got = 0
-        while got < size:
-            step = os.preadv(fd, [view[got:]], got)
-            if step == 0:
-                raise SessionFileError(f"truncated while reading ({got} of {size} bytes)")
-            got += step
-    header, spans = _parse(bytes(view[:8]), bytes(view[8 : 8 + n]), size)
+def _header_of(fd: int, size: int) -> tuple[Header, dict[str, tuple], int]:
+    """The verified, validated header, each tensor's (dtype, shape, begin, end), the header length."""
+    prefix = _pread(fd, 8, 0)
+    n = _header_length(prefix, size)
+    header, spans = _parse(prefix, _pread(fd, n, 8), size)
+    return header, spans, n
+
+
+def _data(fd: int, size: int, n: int, spans: dict[str, tuple]) -> tuple[dict[str, torch.Tensor], memoryview]:
+    """The tensors (views of one buffer in memory) and their bytes, not yet verified: the caller
+    checks `data_sha256` over the bytes before it uses a value."""
+    try:
+        buf = torch.empty(size - 8 - n, dtype=torch.uint8)  # not zero-filled: every byte is read into it
+    except (RuntimeError, MemoryError):
+        raise SessionFileError(f"too large to read ({size} bytes)") from None
+    view = memoryview(buf.numpy())
+    got = 0
+    while got < len(view):
+        step = os.preadv(fd, [view[got:]], 8 + n + got)
+        if step == 0:
+            raise SessionFileError(f"truncated while reading ({8 + n + got} of {size} bytes)")
+        got += step
     tensors = {}
     for name, (dtype, shape, begin, end) in spans.items():
-        t = buf[8 + n + begin : 8 + n + end]
+        t = buf[begin:end]
         if t.data_ptr() % dtype.itemsize:
             t = t.clone()
         tensors[name] = t.view(dtype).reshape(shape)
-    return header, tensors, view[8 + n :]
+    return tensors, view
 
 
 class _opened:
@@ -448,23 +459,27 @@ def _spans(entries: dict, data_bytes: int) -> dict[str, tuple]:
 # validation against the model ------------------------------------------------------------------
 
 
-def _ids_of(header: Header, tensors: dict[str, torch.Tensor], vocab: int | None, values: bool = True) -> torch.Tensor:
-    """The ids tensor, checked: int64 of length `tokens`; with `values`, each within [0, vocab)."""
-    ids = tensors.get("ids")
-    if ids is None or ids.dtype != torch.int64 or ids.shape != (header.tokens,):
-        got = "missing" if ids is None else f"{str(ids.dtype).removeprefix('torch.')} {list(ids.shape)}"
+def _ids_span(header: Header, spans: dict[str, tuple]) -> None:
+    """The ids must be int64 [tokens]."""
+    dtype, shape = spans["ids"][:2] if "ids" in spans else (None, None)
+    if dtype != torch.int64 or shape != (header.tokens,):
+        got = "missing" if dtype is None else f"{str(dtype).removeprefix('torch.')} {list(shape)}"
         raise SessionFileError(f"ids are {got}, expected int64 [{header.tokens}]")
-    if values and ids.numel() and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
+
+
+def _id_values(ids: torch.Tensor, vocab: int | None) -> list[int]:
+    """The ids as a list, each within [0, vocab) (only non-negative when no vocabulary is given)."""
+    if ids.numel() and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
         raise SessionFileError(f"ids outside the vocabulary (0 .. {vocab})")
-    return ids
+    return ids.tolist()
 
 
-def _fit(header: Header, tensors: dict[str, torch.Tensor], state: ModelState, max_checkpoints: int) -> None:
+def _fit(header: Header, spans: dict[str, tuple], state: ModelState, max_checkpoints: int) -> None:
     """Check every tensor's name, dtype and shape against a fresh state of the model at the
     committed length (the ids' values are checked once the data digest is)."""
     if len(header.checkpoints) > max_checkpoints:
         raise SessionFileError(f"{len(header.checkpoints)} checkpoints, this reader keeps {max_checkpoints}")
-    _ids_of(header, tensors, None, values=False)
+    _ids_span(header, spans)
     want: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for i, layer in enumerate(state.layers):
         if isinstance(layer, AttentionState):
@@ -478,14 +493,14 @@ def _fit(header: Header, tensors: dict[str, torch.Tensor], state: ModelState, ma
         for i in range(arena.conv.shape[0]):
             want[f"checkpoints.{j}.{i}.conv"] = (arena.conv.dtype, tuple(arena.conv.shape[1:]))
             want[f"checkpoints.{j}.{i}.recurrent"] = (arena.recurrent.dtype, tuple(arena.recurrent.shape[1:]))
-    names = set(tensors) - {"ids"}
+    names = set(spans) - {"ids"}
     if names != set(want):
         extra, missing = sorted(names - set(want)), sorted(set(want) - names)
         raise SessionFileError(f"tensors do not fit this model (unexpected {extra[:3]}, missing {missing[:3]})")
     for name, (dtype, shape) in want.items():
-        t = tensors[name]
-        if t.dtype != dtype or tuple(t.shape) != shape:
-            raise SessionFileError(f"{name} is {str(t.dtype).removeprefix('torch.')} {list(t.shape)}, "
+        got_dtype, got_shape = spans[name][:2]
+        if got_dtype != dtype or tuple(got_shape) != shape:
+            raise SessionFileError(f"{name} is {str(got_dtype).removeprefix('torch.')} {list(got_shape)}, "
                                    f"this model needs {str(dtype).removeprefix('torch.')} {list(shape)}")
 
 

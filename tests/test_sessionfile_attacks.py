@@ -120,6 +120,45 @@ def test_every_single_bit_flip_of_the_header_is_refused_or_restores_bit_equal(or
     assert all(reasons), reasons
 
 
+def test_header_flips_signed_again_never_crash_and_what_is_accepted_is_consistent(original, reader, tmp_path):
+    """Each bit of the JSON header flipped and the header digest made valid again (a writer's bug
+    rather than damage): the reader refuses with a reason or returns a session that keeps every
+    invariant (grid, vocabulary, shapes); it never raises anything else."""
+    data, want, name = original
+    path = place(tmp_path, data, name)
+    n = int.from_bytes(data[:8], "little")
+    slot = data.index(b'"header_sha256":"') + len(b'"header_sha256":"')
+    accepted, refused = 0, 0
+    fd = os.open(path, os.O_RDWR)
+    try:
+        for bit in range(8 * 8, (8 + n) * 8):
+            at = bit // 8
+            if slot <= at < slot + 64:
+                continue
+            flipped = bytearray(data[: 8 + n])
+            flipped[at] ^= 1 << (bit % 8)
+            flipped[slot : slot + 64] = b"0" * 64
+            flipped[slot : slot + 64] = hashlib.sha256(flipped).hexdigest().encode()
+            os.pwrite(fd, bytes(flipped), 0)
+            try:
+                s = load(path, reader)
+            except SessionFileError:
+                refused += 1
+                continue
+            accepted += 1
+            assert s.committed % GRID == 0 and s.committed <= len(s.ids)
+            assert all(0 <= i < reader.model.config.vocab_size for i in s.ids)
+            assert all(0 < c.position <= s.committed and c.position % GRID == 0 for c in s.checkpoints)
+            assert all(s.committed < m <= len(s.ids) and m % GRID == 0 for m in s.marks)
+            fresh = reader.model.new_state()
+            fresh.length = s.committed
+            assert {k: (v.dtype, v.shape[0]) for k, v in s.state.tensors().items() if k.endswith(("conv", "recurrent"))} == \
+                {k: (v.dtype, v.shape[0]) for k, v in fresh.tensors().items() if k.endswith(("conv", "recurrent"))}
+    finally:
+        os.close(fd)
+    assert refused > 0 and accepted < refused
+
+
 def test_flips_in_the_tensor_bytes_and_truncations_are_refused(original, reader, tmp_path):
     data, _, name = original
     header_end = 8 + int.from_bytes(data[:8], "little")
