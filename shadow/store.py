@@ -40,6 +40,7 @@ REJECTED = ".rejected"
 OWN_FILE = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX) + f"(?:{re.escape(REJECTED)})?")
 OWN_TMP = re.compile(r"\.[0-9a-f]{32}" + re.escape(SUFFIX) + r"\.(\d+)(?:\.[0-9a-f]+)?\.tmp")
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+RETRY_S = 10.0  # a failed spill is not tried again sooner (by the store's clock): a settle follows every chunk
 STALE_TMP_S = 3600.0  # a temporary file this old is a killed writer's, whatever its pid
 
 
@@ -87,9 +88,10 @@ class SessionStore:
     def __init__(
         self, reader: Reader, weights_hash: str, *, cap_gib: float | None = 4.0, disk: Path | None = None,
         disk_cap_gib: float | None = 64.0, max_age_s: float = 48 * 3600, model: str = "",
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.time, retry_s: float = RETRY_S,
     ):
-        """`disk_cap_gib` bounds the store's own files in `disk` (None: no bound)."""
+        """`disk_cap_gib` bounds the store's own files in `disk` (None: no bound); a session whose
+        spill failed is tried again at the first settle `retry_s` or more later."""
         self.reader = reader
         self.identity = Identity(weights_hash, reader.grid, arithmetic_of(reader.model))
         self.cap = None if cap_gib is None else int(cap_gib * GIB)  # None: no cap
@@ -102,6 +104,8 @@ class SessionStore:
         self._resident: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._last_use: dict[str, float] = {}
         self._unwritten: dict[str, str] = {}  # resident sessions whose last write failed: the reason
+        self._retry_at: dict[str, float] = {}  # when a failed spill may be tried again
+        self.retry_s = retry_s
         self._refused: set[tuple[str, int, int, int]] = set()  # refused files that could not be moved aside
         if self.disk:
             try:
@@ -135,14 +139,16 @@ class SessionStore:
     def settle(self, keep: str | None = None) -> None:
         """Spill (or drop) least recently used sessions until resident bytes fit the cap; `keep`
         stays resident even when it alone is over the cap. A session whose write fails stays
-        resident (over the cap) and is tried again at a later settle; a full disk ends the settle."""
+        resident (over the cap) and is tried again at a settle `retry_s` later; a full disk ends
+        the settle."""
         if self.cap is None:
             return
         total = self.resident_bytes()
+        now = self.clock()
         for name in list(self._resident):
             if total <= self.cap:
                 break
-            if name == keep:
+            if name == keep or now < self._retry_at.get(name, now):
                 continue
             size = session_bytes(self._resident[name])
             error = self._evict(name)
@@ -200,9 +206,11 @@ class SessionStore:
             self.counters.write_failures += 1
             self.counters.last_error = f"writing session {session.name!r}: {reason}"
             self._unwritten[session.name] = reason
+            self._retry_at[session.name] = self.clock() + self.retry_s
             log.warning("session %r not written (%s); it stays in memory", session.name, reason)
             return getattr(e, "errno", None) or 0
         self._unwritten.pop(session.name, None)
+        self._retry_at.pop(session.name, None)
         self.counters.bytes_written += written
         return None
 

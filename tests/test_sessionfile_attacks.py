@@ -486,7 +486,8 @@ def fill_disk_after(limit: int):
 
 
 def test_disk_full_keeps_the_session_resident_and_counted_then_a_later_settle_writes_it(reader, tmp_path, monkeypatch):
-    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
+    now = [1000.0]
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path, clock=lambda: now[0], retry_s=10)
     a = fed(store, reader, "a", seed=1)
     fed(store, reader, "b", seed=2)
     store.settle(keep="b")  # a first spill works: a's file is there
@@ -507,9 +508,15 @@ def test_disk_full_keeps_the_session_resident_and_counted_then_a_later_settle_wr
     assert row.resident and "No space left" in row.write_error
     assert store.path_of("a").read_bytes() == old_file  # the old file, untouched
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no half file left
+    store.settle(keep="b")  # too soon: not tried again
+    assert store.peek("a") is a and store.counters.write_failures == 1
+    now[0] += 10
     store.settle(keep="b")  # still full: tried again, still resident
     assert store.peek("a") is a and store.counters.write_failures == 2
     monkeypatch.undo()  # space returns
+    store.settle(keep="b")  # too soon again
+    assert store.peek("a") is a
+    now[0] += 10
     store.settle(keep="b")
     assert store.peek("a") is None and store.totals()["unwritten_sessions"] == 0
     back = SessionStore(reader, "h", cap_gib=None, disk=tmp_path).get("a")
