@@ -114,34 +114,44 @@ def session_tensors(session: Session) -> dict[str, torch.Tensor]:
 def write_session(path: Path, session: Session, identity: Identity, last_use: float, model: str = "") -> int:
     """Write atomically (temporary file, fsync, rename, fsync of the folder); returns the bytes
     written. Raises OSError when the disk refuses (the old file, if any, is left as it was)."""
+    last_use = float(last_use) if math.isfinite(last_use) and last_use >= 0 else 0.0
     meta = {
         "name": session.name, "model": model, "weights_hash": identity.weights_hash, "grid": str(identity.grid),
         "arithmetic": identity.arithmetic, "committed": str(session.committed), "tokens": str(len(session.ids)),
-        "last_use": repr(float(last_use) if math.isfinite(last_use) and last_use >= 0 else 0.0), "rollbacks": str(session.rollbacks), "ids_reread": str(session.ids_reread),
+        "last_use": repr(last_use), "rollbacks": str(session.rollbacks), "ids_reread": str(session.ids_reread),
         "checkpoints": json.dumps([c.position for c in session.checkpoints]), "marks": json.dumps(session.marks),
     }
-    return _write_atomic(Path(path), encode(session_tensors(session), meta))
+    return _write_atomic(Path(path), Encoded(session_tensors(session), meta))
 
 
-def encode(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> list[memoryview | bytes]:
-    """The file's bytes in pieces: length and header, then each tensor's bytes (8-byte types first)."""
-    order = sorted(tensors, key=lambda k: -tensors[k].element_size())  # stable: aligned offsets
-    views = [_raw(tensors[k]) for k in order]
-    data = hashlib.sha256()
-    entries, offset = {}, 0
-    for name, view in zip(order, views):
-        data.update(view)
-        t = tensors[name]
-        entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(view)]}
-        offset += len(view)
-    meta = {"format": FORMAT, "version": str(VERSION), **meta,
-            "data_sha256": data.hexdigest(), "header_sha256": _ZEROS.decode()}
-    header = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":"), ensure_ascii=True).encode()
-    header += b" " * (-len(header) % 8)
-    prefix = len(header).to_bytes(8, "little")
-    slot = header.index(_SLOT) + len(_SLOT)
-    digest = hashlib.sha256(prefix + header).hexdigest().encode()
-    return [prefix + header[:slot] + digest + header[slot + 64:], *views]
+class Encoded:
+    """A file's pieces: `views`, each tensor's bytes (8-byte types first, so each is aligned), and
+    `header(data_sha256)`, the length and header with both digests. The header's length does not
+    depend on the digests, so the tensors can be written (and hashed) before it."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], meta: dict[str, str]):
+        order = sorted(tensors, key=lambda k: -tensors[k].element_size())  # stable
+        self.views = [_raw(tensors[k]) for k in order]
+        entries, offset = {}, 0
+        for name, view in zip(order, self.views):
+            t = tensors[name]
+            entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(view)]}
+            offset += len(view)
+        meta = {"format": FORMAT, "version": str(VERSION), **meta, "data_sha256": _ZEROS.decode(), "header_sha256": _ZEROS.decode()}
+        text = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":"), ensure_ascii=True).encode()
+        self._text = text + b" " * (-len(text) % 8)
+        self.data_bytes = offset
+
+    @property
+    def header_bytes(self) -> int:
+        return 8 + len(self._text)
+
+    def header(self, data_sha256: str) -> bytes:
+        text = self._text.replace(b'"data_sha256":"' + _ZEROS, b'"data_sha256":"' + data_sha256.encode(), 1)
+        prefix = len(text).to_bytes(8, "little")
+        slot = text.index(_SLOT) + len(_SLOT)
+        digest = hashlib.sha256(prefix + text).hexdigest().encode()
+        return prefix + text[:slot] + digest + text[slot + 64 :]
 
 
 def _raw(t: torch.Tensor) -> memoryview:
@@ -149,19 +159,29 @@ def _raw(t: torch.Tensor) -> memoryview:
 
 
 def _write_all(fd: int, pieces: list[memoryview | bytes]) -> None:
-    """Write every piece to `fd` (os.write may write less than asked)."""
+    """Write every piece to `fd` at its current offset (os.write may write less than asked)."""
     for piece in pieces:
         view = memoryview(piece)
         while view:
             view = view[os.write(fd, view):]
 
 
-def _write_atomic(path: Path, pieces: list[memoryview | bytes]) -> int:
+def _write_atomic(path: Path, encoded: Encoded) -> int:
+    """The tensors first (hashed in a thread while they are written), then the header at the start."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         try:
-            _write_all(fd, pieces)
+            data = hashlib.sha256()
+            hasher = threading.Thread(target=lambda: [data.update(v) for v in encoded.views], daemon=True)
+            hasher.start()
+            try:
+                os.lseek(fd, encoded.header_bytes, os.SEEK_SET)
+                _write_all(fd, encoded.views)
+            finally:
+                hasher.join()
+            os.lseek(fd, 0, os.SEEK_SET)
+            _write_all(fd, [encoded.header(data.hexdigest())])
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -171,7 +191,7 @@ def _write_atomic(path: Path, pieces: list[memoryview | bytes]) -> int:
             tmp.unlink()
         raise
     _fsync_dir(path.parent)
-    return sum(len(memoryview(p)) for p in pieces)
+    return encoded.header_bytes + encoded.data_bytes
 
 
 def _fsync_dir(folder: Path) -> None:
