@@ -6,9 +6,10 @@ header (the metadata first, then each tensor's dtype, shape and offsets; padded 
 multiple of 8), then the tensors' bytes back to back, 8-byte types first so every tensor is
 aligned. Every byte is covered by SHA-256: `data_sha256` over the tensor bytes, `header_sha256`
 over the length and the header with its own 64 hex digits read as zeros. A listing checks the
-header without reading the tensors; a restore checks both before any value is used. Then every
-field is checked for type and range (positions on the grid, ids in the vocabulary, shapes and
-dtypes those of the model's state at the committed length, counters non-negative integers).
+header without reading the tensors. A restore checks the header and every field's type and range
+(positions on the grid, shapes and dtypes those of the model's state at the committed length,
+counters non-negative integers) before it reads the tensors, and the data digest and the ids
+(within the model's vocabulary) before it returns anything.
 Anything else is refused with a `SessionFileError` that says why: nothing wrong is ever served,
 and nothing else is raised for a bad file.
 
