@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from cli.common import GridOpt, JsonOpt, console, emit_json, user_errors
@@ -20,7 +21,8 @@ def store(
     grid: GridOpt = 512,
     json_out: JsonOpt = False,
 ) -> None:
-    """List each file: session, tokens, bytes, age, and whether it is valid or why not."""
+    """List each session file: session, tokens, bytes, age, and whether it is valid or why not.
+    Exit 0 when every file is valid, 1 when any is not, 2 on bad input."""
     from shadow.engine import open_reader
     from shadow.store import check_folder
 
@@ -35,12 +37,14 @@ def store(
     for col in ("file", "session", "tokens", "MiB", "age", "valid"):
         table.add_column(col, justify="left" if col in ("file", "session", "valid") else "right")
     for r in rows:
-        table.add_row(r.file[:20] + "…", r.session or "-", f"{r.tokens:,}" if r.tokens is not None else "-",
-                      f"{r.bytes / 2**20:.1f}", _age(r.age_s), "[green]yes[/]" if r.valid else f"[red]no[/]: {r.reason}")
+        table.add_row(r.file[:20] + "…", escape(r.session) if r.session is not None else "-", f"{r.tokens:,}" if r.tokens is not None else "-",
+                      f"{r.bytes / 2**20:.1f}", _age(r.age_s), "[green]yes[/]" if r.valid else f"[red]no[/]: {escape(r.reason)}")
     console.print(table)
     if json_out:
         emit_json({"command": "store", "folder": str(folder), "files": [dataclasses.asdict(r) for r in rows],
                    "valid": sum(r.valid for r in rows), "invalid": sum(not r.valid for r in rows)})
+    if not all(r.valid for r in rows):
+        raise typer.Exit(1)
 
 
 def _age(seconds: float) -> str:

@@ -8,12 +8,11 @@ import signal
 import subprocess
 import sys
 import time
-import zlib
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from test_sessionfile_attacks import rebuild, split
 
 from shadow.model import load_model
 from shadow.reader import Reader
@@ -136,15 +135,6 @@ def test_retention_by_age_and_disk_cap(reader, tmp_path):
     assert store.counters.removed == 2
 
 
-def _rewrite(path, mutate_meta=None):
-    with safe_open(str(path), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-        meta = f.metadata()
-    if mutate_meta:
-        mutate_meta(meta)
-    save_file(tensors, path, metadata=meta)
-
-
 def _truncate(path, reader):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
@@ -156,33 +146,37 @@ def _flip(path, reader):
     path.write_bytes(bytes(data))
 
 
+def _resigned(path, change):
+    """Rewrite the file with `change(meta, tensors)` applied and its digests made valid again."""
+    meta, _, _ = split(path.read_bytes())
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    change(meta, tensors)
+    path.write_bytes(rebuild(meta, tensors))
+
+
 def _version(path, reader):
-    _rewrite(path, lambda m: m.update(version="99"))
+    _resigned(path, lambda m, t: m.update(version="99"))
 
 
 def _not_a_session(path, reader):
-    _rewrite(path, lambda m: m.update(format="something-else"))
+    _resigned(path, lambda m, t: m.update(format="something-else"))
 
 
 def _checkpoint_of_another_shape(path, reader):
-    """A checkpoint tensor cut short, with its checksum made to match: valid bytes, wrong shape."""
-    with safe_open(str(path), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-        meta = f.metadata()
-    name = next(k for k in tensors if k.startswith("checkpoints.") and k.endswith(".conv"))
-    tensors[name] = tensors[name][:-1].contiguous()
-    crcs = json.loads(meta["crc32"])
-    crcs[name] = zlib.crc32(tensors[name].view(torch.uint8).numpy().data)
-    meta["crc32"] = json.dumps(crcs)
-    save_file(tensors, path, metadata=meta)
+    """A checkpoint tensor cut short, its digests made to match: valid bytes, wrong shape."""
+    def cut(meta, tensors):
+        name = next(k for k in tensors if k.startswith("checkpoints.") and k.endswith(".conv"))
+        tensors[name] = tensors[name][:-1].contiguous()
+    _resigned(path, cut)
 
 
 BAD = {
-    "truncated": (_truncate, "unreadable"),
-    "flipped-byte": (_flip, "checksum mismatch"),
+    "truncated": (_truncate, "truncated"),
+    "flipped-byte": (_flip, "data digest mismatch"),
     "future-version": (_version, "format version '99'"),
     "foreign-format": (_not_a_session, "not a shadow session file"),
-    "checkpoint-shape": (_checkpoint_of_another_shape, "does not fit this model"),
+    "checkpoint-shape": (_checkpoint_of_another_shape, "this model needs"),
 }
 
 
@@ -223,7 +217,6 @@ def test_bad_files_are_refused_reported_once_and_reread(reader, tiny, tmp_path, 
 
 KILL_WRITER = r"""
 import sys, torch
-from shadow.model import load_model
 from shadow.model import load_model
 from shadow.reader import Reader
 from shadow.store import SessionStore
@@ -272,3 +265,77 @@ def test_header_names_the_session_and_identity(reader, tmp_path):
     meta = read_header(store.path_of("conv/1"))
     assert meta["name"] == "conv/1" and meta["weights_hash"] == "hash-x" and meta["grid"] == "64"
     assert json.loads(meta["checkpoints"]) == [256] and meta["model"] == "tiny"
+
+
+def test_a_session_through_rollbacks_forks_and_a_backlog_round_trips_exactly(reader, tmp_path):
+    """A real history (turns, a divergence back to a checkpoint, an ask, a backlog of more than a
+    chunk) makes a file every field check accepts, and it restores bit for bit."""
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
+    s = store.get("a")
+    prompt = ids(200, 1)
+    for turn in range(4):
+        reader.feed_prompt(s, prompt)
+        reader.advance(s)
+        out = ids(70, 10 + turn)
+        reader.feed_output(s, out)
+        reader.advance(s)
+        prompt = prompt + out + ids(50, 20 + turn)
+    assert len(s.checkpoints) >= 3
+    edited = list(prompt)
+    edited[300] = (edited[300] + 1) % 248044  # a template that rewrote an earlier turn
+    feed = reader.feed_prompt(s, edited)
+    assert feed.rolled_back_to is not None and s.rollbacks == 1
+    reader.advance(s, max_chunks=1)  # a backlog of more than a chunk stays
+    reader.feed_output(s, ids(150, 99))
+    reader.ask(s, ids(5, 7), [32, 33])  # a fork leaves no trace
+    assert s.pending > GRID and s.marks
+    before = fingerprint(s)
+    store.get("b")
+    store.settle(keep="b")
+    back = store.get("a")
+    assert store.counters.rejected == [] and store.counters.restores == 1
+    assert_same(before, fingerprint(back))
+    assert (back.rollbacks, back.ids_reread) == (s.rollbacks, s.ids_reread)
+    reader.advance(back)
+    fresh = reader.prefill(back.ids[: back.committed])
+    assert all(torch.equal(x, fresh.tensors()[k]) for k, x in back.state.tensors().items())
+
+
+def test_store_command_exits_0_when_every_file_is_valid_1_when_one_is_not_2_on_bad_input(tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    runner = CliRunner()
+    reader = Reader(tiny.model, GRID)
+    store = SessionStore(reader, tiny.weights_hash, cap_gib=None, disk=tmp_path)
+    for name in ("a", "[b]"):
+        fed(store, reader, name)
+    assert store.close() == []
+    (tmp_path / "model.safetensors").write_bytes(b"foreign")  # not listed, not counted
+    for args in ([], ["--model", "tiny", "--grid", str(GRID)]):
+        ok = runner.invoke(app, ["store", str(tmp_path), *args, "--json"])
+        assert ok.exit_code == 0, ok.output
+        assert json.loads(ok.output.strip().splitlines()[-1])["valid"] == 2
+    assert runner.invoke(app, ["store", str(tmp_path), "--model", "tiny"]).exit_code == 1  # another grid
+    path = store.path_of("a")
+    path.write_bytes(path.read_bytes()[:-1])
+    bad = runner.invoke(app, ["store", str(tmp_path), "--json"])
+    assert bad.exit_code == 1 and "Traceback" not in bad.output
+    doc = json.loads(bad.output.strip().splitlines()[-1])
+    assert (doc["valid"], doc["invalid"]) == (1, 1)
+    assert next(f for f in doc["files"] if not f["valid"])["reason"].startswith("truncated")
+    for args in (["store", str(tmp_path / "nope")], ["store", str(tmp_path), "--model", "no-such-model"],
+                 ["store", str(path)]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+
+
+def test_disk_cap_none_keeps_every_file_and_totals_report_failures(reader, tmp_path):
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path, disk_cap_gib=None)
+    for i, name in enumerate("abc"):
+        fed(store, reader, name, seed=i)
+        store.settle(keep=name)
+    t = store.totals()
+    assert t["files"] == 2 and t["disk_cap_bytes"] is None and store.counters.removed == 0
+    assert (t["write_failures"], t["unwritten_sessions"], t["last_error"]) == (0, 0, None)
