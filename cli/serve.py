@@ -55,6 +55,7 @@ def serve(
     kernels: Annotated[str, typer.Option(envvar=_env("kernels"), help="Kernels: auto, reference, fast (fla-triton), fla-fused, fla.")] = "auto",
     cap_gib: Annotated[float, typer.Option(envvar=_env("cap_gib"), min=0.001, help="Resident cap for shadow sessions, GiB.")] = 4.0,
     disk: Annotated[Path | None, typer.Option(envvar=_env("disk"), help="Folder where sessions past the cap (and all, at a planned stop) are written.")] = None,
+    disk_cap_gib: Annotated[float, typer.Option(envvar=_env("disk_cap_gib"), min=0.001, help="Bound on the store's own files in --disk, GiB (oldest removed first).")] = 64.0,
     share: Annotated[float, typer.Option(envvar=_env("share"), help="In-turn share of the time since the first token the shadow may read.")] = 0.02,
     journal: Annotated[Path | None, typer.Option(envvar=_env("journal"), help="JSONL journal (mode 0600) of every turn's check against the engine and every question asked, with its answer, lag and backlog.")] = None,
     upstream: Annotated[str | None, typer.Option(envvar=_env("upstream"), help="Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1). Without it: embedded mode.")] = None,
@@ -123,7 +124,7 @@ def serve(
     logging.getLogger("shadow").setLevel(logging.INFO)
     try:
         app, random = _build(model=model, generator_model=generator_model, grid=grid, device=device, dtype=dtype,
-                             kernels=kernels, cap_gib=cap_gib, disk=disk, share=share, journal=journal,
+                             kernels=kernels, cap_gib=cap_gib, disk=disk, disk_cap_gib=disk_cap_gib, share=share, journal=journal,
                              upstream=upstream, standing_question=standing_question, headers=headers,
                              prefix_match=prefix_match, label_from_upstream=label_from_upstream,
                              unload_slack_gib=unload_slack_gib, engine=engine, chat_template=chat_template,
@@ -170,7 +171,7 @@ def _run(app, listener, host: str, port: int) -> None:
         listener.close()
 
 
-def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, disk, share, journal, upstream,
+def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, disk, disk_cap_gib, share, journal, upstream,
            standing_question, headers, prefix_match, label_from_upstream, unload_slack_gib, engine, chat_template,
            tokenizer_path, template_kwargs, require_exact, access, limits, upstream_key, lines):
     """The app for these settings, and whether its weights are random."""
@@ -203,7 +204,8 @@ def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, dis
 
         def load():
             loaded, reader = open_reader(model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels)
-            store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk, model=model)
+            store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk, disk_cap_gib=disk_cap_gib,
+                                 model=model)
             log.info("the shadow is ready: %s (%s), grid %d, %s", model, loaded.weights_label[:16], grid,
                      store.identity.arithmetic)
             return reader, store, loaded.weights_label
@@ -216,7 +218,8 @@ def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, dis
         return app, (folder / RANDOM_MARKER).exists()
     # embedded: the generator needs its model before the first request
     loaded, reader = open_reader(model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels)
-    store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk, model=model)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk, disk_cap_gib=disk_cap_gib,
+                         model=model)
     tokenizer = load_tokenizer(loaded.path)
     standing = load_standing(standing_question, tokenizer) if standing_question else None
     service = ShadowService(reader, store, rule, journal, loaded.weights_label, standing=standing, **options)

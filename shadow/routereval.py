@@ -16,11 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from safetensors import safe_open
 
 from shadow.errors import ShadowInputError
 from shadow.reader import Reader
-from shadow.sessionfile import SessionFileError, arithmetic_of, read_header
+from shadow.sessionfile import SessionFileError, arithmetic_of, read_ids
 from shadow.tokenizer import Tokenizer
 
 
@@ -101,16 +100,15 @@ def read_journal(path: str | Path) -> tuple[list[Entry], int]:
 
 
 def session_ids(folder: str | Path, names: set[str]) -> dict[str, list[int]]:
-    """Each named session's ids from its parked file in `folder` (headers checked, ids read)."""
+    """Each named session's ids from its parked file in `folder` (every byte of the file checked)."""
     found: dict[str, list[int]] = {}
     for path in sorted(Path(folder).glob("*.safetensors")):
         try:
-            name = read_header(path).get("name")
+            name, ids = read_ids(path)  # every byte verified
         except SessionFileError:
             continue
         if name in names:
-            with safe_open(str(path), framework="pt") as f:
-                found[name] = f.get_tensor("ids").tolist()
+            found[name] = list(ids)
     missing = sorted(names - set(found))
     if missing:
         raise ShadowInputError(f"no parked session file for {', '.join(missing[:3])} in {folder}")

@@ -45,7 +45,7 @@ def test_every_framed_line_is_found_and_taken_out_exactly():
     clean, n = strip_request(body)
     assert n == 3 and clean["messages"][1] == {"role": "assistant", "content": "The answer.", "reasoning_content": "I think."}
     assert clean["messages"][2]["content"] == [{"type": "text", "text": "a"}, {"type": "image_url"}]
-    assert clean["tools"] == body["tools"] and MARK in json.dumps(body)  # the client's body is untouched
+    assert clean["tools"] == body["tools"] and MARK in json.dumps(body, ensure_ascii=False)  # the client's body is untouched
     assert strip_request({"messages": [{"role": "user", "content": "no lines"}]})[1] == 0
 
 
@@ -222,7 +222,7 @@ def test_a_client_that_echoes_the_lines_changes_nothing_the_engine_or_the_shadow
         assert_exact(service, "quiet")
         assert_exact(service, "echo")
     assert len(seen) == 6 and seen[:3] == seen[3:]  # the engine got the same requests
-    assert all(MARK not in json.dumps(body) for body in seen)
+    assert all(MARK not in json.dumps(body, ensure_ascii=False) for body in seen)
 
 
 def test_a_request_the_engine_keeps_waiting_opens_its_stream_at_its_first_line(tiny):

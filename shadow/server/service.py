@@ -111,6 +111,8 @@ class Counters:
     standing_answered: int = 0
     standing_replaced: int = 0  # a newer turn came before the reader reached the older point
     unloads: int = 0  # times the model was unloaded after an idle burst (sessions parked on disk)
+    idle_errors: int = 0  # idle rounds that failed (the reader went on)
+    idle_last_error: str | None = None
     last_answers: deque = field(default_factory=lambda: deque(maxlen=20))
 
 
@@ -232,18 +234,19 @@ class ShadowService:
         if self._idle.is_alive():
             self._idle.join(timeout=30)
 
-        def close() -> int:
+        def close() -> tuple[int, list[tuple[str, str]]]:
             with self.state_lock:
                 if self.store is None:
-                    return 0
-                n = len(self.store._resident) if self.store.disk is not None else 0
-                self.store.close()
-                return n
+                    return 0, []
+                n = len(self.store.names()) if self.store.disk is not None else 0
+                return n, self.store.close()
 
-        written = self.device.run(close, "stop")
+        held, failed = self.device.run(close, "stop")
         self.device.close()
         if self.store is not None and self.store.disk is not None:
-            log.info("stopped: %d resident session(s) written to %s", written, self.store.disk)
+            log.info("stopped: %d session(s) on %s", held - len(failed), self.store.disk)
+        for name, reason in failed:
+            log.error("stopped: session %s could not be written: %s", name, reason)
 
     # turns ------------------------------------------------------------------------------
 
@@ -463,11 +466,23 @@ class ShadowService:
         return bool(self.turns) or self.waiting > 0
 
     def _idle_window(self) -> None:
+        """The idle reader's thread: one poll round after another until the stop. A round that
+        fails (a spill's disk, a bug) is logged and counted, and the next round goes on: the
+        thread never dies (status shows its errors and the last one)."""
         while not self._stop.is_set():
-            now = self.clock()
-            self._stop.wait(max(0.0, self.rule.next_poll(now + 1e-6) - now))
-            if self._stop.is_set() or self.busy() or not self.enabled:
-                continue
+            try:
+                self._idle_round()
+            except Exception as e:  # noqa: BLE001 - kept, counted, shown; the reader goes on
+                with self.state_lock:
+                    self.counters.idle_errors += 1
+                    self.counters.idle_last_error = f"{type(e).__name__}: {e}"
+                log.exception("an idle round failed; the idle reader goes on")
+                self._stop.wait(1.0)
+
+    def _idle_round(self) -> None:
+        now = self.clock()
+        self._stop.wait(max(0.0, self.rule.next_poll(now + 1e-6) - now))
+        if not (self._stop.is_set() or self.busy() or not self.enabled):
             burst_start = self.clock()
             while not self._stop.is_set() and not self.busy() and self.device.idle():
                 chunk_s = self.counters.last_chunk_ms / 1000
@@ -495,7 +510,8 @@ class ShadowService:
         with self.state_lock:
             if self._next_backlog() is not None:
                 return
-            self.store.close()
+            if self.store.close():  # a session that could not be written stays: no unload
+                return
             self.reader, self.store = None, None
             self.ready.clear()
             self._load_ended.clear()
@@ -769,5 +785,7 @@ class ShadowService:
                     "standing_pending": len(self.pending), "unloads": c.unloads,
                     "max_wait_on_reader_ms": round(c.max_wait_on_reader_ms, 3),
                 },
+                "idle_reader": {"alive": self._idle.is_alive(), "errors": c.idle_errors,
+                                "last_error": c.idle_last_error},
                 "last_answers": list(c.last_answers),
             }
