@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import shared_file
-from tests.llama_server import binary, llama_server, require_binary
+from conftest import shared_file
+from llama_server import binary, llama_server, require_binary
 
 ROOT = Path(__file__).resolve().parents[1]
 IM_END, THINK, THINK_END, TOOL_CALL, ENDOFTEXT = 248046, 248068, 248069, 248058, 248044
