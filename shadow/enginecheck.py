@@ -251,12 +251,12 @@ def run_request(client: httpx.Client, upstream: str, dialect: Dialect, endpoint:
     check = check_turn(ids)
     result.prompt_source, result.output_source = ids.prompt_source, ids.output_source
     result.prompt_ids = None if ids.prompt is None else len(ids.prompt)
-    result.output_ids = len(ids.output) if ids.output_source else None
+    result.output_ids = len(ids.output) if ids.output_source and ids.output_skipped is None else None
     result.usage_prompt, result.usage_completion = ids.prompt_tokens, ids.completion_tokens
     if reply.prompt_ids is not None and ids.prompt is not None:
         result.prompt_equal = ids.prompt == reply.prompt_ids
     shown = reply.engine_output()
-    if shown is not None and ids.output_source:
+    if shown is not None and ids.output_source and ids.output_skipped is None:
         result.output_equal = ids.output[: len(shown)] == shown
     result.verified = check.verified
     result.reasons += list(check.reasons) + ids.notes
@@ -275,7 +275,8 @@ def check_engine(upstream: str, dialect: Dialect, max_tokens: int = 16, model: s
                  progress: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
     """Every case against the engine; one result a request."""
     results = []
-    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0)) as client:
+    # idle connections given up before an engine closes them (llama.cpp: after 5 s)
+    with httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=httpx.Limits(keepalive_expiry=3.0)) as client:
         for case in cases(max_tokens, long_words):
             replies: list[Reply] = []
             for k, (endpoint, body) in enumerate(case.requests(replies, 0), start=1):

@@ -68,7 +68,8 @@ class Dialect:
     def describe(self) -> str:
         template = f" ({self.renderer.origin})" if self.renderer else " (none found: prompts are not read)"
         return (f"engine dialect {self.name}: prompt ids from {self.prompt_source}"
-                f"{template if 'template' in self.prompt_source else ''}; output ids from {self.output_source}")
+                f"{template if self.prompt_source.startswith('template') or self.name == 'sglang' else ''}; "
+                f"output ids from {self.output_source}")
 
     # the request ------------------------------------------------------------------------
 
@@ -164,15 +165,31 @@ class Dialect:
         if reply.malformed:
             t.notes.append(f"{reply.malformed} malformed event(s) skipped")
         shown = reply.engine_output()
-        if shown is not None:
+        if shown is not None and (reply.shown_output or reply.ext_output is not None):
             t.output, t.output_source = shown, "engine"
-            if not reply.shown_output and not reply.ext_output:  # ids beside logprobs may leave out the end token
-                self._end(reply, t.output, t)
+        elif shown is not None:  # the ids beside the logprobs (llama.cpp): the end token may be left out
+            t.output, t.output_source = shown, "logprobs"
+            self._end(reply, t.output, t)
         elif reply.shown_logprobs and self._from_logprobs(reply, t):
             pass
         else:
             self._retokenise(reply, body, chat, t)
+        self._read_only_if_counted(t)
         return t
+
+    @staticmethod
+    def _read_only_if_counted(t: TurnIds) -> None:
+        """An output that is not the engine's own id list (logprobs, re-tokenised text) is read
+        only when its length is the engine's count: ids known to be wrong are never read (the
+        next prompt brings the reply as the engine renders it)."""
+        want = t.completion_tokens
+        if t.output_source not in ("logprobs", "retokenised") or want is None:
+            return
+        n = len(t.output)
+        if n == want or ("end token appended" in t.notes and n - 1 == want):
+            return
+        t.output_skipped = f"output not read: {n} ids from {t.output_source}, the engine counted {want}"
+        t.output = []
 
     def _from_logprobs(self, reply: Reply, t: TurnIds) -> bool:
         table = self._id_table()
@@ -196,32 +213,36 @@ class Dialect:
         """The output re-tokenised from its text. Candidates, in order: the reply as the template
         writes it (reasoning, content, tool calls, through the end token), then the raw text with
         and without the end token, raw and stripped; the first whose length is the engine's count
-        is taken, else the first. Then, where it still does not match, it is not read at all."""
-        if self.renderer is None:
-            t.notes.append("no tokenizer to re-tokenise the output")
-            return
+        is taken, else the first (and then it is not read: `_read_only_if_counted`)."""
         candidates: list[list[int]] = []
-        if chat and reply.finish_reason in ("stop", "tool_calls"):
-            try:
-                messages, tools, kwargs = self.template_messages(body)
-                text = self.renderer.reply_text(messages, normalise_message(reply.message()), tools, kwargs,
-                                                end=self.eos_text)
+        try:
+            if chat and reply.finish_reason in ("stop", "tool_calls"):
+                text = self._reply_text(body, reply)
                 if text is not None:
-                    candidates.append(self.renderer.encode(text))
-            except Exception as e:  # noqa: BLE001 - a template that cannot write the reply: plain text below
-                t.notes.append(f"the template cannot write the reply ({type(e).__name__})")
-        raw = reply.text + "".join(c.arguments for c in reply.tool_calls.values())
-        ended = reply.finish_reason in ("stop", "tool_calls") and self.eos_id is not None
-        for text in (raw, raw.strip()):
-            ids = self.renderer.encode(text)
-            candidates += [ids + [self.eos_id], ids] if ended else [ids]
+                    candidates.append(self._encode(text))
+            raw = reply.text + "".join(c.arguments for c in reply.tool_calls.values())
+            ended = reply.finish_reason in ("stop", "tool_calls") and self.eos_id is not None
+            for text in (raw, raw.strip()):
+                ids = self._encode(text)
+                candidates += [ids + [self.eos_id], ids] if ended else [ids]
+        except Exception as e:  # noqa: BLE001 - no tokenizer, a template that cannot write it, an engine down
+            t.notes.append(f"the output could not be re-tokenised ({type(e).__name__}: {e})")
+            return
         want = t.completion_tokens
         chosen = next((c for c in candidates if len(c) == want), candidates[0])
         t.output, t.output_source = list(chosen), "retokenised"
-        if want is not None and len(chosen) != want:
-            t.output_skipped = (f"output not read: its text re-tokenises to {len(chosen)} ids, "
-                                f"the engine counted {want}")
-            t.output = []
+
+    def _reply_text(self, body: dict, reply: Reply) -> str | None:
+        """The reply as the big model's template writes it after the generation prompt."""
+        if self.renderer is None:
+            return None
+        messages, tools, kwargs = self.template_messages(body)
+        return self.renderer.reply_text(messages, normalise_message(reply.message()), tools, kwargs, end=self.eos_text)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.renderer is None:
+            raise ValueError("no tokenizer")
+        return self.renderer.encode(text)
 
     def _end(self, reply: Reply, ids: list[int], t: TurnIds) -> None:
         """Append the end token the engine stopped on and did not show."""
@@ -301,12 +322,16 @@ class SGLang(VLLM):
 
 class LlamaCpp(Dialect):
     """llama.cpp's `llama-server`: the engine's own template and tokenizer (`/apply-template`,
-    `/tokenize`) give the prompt ids; the output ids are the `id` beside each logprob (its
-    OpenAI endpoints ignore `return_tokens`)."""
+    `/tokenize`) give the prompt ids (`usage.prompt_tokens` counts them, cached or not); the
+    output ids are the `id` beside each logprob (its OpenAI endpoints ignore `return_tokens`):
+    complete, end token included, on a whole response; a streamed chat leaves out what its
+    reasoning parser holds back (`</think>` and the end token), so such an output is read only
+    when its count is the engine's."""
 
     name = "llamacpp"
     prompt_source = "engine-tokenize (/apply-template, /tokenize)"
-    output_source = "engine (the ids beside logprobs)"
+    output_source = "the ids beside logprobs (else its own template and /tokenize over the reply's text)"
+    _engine: tuple[httpx.Client, str] | None = None
 
     def ask(self, body: dict, chat: bool) -> Asked:
         sent, added = dict(body), set()
@@ -315,12 +340,36 @@ class LlamaCpp(Dialect):
             if not options.get("include_usage"):
                 sent["stream_options"] = {**options, "include_usage": True}
                 added.add("usage")
-        if not body.get("logprobs"):
-            sent["logprobs"] = True if chat else 1
+        if not body.get("logprobs") and not (body.get("stream") and body.get("tools")):
+            sent["logprobs"] = True if chat else 1  # (refused with tools on a stream: no output ids then)
             added.add("logprobs")
         return Asked(sent, frozenset(added))
 
+    def _reply_text(self, body: dict, reply: Reply) -> str | None:
+        """The reply as the engine's own template writes it: /apply-template with and without it."""
+        if self._engine is None:
+            return None
+        client, root = self._engine
+        query = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        before = client.post(root + "/apply-template", json=query, timeout=30).json()["prompt"]
+        after = client.post(root + "/apply-template", timeout=30, json=query | {
+            "messages": [*body["messages"], reply.message()], "add_generation_prompt": False}).json()["prompt"]
+        if not after.startswith(before) or self.eos_text not in after[len(before):]:
+            return None
+        rest = after[len(before):]
+        return rest[: rest.rfind(self.eos_text) + len(self.eos_text)]
+
+    def _encode(self, text: str) -> list[int]:
+        """The engine's own tokenizer (llama.cpp does not NFC-normalise, and reaches other merges)."""
+        if self._engine is None:
+            raise ValueError("the engine's tokenizer is not known yet")
+        client, root = self._engine
+        r = client.post(root + "/tokenize", json={"content": text, "parse_special": True}, timeout=30)
+        r.raise_for_status()
+        return list(r.json()["tokens"])
+
     def prompt(self, client: httpx.Client, root: str, body: dict, chat: bool) -> Prompt:
+        self._engine = (client, root)
         try:
             if chat:
                 query = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}

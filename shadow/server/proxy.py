@@ -23,7 +23,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shadow.errors import ShadowInputError
-from shadow.server.dialects import Dialect, Prompt, engine_root
+from shadow.server.dialects import Asked, Dialect, Prompt, engine_root
 from shadow.server.idcheck import check_turn
 from shadow.server.reply import Reply
 from shadow.server.channels import Channel, LineWriter
@@ -66,6 +66,7 @@ class Turn:
         self.first_due = False  # the first token came and the shadow was not told yet
         self.fed_output = 0  # output ids fed so far
         self.held: list[int] = []  # output ids not fed yet
+        self.notes: list[str] = []  # what happened to the request on its way (for the turn's record)
 
     def take_prompt(self, ids: list[int] | None) -> None:
         if ids is not None and self.fed_prompt is None and self.prompt_due is None:
@@ -171,8 +172,11 @@ class Proxy:
         self.dialect = dialect
         self.service = service
         self.label_from_upstream = label_from_upstream
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0))
-        self.sync_client = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0))  # /tokenize and the like
+        # an idle connection is given up before the engine would close it (llama.cpp: after 5 s), so
+        # a request never goes out on a connection the engine has just closed
+        limits = httpx.Limits(keepalive_expiry=3.0)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
+        self.sync_client = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0), limits=limits)  # /tokenize
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shadow-prompt")
         self.load = EngineLoad(engine_slots)  # requests in flight to the engine, its prefill rate
 
@@ -210,8 +214,7 @@ class Proxy:
             lines = Lines(channel, TurnStatus(time.monotonic()), self.load, turn_id, before, cached)
         self.load.start(turn_id, time.monotonic())
         url = self.upstream + ("/chat/completions" if chat else "/completions")
-        request = self.client.build_request("POST", url, json=asked.body, headers=self.engine_headers(request_headers))
-        sending = asyncio.ensure_future(self.client.send(request, stream=True))
+        sending = asyncio.ensure_future(self._send(url, asked, body, request_headers, turn))
         if lines is not None:
             done, _ = await asyncio.wait({sending}, timeout=lines.status.quiet_s)
             if not done:  # the engine keeps the request waiting: its stream opens at the first line
@@ -220,7 +223,7 @@ class Proxy:
                                                                    label, lines),
                                          status_code=200, media_type="text/event-stream", headers=headers)
         try:
-            upstream = await sending
+            upstream, asked = await sending
         except httpx.HTTPError as e:
             before.cancel()
             await self._end(turn_id)
@@ -253,6 +256,26 @@ class Proxy:
         return StreamingResponse(self._relay(upstream, turn, asked.added, body, chat, before, label, lines),
                                  status_code=200, headers=headers)
 
+    async def _send(self, url: str, asked: Asked, body: dict, request_headers, turn: Turn
+                    ) -> tuple[httpx.Response, Asked]:
+        """Send the request as the dialect asks it; an engine that refuses what the proxy added
+        (a 400 or 422) gets the client's request as it came instead: the client's response never
+        depends on the shadow (that turn's ids then come from what the engine shows unasked)."""
+        headers = self.engine_headers(request_headers)
+        upstream = await self.client.send(self.client.build_request("POST", url, json=asked.body, headers=headers),
+                                          stream=True)
+        if upstream.status_code not in (400, 422) or not asked.added:
+            return upstream, asked
+        refusal = (await upstream.aread()).decode("utf-8", "replace")[:300]
+        await upstream.aclose()
+        log.warning("the engine refused the fields the proxy adds (%s): %s; sent as the client sent it",
+                    ", ".join(sorted(asked.added)), refusal)
+        turn.notes.append(f"the engine refused {', '.join(sorted(asked.added))}: sent as the client sent it")
+        plain = Asked(body, frozenset())
+        upstream = await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
+                                          stream=True)
+        return upstream, plain
+
     async def _end(self, turn_id: int) -> None:
         self.load.end(turn_id)
         await asyncio.to_thread(self.service.end_turn, turn_id)
@@ -267,7 +290,8 @@ class Proxy:
             await asyncio.wait({sending}, timeout=1.0)
         failure = None
         try:
-            upstream = sending.result()
+            upstream, asked = sending.result()
+            added = asked.added
         except httpx.HTTPError as e:
             failure = f"upstream unreachable: {type(e).__name__}: {e}"
         else:
@@ -385,6 +409,7 @@ class Proxy:
             except Exception as e:  # noqa: BLE001 - a prompt that could not be had: the turn says why
                 prompt = Prompt(None, None, [f"the prompt could not be had ({type(e).__name__}: {e})"])
             ids = self.dialect.turn_ids(turn.reply, prompt, body, chat)
+            ids.notes += turn.notes
             if ids.prompt is not None and self.max_prompt_tokens is not None and len(ids.prompt) > self.max_prompt_tokens:
                 ids.notes.append(f"a prompt of {len(ids.prompt):,} ids, over the limit of {self.max_prompt_tokens:,}: not read")
                 ids.prompt, ids.prompt_source, ids.output, ids.output_source = None, None, [], None
