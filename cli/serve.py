@@ -79,6 +79,8 @@ def serve(
     max_ask_tail: Annotated[int, typer.Option(envvar=_env("max_ask_tail"), min=1, help="Most unread ids an ask or summary may prefill in one fork; a session further behind answers 503 (ask again with a longer timeout_s).")] = 16384,
     max_concurrent: Annotated[int, typer.Option(envvar=_env("max_concurrent"), min=1, help="Completion, ask and summary requests in flight (429 beyond).")] = 64,
     status_channel: Annotated[str, typer.Option(envvar=_env("status_channel"), help="Where status lines (waiting, reading N tokens, thinking, writing a file) go in streamed chat: auto (Open WebUI: status events, then reasoning; opencode: inline; other clients: none), reasoning, content, inline, off.")] = "auto",
+    voice: Annotated[bool, typer.Option(envvar=_env("voice"), help="The voice: a short phrase from the shadow's state after a thinking, decided or writing line, said only if it passes its checks (with random weights none does).")] = True,
+    voice_share: Annotated[float, typer.Option(envvar=_env("voice_share"), min=0.0, max=0.5, help="The voice's share of the time since a turn's first token (one phrase a slice of at most 150 ms).")] = 0.03,
     engine_slots: Annotated[int, typer.Option(envvar=_env("engine_slots"), min=1, help="Requests the engine prefills at once (llama.cpp's -np; high for vLLM and SGLang): a request waits behind that many.")] = 1,
 ) -> None:
     """Serve OpenAI-compatible /v1/chat/completions, /v1/completions and /v1/models from an
@@ -130,7 +132,8 @@ def serve(
                              unload_slack_gib=unload_slack_gib, engine=engine, chat_template=chat_template,
                              tokenizer_path=tokenizer_path, template_kwargs=kwargs, require_exact=require_exact,
                              access=access, limits=limits, upstream_key=upstream_api_key,
-                             lines={"status_channel": status_channel, "engine_slots": engine_slots})
+                             lines={"status_channel": status_channel, "engine_slots": engine_slots},
+                             voice={"voice": voice, "voice_share": voice_share})
     except BaseException:
         listener.close()
         raise
@@ -173,7 +176,7 @@ def _run(app, listener, host: str, port: int) -> None:
 
 def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, disk, disk_cap_gib, share, journal, upstream,
            standing_question, headers, prefix_match, label_from_upstream, unload_slack_gib, engine, chat_template,
-           tokenizer_path, template_kwargs, require_exact, access, limits, upstream_key, lines):
+           tokenizer_path, template_kwargs, require_exact, access, limits, upstream_key, lines, voice):
     """The app for these settings, and whether its weights are random."""
     from shadow.engine import open_reader
     from shadow.model import load_model
@@ -188,7 +191,8 @@ def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, dis
     from shadow.tokenizer import load_tokenizer
 
     rule = BandwidthRule(share=share)
-    options = {"prefix_match": prefix_match, "require_exact": require_exact, "max_ask_tail": limits.max_ask_tail}
+    options = {"prefix_match": prefix_match, "require_exact": require_exact, "max_ask_tail": limits.max_ask_tail,
+               "voice_share": voice["voice_share"]}
     common = {"session_headers": headers, "template_kwargs": template_kwargs, "access": access, "limits": limits,
               **lines}
     check_grid(grid)
@@ -212,7 +216,8 @@ def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, dis
 
         slack = None if unload_slack_gib is None else int(unload_slack_gib * 2**30)
         service = ShadowService(None, None, rule, journal, standing=standing, load=load, config=config,
-                                unload_slack_bytes=slack, label_from_upstream=label_from_upstream, **options)
+                                unload_slack_bytes=slack, label_from_upstream=label_from_upstream,
+                                voice_tokenizer=tokenizer if voice["voice"] else None, **options)
         app = create_app(service, tokenizer, "upstream", upstream=upstream, dialect=dialect, renderer=renderer,
                          label_from_upstream=label_from_upstream, upstream_key=upstream_key, **common)
         return app, (folder / RANDOM_MARKER).exists()
@@ -222,7 +227,8 @@ def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, dis
                          model=model)
     tokenizer = load_tokenizer(loaded.path)
     standing = load_standing(standing_question, tokenizer) if standing_question else None
-    service = ShadowService(reader, store, rule, journal, loaded.weights_label, standing=standing, **options)
+    service = ShadowService(reader, store, rule, journal, loaded.weights_label, standing=standing,
+                            voice_tokenizer=tokenizer if voice["voice"] else None, **options)
     gen_model = loaded.model if generator_model in (None, model) else load_model(
         generator_model, dtype=parse_dtype(dtype), device=device, kernels=loaded.model.kernels).model
     renderer = big_model_renderer(chat_template, tokenizer_path, None) if chat_template else None

@@ -61,7 +61,8 @@ def test_one_turn_says_nothing_for_short_work_and_each_line_at_its_moment():
     assert s.tick(134.0) == []
     assert [x.text for x in s.tick(135.0)] == ["thinking 15 s"]  # from 15 s, then every 25 s
     assert [x.text for x in s.tick(160.0)] == ["thinking 40 s"]
-    assert s.on_delta(161.0, "tool", ("write", '{"filePath": "a/render.js", "content": "x')) == []
+    (decided,) = s.on_delta(161.0, "tool", ("write", '{"filePath": "a/render.js", "content": "x'))
+    assert decided.kind == "decided" and decided.text == "thought 41 s" and decided.needs_phrase  # the voice's, or none
     assert [x.text for x in s.on_delta(163.0, "tool", ("write", '{"filePath": "a/render.js", "content": "x\\ny'))] \
         == ["writing render.js, 2 lines so far"]
     assert [x.kind for x in s.on_delta(170.0, "end")] == ["checking"]
@@ -102,10 +103,12 @@ def test_channels_carry_a_line_as_their_client_renders_it():
 
 def test_inline_lines_close_their_part_before_the_models_reasoning():
     writer = LineWriter(Channel("inline"), TurnStatus(started=0.0, new_tokens=10, rate=1.0), EngineLoad(), 1)
-    sent = writer.due(2.0)
+    sent = writer.encode(writer.due(2.0))
     assert len(sent) == 2 and writer.open_part
-    after = writer.on_delta(3.0, "reasoning")
-    assert json.loads(after[-1][6:])["choices"][0]["delta"] == {"tool_calls": []} and not writer.open_part
+    assert writer.encode(writer.before_delta(3.0, "reasoning")) == []
+    (close,) = writer.resume("reasoning")
+    assert json.loads(close[6:])["choices"][0]["delta"] == {"tool_calls": []} and not writer.open_part
+    assert writer.resume("reasoning") == []
 
 
 # through the proxy, in front of a slow engine ---------------------------------------------------------------

@@ -53,6 +53,7 @@ def create_app(
     session_headers: tuple[str, ...] = SESSION_HEADERS, label_from_upstream: bool = False,
     template_kwargs: dict | None = None, access: Access = Access(), limits: Limits = Limits(),
     upstream_key: str | None = None, status_channel: str = "auto", engine_slots: int = 1,
+    status_timing: dict | None = None,
 ) -> FastAPI:
     """Embedded mode with a `generator`; proxy mode with an `upstream` base URL (…/v1), whose
     engine speaks `dialect` (a name, a Dialect, or None: probed at start). `renderer` is the big
@@ -69,15 +70,16 @@ def create_app(
     turn_ids = itertools.count(1)
     eos_id = service.config.eos_token_id if generator is None else generator.model.config.eos_token_id
     engine = EngineChoice(upstream, dialect, renderer, eos_id, template_kwargs) if upstream else None
-    embedded = EmbeddedEngine(service, generator, tokenizer, model_name, limits, renderer, template_kwargs) \
-        if generator is not None else None
+    embedded = EmbeddedEngine(service, generator, tokenizer, model_name, limits, renderer, template_kwargs,
+                              status_timing) if generator is not None else None
     proxy_of: dict[str, Proxy] = {}
 
     def proxy() -> Proxy:
         if "p" not in proxy_of:
             proxy_of["p"] = Proxy(upstream, engine.dialect or Dialect(renderer, eos_id=eos_id), service,
                                   label_from_upstream, upstream_key=upstream_key,
-                                  max_prompt_tokens=limits.max_prompt_tokens, engine_slots=engine_slots)
+                                  max_prompt_tokens=limits.max_prompt_tokens, engine_slots=engine_slots,
+                                  tokenizer=tokenizer, timing=status_timing)
         return proxy_of["p"]
 
     @asynccontextmanager

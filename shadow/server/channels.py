@@ -81,8 +81,10 @@ def choose(setting: str, headers) -> Channel:
 
 class LineWriter:
     """A turn's status lines on their way into its stream: its `TurnStatus` kept up to date with
-    the engine's load, and each due line as its channel's SSE events (bytes). The inline channel
-    closes a line's reasoning part before the model's own reasoning goes on."""
+    the engine's load; the lines due (`due`, `before_delta`) as `Line`s, which the caller may give
+    the voice's phrases before `encode` turns them into its channel's SSE events (bytes). The
+    inline channel closes a line's reasoning part before the model's own reasoning goes on
+    (`resume`)."""
 
     def __init__(self, channel: Channel, status: TurnStatus, load: EngineLoad, turn_id: int):
         self.channel, self.status, self.load, self.turn_id = channel, status, load, turn_id
@@ -93,27 +95,32 @@ class LineWriter:
         self.status.rate = self.load.rate
         self.status.ahead = self.load.ahead(self.turn_id, now)
 
+    def due(self, now: float) -> list[Line]:
+        """Lines due now (between events, and while the engine is silent)."""
+        self.refresh(now)
+        return self.status.tick(now)
+
+    def before_delta(self, now: float, kind: str, tool: tuple[str, str] | None = None) -> list[Line]:
+        """The lines due with a delta of `kind` (reasoning, content, tool, end), to go out before it."""
+        self.refresh(now)
+        if kind != "end":
+            self.load.first_token(self.turn_id, now)
+        return self.status.on_delta(now, kind, tool)
+
     def encode(self, lines: list[Line]) -> list[bytes]:
         out = []
         for line in lines:
+            if line.needs_phrase and not (line.phrase and line.phrase.get("said")):
+                continue  # a line that is only worth its phrase
             events = self.channel.events(line, self.like)
             out += [b"data: " + json.dumps(e, ensure_ascii=False).encode() + b"\n\n" for e in events]
             if events and self.channel.name == "inline" and "choices" in events[-1]:
                 self.open_part = True
         return out
 
-    def due(self, now: float) -> list[bytes]:
-        """Lines due now (between events, and while the engine is silent)."""
-        self.refresh(now)
-        return self.encode(self.status.tick(now))
-
-    def on_delta(self, now: float, kind: str, tool: tuple[str, str] | None = None) -> list[bytes]:
-        """Before a delta of `kind` (reasoning, content, tool, end) goes out: the lines due with it."""
-        self.refresh(now)
-        if kind != "end":
-            self.load.first_token(self.turn_id, now)
-        out = self.encode(self.status.on_delta(now, kind, tool))
-        if kind == "reasoning" and self.open_part:
-            out += [b"data: " + json.dumps(e).encode() + b"\n\n" for e in self.channel.resume(self.like)]
-            self.open_part = False
-        return out
+    def resume(self, kind: str) -> list[bytes]:
+        """Before a model's reasoning delta: close the part an inline line opened."""
+        if kind != "reasoning" or not self.open_part:
+            return []
+        self.open_part = False
+        return [b"data: " + json.dumps(e).encode() + b"\n\n" for e in self.channel.resume(self.like)]

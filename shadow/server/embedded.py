@@ -23,17 +23,20 @@ from shadow.server.dialects import as_carried
 from shadow.server.generator import Generator
 from shadow.server.guard import Limits
 from shadow.server.idcheck import TurnIds, check_turn
+from shadow.server.proxy import user_language
 from shadow.server.service import ShadowService
-from shadow.server.status import EngineLoad, TurnStatus
+from shadow.server.status import EngineLoad, TurnStatus, said
 from shadow.tokenizer import Tokenizer
 
 
 class EmbeddedEngine:
     def __init__(self, service: ShadowService, generator: Generator, tokenizer: Tokenizer, model_name: str,
-                 limits: Limits, renderer: ChatRenderer | None = None, template_kwargs: dict | None = None):
+                 limits: Limits, renderer: ChatRenderer | None = None, template_kwargs: dict | None = None,
+                 timing: dict | None = None):
         self.service, self.generator, self.tokenizer = service, generator, tokenizer
         self.model_name, self.limits = model_name, limits
         self.renderer, self.template_kwargs = renderer, dict(template_kwargs or {})
+        self.timing = dict(timing or {})  # TurnStatus's thresholds (tests shorten them)
         self.eos = [generator.model.config.eos_token_id]
         self.load = EngineLoad(1)  # one request at a time: the waiting line's queue and the reading rate
 
@@ -72,14 +75,21 @@ class EmbeddedEngine:
         self.load.start(turn_id, time.monotonic(), len(prompt))  # no prefix cache: it reads the whole prompt
         lines = None
         if chat and body.get("stream") and channel.on:
-            writer = LineWriter(channel, TurnStatus(time.monotonic(), new_tokens=len(prompt)), self.load, turn_id)
+            writer = LineWriter(channel, TurnStatus(time.monotonic(), new_tokens=len(prompt), **self.timing), self.load,
+                                turn_id)
             writer.like = {"id": rid, "created": created, "model": self.model_name}
-            lines = TokenLines(writer, prompt, self.tokenizer)
+            lines = TokenLines(writer, prompt, self.tokenizer, self.service, user_language(body))
         threading.Thread(target=self._serve_turn, args=(turn_id, session, prompt, max_tokens, stop_ids, events,
                                                          reference), name="shadow-turn", daemon=True).start()
         reply = Reply(self, rid, created, chat, want_ids, prompt)
         if body.get("stream"):
-            return StreamingResponse(reply.sse(events, lines, lambda: self.load.end(turn_id)),
+            def ended() -> None:
+                self.load.end(turn_id)
+                if lines is not None:
+                    self.service.journal_lines(turn_id, session, said(lines.writer.status.lines,
+                                                                      lines.writer.status.started))
+
+            return StreamingResponse(reply.sse(events, lines, ended),
                                      media_type="text/event-stream", headers={"x-shadow-session": session})
         out, finish = [], None
         try:
@@ -104,6 +114,7 @@ class EmbeddedEngine:
         service, out = self.service, []
         try:
             service.begin_turn(turn_id, session, prompt, reference)
+            service.turns[turn_id].embedded = True  # its rounds hold the device: it serves the voice between them
             for token in self.generator.generate(prompt, max_tokens, stop_ids):
                 if not out:
                     service.first_token(turn_id)
@@ -111,6 +122,7 @@ class EmbeddedEngine:
                 events.put(("token", token))
                 service.add_output(turn_id, [token])  # the output so far is readable in the share
                 service.share_slice(turn_id)
+                service.serve_phrases(turn_id)
             events.put(("done", "stop" if out and out[-1] in self.eos else "length"))
             ids = TurnIds(list(prompt), "engine", list(out), "engine", prompt_tokens=len(prompt),
                           completion_tokens=len(out))
@@ -130,15 +142,29 @@ class TokenLines:
     and </think> (from the start, when the prompt opens a think block), a tool call between
     <tool_call> and </tool_call> (its text kept, to read its action and target), else content."""
 
-    def __init__(self, writer: LineWriter, prompt: list[int], tokenizer: Tokenizer):
-        self.writer, self.tokenizer = writer, tokenizer
+    def __init__(self, writer: LineWriter, prompt: list[int], tokenizer: Tokenizer, service: ShadowService,
+                 lang: str = "en"):
+        self.writer, self.tokenizer, self.service, self.lang = writer, tokenizer, service, lang
         tail = prompt[-2:]
         self.thinking = THINK in tail and END_THINK not in tail
         self.tool_ids: list[int] | None = None
 
-    def before(self, kind: str, value, now: float) -> list[bytes]:
+    async def voice(self, said: list) -> list:
+        """The voice's phrase after each line that takes one, written between the turn's rounds."""
+        for line in said:
+            if line.takes_phrase:
+                recent = [x.text for x in self.writer.status.lines if x is not line][-4:]
+                phrase = await asyncio.to_thread(self.service.voice_phrase, self.writer.turn_id, line.kind, (), recent,
+                                                 self.lang)
+                if phrase is not None:
+                    line.with_phrase(phrase.text, {"said": phrase.text is not None, "raw": phrase.raw,
+                                                   "reason": phrase.reason, "seconds": round(phrase.seconds, 4)})
+        return said
+
+    def before(self, kind: str, value, now: float) -> tuple[list, str]:
+        """The lines due before this event, and the event's kind (reasoning, content, tool, end)."""
         if kind != "token":
-            return self.writer.on_delta(now, "end")
+            return self.writer.before_delta(now, "end"), "end"
         if value == THINK:
             self.thinking = True
         elif value == END_THINK:
@@ -152,8 +178,9 @@ class TokenLines:
         if self.tool_ids is not None:
             text = self.tokenizer.decode(self.tool_ids)
             name = text.split("<function=", 1)[1].split(">", 1)[0] if "<function=" in text else ""
-            return self.writer.on_delta(now, "tool", (name, text))
-        return self.writer.on_delta(now, "reasoning" if self.thinking else "content")
+            return self.writer.before_delta(now, "tool", (name, text)), "tool"
+        delta = "reasoning" if self.thinking else "content"
+        return self.writer.before_delta(now, delta), delta
 
 
 class Reply:
@@ -195,7 +222,8 @@ class Reply:
                 try:
                     batch = [await asyncio.to_thread(events.get, True, 1.0 if lines else None)]
                 except queue.Empty:  # the engine is silent: lines that are due
-                    yield b"".join(lines.writer.due(time.monotonic()))
+                    said = await lines.voice(lines.writer.due(time.monotonic()))
+                    yield b"".join(lines.writer.encode(said))
                     continue
                 while True:  # whatever else is queued goes in the same write
                     try:
@@ -205,7 +233,9 @@ class Reply:
                 text = []
                 for kind, value in batch:
                     if lines is not None:
-                        text.append(b"".join(lines.before(kind, value, time.monotonic())).decode())
+                        said, delta = lines.before(kind, value, time.monotonic())
+                        said = await lines.voice(said)
+                        text.append(b"".join(lines.writer.encode(said) + lines.writer.resume(delta)).decode())
                     line, last = self.event(kind, value, out, first=not out)
                     text.append(line)
                     if last:

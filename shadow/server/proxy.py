@@ -29,6 +29,7 @@ from shadow.server.reply import Reply
 from shadow.server.channels import Channel, LineWriter
 from shadow.server.service import ShadowService
 from shadow.server.status import EngineLoad, TurnStatus
+from shadow.server.status import said as shown
 
 log = logging.getLogger("shadow.proxy")
 
@@ -133,8 +134,8 @@ class Lines(LineWriter):
             self._known = True
         super().refresh(now)
 
-    def before_event(self, event: dict, reply, now: float) -> list[bytes]:
-        """Lines due with this engine event, to go out before it."""
+    def before_event(self, event: dict, reply, now: float) -> tuple[list, str | None]:
+        """The lines due with this engine event (to go out before it), and the event's kind."""
         choices = event.get("choices") if isinstance(event.get("choices"), list) else []
         choice = choices[0] if choices and isinstance(choices[0], dict) else {}
         if self.like is None and "id" in event:
@@ -151,10 +152,10 @@ class Lines(LineWriter):
         if kind == "tool" and reply.tool_calls:
             last = reply.tool_calls[max(reply.tool_calls)]
             tool = (last.name, last.arguments)
-        out = self.on_delta(now, kind, tool) if kind else []
+        out = self.before_delta(now, kind, tool) if kind else []
         if choice.get("finish_reason") is not None:
-            out += self.on_delta(now, "end")
-        return out
+            out += self.before_delta(now, "end")
+        return out, kind
 
 
 class Proxy:
@@ -162,11 +163,13 @@ class Proxy:
 
     def __init__(self, upstream: str, dialect: Dialect, service: ShadowService, label_from_upstream: bool = False,
                  timeout_s: float = 600.0, upstream_key: str | None = None, max_prompt_tokens: int | None = None,
-                 engine_slots: int = 1):
+                 engine_slots: int = 1, tokenizer=None, timing: dict | None = None):
         """`upstream_key`: the engine's own key, sent in place of the client's `Authorization`;
         `max_prompt_tokens`: longer prompts pass to the engine but the shadow does not read them."""
         self.upstream = upstream.rstrip("/")
         self.upstream_key = upstream_key
+        self.tokenizer = tokenizer  # the shadow's: the newest text of a turn for the voice
+        self.timing = dict(timing or {})  # TurnStatus's thresholds (tests shorten them)
         self.max_prompt_tokens = max_prompt_tokens
         self.root = engine_root(upstream)
         self.dialect = dialect
@@ -211,7 +214,7 @@ class Proxy:
         turn = Turn(service, turn_id)
         lines = None
         if chat and body.get("stream") and channel.on:
-            lines = Lines(channel, TurnStatus(time.monotonic()), self.load, turn_id, before, cached)
+            lines = Lines(channel, TurnStatus(time.monotonic(), **self.timing), self.load, turn_id, before, cached)
         self.load.start(turn_id, time.monotonic())
         url = self.upstream + ("/chat/completions" if chat else "/completions")
         sending = asyncio.ensure_future(self._send(url, asked, body, request_headers, turn))
@@ -285,7 +288,7 @@ class Proxy:
         """The client's stream, opened before the engine answered: lines while it waits, then
         the engine's stream; an engine that refuses or fails ends it with an error object."""
         while not sending.done():
-            for data in lines.due(time.monotonic()):
+            for data in lines.encode(lines.due(time.monotonic())):
                 yield data
             await asyncio.wait({sending}, timeout=1.0)
         failure = None
@@ -348,13 +351,14 @@ class Proxy:
                 for line in complete:
                     event = _event(line)
                     if lines is not None and event is not None and boundary:
-                        out += lines.before_event(event, turn.reply, time.monotonic())
+                        said, kind = lines.before_event(event, turn.reply, time.monotonic())
+                        out += lines.encode(await self._voice(said, turn, lines, body)) + lines.resume(kind)
                     out.append(self._line(line, event, turn, added, body, chat))
                     boundary = line.strip() == b""
                     if event is not None and turn.reply.events == 1:
                         turn.first_due = True
                 if lines is not None and boundary:
-                    out += lines.due(time.monotonic())
+                    out += lines.encode(await self._voice(lines.due(time.monotonic()), turn, lines, body))
                 if out:
                     yield b"".join(out)
                 self._take(turn, before)
@@ -365,6 +369,25 @@ class Proxy:
             pumping.cancel()
             await upstream.aclose()
             self._finish_later(turn, before, body, chat, label, lines)
+
+    async def _voice(self, said: list, turn: Turn, lines: "Lines", body: dict) -> list:
+        """The voice's phrase after each line that takes one (thinking, decided, writing), where
+        the turn's voice budget and the device allow it now; a stream never waits for more than
+        one phrase's slice."""
+        if not said or self.tokenizer is None or self.service.voice is None:
+            return said
+        for line in said:
+            if not line.takes_phrase:
+                continue
+            reply = turn.reply
+            extra = [] if turn.fed_output else self.tokenizer.encode("".join(reply.reasoning) + "".join(reply.content))
+            recent = [x.text for x in lines.status.lines if x is not line][-4:]
+            phrase = await asyncio.to_thread(self.service.voice_phrase, turn.turn_id, line.kind, extra[-2048:],
+                                             recent, user_language(body))
+            if phrase is not None:
+                line.with_phrase(phrase.text, {"said": phrase.text is not None, "raw": phrase.raw,
+                                               "reason": phrase.reason, "seconds": round(phrase.seconds, 4)})
+        return said
 
     def _line(self, line: bytes, event: dict | None, turn: Turn, added, body: dict, chat: bool) -> bytes:
         """One SSE line as the client gets it; the shadow reads its event on the way."""
@@ -423,8 +446,7 @@ class Proxy:
             elif ids.output:
                 turn.held = list(ids.output)
             turn.feed(wait=True, share=False)
-            said = [] if lines is None else [{"kind": x.kind, "text": x.text, "t": round(x.at - lines.status.started, 3)}
-                                             for x in lines.status.lines]
+            said = [] if lines is None else shown(lines.status.lines, lines.status.started)
             service.record_turn(turn.turn_id, check_turn(ids), ids, said)
             if label is not None and service.wants_label(turn.turn_id):
                 service.upstream_label(turn.turn_id, *label())
@@ -472,3 +494,16 @@ def label_asker(upstream: str, request_headers, body: dict, question) -> Callabl
         return (answer if answer in question.labels else None), answer
 
     return ask
+
+
+def user_language(body: dict) -> str:
+    """The language of the request's last user message: 'de' or 'en' (the voice speaks it)."""
+    from shadow.voice.checks import language
+
+    for m in reversed(body.get("messages") or []):
+        if isinstance(m, dict) and m.get("role") == "user":
+            content = m.get("content")
+            text = content if isinstance(content, str) else " ".join(
+                p.get("text", "") for p in content or [] if isinstance(p, dict) and isinstance(p.get("text"), str))
+            return language(text) or "en"
+    return "en"

@@ -18,6 +18,8 @@ import os
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ from shadow.routereval import ids_crc
 from shadow.schedule import BandwidthRule
 from shadow.server.device import DeviceThread
 from shadow.server.idcheck import SessionChecks, TurnCheck, TurnIds
+from shadow.voice.voice import Phrase, Voice, VoiceBudget
 from shadow.store import SessionStore
 
 T = TypeVar("T")
@@ -51,6 +54,9 @@ class Turn:
     output_len: int = 0  # output ids fed after it
     first_token: float | None = None
     share_used: float = 0.0
+    voice: VoiceBudget = field(default_factory=VoiceBudget)
+    phrases: deque = field(default_factory=deque)  # phrase requests waiting for this turn's rounds (embedded)
+    embedded: bool = False  # the embedded engine's turn: it holds the device through its rounds
     prompt_fed: bool = False
     reference: str | None = None
 
@@ -132,7 +138,7 @@ class ShadowService:
         load: Callable[[], tuple[Reader, SessionStore, str]] | None = None, config: ModelConfig | None = None,
         unload_slack_bytes: int | None = None, pool_free: Callable[[], int] | None = None,
         label_from_upstream: bool = False, prefix_match: bool = False, require_exact: bool = False,
-        max_branches: int = 8, max_ask_tail: int | None = None,
+        max_branches: int = 8, max_ask_tail: int | None = None, voice_tokenizer=None, voice_share: float = 0.03,
     ):
         if (reader is None or store is None) and (load is None or config is None):
             raise ValueError("give a reader and a store, or a function that loads them and the model's config")
@@ -149,6 +155,9 @@ class ShadowService:
         self.label_from_upstream = label_from_upstream  # a turn with no label header: the proxy asks the engine
         self._awaiting_label: dict[int, dict] = {}  # turn id -> a standing answer waiting for its label
         self._pool_free = pool_free or self._cuda_pool_free
+        self.voice_tokenizer = voice_tokenizer  # with it, the voice writes phrases after status lines
+        self.voice_share = voice_share
+        self.voice: Voice | None = None
         if reader is not None and store is not None:
             self._use(reader, store, weights)
         self.rule = rule
@@ -181,6 +190,7 @@ class ShadowService:
 
     def _use(self, reader: Reader, store: SessionStore, weights: str) -> None:
         self.reader, self.store, self.weights = reader, store, weights
+        self.voice = Voice(reader, self.voice_tokenizer) if self.voice_tokenizer is not None else None
         self.weights_hash = store.identity.weights_hash
         self.ready.set()
         self._load_ended.set()
@@ -277,7 +287,8 @@ class ShadowService:
         differs), on the device thread. Checks ids before any change."""
         ids = None if prompt_ids is None or not self.ready.is_set() else self.reader.check_ids(prompt_ids)
         with self.state_lock:
-            self.turns[turn_id] = Turn(session, self.clock(), requested=requested, reference=reference)
+            self.turns[turn_id] = Turn(session, self.clock(), requested=requested, reference=reference,
+                                       voice=VoiceBudget(self.voice_share))
             self.counters.requests += 1
         if ids is not None:
             self.set_prompt(turn_id, ids)
@@ -397,6 +408,14 @@ class ShadowService:
             log.warning("session %s: turn %s does not match the engine (%s); the session is not exact from here on",
                         name, turn_id, "; ".join(check.reasons))
 
+    def journal_lines(self, turn_id: int, session: str, lines: list[dict]) -> None:
+        """The status lines a turn's client was shown, each with its kind, time and voice phrase
+        (the embedded engine's turns: their check is journaled before their stream ends)."""
+        if lines:
+            with self.state_lock:
+                self._journal({"kind": "status_lines", "session": session, "turn": turn_id, "status_lines": lines,
+                               "time": time.time()})
+
     def exactness(self, session: str) -> dict:
         """What the session's answers say of its ids: exact (every turn verified) or why not."""
         with self.state_lock:
@@ -411,6 +430,51 @@ class ShadowService:
     def first_token(self, turn_id: int) -> None:
         with self.state_lock:
             self.turns[turn_id].first_token = self.clock()
+
+    # the voice ---------------------------------------------------------------------------
+
+    def voice_phrase(self, turn_id: int, kind: str, extra: Sequence[int] = (), recent: Sequence[str] = (),
+                     lang: str = "en", wait_s: float = 0.3) -> Phrase | None:
+        """A voice phrase for a status line of this turn, if the turn's voice budget holds one and
+        the device can write it now: at once where the device is free (proxy mode), else between
+        two of the turn's own rounds (embedded), waiting at most `wait_s`. None: nothing tried."""
+        with self.state_lock:
+            turn = self.turns.get(turn_id)
+            if (self.voice is None or not self.enabled or turn is None or turn.session is None or not turn.prompt_fed
+                    or not turn.voice.allows(turn.first_token, self.clock(), self.voice.cost_s)):
+                return None
+        job = lambda: self._phrase(turn, kind, extra, recent, lang)  # noqa: E731
+        ran, result = self.device.run_if_idle(job, "voice")
+        if ran:
+            return result
+        if turn.embedded:  # the turn's own rounds hold the device: it serves phrases between them
+            request = Future()
+            turn.phrases.append((job, request))
+            try:
+                return request.result(timeout=wait_s)
+            except FutureTimeout:
+                request.cancel()
+        return None
+
+    def serve_phrases(self, turn_id: int) -> None:
+        """Between two rounds of a turn, on the device: write the phrases its stream asked for."""
+        turn = self.turns.get(turn_id)
+        while turn is not None and turn.phrases:
+            job, request = turn.phrases.popleft()
+            if request.set_running_or_notify_cancel():
+                try:
+                    request.set_result(job())
+                except Exception as e:  # noqa: BLE001 - the stream gets no phrase; the turn goes on
+                    request.set_exception(e)
+
+    def _phrase(self, turn: Turn, kind: str, extra, recent, lang) -> Phrase | None:
+        with self.state_lock:
+            session = self.store.get(turn.session)
+        if not self.voice.fits(session, extra):
+            return None
+        phrase = self.voice.phrase(session, kind, extra, recent, lang)
+        turn.voice.used_s += phrase.seconds
+        return phrase
 
     def add_output(self, turn_id: int, ids: Sequence[int]) -> None:
         """Append output ids, unless a newer turn of the session has fed its prompt since (that

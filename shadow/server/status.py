@@ -153,10 +153,29 @@ def tool_action(name: str, arguments: str) -> tuple[str, str | None, int | None]
 
 @dataclass
 class Line:
-    kind: str  # waiting, reading, thinking, writing, checking, waited
+    kind: str  # waiting, reading, thinking, decided, writing, checking, waited
     text: str
     at: float
     before_first_token: bool
+    needs_phrase: bool = False  # said only with the voice's phrase after it (decided)
+    phrase: dict | None = None  # the voice's attempt: text said (or None), reason, seconds
+
+    def with_phrase(self, text: str | None, record: dict) -> "Line":
+        self.phrase = record
+        if text:
+            self.text = f"{self.text}: {text}"
+        return self
+
+    @property
+    def takes_phrase(self) -> bool:
+        return self.kind in ("thinking", "decided", "writing")
+
+
+def said(lines: list[Line], started: float) -> list[dict]:
+    """The lines a client was shown, as journal records (a line only worth its phrase, without
+    one, was not shown)."""
+    return [{"kind": x.kind, "text": x.text, "t": round(x.at - started, 3)} | ({"phrase": x.phrase} if x.phrase else {})
+            for x in lines if not (x.needs_phrase and not (x.phrase and x.phrase.get("said")))]
 
 
 @dataclass
@@ -173,6 +192,7 @@ class TurnStatus:
     progress_every_s: float = 10.0
     thinking_from_s: float = 15.0
     thinking_every_s: float = 25.0
+    decided_after_s: float = 10.0
     lines: list[Line] = field(default_factory=list)
     first_token: float | None = None
     _last_progress: float | None = None
@@ -182,8 +202,8 @@ class TurnStatus:
     _tool_said: float | None = None
     _tool: tuple[str, str] = ("", "")
 
-    def _say(self, kind: str, text: str, now: float) -> Line:
-        line = Line(kind, text, now, self.first_token is None)
+    def _say(self, kind: str, text: str, now: float, needs_phrase: bool = False) -> Line:
+        line = Line(kind, text, now, self.first_token is None, needs_phrase)
         self.lines.append(line)
         return line
 
@@ -237,6 +257,9 @@ class TurnStatus:
                 self._thinking_since = now
                 self._next_thinking = now + self.thinking_from_s
         else:
+            if self._next_thinking is not None and now - self._thinking_since >= self.decided_after_s:
+                # a thought of at least 10 s is over: what it decided, if the voice can say it
+                out.append(self._say("decided", f"thought {round(now - self._thinking_since)} s", now, True))
             self._next_thinking = None  # the thinking is over
         if kind == "tool" and tool is not None:
             if self._tool_since is None:

@@ -1,0 +1,93 @@
+"""The voice (seed 002, 22.2): the engine writes the facts of a status line; the small model writes
+only a short phrase after them, from the shadow's exact state of the session: a fork (the
+session's unread tail, the newest text not yet in the session, a question), a few greedy
+tokens, the session left bit-equal. Every phrase passes `checks.check` before it is said.
+
+Its time is rationed like the shadow's: a share (default 3 %) of the time since the turn's first
+token, one phrase in one slice of at most 150 ms between the engine's rounds or streamed deltas;
+a phrase the measured cost says would not fit is not tried.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shadow.chat import render_question
+from shadow.reader import Reader, Session
+from shadow.tokenizer import Tokenizer
+from shadow.voice.checks import check
+
+QUESTIONS = {
+    "en": {
+        "thinking": "In at most eight plain words, what is the reasoning above working on right now?",
+        "decided": "In at most eight plain words, what did the reasoning above decide?",
+        "writing": "In at most eight plain words, what is the file being written above for?",
+    },
+    "de": {
+        "thinking": "In höchstens acht einfachen Worten: woran arbeitet das Denken oben gerade?",
+        "decided": "In höchstens acht einfachen Worten: was hat das Denken oben entschieden?",
+        "writing": "In höchstens acht einfachen Worten: wofür ist die Datei, die oben geschrieben wird?",
+    },
+}
+NO_THINKING = "<think>\n\n</think>\n\n"  # the answer starts at once (Qwen3.5's template with thinking off)
+
+
+@dataclass(frozen=True)
+class Phrase:
+    text: str | None  # what is said after the line's facts, None when nothing is
+    raw: str  # what the small model wrote
+    reason: str | None  # why it is not said (a check's reason), None when it is
+    seconds: float
+    tokens: int
+
+
+@dataclass
+class VoiceBudget:
+    """A turn's voice time: `share` of the time since its first token, in slices of at most `slice_s`."""
+
+    share: float = 0.03
+    slice_s: float = 0.15
+    used_s: float = 0.0
+
+    def allows(self, first_token: float | None, now: float, cost_s: float | None) -> bool:
+        if first_token is None:
+            return False
+        budget = self.share * max(0.0, now - first_token) - self.used_s
+        need = cost_s if cost_s is not None else self.slice_s  # unmeasured: a whole slice must be there
+        return need <= self.slice_s and need <= budget
+
+
+class Voice:
+    """Phrases from a reader's sessions. `phrase` runs on the device (it forks the session)."""
+
+    def __init__(self, reader: Reader, tokenizer: Tokenizer, max_tokens: int = 12, window: int = 2048,
+                 max_tail: int | None = None):
+        self.reader, self.tokenizer = reader, tokenizer
+        self.max_tokens, self.window = max_tokens, window
+        self.max_tail = max_tail if max_tail is not None else 2 * reader.grid  # unread ids a phrase may prefill
+        self.cost_s: float | None = None  # measured, decaying toward new phrases
+        self.eos = reader.model.config.eos_token_id
+        self.newline = set(tokenizer.encode("\n"))
+
+    def question(self, kind: str, lang: str) -> list[int]:
+        text = QUESTIONS.get(lang, QUESTIONS["en"])[kind]
+        return self.tokenizer.encode(render_question(text) + NO_THINKING)
+
+    def fits(self, session: Session, extra: Sequence[int]) -> bool:
+        return len(session.ids) - session.committed + len(extra) <= self.max_tail
+
+    def phrase(self, session: Session, kind: str, extra: Sequence[int] = (), recent: Sequence[str] = (),
+               lang: str = "en") -> Phrase:
+        """A phrase of `kind` (thinking, decided, writing) about the session and `extra` (the
+        newest ids the session does not hold yet), checked against what the fork read."""
+        start = time.perf_counter()
+        ids = self.reader.decode(session, list(extra) + self.question(kind, lang), self.max_tokens,
+                                 stop=[self.eos, *self.newline])
+        seconds = time.perf_counter() - start
+        self.cost_s = seconds if self.cost_s is None else 0.7 * self.cost_s + 0.3 * seconds
+        raw = self.tokenizer.decode([i for i in ids if i != self.eos and i not in self.newline]).strip()
+        read = self.tokenizer.decode((list(session.ids) + list(extra))[-self.window:])
+        reason = check(raw, read, QUESTIONS.get(lang, QUESTIONS["en"]).values(), recent, lang)
+        return Phrase(raw if reason is None else None, raw, reason, seconds, len(ids))
