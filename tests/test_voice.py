@@ -1,0 +1,145 @@
+"""The voice: its checks on hand-written phrases (every rule), its fork leaving the session bit for
+bit as it was, and, with random weights, nothing said (through a proxy whose engine thinks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from serving import GRID, long_text, running, serving, settled
+from shadow.voice.checks import REASONS, check, language
+from shadow.voice.voice import Voice, VoiceBudget
+
+READ = ("The test in tests/test_grid.py fails: the chunk at row 3072 is read twice. Looking at reader.py, "
+        "the advance loop checks the committed length before the marks. Fixing the loop order should help.")
+
+
+@pytest.mark.parametrize("phrase, reason", [
+    ("fixing the advance loop order in reader.py", None),
+    ("", "empty"),
+    ("checking why the chunk at row 3072 is read twice and what the loop does about the marks order", "too long"),
+    ("fixing the **advance** loop", "markup"),
+    ("see `reader.py`", "markup"),
+    ("I am fixing the loop", "first person"),
+    ("we fix the advance loop", "first person"),
+    ("fixing the loop in writer.py", "unread name"),
+    ("the chunk at row 4096", "unread number"),
+    ("rewriting the tokenizer cache eviction", "unread words"),
+    ("what did the reasoning above decide", "example"),
+    ("fixing the advance loop order", "repeat"),
+    ("die Schleife im reader.py reparieren", "language"),
+])
+def test_every_rule_of_the_checks(phrase, reason):
+    examples = ["What did the reasoning above decide?"]
+    recent = ["reading 20,745 tokens", "thinking 25 s: fixing the advance loop order now"]
+    said = check(phrase, READ, examples, recent, user_language="en")
+    assert said == reason
+    assert reason is None or reason in REASONS
+
+
+def test_language_is_told_by_function_words():
+    assert language("the loop of the reader is fixed") == "en"
+    assert language("die Schleife des Lesers wird repariert und ist fertig") == "de"
+    assert language("reader.py 3072") is None
+    assert check("die Schleife im Leser prüfen", "die Schleife im Leser prüfen und das Gitter", user_language="de") is None
+
+
+def test_the_budget_is_a_share_of_the_time_since_the_first_token_in_capped_slices():
+    b = VoiceBudget(share=0.03, slice_s=0.15)
+    assert not b.allows(None, 10.0, 0.05)  # no first token yet
+    assert not b.allows(0.0, 4.0, None)  # unmeasured: a whole slice must be there (0.12 s is not)
+    assert b.allows(0.0, 5.5, None)
+    assert b.allows(0.0, 2.0, 0.05) and not b.allows(0.0, 1.0, 0.05)
+    assert not b.allows(0.0, 100.0, 0.2)  # a phrase longer than a slice is never tried
+    b.used_s = 0.05
+    assert not b.allows(0.0, 2.0, 0.05)
+
+
+def test_a_phrase_leaves_the_session_bit_equal(tiny, tokenizer):
+    from shadow.engine import open_reader
+
+    _, reader = open_reader("tiny", grid=GRID)
+    session = reader.new_session("v")
+    reader.feed_prompt(session, tokenizer.encode(long_text(4, 300)))
+    reader.advance(session, max_chunks=1)  # a pending tail stays unread
+    before = {k: v.clone() for k, v in session.state.tensors().items()}
+    ids, committed = list(session.ids), session.committed
+    voice = Voice(reader, tokenizer)
+    phrase = voice.phrase(session, "thinking", extra=tokenizer.encode(" the newest reasoning"))
+    after = session.state.tensors()
+    assert session.ids == ids and session.committed == committed
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert phrase.tokens >= 1 and phrase.seconds > 0 and voice.cost_s == phrase.seconds
+    assert phrase.text is None and phrase.reason in REASONS  # random weights: noise, and not said
+
+
+def test_with_random_weights_the_lines_go_out_without_a_phrase(tiny, tmp_path):
+    """A proxied turn that thinks for 3 s (thinking lines from 0.5 s): the voice tries a phrase
+    after each thinking line, random weights write noise, the checks refuse it, the line goes
+    out with its facts alone, and the journal keeps each attempt and its reason."""
+    from test_status import MARK, renderer, slow_engine
+    from shadow.server.service import ShadowService
+
+    app_engine = thinking_engine(3.0)
+    journal = tmp_path / "j.jsonl"
+    with serving(app_engine) as engine, running(upstream=str(engine.base_url).rstrip("/") + "/v1", dialect="openai",
+                                                renderer=renderer(), status_channel="reasoning", journal=journal,
+                                                status_timing={"thinking_from_s": 0.5, "thinking_every_s": 0.8,
+                                                               "quiet_s": 0.2}) as (proxy, service):
+        from shadow.voice.voice import Voice
+
+        service.voice = Voice(service.reader, __import__("shadow.tokenizer", fromlist=["x"]).load_tokenizer(None))
+        service.voice_share = 0.9  # the test's turn is short: a share large enough to try
+        events = []
+        with proxy.stream("POST", "/v1/chat/completions", headers={"x-session-id": "think"},
+                          json={"messages": [{"role": "user", "content": long_text(2, 200)}], "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+        settled(service)
+    lines = [e["choices"][0]["delta"]["reasoning_content"] for e in events
+             if e.get("choices") and MARK in (e["choices"][0]["delta"].get("reasoning_content") or "")]
+    thinking = [x for x in lines if "thinking" in x]
+    assert thinking and all(":" not in x.split("thinking", 1)[1] for x in thinking)  # no phrase after the facts
+    records = [json.loads(x) for x in journal.read_text().splitlines()]
+    (turn,) = [r for r in records if r.get("kind") == "turn"]
+    tried = [x["phrase"] for x in turn["status_lines"] if x.get("phrase")]
+    assert tried and all(not p["said"] and p["reason"] in REASONS for p in tried)
+    _ = (ShadowService, slow_engine)
+
+
+def thinking_engine(seconds: float):
+    """An engine that streams reasoning for `seconds`, then an answer."""
+    import asyncio
+
+    from fastapi import FastAPI, Request
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "m"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        await request.json()
+
+        async def events():
+            def chunk(delta, finish=None):
+                return "data: " + json.dumps({"id": "t", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                              "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+            yield chunk({"role": "assistant", "content": ""})
+            steps = int(seconds / 0.1)
+            for k in range(steps):
+                await asyncio.sleep(0.1)
+                yield chunk({"reasoning_content": f" step {k} of the grid reader"})
+            yield chunk({"content": "done"}, "stop")
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
