@@ -254,7 +254,7 @@ class ReadScheduler:
 
     def _whole(self, s: _Session) -> int:
         n = max(0, (s.known - s.committed) // self.grid)
-        if s.stop is not None and s.committed < s.stop:
+        if s.stop is not None and s.committed <= s.stop:  # held at the line until answered
             n = min(n, (s.stop - s.committed) // self.grid)
         return n
 
