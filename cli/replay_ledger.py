@@ -164,10 +164,10 @@ def replay_ledger(
         where = f"{rate:g} ms/1k" + (f", priorities {prio.label}" if multi else "")
         if r.share is None:
             console.print(f"share for {r.target_pct:g} % fresh ({where}): not reached at {r.below:.0%} "
-                          f"({r.below_pct:.1f} %)")
+                          f"({r.below_pct:.2f} %)")
         else:
-            below = "" if r.below is None else f"; {r.below:.2%} gives {r.below_pct:.1f} %"
-            console.print(f"share for {r.target_pct:g} % fresh ({where}): {r.share:.2%} ({r.fresh_pct:.1f} %{below})")
+            below = "" if r.below is None else f"; {r.below:.2%} gives {r.below_pct:.2f} %"
+            console.print(f"share for {r.target_pct:g} % fresh ({where}): {r.share:.2%} ({r.fresh_pct:.2f} %{below})")
     checks = monotone_checks(arms, [r for _, _, r in solved])
     for line in checks["failures"]:
         console.print(f"[bold red]check failed:[/] {line}")

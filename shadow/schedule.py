@@ -30,6 +30,25 @@ Which session: among resident sessions with a whole chunk to read, by the `Prior
 order (each switchable): a pending ask or standing question first, then sessions with a turn in
 flight, then by recency of their last turn start, then the oldest backlog (the longest since it
 last had no whole chunk), then the order sessions were first seen.
+
+Driving it (the replay does exactly this per engine; a live caller under its own lock):
+
+- at load: read a scratch session of a few chunks at a few depths and `costs.warm(depth, s)`
+  each (device synchronised, the first chunk after a load left out), so no chunk is ever read
+  inside a stream just to measure it;
+- a request arrives: `turn_started(turn, session, now)` (and `waiting(n, now)` whenever the count
+  of requests queued for the device changes); its prompt fed: `update(session, committed, known,
+  now)`; a standing question registered: `question(session, now, stop=line)`;
+- its first token: `first_token(turn, now)`;
+- between two decode rounds or streamed deltas: `update` with the output ids fed, then
+  `next_read(now, between_rounds=True)`; a `Read` is read (its `chunks` of its `session`, which
+  may be another session than the turn's), then `read_done(read, chunks, seconds, now)` and
+  `update` with the session's true state;
+- the idle poller, on the device before every chunk: `next_read(now)`; a `Read` is one chunk,
+  then `read_done` and `update`; a `Wait` says when a tick or nothing new can change the answer;
+- the turn over: `turn_ended(turn, now)`; a session spilled to disk or loaded back: `update(...,
+  resident=False/True)`; an ask: `question(session, now)`, its reads reported as
+  `read_done(Read(session, k, "ask", depth, None), k, seconds, now)`, then `answered`.
 """
 
 from __future__ import annotations
@@ -208,6 +227,8 @@ class ReadScheduler:
         self.sessions: dict[str, _Session] = {}
         self._ready: set[str] = set()  # resident sessions with a whole chunk to read
         self._heap: list[tuple[tuple, int, str]] = []  # (rank, version, name) of ready sessions
+        self._versions = 0  # one counter for all sessions, so a forgotten name's entries stay stale
+        self._seen = 0
         self._turns: dict[object, tuple[str, bool]] = {}  # turn -> (session, decoding)
         self._running: dict[str, int] = {}  # session -> turns in flight
         self._decoding = 0
@@ -224,7 +245,8 @@ class ReadScheduler:
         not) and whether its state is resident (spilled sessions are not read until fed again)."""
         s = self.sessions.get(name)
         if s is None:
-            s = self.sessions[name] = _Session(name, len(self.sessions))
+            self._seen += 1
+            s = self.sessions[name] = _Session(name, self._seen)
         s.committed, s.known, s.resident = committed, known, resident
         self._refresh(s, now)
 
@@ -235,7 +257,8 @@ class ReadScheduler:
     def question(self, name: str, now: float, stop: int | None = None) -> None:
         """A pending ask or standing question on `name` (read it first). `stop`: the grid line the
         reader must not pass before the question is answered (a standing question's insertion
-        point, rounded down to the grid); None reads on."""
+        point, rounded down to the grid): the session's whole chunks end there, and at the line it
+        has none until `answered`; None reads on."""
         s = self.sessions.get(name)
         if s is not None:
             s.question, s.stop = True, stop
@@ -246,6 +269,10 @@ class ReadScheduler:
         if s is not None:
             s.question, s.stop = False, None
             self._refresh(s, now, rerank=True)
+
+    def has_backlog(self) -> bool:
+        """Whether some resident session has a whole chunk to read (an idle burst would read)."""
+        return bool(self._ready)
 
     def whole_chunks(self, name: str) -> int:
         """Whole chunks the reader may read of `name` now (0 if unknown, or held at a question)."""
@@ -268,7 +295,8 @@ class ReadScheduler:
             s.backlog_since = None
         if ready and (rerank or s.name not in self._ready):
             self._ready.add(s.name)
-            s.version += 1
+            self._versions += 1
+            s.version = self._versions
             heapq.heappush(self._heap, (self._key(s), s.version, s.name))
             if len(self._heap) > 4 * len(self._ready) + 64:  # drop stale entries
                 self._heap = [e for e in self._heap if self._current(e)]

@@ -245,7 +245,8 @@ def test_pack_hits_its_target_density(target):
         copies = len(rs) // len(own)
         assert len(rs) == copies * len(own)
         for c in range(copies):
-            mine = sorted((r for r in rs if (r.session.split("~")[1:] or ["1"])[0] == str(c + 1)), key=lambda r: r.start)
+            copy = [r for r in rs if (r.session.split("~")[1:] or ["1"])[0] == str(c + 1)]
+            mine = sorted(copy, key=lambda r: r.start)
             shift = mine[0].start - own[0].start
             assert [(r.start - shift, r.end - shift, r.prompt_tokens) for r in mine] == \
                 [(pytest.approx(r.start), pytest.approx(r.end), r.prompt_tokens) for r in own]
