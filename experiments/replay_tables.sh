@@ -28,10 +28,10 @@ for step in $steps; do
     trajectories)  # the 42 sessions as they ran (about 3.5 active at once)
       run trajectories "$TRAJ" --read-ms-per-1k 87 --read-rate-json "$H200" --share 0.02 --share 0.05 \
         --priorities all --priorities none --solve-share 97 --write-ledger "$LEDGER" ;;
-    packed)  # 24 active at once on one engine: the priorities side by side, each step switched off
+    packed)  # 24 active at once on one engine: the priorities side by side, each step switched off, and the fewest step on
       run packed "$LEDGER" --pack 24 --read-rate-json "$H200" --share 0.02 --share 0.05 --priorities all \
         --priorities none --priorities recent,oldest --priorities running,oldest --priorities running,recent \
-        --priorities recent --solve-share 97 ;;
+        --priorities recent --priorities question,running,fewest,recent,oldest --solve-share 97 ;;
     density)  # freshness against density: 4 to 48 active at once on one engine
       for k in 4 8 16 24 32 48; do
         run "density-$k" "$LEDGER" --pack "$k" --read-rate-json "$H200" --share 0.02 --solve-share 97

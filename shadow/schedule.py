@@ -29,7 +29,9 @@ or a `Wait` (when to look again). The rule it applies (`BandwidthRule`):
 Which session: among resident sessions with a whole chunk to read, by the `Priorities` steps in
 order (each switchable): a pending ask or standing question first, then sessions with a turn in
 flight, then by recency of their last turn start, then the oldest backlog (the longest since it
-last had no whole chunk), then the order sessions were first seen.
+last had no whole chunk), then the order sessions were first seen. An extra step, off by
+default, ranks by the fewest whole chunks to read (the session nearest to fresh) after the turns
+in flight.
 
 Driving it (the replay does exactly this per engine; a live caller under its own lock):
 
@@ -87,36 +89,39 @@ class BandwidthRule:
         return max(0, int((min(budget_s, self.slice_s) + 1e-12) // chunk_s))
 
 
-STEPS = ("question", "running", "recent", "oldest")
+STEPS = ("question", "running", "fewest", "recent", "oldest")
 
 
 @dataclass(frozen=True)
 class Priorities:
-    """The order sessions are read in, step by step; a step switched off ranks every session equal."""
+    """The order sessions are read in, step by step; a step switched off ranks every session equal.
+    'all' is the four default steps; `fewest` is an extra step, off by default."""
 
     question: bool = True  # a pending ask or standing question first
     running: bool = True  # then sessions with a turn in flight
+    fewest: bool = False  # then the fewest whole chunks to read first (the nearest to fresh)
     recent: bool = True  # then the most recent last turn first
     oldest: bool = True  # then the oldest backlog first
 
     @classmethod
     def parse(cls, spec: str) -> Priorities:
-        """'all', 'none', or steps joined by commas ('running,recent')."""
+        """'all' (the four default steps), 'none', or steps joined by commas ('running,recent')."""
         spec = spec.strip().lower()
         if spec == "all":
             return cls()
         if spec == "none":
-            return cls(False, False, False, False)
-        steps = {s.strip() for s in spec.split(",") if s.strip()}
+            return cls(**{step: False for step in STEPS})
+        steps = {x.strip() for x in spec.split(",") if x.strip()}
         unknown = steps - set(STEPS)
         if unknown or not steps:
             raise ValueError(f"priorities are 'all', 'none' or steps among {', '.join(STEPS)} (got {spec!r})")
-        return cls(*(s in steps for s in STEPS))
+        return cls(**{step: step in steps for step in STEPS})
 
     @property
     def label(self) -> str:
-        on = [f.name for f in fields(self) if getattr(self, f.name)]
-        return "all" if len(on) == len(STEPS) else ",".join(on) or "none"
+        if self == Priorities():
+            return "all"
+        return ",".join(f.name for f in fields(self) if getattr(self, f.name)) or "none"
 
 
 class ChunkCosts:
@@ -214,6 +219,7 @@ class _Session:
     question: bool = False
     stop: int | None = None  # a standing question's grid line: read no further until answered
     version: int = 0  # bumped whenever its rank changes: older heap entries are stale
+    ranked_whole: int = -1  # its whole chunks when last ranked (the `fewest` step ranks by them)
 
 
 class ReadScheduler:
@@ -287,8 +293,11 @@ class ReadScheduler:
 
     def _refresh(self, s: _Session, now: float, rerank: bool = False) -> None:
         """Keep `_ready` and the rank heap in step with the session's backlog."""
-        ready = s.resident and self._whole(s) > 0
-        if self._whole(s) > 0:
+        whole = self._whole(s)
+        ready = s.resident and whole > 0
+        if self.priorities.fewest and whole != s.ranked_whole:
+            rerank = True
+        if whole > 0:
             if s.backlog_since is None:
                 s.backlog_since, rerank = now, True
         else:
@@ -296,7 +305,7 @@ class ReadScheduler:
         if ready and (rerank or s.name not in self._ready):
             self._ready.add(s.name)
             self._versions += 1
-            s.version = self._versions
+            s.version, s.ranked_whole = self._versions, whole
             heapq.heappush(self._heap, (self._key(s), s.version, s.name))
             if len(self._heap) > 4 * len(self._ready) + 64:  # drop stale entries
                 self._heap = [e for e in self._heap if self._current(e)]
@@ -371,6 +380,7 @@ class ReadScheduler:
         return (
             -1 if p.question and s.question else 0,
             -1 if p.running and s.name in self._running else 0,
+            self._whole(s) if p.fewest else 0,
             -s.last_turn if p.recent else 0.0,
             s.backlog_since if p.oldest and s.backlog_since is not None else 0.0,
             s.order,

@@ -223,3 +223,20 @@ def test_spilled_sessions_wait_and_updates_move_read_positions():
     assert s.sessions["disk"].committed == 4 * G
     s.forget("disk")
     assert s.next_read(0.4) == Wait(math.inf)
+
+
+def test_the_fewest_step_reads_the_session_nearest_to_fresh_first():
+    s = scheduler(chunk_s=0.001, priorities=Priorities.parse("fewest"))
+    s.update("far", 0, 5 * G, now=0.0)
+    s.update("near", 0, 2 * G, now=0.0)
+    s.turn_started("t", "far", 0.0)
+    s.first_token("t", 0.0)
+    reads = []
+    while isinstance(d := s.next_read(100.0, between_rounds=True), Read):
+        reads.append((d.session, d.chunks))
+        s.read_done(d, 1, 0.0, 100.0)  # one chunk at a time: the ranks follow the backlogs
+        if len(reads) > 20:
+            break
+    assert reads[:2] == [("near", 2), ("near", 1)] and reads[2][0] == "far"
+    assert Priorities.parse("question,running,fewest,recent,oldest").label == "question,running,fewest,recent,oldest"
+    assert Priorities().label == "all" and not Priorities().fewest
