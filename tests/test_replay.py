@@ -187,7 +187,7 @@ def fleet_ledger(seed: int, sessions: int = 30) -> list[Request]:
             first = t + rng.uniform(0.05, 1.5)
             end = first + rng.uniform(1.0, 30.0)
             output = rng.randint(20, 900)
-            out.append(Request(f"s{s}", t, first, end, prompt, rng.randint(300, 4000), output))
+            out.append(Request(f"s{s}", t, first, end, prompt, min(prompt, rng.randint(300, 4000)), output))
             prompt += output
             t = end + rng.choice([0.0, 0.3, 2.0, 20.0])
     return out
@@ -322,3 +322,42 @@ def test_bad_mooncake_line_is_named(tmp_path):
     path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}\n{"timestamp": 1}\n')
     with pytest.raises(ShadowInputError, match="m.jsonl:2: not a Mooncake trace line"):
         import_mooncake(path, ServiceModel())
+
+
+def test_the_command_replays_a_packed_fleet_solves_the_share_and_checks(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    ledger = tmp_path / "l.jsonl"
+    write_ledger(ledger, fleet_ledger(11))
+    result = CliRunner().invoke(app, [
+        "replay-ledger", str(ledger), "--read-ms-per-1k", "30", "--read-ms-per-1k", "10", "--share", "0.02",
+        "--engines", "2", "--pack", "8", "--priorities", "all", "--priorities", "none", "--solve-share", "90", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output.strip().splitlines()[-1])
+    assert doc["engines"] == 2 and doc["density"]["active_per_engine"] == pytest.approx(4.0, rel=1e-3)
+    assert [(a["priorities"], a["share"]) for a in doc["arms"]] == \
+        [("all", 0.0)] * 2 + [("all", 0.02)] * 2 + [("none", 0.0)] * 2 + [("none", 0.02)] * 2
+    assert doc["checks"] == {"ok": True, "failures": []} and "checks: more share never less fresh" in result.output
+    assert len(doc["solve"]) == 4
+    for s in doc["solve"]:
+        assert s["monotone"] and (s["share"] is None or s["fresh_pct"] >= 90 > s["below_fresh_pct"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--route", "random"], "--route one of affinity, hash, round-robin"),
+    (["--engines", "0"], "--engines is at least 1"),
+    (["--priorities", "fastest"], "priorities are 'all', 'none'"),
+    (["--pack", "0"], "--pack needs a positive number"),
+    (["--solve-share", "120"], "--solve-share is a percentage"),
+], ids=["route", "engines", "priorities", "pack", "solve-share"])
+def test_the_command_refuses_bad_fleet_options(tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    ledger = tmp_path / "l.jsonl"
+    write_ledger(ledger, fleet_ledger(1, sessions=2))
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger), *args])
+    assert result.exit_code == 2 and message in result.output, result.output
