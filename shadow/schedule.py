@@ -33,7 +33,8 @@ last had no whole chunk), then the order sessions were first seen. An extra step
 default, ranks by the fewest whole chunks to read (the session nearest to fresh) after the turns
 in flight.
 
-Driving it (the replay does exactly this per engine; a live caller under its own lock):
+Driving it (a live caller, under its own lock; the replay does the same per engine, its estimate
+warmed with its fixed chunk cost):
 
 - at load: read a scratch session of a few chunks at a few depths and `costs.warm(depth, s)`
   each (device synchronised, the first chunk after a load left out), so no chunk is ever read
