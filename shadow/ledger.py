@@ -14,7 +14,9 @@ new_prompt_tokens <= prompt_tokens.
 
 from __future__ import annotations
 
+import heapq
 import json
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,28 +38,102 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Arrival:
+    """A request as a trace gives it, before a service model times it."""
+
+    session: str
+    time: float
+    prompt_tokens: int
+    new_prompt_tokens: int
+    output_tokens: int
+
+
+ROUTES = ("affinity", "hash", "round-robin")
+
+
+class Router:
+    """Which of `engines` engines serves a request. 'affinity': a session's first request goes to
+    the engine with the fewest requests in flight (ties to the lowest index) and the session stays
+    there; 'hash': crc32 of the session's name modulo the engines (stays too); 'round-robin':
+    request after request in arrival order, whatever the session."""
+
+    def __init__(self, engines: int = 1, how: str = "affinity"):
+        if engines < 1:
+            raise ShadowInputError("a fleet needs at least one engine")
+        if how not in ROUTES:
+            raise ShadowInputError(f"unknown route {how!r} ({', '.join(ROUTES)})")
+        self.engines, self.how = engines, how
+        self._home: dict[str, int] = {}
+        self._next = 0
+
+    def pick(self, session: str, in_flight: Sequence[int]) -> int:
+        """The engine for the next request of `session`; `in_flight`: requests each engine holds now."""
+        if self.engines == 1:
+            return 0
+        if self.how == "round-robin":
+            self._next += 1
+            return (self._next - 1) % self.engines
+        if self.how == "hash":
+            return zlib.crc32(session.encode()) % self.engines
+        if session not in self._home:
+            self._home[session] = min(range(self.engines), key=lambda e: (in_flight[e], e))
+        return self._home[session]
+
+
+def route_requests(requests: Sequence[Request], engines: int = 1, how: str = "affinity") -> list[int]:
+    """The engine of each request (same order), requests in flight counted from their own times."""
+    router = Router(engines, how)
+    ends: list[list[float]] = [[] for _ in range(engines)]
+    out = [0] * len(requests)
+    for i in sorted(range(len(requests)), key=lambda i: requests[i].start):
+        r = requests[i]
+        for heap in ends:
+            while heap and heap[0] <= r.start:
+                heapq.heappop(heap)
+        e = out[i] = router.pick(r.session, [len(h) for h in ends])
+        heapq.heappush(ends[e], r.end)
+    return out
+
+
+@dataclass(frozen=True)
 class ServiceModel:
     """Turns arrivals and token counts into first-token and end times, for traces without them:
-    `slots` requests served at once, first come first served; a request waits for a free slot,
-    prefills its new prompt tokens (the engine caches shared prefixes) at `prefill_tok_s`, then
-    decodes at `decode_tok_s`."""
+    each engine serves `slots` requests at once, first come first served; a request waits for a
+    free slot, prefills its new prompt tokens (the engine caches shared prefixes) at
+    `prefill_tok_s`, then decodes at `decode_tok_s`."""
 
     prefill_tok_s: float = 20_000.0
     decode_tok_s: float = 40.0
     slots: int = 32
 
-    def serve(self, arrivals: Sequence[tuple[str, float, int, int, int]]) -> list[Request]:
-        """arrivals: (session, arrival s, prompt tokens, new prompt tokens, output tokens), any order."""
-        free = [0.0] * self.slots
-        out = []
-        for session, t, prompt, new, output in sorted(arrivals, key=lambda a: a[1]):
-            slot = min(range(self.slots), key=free.__getitem__)
-            begin = max(t, free[slot])
-            first = begin + new / self.prefill_tok_s
-            end = first + output / self.decode_tok_s
-            free[slot] = end
-            out.append(Request(session, t, first, end, prompt, new, output))
-        return out
+    def serve(self, arrivals: Sequence[Arrival | tuple]) -> list[Request]:
+        """One engine; arrivals as `Arrival`s or (session, arrival s, prompt, new prompt, output) tuples."""
+        return self.serve_fleet(arrivals)[0]
+
+    def serve_fleet(self, arrivals: Sequence[Arrival | tuple], engines: int = 1,
+                    route: str = "affinity") -> tuple[list[Request], list[int]]:
+        """A fleet: each arrival routed when it comes (`Router`, requests in flight counted on the
+        engines' own slots), then served by its engine. Returns the requests in arrival order and
+        each one's engine."""
+        router = Router(engines, route)
+        free = [[0.0] * self.slots for _ in range(engines)]
+        ends: list[list[float]] = [[] for _ in range(engines)]
+        out, engine_of = [], []
+        for a in sorted((a if isinstance(a, Arrival) else Arrival(*a) for a in arrivals), key=lambda a: a.time):
+            for heap in ends:
+                while heap and heap[0] <= a.time:
+                    heapq.heappop(heap)
+            e = router.pick(a.session, [len(h) for h in ends])
+            slots = free[e]
+            slot = min(range(self.slots), key=slots.__getitem__)
+            begin = max(a.time, slots[slot])
+            first = begin + a.new_prompt_tokens / self.prefill_tok_s
+            end = first + a.output_tokens / self.decode_tok_s
+            slots[slot] = end
+            heapq.heappush(ends[e], end)
+            out.append(Request(a.session, a.time, first, end, a.prompt_tokens, a.new_prompt_tokens, a.output_tokens))
+            engine_of.append(e)
+        return out, engine_of
 
 
 def write_ledger(path: str | Path, requests: Iterable[Request]) -> None:
@@ -111,11 +187,17 @@ def check_request(r: Request, where: str) -> None:
 # importers ------------------------------------------------------------------------------
 
 
-def import_mooncake(path: str | Path, service: ServiceModel, block: int = 512) -> list[Request]:
-    """Mooncake's trace: arrival (ms), input and output lengths, one hash id per 512-token prefix
-    block. Sessions are prefix chains: a request continues the session whose latest request's
-    blocks it repeats (all but that request's last, partial block), beyond the first block that
-    every request shares; new prompt tokens are the prompt past the shared blocks."""
+MOONCAKE_BLOCK = 512  # tokens per hash id in Mooncake's traces, whatever the shadow's grid
+
+
+def mooncake_arrivals(path: str | Path, block: int = MOONCAKE_BLOCK) -> list[Arrival]:
+    """Mooncake's trace: arrival (ms), input and output lengths, one hash id per `block`-token
+    prefix block (512 in the published traces). Sessions are prefix chains: a request continues
+    the session whose latest request's blocks it repeats (all but that request's last, partial
+    block), beyond the first block that every request shares. What it shares with that session:
+    the previous prompt and its output when the prompt is long enough to hold them (a chat
+    appends the answer and a new message; the hashes cannot show the answer, whose block holds
+    the previous prompt's tail), else the repeated blocks only; new prompt tokens are the rest."""
     path = Path(path)
     rows = []
     for n, line in enumerate(path.read_text().splitlines(), start=1):
@@ -132,6 +214,7 @@ def import_mooncake(path: str | Path, service: ServiceModel, block: int = 512) -
     if not rows:
         raise ShadowInputError(f"{path} holds no requests")
     latest: dict[tuple[int, ...], str] = {}  # blocks of a session's latest prompt, minus its last -> session
+    last: dict[str, tuple[int, int]] = {}  # session -> its latest (prompt, output) tokens
     arrivals = []
     for i, (t, prompt, output, blocks) in enumerate(sorted(rows, key=lambda r: r[0])):
         session, shared = None, 0
@@ -139,11 +222,20 @@ def import_mooncake(path: str | Path, service: ServiceModel, block: int = 512) -
             key = tuple(blocks[:cut])
             if key in latest:
                 session, shared = latest.pop(key), cut * block
+                before = sum(last[session])
+                if prompt >= before:  # the previous prompt and its answer, then the new message
+                    shared = max(shared, before)
                 break
         session = session or f"m{i}"
         latest[tuple(blocks[:-1]) if len(blocks) > 1 else tuple(blocks)] = session
-        arrivals.append((session, t, prompt, max(0, prompt - min(shared, prompt)), output))
-    return service.serve(arrivals)
+        last[session] = (prompt, output)
+        arrivals.append(Arrival(session, t, prompt, max(0, prompt - min(shared, prompt)), output))
+    return arrivals
+
+
+def import_mooncake(path: str | Path, service: ServiceModel, block: int = MOONCAKE_BLOCK) -> list[Request]:
+    """Mooncake's trace (`mooncake_arrivals`) timed by one engine of `service`."""
+    return service.serve(mooncake_arrivals(path, block))
 
 
 def import_trajectory(path: str | Path, service: ServiceModel, tokenizer=None) -> list[Request]:

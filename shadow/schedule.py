@@ -1,22 +1,73 @@
-"""The bandwidth rule (DESIGN.md section 6): when the reader may use the GPU.
+"""The read scheduler (DESIGN.md section 6): which session the shadow reads next, and how much.
 
-Two windows. The idle window: every `poll_s`, when no request runs or waits, read for at most
-`burst_s`, checking before every chunk whether a request now waits (so one waits at most one
-chunk). Inside a turn: between two rounds of the big model, the reader may use `share` of the
-time since the turn's first token, in slices of at most `slice_s` of whole chunks.
+`ReadScheduler` is pure: no tensors, no threads, no I/O, and every method takes `now` (seconds on
+the caller's clock). The live service and the ledger replay (`shadow/replay.py`) drive the same
+object, so replayed figures describe the code that runs. It is told:
 
-Pure arithmetic on times in seconds; the clock belongs to the caller, so the live server and the
-ledger replay run the same rule.
+- the sessions' backlogs (`update`: read position, ids known, resident or not), pending asks and
+  standing questions (`question`, `answered`);
+- the engine's activity (`turn_started`, `first_token`, `turn_ended`, `waiting`);
+- what was read and how long it took (`read_done`), which feeds the per-depth cost estimates
+  (`ChunkCosts`; `costs.warm` fills them before any turn);
+
+and answers `next_read(now, between_rounds)`: a `Read` (a session and a number of whole chunks)
+or a `Wait` (when to look again). The rule it applies (`BandwidthRule`):
+
+- **Idle window**: no turn in flight and no request waiting: bursts begin at poll ticks (multiples
+  of `poll_s`) and last at most `burst_s`; one chunk per `Read`, so the caller asks again before
+  every chunk and a request that comes waits at most one chunk. The first chunk of a burst is read
+  whatever its estimate (a chunk longer than a burst is still read, one a burst), so one slow
+  chunk never stops reading.
+- **Share**: while the engine decodes, between two of its rounds (`between_rounds=True`), the
+  reader may use `share` of the time since the first token of the engine's current decode
+  stretch (from a first token while no other turn decoded, to the moment no turn decodes), less
+  what it used, in slices of at most `slice_s` of whole chunks by their estimated costs. One
+  budget for the engine, however many turns it decodes at once. A session whose next chunk is
+  estimated above `slice_s` is not read inside a turn; with no estimate at all the share reads
+  nothing (nothing measures inside a stream).
+
+Which session: among resident sessions with a whole chunk to read, by the `Priorities` steps in
+order (each switchable): a pending ask or standing question first, then sessions with a turn in
+flight, then by recency of their last turn start, then the oldest backlog (the longest since it
+last had no whole chunk), then the order sessions were first seen. An extra step, off by
+default, ranks by the fewest whole chunks to read (the session nearest to fresh) after the turns
+in flight.
+
+Driving it (a live caller, under its own lock; the replay does the same per engine, its estimate
+warmed with its fixed chunk cost):
+
+- at load: read a scratch session of a few chunks at a few depths and `costs.warm(depth, s)`
+  each (device synchronised, the first chunk after a load left out), so no chunk is ever read
+  inside a stream just to measure it;
+- a request arrives: `turn_started(turn, session, now)` (and `waiting(n, now)` whenever the count
+  of requests queued for the device changes); its prompt fed: `update(session, committed, known,
+  now)`; a standing question registered: `question(session, now, stop=line)`;
+- its first token: `first_token(turn, now)`;
+- between two decode rounds or streamed deltas: `update` with the output ids fed, then
+  `next_read(now, between_rounds=True)`; a `Read` is read (its `chunks` of its `session`, which
+  may be another session than the turn's), then `read_done(read, chunks, seconds, now)` and
+  `update` with the session's true state;
+- the idle poller, on the device before every chunk: `next_read(now)`; a `Read` is one chunk,
+  then `read_done` and `update`; a `Wait` says when a tick or nothing new can change the answer;
+- the turn over: `turn_ended(turn, now)`; a session spilled to disk or loaded back: `update(...,
+  resident=False/True)`; an ask: `question(session, now)`, its reads reported as
+  `read_done(Read(session, k, "ask", depth, None), k, seconds, now)`, then `answered`.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+EPS = 1e-9
 
 
 @dataclass(frozen=True)
 class BandwidthRule:
+    """The policy: poll period, idle burst length, in-turn share and slice cap (seconds)."""
+
     poll_s: float = 0.2
     burst_s: float = 2.0
     share: float = 0.02
@@ -37,3 +88,388 @@ class BandwidthRule:
     def slice_chunks(self, budget_s: float, chunk_s: float) -> int:
         """Whole chunks in one slice: as many as the budget and the slice cap allow."""
         return max(0, int((min(budget_s, self.slice_s) + 1e-12) // chunk_s))
+
+
+STEPS = ("question", "running", "fewest", "recent", "oldest")
+
+
+@dataclass(frozen=True)
+class Priorities:
+    """The order sessions are read in, step by step; a step switched off ranks every session equal.
+    'all' is the four default steps; `fewest` is an extra step, off by default."""
+
+    question: bool = True  # a pending ask or standing question first
+    running: bool = True  # then sessions with a turn in flight
+    fewest: bool = False  # then the fewest whole chunks to read first (the nearest to fresh)
+    recent: bool = True  # then the most recent last turn first
+    oldest: bool = True  # then the oldest backlog first
+
+    @classmethod
+    def parse(cls, spec: str) -> Priorities:
+        """'all' (the four default steps), 'none', or steps joined by commas ('running,recent')."""
+        spec = spec.strip().lower()
+        if spec == "all":
+            return cls()
+        if spec == "none":
+            return cls(**{step: False for step in STEPS})
+        steps = {x.strip() for x in spec.split(",") if x.strip()}
+        unknown = steps - set(STEPS)
+        if unknown or not steps:
+            raise ValueError(f"priorities are 'all', 'none' or steps among {', '.join(STEPS)} (got {spec!r})")
+        return cls(**{step: step in steps for step in STEPS})
+
+    @property
+    def label(self) -> str:
+        if self == Priorities():
+            return "all"
+        return ",".join(f.name for f in fields(self) if getattr(self, f.name)) or "none"
+
+
+class ChunkCosts:
+    """Seconds per chunk by context depth: one estimate per bucket of `bucket_tokens` (the depth of
+    the chunk's first row), an exponentially weighted moving average (weight `alpha` on each new
+    measurement). A measurement more than `outlier` times away from the estimate counts as
+    `outlier` times, so one slow chunk moves an estimate by at most 1 + alpha * (outlier - 1)
+    (1.9x by default) and the estimate decays back as normal chunks come. A bucket never measured
+    is interpolated linearly between the nearest measured buckets below and above it, or takes the
+    nearest one's; with none measured there is no estimate (None)."""
+
+    def __init__(self, bucket_tokens: int = 8192, alpha: float = 0.3, outlier: float = 4.0):
+        if bucket_tokens <= 0 or not 0 < alpha <= 1 or outlier < 1:
+            raise ValueError("bucket_tokens > 0, 0 < alpha <= 1 and outlier >= 1")
+        self.bucket_tokens, self.alpha, self.outlier = bucket_tokens, alpha, outlier
+        self._est: dict[int, float] = {}
+        self._keys: list[int] = []  # measured buckets, sorted
+
+    def _set(self, bucket: int, seconds: float) -> None:
+        if bucket not in self._est:
+            bisect.insort(self._keys, bucket)
+        self._est[bucket] = seconds
+
+    def estimate(self, depth: int) -> float | None:
+        """The estimated seconds of one chunk whose first row sits at `depth`."""
+        b = depth // self.bucket_tokens
+        if b in self._est:
+            return self._est[b]
+        if not self._keys:
+            return None
+        i = bisect.bisect_left(self._keys, b)
+        if i == 0:
+            return self._est[self._keys[0]]
+        if i == len(self._keys):
+            return self._est[self._keys[-1]]
+        lo, hi = self._keys[i - 1], self._keys[i]
+        return self._est[lo] + (self._est[hi] - self._est[lo]) * (b - lo) / (hi - lo)
+
+    def observe(self, depth: int, seconds: float) -> None:
+        """Fold one chunk's measured seconds (device synchronised) into its bucket's estimate; the
+        first measurement of a bucket starts from the interpolated estimate when there is one."""
+        if seconds < 0:
+            return
+        b = depth // self.bucket_tokens
+        old = self._est.get(b, self.estimate(depth))
+        if old is None or old <= 0:
+            self._set(b, seconds)
+            return
+        x = min(max(seconds, old / self.outlier), old * self.outlier)
+        self._set(b, old + self.alpha * (x - old))
+
+    def warm(self, depth: int, seconds: float) -> None:
+        """Set a bucket's estimate outright (a scratch read at load, or a replay's known rate)."""
+        self._set(depth // self.bucket_tokens, max(0.0, seconds))
+
+    @property
+    def known(self) -> bool:
+        return bool(self._keys)
+
+    def table(self) -> dict[int, float]:
+        """Measured buckets: the depth of each bucket's first row -> seconds per chunk."""
+        return {b * self.bucket_tokens: self._est[b] for b in self._keys}
+
+
+@dataclass(frozen=True)
+class Read:
+    """Read `chunks` whole chunks of `session` now, from read position `depth`; `window` is 'idle',
+    'share' or 'ask'; `estimate_s` the chunks' estimated seconds (None: no estimate)."""
+
+    session: str
+    chunks: int
+    window: str
+    depth: int
+    estimate_s: float | None
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to read now. `until`: the earliest time the answer may change if nothing else does
+    (no update, turn event or question); inf when only such an event can change it. Asking again
+    sooner is always safe (a live poller may just look at its next tick)."""
+
+    until: float
+
+
+@dataclass
+class _Session:
+    name: str
+    order: int
+    committed: int = 0
+    known: int = 0
+    resident: bool = True
+    last_turn: float = -math.inf
+    backlog_since: float | None = None  # when it last came to have a whole chunk to read
+    question: bool = False
+    stop: int | None = None  # a standing question's grid line: read no further until answered
+    version: int = 0  # bumped whenever its rank changes: older heap entries are stale
+    ranked_whole: int = -1  # its whole chunks when last ranked (the `fewest` step ranks by them)
+
+
+class ReadScheduler:
+    """The one read scheduler (see the module docstring). Not thread-safe: a live caller holds its
+    own lock around every call. Turn ids are the caller's (any hashable)."""
+
+    def __init__(self, rule: BandwidthRule = BandwidthRule(), grid: int = 512, costs: ChunkCosts | None = None,
+                 priorities: Priorities = Priorities()):
+        self.rule, self.grid, self.priorities = rule, grid, priorities
+        self.costs = costs if costs is not None else ChunkCosts()
+        self.sessions: dict[str, _Session] = {}
+        self._ready: set[str] = set()  # resident sessions with a whole chunk to read
+        self._heap: list[tuple[tuple, int, str]] = []  # (rank, version, name) of ready sessions
+        self._versions = 0  # one counter for all sessions, so a forgotten name's entries stay stale
+        self._seen = 0
+        self._turns: dict[object, tuple[str, bool]] = {}  # turn -> (session, decoding)
+        self._running: dict[str, int] = {}  # session -> turns in flight
+        self._decoding = 0
+        self._waiting = 0
+        self.stretch_start: float | None = None  # first token of the engine's current decode stretch
+        self.share_used = 0.0  # seconds read inside the current stretch
+        self._burst_start: float | None = None
+        self._burst_chunks = 0
+
+    # the sessions ----------------------------------------------------------------------------
+
+    def update(self, name: str, committed: int, known: int, now: float, resident: bool = True) -> None:
+        """A session's read position (`committed`, a grid multiple), the ids known for it (read or
+        not) and whether its state is resident (spilled sessions are not read until fed again)."""
+        s = self.sessions.get(name)
+        if s is None:
+            self._seen += 1
+            s = self.sessions[name] = _Session(name, self._seen)
+        s.committed, s.known, s.resident = committed, known, resident
+        self._refresh(s, now)
+
+    def forget(self, name: str) -> None:
+        self.sessions.pop(name, None)
+        self._ready.discard(name)
+
+    def question(self, name: str, now: float, stop: int | None = None) -> None:
+        """A pending ask or standing question on `name` (read it first). `stop`: the grid line the
+        reader must not pass before the question is answered (a standing question's insertion
+        point, rounded down to the grid): the session's whole chunks end there, and at the line it
+        has none until `answered`; None reads on."""
+        s = self.sessions.get(name)
+        if s is not None:
+            s.question, s.stop = True, stop
+            self._refresh(s, now, rerank=True)
+
+    def answered(self, name: str, now: float) -> None:
+        s = self.sessions.get(name)
+        if s is not None:
+            s.question, s.stop = False, None
+            self._refresh(s, now, rerank=True)
+
+    def has_backlog(self) -> bool:
+        """Whether some resident session has a whole chunk to read (an idle burst would read)."""
+        return bool(self._ready)
+
+    def whole_chunks(self, name: str) -> int:
+        """Whole chunks the reader may read of `name` now (0 if unknown, or held at a question)."""
+        s = self.sessions.get(name)
+        return 0 if s is None else self._whole(s)
+
+    def _whole(self, s: _Session) -> int:
+        n = max(0, (s.known - s.committed) // self.grid)
+        if s.stop is not None and s.committed <= s.stop:  # held at the line until answered
+            n = min(n, (s.stop - s.committed) // self.grid)
+        return n
+
+    def _refresh(self, s: _Session, now: float, rerank: bool = False) -> None:
+        """Keep `_ready` and the rank heap in step with the session's backlog."""
+        whole = self._whole(s)
+        ready = s.resident and whole > 0
+        if self.priorities.fewest and whole != s.ranked_whole:
+            rerank = True
+        if whole > 0:
+            if s.backlog_since is None:
+                s.backlog_since, rerank = now, True
+        else:
+            s.backlog_since = None
+        if ready and (rerank or s.name not in self._ready):
+            self._ready.add(s.name)
+            self._versions += 1
+            s.version, s.ranked_whole = self._versions, whole
+            heapq.heappush(self._heap, (self._key(s), s.version, s.name))
+            if len(self._heap) > 4 * len(self._ready) + 64:  # drop stale entries
+                self._heap = [e for e in self._heap if self._current(e)]
+                heapq.heapify(self._heap)
+        elif not ready:
+            self._ready.discard(s.name)
+
+    def _current(self, entry: tuple[tuple, int, str]) -> bool:
+        s = self.sessions.get(entry[2])
+        return s is not None and s.version == entry[1] and s.name in self._ready
+
+    # the engine ------------------------------------------------------------------------------
+
+    def turn_started(self, turn: object, session: str, now: float) -> None:
+        """A request arrived for `session` (the engine is busy from now until its turn ends)."""
+        self._turns[turn] = (session, False)
+        self._running[session] = self._running.get(session, 0) + 1
+        s = self.sessions.get(session)
+        if s is None:
+            self.update(session, 0, 0, now)
+            s = self.sessions[session]
+        s.last_turn = now
+        self._refresh(s, now, rerank=True)
+        self._burst_start = None
+
+    def first_token(self, turn: object, now: float) -> None:
+        """The turn's first output token: it decodes from now; a stretch starts if none decoded."""
+        session, decoding = self._turns[turn]
+        if decoding:
+            return
+        self._turns[turn] = (session, True)
+        if self._decoding == 0:
+            self.stretch_start, self.share_used = now, 0.0
+        self._decoding += 1
+
+    def turn_ended(self, turn: object, now: float) -> None:
+        session, decoding = self._turns.pop(turn)
+        self._running[session] -= 1
+        if not self._running[session]:
+            del self._running[session]
+            if session in self.sessions:
+                self._refresh(self.sessions[session], now, rerank=True)
+        if decoding:
+            self._decoding -= 1
+            if self._decoding == 0:
+                self.stretch_start, self.share_used = None, 0.0
+
+    def waiting(self, n: int, now: float) -> None:
+        """Requests waiting for the engine (or, embedded, for the device) besides the turns told."""
+        self._waiting = n
+        if n:
+            self._burst_start = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._turns) or self._waiting > 0
+
+    @property
+    def decoding(self) -> int:
+        return self._decoding
+
+    def share_left(self, now: float) -> float:
+        """Seconds of share the current decode stretch holds now (0 outside a stretch)."""
+        if self.stretch_start is None:
+            return 0.0
+        return self.rule.share_budget(self.stretch_start, now, self.share_used)
+
+    # decisions -------------------------------------------------------------------------------
+
+    def _key(self, s: _Session) -> tuple:
+        p = self.priorities
+        return (
+            -1 if p.question and s.question else 0,
+            -1 if p.running and s.name in self._running else 0,
+            self._whole(s) if p.fewest else 0,
+            -s.last_turn if p.recent else 0.0,
+            s.backlog_since if p.oldest and s.backlog_since is not None else 0.0,
+            s.order,
+        )
+
+    def _pick(self, fits=None) -> _Session | None:
+        """The first ready session in rank order (that `fits`, when given)."""
+        heap, skipped, found = self._heap, [], None
+        while heap:
+            entry = heap[0]
+            if not self._current(entry):
+                heapq.heappop(heap)
+                continue
+            s = self.sessions[entry[2]]
+            if fits is not None and not fits(s):
+                skipped.append(heapq.heappop(heap))
+                continue
+            found = s
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
+
+    def next_read(self, now: float, between_rounds: bool = False) -> Read | Wait:
+        """What to read now. Idle engine: one chunk of the first session in priority order, inside
+        a burst that began at a poll tick. Busy engine: nothing, unless `between_rounds` (the
+        caller sits between two decode rounds, or two streamed deltas) in a decode stretch with
+        share left: the chunks of one session that fit min(share left, slice_s). The caller reads
+        them (whole chunks, device synchronised) and reports with `read_done`."""
+        if not self.busy:
+            return self._idle(now)
+        self._burst_start = None
+        if not between_rounds or self.stretch_start is None or self.rule.share <= 0:
+            return Wait(math.inf)
+        return self._share(now)
+
+    def _idle(self, now: float) -> Read | Wait:
+        s = self._pick()
+        if s is None:
+            self._burst_start = None
+            return Wait(math.inf)
+        est = self.costs.estimate(s.committed)
+        if self._burst_start is not None and self._burst_chunks > 0 and (
+                est is None or not self.rule.burst_allows(self._burst_start, now, est)):
+            self._burst_start = None  # time is up: the next burst begins at the next tick
+        if self._burst_start is None:
+            tick = self.rule.next_poll(now)
+            if tick > now + EPS:
+                return Wait(tick)
+            self._burst_start, self._burst_chunks = now, 0  # a burst's first chunk is read whatever its cost
+        return Read(s.name, 1, "idle", s.committed, est)
+
+    def _share(self, now: float) -> Read | Wait:
+        cap = self.rule.slice_s + 1e-12
+
+        def fits(s: _Session) -> bool:
+            est = self.costs.estimate(s.committed)
+            return est is not None and est <= cap
+
+        s = self._pick(fits)
+        if s is None:
+            return Wait(math.inf)
+        budget = self.share_left(now)
+        room = min(budget, self.rule.slice_s) + 1e-12
+        chunks, total = 0, 0.0
+        for j in range(self._whole(s)):
+            est = self.costs.estimate(s.committed + j * self.grid)
+            if est is None or total + est > room:
+                break
+            chunks, total = chunks + 1, total + est
+        if chunks:
+            return Read(s.name, chunks, "share", s.committed, total)
+        first = self.costs.estimate(s.committed)
+        ready = self.stretch_start + (self.share_used + first) / self.rule.share
+        return Wait(max(ready, now + EPS))
+
+    def read_done(self, read: Read, chunks: int, seconds: float, now: float) -> None:
+        """`chunks` of `read` were read in `seconds` (device synchronised), ending at `now`. Moves the
+        session's read position (unless an `update` moved it meanwhile), refreshes the cost
+        estimate at that depth, and charges a share read to the stretch's budget."""
+        s = self.sessions.get(read.session)
+        if chunks > 0:
+            self.costs.observe(read.depth + (chunks - 1) * self.grid // 2, seconds / chunks)
+            if s is not None and s.committed == read.depth:
+                s.committed += chunks * self.grid
+        if read.window == "share" and self.stretch_start is not None:
+            self.share_used += seconds
+        if read.window == "idle" and self._burst_start is not None:
+            self._burst_chunks += 1
+        if s is not None:
+            self._refresh(s, now)

@@ -1,0 +1,242 @@
+"""The read scheduler on scripted timelines: idle bursts, the engine's share in capped slices, cost
+estimates that one slow chunk cannot stall, and the priority steps in order."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shadow.schedule import BandwidthRule, ChunkCosts, Priorities, Read, ReadScheduler, Wait
+
+G = 512
+
+
+def scheduler(chunk_s: float | None = 0.35, priorities: Priorities = Priorities(), **rule) -> ReadScheduler:
+    costs = ChunkCosts()
+    if chunk_s is not None:
+        costs.warm(0, chunk_s)
+    return ReadScheduler(BandwidthRule(**rule), G, costs, priorities)
+
+
+def run_idle(s: ReadScheduler, t: float, until: float, chunk_s: float, arrivals=()) -> list[float]:
+    """Drive the idle window from t to `until` as the live idle thread does (each chunk takes
+    chunk_s); `arrivals`: (time, turn, session) of requests. Returns the chunks' start times."""
+    starts, arrivals = [], sorted(arrivals)
+    while t < until:
+        while arrivals and arrivals[0][0] <= t:
+            _, turn, session = arrivals.pop(0)
+            s.turn_started(turn, session, t)
+        d = s.next_read(t)
+        if isinstance(d, Read):
+            starts.append(round(t, 6))
+            t += chunk_s
+            s.read_done(d, 1, chunk_s, t)
+        else:
+            t = min([d.until, until] + [a[0] for a in arrivals])
+    return starts
+
+
+def test_an_idle_burst_starts_at_a_tick_and_ends_within_burst_s():
+    s = scheduler()
+    s.update("a", 0, 40 * G, now=0.93)
+    assert s.next_read(0.93) == Wait(pytest.approx(1.0))  # the next poll tick
+    starts = run_idle(s, 1.0, 2.8, 0.35)
+    assert starts == [1.0, 1.35, 1.7, 2.05, 2.4]  # 2.75 + 0.35 would pass 3.0
+    assert s.next_read(2.75) == Wait(pytest.approx(2.8))  # the next burst begins at the next tick
+    assert isinstance(s.next_read(2.8), Read)
+
+
+def test_a_waiting_request_waits_at_most_one_chunk():
+    s = scheduler()
+    s.update("a", 0, 40 * G, now=0.0)
+    starts = run_idle(s, 1.0, 5.0, 0.35, arrivals=[(1.5, "t1", "b")])
+    assert starts == [1.0, 1.35]  # the chunk started at 1.35 finishes at 1.7: the request waited 0.2 s
+    assert s.next_read(1.7) == Wait(math.inf)
+    s.waiting(1, 1.7)  # a request waiting for the device counts as busy too
+    s.turn_ended("t1", 2.0)
+    assert s.next_read(2.0) == Wait(math.inf)
+    s.waiting(0, 2.1)
+    assert s.next_read(2.1) == Wait(pytest.approx(2.2))
+
+
+def test_one_slow_chunk_never_stops_reading():
+    s = scheduler(chunk_s=0.05)
+    s.update("a", 0, 100 * G, now=0.0)
+    d = s.next_read(0.0)
+    s.read_done(d, 1, 3.0, 3.0)  # one chunk of 3 s: longer than a burst and than a slice
+    assert s.costs.estimate(G) <= 0.05 * 1.9 + 1e-12
+    assert isinstance(s.next_read(3.0), Read)  # the burst still has room for the new estimate
+    s.turn_started("t", "a", 3.1)
+    s.first_token("t", 3.2)
+    d = s.next_read(20.0, between_rounds=True)  # 2 % of 16.8 s: 0.336 s, a slice of 0.15 s
+    assert isinstance(d, Read) and d.window == "share" and d.chunks >= 1
+
+
+def test_a_chunk_longer_than_a_burst_is_still_read_one_a_burst():
+    s = scheduler(chunk_s=None)
+    s.update("a", 0, 10 * G, now=0.0)
+    starts = run_idle(s, 0.0, 20.0, 5.0)  # every chunk takes 5 s and the estimate stays above 2 s
+    assert starts == [0.0, 5.0, 10.0, 15.0]
+
+
+def test_without_an_estimate_the_share_reads_nothing_but_the_idle_window_measures():
+    s = scheduler(chunk_s=None)
+    s.update("a", 0, 10 * G, now=0.0)
+    s.turn_started("t", "a", 0.0)
+    s.first_token("t", 0.1)
+    assert s.next_read(100.0, between_rounds=True) == Wait(math.inf)
+    s.turn_ended("t", 100.0)
+    d = s.next_read(100.0)
+    assert isinstance(d, Read) and d.estimate_s is None
+    s.read_done(d, 1, 0.04, 100.04)
+    assert s.costs.estimate(0) == pytest.approx(0.04)
+
+
+def test_the_estimate_decays_toward_new_measurements():
+    c = ChunkCosts(alpha=0.3)
+    c.warm(0, 0.1)
+    c.observe(0, 10.0)  # counted as 4x the estimate
+    assert c.estimate(0) == pytest.approx(0.1 + 0.3 * (0.4 - 0.1))
+    for _ in range(30):
+        c.observe(0, 0.05)
+    assert c.estimate(0) == pytest.approx(0.05, rel=1e-3)
+
+
+def test_unseen_depths_interpolate_or_take_the_nearest():
+    c = ChunkCosts(bucket_tokens=8192)
+    assert c.estimate(0) is None and not c.known
+    c.warm(0, 0.01)
+    c.warm(65536, 0.03)
+    assert c.estimate(32768) == pytest.approx(0.02)
+    assert c.estimate(300_000) == pytest.approx(0.03) and c.estimate(4000) == pytest.approx(0.01)
+    assert c.table() == {0: 0.01, 65536: 0.03}
+
+
+def test_a_share_slice_is_capped_at_the_slice_and_at_the_budget():
+    s = scheduler(chunk_s=0.01)
+    s.update("a", 0, 100 * G, now=0.0)
+    s.turn_started("t", "a", 0.0)
+    s.first_token("t", 1.0)
+    d = s.next_read(3.0, between_rounds=True)  # 2 % of 2 s = 0.04 s: four chunks
+    assert isinstance(d, Read) and d.chunks == 4
+    s.read_done(d, 4, 0.04, 3.04)
+    assert s.next_read(3.04, between_rounds=True) == Wait(pytest.approx(1.0 + 0.05 / 0.02))
+    d = s.next_read(100.0, between_rounds=True)  # 1.94 s pooled: one slice of 0.15 s
+    assert d.chunks == 15 and d.estimate_s <= 0.15 + 1e-9
+    assert s.next_read(100.0) == Wait(math.inf)  # not between rounds: nothing inside a turn
+
+
+def test_the_share_is_the_engines_not_each_turns():
+    s = scheduler(chunk_s=0.01)
+    s.update("a", 0, 100 * G, now=0.0)
+    s.update("b", 0, 100 * G, now=0.0)
+    s.turn_started(1, "a", 0.0)
+    s.first_token(1, 1.0)
+    s.turn_started(2, "b", 1.5)
+    s.first_token(2, 2.0)  # a second turn decoding does not start a new stretch
+    assert s.stretch_start == 1.0 and s.share_left(3.0) == pytest.approx(0.04)
+    s.turn_ended(1, 4.0)
+    assert s.stretch_start == 1.0  # turn 2 still decodes
+    s.turn_ended(2, 5.0)
+    assert s.stretch_start is None and s.share_left(6.0) == 0.0
+
+
+def test_a_chunk_over_the_slice_is_read_idle_not_in_a_turn():
+    s = scheduler(chunk_s=0.2)
+    s.update("a", 0, 10 * G, now=0.0)
+    s.turn_started("t", "a", 0.0)
+    s.first_token("t", 0.0)
+    assert s.next_read(1000.0, between_rounds=True) == Wait(math.inf)
+    s.turn_ended("t", 1000.0)
+    assert isinstance(s.next_read(1000.0), Read)
+
+
+def order(s: ReadScheduler, now: float) -> list[str]:
+    """The sessions in the order the share reads them (one chunk each)."""
+    out = []
+    while isinstance(d := s.next_read(now, between_rounds=True), Read):
+        out.append(d.session)
+        s.read_done(d, d.chunks, 0.0, now)
+    return out
+
+
+def five_sessions(priorities: Priorities) -> ReadScheduler:
+    """Each has one whole chunk. old1 and old2 had their last turns at 2.0 (old2's backlog is
+    older); new's last turn at 4.0; run has a turn in flight from 5.0; q has a pending question."""
+    s = scheduler(chunk_s=0.001, priorities=priorities)
+    for name, backlog_at in [("old1", 0.5), ("new", 3.0), ("old2", 0.2), ("run", 0.1), ("q", 1.0)]:
+        s.update(name, 0, 0, now=0.0)
+        s.update(name, 0, G + 10, now=backlog_at)
+    for turn, (name, at) in enumerate([("q", 1.0), ("old1", 2.0), ("old2", 2.0), ("new", 4.0)]):
+        s.turn_started(turn, name, at)
+        s.turn_ended(turn, at + 0.5)
+    s.question("q", 4.0)
+    s.turn_started("live", "run", 5.0)
+    s.first_token("live", 5.5)
+    return s
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("all", ["q", "run", "new", "old2", "old1"]),
+    ("none", ["old1", "new", "old2", "run", "q"]),  # the order the sessions were first seen
+    ("running,recent,oldest", ["run", "new", "old2", "old1", "q"]),  # q's last turn is the oldest
+    ("question,recent,oldest", ["q", "run", "new", "old2", "old1"]),  # run's turn is the most recent
+    ("question,running,oldest", ["q", "run", "old2", "old1", "new"]),
+    ("question,running,recent", ["q", "run", "new", "old1", "old2"]),
+    ("oldest", ["run", "old2", "old1", "q", "new"]),
+])
+def test_priorities_order_step_by_step(spec, expected):
+    assert order(five_sessions(Priorities.parse(spec)), 100.0) == expected
+
+
+def test_priorities_parse_and_label():
+    assert Priorities.parse("all").label == "all" and Priorities.parse("none").label == "none"
+    assert Priorities.parse("recent, running").label == "running,recent"
+    with pytest.raises(ValueError, match="priorities are"):
+        Priorities.parse("fastest")
+
+
+def test_a_standing_question_holds_the_reader_at_its_line():
+    s = scheduler(chunk_s=0.001)
+    s.update("a", 0, 10 * G, now=0.0)
+    s.question("a", 0.0, stop=3 * G)
+    d = s.next_read(0.0)
+    assert d.chunks == 1 and s.whole_chunks("a") == 3
+    for _ in range(3):
+        d = s.next_read(0.2)
+        s.read_done(d, 1, 0.001, 0.2)
+    assert s.whole_chunks("a") == 0 and s.next_read(0.2) == Wait(math.inf)
+    s.answered("a", 0.3)
+    assert s.whole_chunks("a") == 7
+
+
+def test_spilled_sessions_wait_and_updates_move_read_positions():
+    s = scheduler(chunk_s=0.001)
+    s.update("disk", 0, 10 * G, now=0.0, resident=False)
+    assert s.next_read(0.0) == Wait(math.inf)
+    s.update("disk", 0, 10 * G, now=0.1, resident=True)
+    d = s.next_read(0.2)
+    assert d == Read("disk", 1, "idle", 0, 0.001)
+    s.update("disk", 4 * G, 10 * G, now=0.2)  # a rollback or an ask moved it meanwhile
+    s.read_done(d, 1, 0.001, 0.201)  # the read position stays what the update said
+    assert s.sessions["disk"].committed == 4 * G
+    s.forget("disk")
+    assert s.next_read(0.4) == Wait(math.inf)
+
+
+def test_the_fewest_step_reads_the_session_nearest_to_fresh_first():
+    s = scheduler(chunk_s=0.001, priorities=Priorities.parse("fewest"))
+    s.update("far", 0, 5 * G, now=0.0)
+    s.update("near", 0, 2 * G, now=0.0)
+    s.turn_started("t", "far", 0.0)
+    s.first_token("t", 0.0)
+    reads = []
+    while isinstance(d := s.next_read(100.0, between_rounds=True), Read):
+        reads.append((d.session, d.chunks))
+        s.read_done(d, 1, 0.0, 100.0)  # one chunk at a time: the ranks follow the backlogs
+        if len(reads) > 20:
+            break
+    assert reads[:2] == [("near", 2), ("near", 1)] and reads[2][0] == "far"
+    assert Priorities.parse("question,running,fewest,recent,oldest").label == "question,running,fewest,recent,oldest"
+    assert Priorities().label == "all" and not Priorities().fewest
