@@ -3,12 +3,16 @@ bit as it was, and, with random weights, nothing said (through a proxy whose eng
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from serving import GRID, long_text, running, serving, settled
+from shadow.tokenizer import load_tokenizer
 from shadow.voice.checks import REASONS, check, language
 from shadow.voice.voice import Voice, VoiceBudget
 
@@ -27,12 +31,12 @@ READ = ("The test in tests/test_grid.py fails: the chunk at row 3072 is read twi
     ("fixing the loop in writer.py", "unread name"),
     ("the chunk at row 4096", "unread number"),
     ("rewriting the tokenizer cache eviction", "unread words"),
-    ("what did the reasoning above decide", "example"),
+    ("fixing the loop order should help", "example"),
     ("fixing the advance loop order", "repeat"),
-    ("die Schleife im reader.py reparieren", "language"),
+    ("der advance loop und die marks", "language"),
 ])
 def test_every_rule_of_the_checks(phrase, reason):
-    examples = ["What did the reasoning above decide?"]
+    examples = ["Fixing the loop order should help."]
     recent = ["reading 20,745 tokens", "thinking 25 s: fixing the advance loop order now"]
     said = check(phrase, READ, examples, recent, user_language="en")
     assert said == reason
@@ -79,8 +83,7 @@ def test_with_random_weights_the_lines_go_out_without_a_phrase(tiny, tmp_path):
     """A proxied turn that thinks for 3 s (thinking lines from 0.5 s): the voice tries a phrase
     after each thinking line, random weights write noise, the checks refuse it, the line goes
     out with its facts alone, and the journal keeps each attempt and its reason."""
-    from test_status import MARK, renderer, slow_engine
-    from shadow.server.service import ShadowService
+    from test_status import MARK, renderer
 
     app_engine = thinking_engine(3.0)
     journal = tmp_path / "j.jsonl"
@@ -88,9 +91,7 @@ def test_with_random_weights_the_lines_go_out_without_a_phrase(tiny, tmp_path):
                                                 renderer=renderer(), status_channel="reasoning", journal=journal,
                                                 status_timing={"thinking_from_s": 0.5, "thinking_every_s": 0.8,
                                                                "quiet_s": 0.2}) as (proxy, service):
-        from shadow.voice.voice import Voice
-
-        service.voice = Voice(service.reader, __import__("shadow.tokenizer", fromlist=["x"]).load_tokenizer(None))
+        service.voice = Voice(service.reader, load_tokenizer(None))
         service.voice_share = 0.9  # the test's turn is short: a share large enough to try
         events = []
         with proxy.stream("POST", "/v1/chat/completions", headers={"x-session-id": "think"},
@@ -107,16 +108,10 @@ def test_with_random_weights_the_lines_go_out_without_a_phrase(tiny, tmp_path):
     (turn,) = [r for r in records if r.get("kind") == "turn"]
     tried = [x["phrase"] for x in turn["status_lines"] if x.get("phrase")]
     assert tried and all(not p["said"] and p["reason"] in REASONS for p in tried)
-    _ = (ShadowService, slow_engine)
 
 
 def thinking_engine(seconds: float):
     """An engine that streams reasoning for `seconds`, then an answer."""
-    import asyncio
-
-    from fastapi import FastAPI, Request
-    from fastapi.responses import StreamingResponse
-
     app = FastAPI()
 
     @app.get("/v1/models")

@@ -158,6 +158,7 @@ class ShadowService:
         self.voice_tokenizer = voice_tokenizer  # with it, the voice writes phrases after status lines
         self.voice_share = voice_share
         self.voice: Voice | None = None
+        self.voice_enabled = True  # switched off (A/B runs), no phrase is written
         if reader is not None and store is not None:
             self._use(reader, store, weights)
         self.rule = rule
@@ -440,7 +441,7 @@ class ShadowService:
         two of the turn's own rounds (embedded), waiting at most `wait_s`. None: nothing tried."""
         with self.state_lock:
             turn = self.turns.get(turn_id)
-            if (self.voice is None or not self.enabled or turn is None or turn.session is None or not turn.prompt_fed
+            if (self.voice is None or not self.enabled or not self.voice_enabled or turn is None or turn.session is None or not turn.prompt_fed
                     or not turn.voice.allows(turn.first_token, self.clock(), self.voice.cost_s)):
                 return None
         job = lambda: self._phrase(turn, kind, extra, recent, lang)  # noqa: E731

@@ -67,7 +67,8 @@ class SummarizeRequest(BaseModel):
 
 class SwitchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    on: StrictBool
+    on: StrictBool = Field(description="The shadow: off, it feeds and reads nothing.")
+    voice: StrictBool | None = Field(None, description="The voice's phrases (default: as the shadow).")
 
 
 def shadow_routes(service: ShadowService, tokenizer: Tokenizer, eos: list[int], limits: Limits) -> APIRouter:
@@ -105,9 +106,10 @@ def shadow_routes(service: ShadowService, tokenizer: Tokenizer, eos: list[int], 
 
     @router.post("/switch")
     async def switch(req: SwitchRequest):
-        """Turn the shadow off or on (for A/B runs): off, it feeds and reads nothing."""
+        """Turn the shadow (and the voice) off or on (for A/B runs): off, it feeds and reads nothing."""
         service.enabled = req.on
-        return {"on": service.enabled}
+        service.voice_enabled = req.on if req.voice is None else req.voice
+        return {"on": service.enabled, "voice": service.voice_enabled}
 
     @router.get("/status")
     async def status():
