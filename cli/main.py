@@ -2,7 +2,7 @@
 
 import typer
 
-from cli import ab, check_engine, read_rate, replay_ledger, router_eval, serve, store, verify_exact
+from cli import ab, check_engine, read_rate, replay_ledger, router_eval, serve, store, verify_exact, voice_replay
 
 app = typer.Typer(
     help="Shadow reader toolkit: a small Qwen3.5 model that keeps an exact state of every session.",
@@ -16,6 +16,7 @@ app.command("store", short_help="List and check a folder of spilled sessions.")(
 app.command("replay-ledger", short_help="How fresh the shadow is at turn starts, replaying real request timelines.")(replay_ledger.replay_ledger)
 app.command("serve", short_help="Serve OpenAI-compatible completions (embedded or in front of an engine) with a live shadow.")(serve.serve)
 app.command("check-engine", short_help="Check, case by case, that a shadow beside an engine reads the ids the engine reads.")(check_engine.check_engine)
+app.command("voice-replay", short_help="The voice on recorded sessions: phrase latency, what passes its checks, why not.")(voice_replay.voice_replay)
 app.command("ab", short_help="What the shadow costs a running server's decode: shadow off against on.")(ab.ab)
 app.command("router-eval", short_help="Re-ask journaled classification questions offline and score them against their labels.")(router_eval.router_eval)
 
