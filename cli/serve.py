@@ -80,6 +80,7 @@ def serve(
     max_concurrent: Annotated[int, typer.Option(envvar=_env("max_concurrent"), min=1, help="Completion, ask and summary requests in flight (429 beyond).")] = 64,
     status_channel: Annotated[str, typer.Option(envvar=_env("status_channel"), help="Where status lines (waiting, reading N tokens, thinking, writing a file) go in streamed chat: auto (Open WebUI: status events, then reasoning; opencode: inline; other clients: none), reasoning, content, inline, off.")] = "auto",
     voice: Annotated[bool, typer.Option(envvar=_env("voice"), help="The voice: a short phrase from the shadow's state after a thinking, decided or writing line, said only if it passes its checks (with random weights none does).")] = True,
+    voice_model: Annotated[str | None, typer.Option(envvar=_env("voice_model"), help="A checkpoint (or preset) of its own for the voice, e.g. a real Qwen3.5-2B folder: it reads each session's newest 2,048 ids afresh (default: the voice forks the shadow's own state).")] = None,
     voice_share: Annotated[float, typer.Option(envvar=_env("voice_share"), min=0.0, max=0.5, help="The voice's share of the time since a turn's first token (one phrase a slice of at most 150 ms).")] = 0.03,
     engine_slots: Annotated[int, typer.Option(envvar=_env("engine_slots"), min=1, help="Requests the engine prefills at once (llama.cpp's -np; high for vLLM and SGLang): a request waits behind that many.")] = 1,
 ) -> None:
@@ -133,7 +134,7 @@ def serve(
                              tokenizer_path=tokenizer_path, template_kwargs=kwargs, require_exact=require_exact,
                              access=access, limits=limits, upstream_key=upstream_api_key,
                              lines={"status_channel": status_channel, "engine_slots": engine_slots},
-                             voice={"voice": voice, "voice_share": voice_share})
+                             voice={"voice": voice, "voice_share": voice_share, "voice_model": voice_model})
     except BaseException:
         listener.close()
         raise
@@ -193,6 +194,9 @@ def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, dis
     rule = BandwidthRule(share=share)
     options = {"prefix_match": prefix_match, "require_exact": require_exact, "max_ask_tail": limits.max_ask_tail,
                "voice_share": voice["voice_share"]}
+    if voice["voice"] and voice["voice_model"]:
+        _, options["voice_reader"] = open_reader(voice["voice_model"], grid=grid, device=device,
+                                                 dtype=parse_dtype(dtype), kernels=kernels)
     common = {"session_headers": headers, "template_kwargs": template_kwargs, "access": access, "limits": limits,
               **lines}
     check_grid(grid)

@@ -139,6 +139,7 @@ class ShadowService:
         unload_slack_bytes: int | None = None, pool_free: Callable[[], int] | None = None,
         label_from_upstream: bool = False, prefix_match: bool = False, require_exact: bool = False,
         max_branches: int = 8, max_ask_tail: int | None = None, voice_tokenizer=None, voice_share: float = 0.03,
+        voice_reader: Reader | None = None,
     ):
         if (reader is None or store is None) and (load is None or config is None):
             raise ValueError("give a reader and a store, or a function that loads them and the model's config")
@@ -156,6 +157,7 @@ class ShadowService:
         self._awaiting_label: dict[int, dict] = {}  # turn id -> a standing answer waiting for its label
         self._pool_free = pool_free or self._cuda_pool_free
         self.voice_tokenizer = voice_tokenizer  # with it, the voice writes phrases after status lines
+        self.voice_reader = voice_reader  # a model of its own for the voice (else the shadow's, forked)
         self.voice_share = voice_share
         self.voice: Voice | None = None
         self.voice_enabled = True  # switched off (A/B runs), no phrase is written
@@ -191,7 +193,12 @@ class ShadowService:
 
     def _use(self, reader: Reader, store: SessionStore, weights: str) -> None:
         self.reader, self.store, self.weights = reader, store, weights
-        self.voice = Voice(reader, self.voice_tokenizer) if self.voice_tokenizer is not None else None
+        if self.voice_tokenizer is None:
+            self.voice = None
+        elif self.voice_reader is not None:  # --voice-model: its own model, reading a window of each session
+            self.voice = Voice(self.voice_reader, self.voice_tokenizer, own_model=True)
+        else:
+            self.voice = Voice(reader, self.voice_tokenizer)
         self.weights_hash = store.identity.weights_hash
         self.ready.set()
         self._load_ended.set()

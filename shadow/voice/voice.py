@@ -60,11 +60,13 @@ class VoiceBudget:
 
 
 class Voice:
-    """Phrases from a reader's sessions. `phrase` runs on the device (it forks the session)."""
+    """Phrases from a reader's sessions. `phrase` runs on the device (it forks the session). With
+    `own_model` (`--voice-model`: a checkpoint other than the shadow's), the voice cannot fork the
+    shadow's state: it reads the session's newest `window` ids afresh with its own model."""
 
     def __init__(self, reader: Reader, tokenizer: Tokenizer, max_tokens: int = 12, window: int = 2048,
-                 max_tail: int | None = None):
-        self.reader, self.tokenizer = reader, tokenizer
+                 max_tail: int | None = None, own_model: bool = False):
+        self.reader, self.tokenizer, self.own_model = reader, tokenizer, own_model
         self.max_tokens, self.window = max_tokens, window
         self.max_tail = max_tail if max_tail is not None else 2 * reader.grid  # unread ids a phrase may prefill
         self.cost_s: float | None = None  # measured, decaying toward new phrases
@@ -76,6 +78,8 @@ class Voice:
         return self.tokenizer.encode(render_question(text) + NO_THINKING)
 
     def fits(self, session: Session, extra: Sequence[int]) -> bool:
+        if self.own_model:
+            return True  # it reads a window of at most `window` ids, whatever the session's backlog
         return len(session.ids) - session.committed + len(extra) <= self.max_tail
 
     def phrase(self, session: Session, kind: str, extra: Sequence[int] = (), recent: Sequence[str] = (),
@@ -83,6 +87,11 @@ class Voice:
         """A phrase of `kind` (thinking, decided, writing) about the session and `extra` (the
         newest ids the session does not hold yet), checked against what the fork read."""
         start = time.perf_counter()
+        if self.own_model:  # a window of the newest ids, read afresh by the voice's own model
+            window = (list(session.ids) + list(extra))[-self.window:]
+            scratch = self.reader.new_session("voice")
+            scratch.ids = window
+            session, extra = scratch, []
         ids = self.reader.decode(session, list(extra) + self.question(kind, lang), self.max_tokens,
                                  stop=[self.eos, *self.newline])
         seconds = time.perf_counter() - start
