@@ -116,3 +116,48 @@ def test_opencode_in_front_of_transformers_serve_every_turn_verified(tmp_path, t
     assert all(s["rollbacks"] == 0 and s["id_checks"]["exact"] is True for s in rows), rows
     conversation = max(rows, key=lambda s: s["committed"] + s["pending"])
     assert conversation["committed"] + conversation["pending"] > 5000, rows  # opencode's tool definitions were read
+
+
+def opencode_parts(home: Path) -> list[dict]:
+    """The parts opencode stored for its sessions (its sqlite database), oldest first."""
+    import sqlite3
+
+    db = sqlite3.connect(home / ".local/share/opencode/opencode.db")
+    try:
+        rows = db.execute("select data from part order by time_created, id").fetchall()
+    finally:
+        db.close()
+    return [json.loads(r[0]) for r in rows]
+
+
+def test_opencode_renders_status_lines_as_reasoning_parts_of_their_own(tmp_path, tiny):
+    """opencode -> shadow serve (proxy, --status-channel auto: opencode gets `inline`) -> an engine
+    that takes 3.5 s to its first token: opencode stores the line as a reasoning part of its own,
+    titled by the line, before the model's own reasoning part and the answer's text part."""
+
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from serving import serving
+    from test_status import slow_engine
+
+    with serving(slow_engine([], 3.5)) as engine:
+        template = ROOT.parent / "shared" / "data" / "templates" / "qwen3.5.jinja"
+        if not template.is_file():
+            pytest.skip(f"no Qwen3.5 template at {template}")
+        server, base = start_serve("--upstream", str(engine.base_url).rstrip("/") + "/v1", "--engine", "openai",
+                                   "--chat-template", str(template))
+        try:
+            run_opencode(tmp_path, base, "m", [["Say hi."]])
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    parts = opencode_parts(tmp_path / "home")
+    kinds = [(p["type"], p.get("text", "")) for p in parts if p["type"] in ("reasoning", "text")]
+    # the line: reading (or, behind opencode's title request on the engine's one slot, waiting)
+    line = next((i for i, (t, x) in enumerate(kinds) if t == "reasoning" and ("\u2063› reading" in x
+                                                                              or "\u2063› waiting" in x)), None)
+    model = next((i for i, (t, x) in enumerate(kinds) if t == "reasoning" and x == "hm"), None)
+    answer = next((i for i, (t, x) in enumerate(kinds) if t == "text" and x == "ok"), None)
+    assert None not in (line, model, answer) and line < model < answer, kinds  # in time order, each its own part
+    assert kinds[line][1].startswith("**")
+
