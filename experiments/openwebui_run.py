@@ -4,18 +4,20 @@ Run it with the Python of a venv that has `open-webui` and `playwright` (a separ
 dependencies must not touch the project's), Debian's /usr/bin/chromium beside it:
 
     .owui-venv/bin/python experiments/openwebui_run.py --upstream http://127.0.0.1:8000 --out out/openwebui
-    .owui-venv/bin/python experiments/openwebui_run.py --stub --prompt "hi" --prompt "variant=hidden hi"
+    .owui-venv/bin/python experiments/openwebui_run.py --stub --prompt "hi" --prompt "variant=hidden hi" \\
+        --follow-up "and then?" --long-prompt 20000
 
 It starts Open WebUI on a free loopback port (its own data dir in a temp folder, fully offline: no
 Ollama, no auth, no telemetry, no model downloads, no title/tag/follow-up requests; user and chat id
-headers forwarded upstream), opens it in Chromium, picks the model, and for each `--prompt` (each in
-a new chat) sends it and watches the reply: every change of the status line under the model's name
-(text, still pending or done, ms after sending), the reasoning header ("Thought for N seconds"), the
-answer. Screenshots per turn: `N-pending.png` (the first status line), `N-pending-last.png` (the
-last status line before the first token), `N-after.png` (the answer done), `N-history.png` (the
-status history opened). `report.json` holds all of it, plus the request headers the upstream saw
-where it can tell (`GET /stub/requests` on status_stub.py; else `GET /v1/shadow/status`). The last
-stdout line is a JSON summary. Every process it starts is stopped on exit; `--timeout` bounds the run.
+headers forwarded upstream), opens it in Chromium and picks the model. Each `--prompt` goes in a new
+chat, then each `--follow-up` in the last one; for each it records every change of the status line
+under the model's name (text, shimmering or not, ms after sending), the reasoning header ("Thought
+for N seconds"), the answer, and the status line after a reload (what the chat keeps). Screenshots
+per turn: `N-pending.png` (the first status line), `N-pending-last.png` (the last one still pending),
+`N-after.png` (the answer done), `N-history.png` (the status history opened). `report.json` holds it
+all, plus what the upstream can tell of the requests it got (`GET /stub/requests` on status_stub.py,
+headers included; else `GET /v1/shadow/status`). The last stdout line is a JSON summary. Every process
+it starts is stopped on exit; `--timeout` bounds the whole run.
 """
 
 from __future__ import annotations
@@ -43,16 +45,18 @@ OBSERVER_JS = """() => {
   const scan = () => {
     const all = document.querySelectorAll('.chat-assistant');
     const m = all[all.length - 1];
-    if (!m) return null;
+    if (!m || all.length <= window.__owui.before) return null;  // the reply not there yet
     const status = m.querySelector('.status-description');
     const pending = status ? status.querySelector('.shimmer') !== null : false;
     const buttons = [...m.querySelectorAll('#response-content-container button')];
     const thought = buttons.map(b => b.innerText.trim()).find(t => /^(Thought|Thinking)/.test(t)) || null;
     const prose = [...m.querySelectorAll('.markdown-prose')].map(p => p.innerText.trim()).join('\\n').trim();
-    const done = document.querySelector('button[aria-label="Regenerate"]') !== null;
+    const box = m.closest('[id^="message-"]') || m;
+    const done = box.querySelector('button[aria-label="Regenerate"]') !== null;
     return {status: status ? status.innerText.trim() : null, pending, thought, answer: prose, done};
   };
-  window.__owui = {t0: Date.now(), log: [], last: ''};
+  if (window.__owui) return;
+  window.__owui = {t0: Date.now(), log: [], last: '', before: 0};
   const record = () => {
     const s = scan();
     if (!s) return;
@@ -144,9 +148,11 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, what: str) -> f
 
 
 def long_prompt(tokens: int) -> str:
-    """About `tokens` tokens of distinct numbered lines (about 12 tokens each)."""
-    return "\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i * 7919 % 10007}."
-                     for i in range(max(tokens // 12, 1)))
+    """About `tokens` tokens of distinct numbered sentences (about 12 tokens each), one paragraph: the
+    rich-text chat input takes 100k characters of one paragraph in under a second, of 1,600 paragraphs
+    in minutes."""
+    return " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog {i * 7919 % 10007}."
+                    for i in range(max(tokens // 12, 1)))
 
 
 def open_ui(page, base: str, model: str | None) -> None:
@@ -163,14 +169,18 @@ def open_ui(page, base: str, model: str | None) -> None:
         page.wait_for_timeout(300)
 
 
-def run_turn(page, base: str, model: str | None, prompt: str, out: Path, n: int, timeout: float) -> dict:
-    """Send `prompt` in a new chat; watch the reply until done or `timeout`; screenshots under `out`."""
-    open_ui(page, base, model)
+def run_turn(page, base: str, model: str | None, prompt: str, out: Path, n: int, timeout: float,
+             new_chat: bool = True) -> dict:
+    """Send `prompt` (in a new chat, or the open one); watch the reply until done or `timeout`;
+    screenshots under `out`."""
+    if new_chat:
+        open_ui(page, base, model)
     page.evaluate(OBSERVER_JS)
     box = page.locator("#chat-input")
     box.click()
-    box.fill(prompt)
-    page.evaluate("() => { window.__owui.t0 = Date.now(); window.__owui.log = []; window.__owui.last = ''; }")
+    page.keyboard.insert_text(prompt)
+    page.evaluate("() => Object.assign(window.__owui, {t0: Date.now(), log: [], last: '',"
+                  " before: document.querySelectorAll('.chat-assistant').length})")
     page.keyboard.press("Enter")
     shots, first_status, last_status_shot = {}, None, None
     deadline = time.monotonic() + timeout
@@ -270,8 +280,9 @@ def drive(args, out: Path, tmp: Path, report: dict) -> None:
                 viewport={"width": 1000, "height": 640}, device_scale_factor=1)
             try:
                 page = ctx.new_page()
+                turns = [(p, True) for p in prompts] + [(p, False) for p in args.follow_up or []]
                 report["turns"] = [run_turn(page, base, model if args.pick_model else None, prompt, out, i + 1,
-                                            args.turn_timeout) for i, prompt in enumerate(prompts)]
+                                            args.turn_timeout, new_chat) for i, (prompt, new_chat) in enumerate(turns)]
             finally:
                 ctx.close()
         report["upstream_requests"] = upstream_requests(upstream)
@@ -289,6 +300,7 @@ def main() -> None:
     parser.add_argument("--no-pick-model", dest="pick_model", action="store_false",
                         help="keep Open WebUI's default model instead of picking it in the selector")
     parser.add_argument("--prompt", action="append", help="a message, each in a new chat (repeatable)")
+    parser.add_argument("--follow-up", action="append", help="a message sent after the prompts, in the last chat")
     parser.add_argument("--long-prompt", type=int, default=0, help="prepend about N tokens of text to each prompt")
     parser.add_argument("--out", type=Path, default=Path("out/openwebui"))
     parser.add_argument("--port", type=int, help="Open WebUI's port (default: a free one)")
@@ -313,7 +325,7 @@ def main() -> None:
         try:
             drive(args, args.out, Path(tmp), report)
         except Exception as e:  # the report says what failed; the exit code too
-            report["error"] = f"{type(e).__name__}: {e}"
+            report["error"] = f"{type(e).__name__}: {e}"[:2000]
         finally:
             signal.alarm(0)
     report["run_s"] = round(time.monotonic() - started, 1)

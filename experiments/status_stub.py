@@ -40,12 +40,12 @@ REASONING = "The user asks a question. I read the context first, then I answer b
 VARIANTS = ("default", "hidden", "separate", "noreason", "nofinal", "action")
 
 
-def status_lines(n: int, prompt_tokens: int) -> list[str]:
+def status_lines(n: int, tokens: int) -> list[str]:
     """The lines said before the first token: waiting, then reading with a countdown."""
     lines = ["waiting for the engine"]
     for i in range(max(n - 1, 0)):
         left = max(n - 1 - i, 1) * 3
-        lines.append(f"reading {prompt_tokens:,} tokens, about {left} s left")
+        lines.append(f"reading {tokens:,} tokens, about {left} s left")
     return lines[:n]
 
 
@@ -66,6 +66,11 @@ def last_user_text(messages: list[dict]) -> str:
             content = message.get("content")
             return content if isinstance(content, str) else json.dumps(content)
     return ""
+
+
+def prompt_tokens(messages: list[dict]) -> int:
+    """A rough count (4 characters a token) said in the status lines."""
+    return max(sum(len(json.dumps(m.get("content"))) for m in messages) // 4, 1)
 
 
 def chunk(model: str, delta: dict | None = None, finish: str | None = None, event: dict | None = None) -> str:
@@ -94,7 +99,9 @@ def create_app(model: str = "stub", statuses: int = 4, status_delay: float = 1.5
         if body is not None:
             entry |= {"stream": bool(body.get("stream")), "model": body.get("model"),
                       "last_user": last_user_text(body.get("messages", []))[:200],
-                      "prompt_chars": sum(len(json.dumps(m.get("content"))) for m in body.get("messages", []))}
+                      "prompt_tokens": prompt_tokens(body.get("messages", [])),
+                      "messages": [{k: (v[:120] if isinstance(v, str) else v) for k, v in m.items()}
+                                   for m in body.get("messages", [])]}
         app.state.requests.append(entry)
         if log is not None:
             with log.open("a") as f:
@@ -119,17 +126,16 @@ def create_app(model: str = "stub", statuses: int = 4, status_delay: float = 1.5
                                  "model": model, "choices": [{"index": 0, "finish_reason": "stop",
                                  "message": {"role": "assistant", "content": ANSWER}}]})
         variant = variant_of(messages)
-        prompt_tokens = max(sum(len(json.dumps(m.get("content"))) for m in messages) // 4, 1)
-        return StreamingResponse(stream(variant, prompt_tokens), media_type="text/event-stream")
+        return StreamingResponse(stream(variant, prompt_tokens(messages)), media_type="text/event-stream")
 
-    async def stream(variant: str, prompt_tokens: int):
+    async def stream(variant: str, tokens: int):
         started = time.monotonic()
         extra = {"action": "shadow"} if variant == "action" else {}
-        for line in status_lines(statuses, prompt_tokens):
+        for line in status_lines(statuses, tokens):
             yield chunk(model, event=status_event(line, False, **extra))
             await asyncio.sleep(status_delay)
         waited = time.monotonic() - started
-        final = status_event(f"Read {prompt_tokens:,} tokens in {waited:.0f} s", True,
+        final = status_event(f"Read {tokens:,} tokens in {waited:.0f} s", True,
                              **({"hidden": True} if variant == "hidden" else {}), **extra)
         words = [w + " " for w in ANSWER.split(" ")]
         thoughts = [] if variant == "noreason" or not reasoning else [w + " " for w in REASONING.split(" ")]
