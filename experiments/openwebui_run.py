@@ -273,16 +273,18 @@ def drive(args, out: Path, tmp: Path, report: dict) -> None:
         report["openwebui_version"] = get_json(base + "/api/version").get("version")
         prompts = args.prompt or ["Say hello."]
         if args.long_prompt:
-            prompts = [long_prompt(args.long_prompt) + "\n\n" + p for p in prompts]
+            prompts = [long_prompt(args.long_prompt) + "\n\n" + text for text in prompts]
         with sync_playwright() as p:
             ctx = p.chromium.launch_persistent_context(
                 str(tmp / "chromium"), executable_path=args.chromium, headless=True, args=CHROMIUM_ARGS,
                 viewport={"width": 1000, "height": 640}, device_scale_factor=1)
             try:
                 page = ctx.new_page()
-                turns = [(p, True) for p in prompts] + [(p, False) for p in args.follow_up or []]
-                report["turns"] = [run_turn(page, base, model if args.pick_model else None, prompt, out, i + 1,
-                                            args.turn_timeout, new_chat) for i, (prompt, new_chat) in enumerate(turns)]
+                turns = [(text, True) for text in prompts] + [(text, False) for text in args.follow_up or []]
+                report["turns"] = []  # filled turn by turn: a run cut short keeps the turns it finished
+                for i, (prompt, new_chat) in enumerate(turns):
+                    report["turns"].append(run_turn(page, base, model if args.pick_model else None, prompt, out,
+                                                    i + 1, args.turn_timeout, new_chat))
             finally:
                 ctx.close()
         report["upstream_requests"] = upstream_requests(upstream)

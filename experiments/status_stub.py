@@ -7,16 +7,18 @@ proven against a real Open WebUI. One model (`--model`, default "stub"). A strea
      `data: {"event": {"type": "status", "data": {"description": "...", "done": false}}}`
   2. at the first token, a last status event `{"description": "Read ... in ... s", "done": true}`
      sharing its chunk with the first delta (`choices`): so one chunk carries an event and content;
-  3. `--reasoning` reasoning deltas (`delta.reasoning_content`), then the answer in content deltas,
-     `--token-delay` seconds apart, then `finish_reason: "stop"` and `data: [DONE]`.
+  3. reasoning deltas (`delta.reasoning_content`; none with `--no-reasoning`), then the answer in
+     content deltas, `--token-delay` seconds apart, then `finish_reason: "stop"` and `data: [DONE]`.
 
 A variant is picked per request by a marker in the last user message (`variant=NAME`), so one
 Open WebUI run can probe several shapes: `default` (above), `hidden` (the final event carries
 `"hidden": true`), `separate` (the final event in a chunk of its own), `noreason` (no reasoning
-deltas), `nofinal` (no done:true event at all), `action` (statuses carry `"action": "shadow"`).
+deltas), `nofinal` (no done:true event at all), `action` (statuses carry `"action": "shadow"`),
+`reasoningkey` (`delta.reasoning` instead of `delta.reasoning_content`), `midway` (a status line
+in the middle of the answer, done:true at its end).
 
-Every request's headers and the last user message are kept: `GET /stub/requests` returns them
-(newest last), and `--log FILE` appends one JSON line per request. Non-streamed requests get the
+Every request's headers and messages (contents cut to 120 characters) are kept: `GET /stub/requests`
+returns them (newest last), and `--log FILE` appends one JSON line per request. Non-streamed requests get the
 same answer as one message. Runs until stopped (SIGTERM/SIGINT).
 
     python experiments/status_stub.py --port 18001 --log out/stub.jsonl
@@ -37,7 +39,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 ANSWER = "The shadow read the whole prompt; here is the answer, word by word, from the stub."
 REASONING = "The user asks a question. I read the context first, then I answer briefly."
-VARIANTS = ("default", "hidden", "separate", "noreason", "nofinal", "action")
+VARIANTS = ("default", "hidden", "separate", "noreason", "nofinal", "action", "reasoningkey", "midway")
 
 
 def status_lines(n: int, tokens: int) -> list[str]:
@@ -139,14 +141,19 @@ def create_app(model: str = "stub", statuses: int = 4, status_delay: float = 1.5
                              **({"hidden": True} if variant == "hidden" else {}), **extra)
         words = [w + " " for w in ANSWER.split(" ")]
         thoughts = [] if variant == "noreason" or not reasoning else [w + " " for w in REASONING.split(" ")]
-        deltas = [{"role": "assistant", "reasoning_content": t} for t in thoughts] + \
-                 [{"role": "assistant", "content": w} for w in words]
+        key = "reasoning" if variant == "reasoningkey" else "reasoning_content"
+        deltas = [{"role": "assistant", key: t} for t in thoughts] + [{"role": "assistant", "content": w} for w in words]
         if variant == "separate":
             yield chunk(model, event=final)
         for i, delta in enumerate(deltas):
             shares = i == 0 and variant not in ("separate", "nofinal")
             yield chunk(model, delta=delta, event=final if shares else None)
+            if variant == "midway" and i == len(deltas) - len(words) // 2:  # a line in the middle of the answer
+                yield chunk(model, event=status_event("checking a tool call", False))
+                await asyncio.sleep(status_delay)
             await asyncio.sleep(token_delay)
+        if variant == "midway":
+            yield chunk(model, event=status_event("tool call checked", True))
         yield chunk(model, delta={}, finish="stop")
         yield "data: [DONE]\n\n"
 
