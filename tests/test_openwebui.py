@@ -1,0 +1,113 @@
+"""A real client: Open WebUI in headless Chromium shows the status lines an OpenAI-compatible server
+streams before the first token (experiments/openwebui_run.py drives it; experiments/status_stub.py
+serves). Skipped where Open WebUI (a separate venv: SHADOW_OPENWEBUI_PYTHON names its python) or
+Chromium (/usr/bin/chromium, or SHADOW_CHROMIUM) is not installed. SHADOW_OPENWEBUI_UPSTREAM=URL
+also runs it against a given server (e.g. a running `shadow serve`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from serving import serving
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = ROOT / "experiments" / "openwebui_run.py"
+CHROMIUM = os.environ.get("SHADOW_CHROMIUM", "/usr/bin/chromium")
+
+
+def openwebui_python() -> str | None:
+    """The python of a venv with open-webui and playwright, or None."""
+    for candidate in (os.environ.get("SHADOW_OPENWEBUI_PYTHON"), str(ROOT / ".owui-venv/bin/python"),
+                      str(ROOT / ".ci/openwebui/bin/python")):
+        if candidate and Path(candidate).exists():
+            found = subprocess.run([candidate, "-c", "import importlib.util as u, sys; sys.exit(not ("
+                                    "u.find_spec('open_webui') and u.find_spec('playwright')))"], capture_output=True)
+            if found.returncode == 0:
+                return candidate
+    return None
+
+
+PYTHON = openwebui_python()
+pytestmark = [
+    pytest.mark.skipif(PYTHON is None, reason="Open WebUI not installed (a venv with open-webui and playwright; "
+                                              "set SHADOW_OPENWEBUI_PYTHON to its python)"),
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"Chromium not found at {CHROMIUM} (apt-get install chromium)"),
+]
+
+
+def load_stub():
+    spec = importlib.util.spec_from_file_location("status_stub", ROOT / "experiments" / "status_stub.py")
+    stub = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(stub)
+    return stub
+
+
+def drive(upstream: str, out: Path, *args: str) -> dict:
+    """openwebui_run.py (Open WebUI + Chromium) against `upstream`; its report."""
+    run = subprocess.run([PYTHON, str(HARNESS), "--upstream", upstream, "--out", str(out), "--chromium", CHROMIUM,
+                          "--timeout", "420", *args], capture_output=True, text=True, timeout=480)
+    report = json.loads((out / "report.json").read_text())
+    assert run.returncode == 0 and report["error"] is None, (report.get("error"), run.stdout[-3000:],
+                                                             run.stderr[-3000:])
+    return report
+
+
+def test_open_webui_shows_status_lines_before_the_answer_and_the_final_line_after(tmp_path):
+    stub = load_stub()
+    app = stub.create_app(model="stub-test", statuses=3, status_delay=1.0, token_delay=0.05)
+    with serving(app) as client:
+        report = drive(str(client.base_url), tmp_path, "--prompt", "What is in the context?",
+                       "--prompt", "variant=nofinal What is in the context?", "--long-prompt", "500",
+                       "--follow-up", "And then?")
+    assert report["model"] == "stub-test"
+    said, unsaid, again = report["turns"]
+    chats = [r for r in app.state.requests if r["path"] == "/v1/chat/completions"]
+    assert len(chats) == 3  # one upstream request per message: no title, tag or follow-up requests
+
+    # while pending: every line, in order, shimmering, before the first answer text
+    texts = [s["text"] for s in said["statuses"]]
+    assert texts[:3] == stub.status_lines(3, chats[0]["prompt_tokens"])
+    assert all(s["pending"] and s["before_answer"] for s in said["statuses"][:3])
+    assert said["first_answer_ms"] is not None and said["statuses"][2]["ms"] < said["first_answer_ms"]
+    assert said["screenshots"]["pending"] and (tmp_path / said["screenshots"]["pending"]).stat().st_size > 0
+
+    # after: the done:true line stays under the model's name (saved with the chat), no longer pending;
+    # the history holds every line; the reasoning is its own collapsible block; the answer in full
+    final = said["statuses"][-1]
+    assert final["text"].startswith("Read ") and not final["pending"]
+    assert said["status_after"] == final["text"] == said["status_after_reload"]
+    assert said["status_history"][1:] == texts
+    assert said["thought"].startswith("Thought for")
+    assert said["answer"] == stub.ANSWER and said["done"]
+
+    # without a done:true event the last line keeps shimmering after the answer
+    assert unsaid["done"] and unsaid["answer"] == stub.ANSWER
+    assert unsaid["statuses"][-1]["pending"] and unsaid["status_after"] == unsaid["statuses"][-1]["text"]
+
+    # Open WebUI forwards the chat id upstream (ENABLE_FORWARD_USER_INFO_HEADERS)
+    ids = [c["headers"].get("x-openwebui-chat-id") for c in chats]
+    assert ids == [said["chat_id"], unsaid["chat_id"], unsaid["chat_id"]] and ids[0] != ids[1]
+
+    # the next turn of a chat sends back the answer alone: status lines and reasoning never go upstream
+    assert again["statuses"][0]["text"] == stub.status_lines(3, chats[2]["prompt_tokens"])[0]
+    assert again["status_after"].startswith("Read ") and again["answer"] == stub.ANSWER
+    assert [m["role"] for m in chats[2]["messages"]] == ["user", "assistant", "user"]
+    assert chats[2]["messages"][1] == {"role": "assistant", "content": stub.ANSWER[:120]}
+    assert chats[0]["prompt_tokens"] > 500 * 3 // 4  # the long prompt went upstream
+
+
+@pytest.mark.skipif(not os.environ.get("SHADOW_OPENWEBUI_UPSTREAM"), reason="SHADOW_OPENWEBUI_UPSTREAM not set")
+def test_open_webui_against_a_given_server(tmp_path):
+    """E.g. `shadow serve --model tiny --port 8000` and SHADOW_OPENWEBUI_UPSTREAM=http://127.0.0.1:8000."""
+    report = drive(os.environ["SHADOW_OPENWEBUI_UPSTREAM"], tmp_path, "--prompt", "Say hello.",
+                   "--long-prompt", os.environ.get("SHADOW_OPENWEBUI_LONG_PROMPT", "2000"))
+    turn = report["turns"][0]
+    assert turn["done"] and turn["answer"]
+    assert turn["statuses"] and turn["statuses"][0]["pending"] and turn["statuses"][0]["before_answer"]
+    assert not turn["statuses"][-1]["pending"] and turn["status_after"] == turn["statuses"][-1]["text"]
