@@ -26,6 +26,7 @@ def test_templates_say_facts_with_numbers():
     assert waiting_line(1, 40.2) == "waiting: another request is running, position 1, about 40 s"
     assert reading_line(20745, 17.6, 3.0) == "reading 20,745 tokens, about 18 s left"
     assert reading_line(None, None, 4.2) == "reading the prompt, 4 s so far"
+    assert reading_line(60374, None, 20.4) == "reading 60,374 tokens, 20 s so far"  # no rate measured yet
     assert waited_line(12874, 14.3) == "Read 12,874 tokens in 14 s"
     assert tool_action("write", '{"filePath": "/src/render.js", "content": "a\\nb\\nc') == ("writing", "render.js", 3)
     assert tool_action("bash", '{"command": "pytest -x tests"}') == ("running", "pytest", None)

@@ -92,10 +92,13 @@ def waiting_line(position: int, eta_s: float | None) -> str:
 
 
 def reading_line(tokens: int | None, eta_s: float | None, elapsed_s: float) -> str:
+    """The engine reading the turn's new ids: with the measured rate, the time left; without it
+    (the engine's first turn), the time so far."""
     if tokens is None:
         return f"reading the prompt, {round(elapsed_s)} s so far"
-    left = f", {_about(eta_s)} left" if eta_s is not None and eta_s >= 1 else ""
-    return f"reading {tokens:,} tokens{left}"
+    if eta_s is None:
+        return f"reading {tokens:,} tokens, {round(elapsed_s)} s so far"
+    return f"reading {tokens:,} tokens" + (f", {_about(eta_s)} left" if eta_s >= 1 else "")
 
 
 def thinking_line(seconds: float) -> str:
