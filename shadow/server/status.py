@@ -93,12 +93,12 @@ def waiting_line(position: int, eta_s: float | None) -> str:
 
 def reading_line(tokens: int | None, eta_s: float | None, elapsed_s: float) -> str:
     """The engine reading the turn's new ids: with the measured rate, the time left; without it
-    (the engine's first turn), the time so far."""
+    (the engine's first turn) or past it, the time so far."""
     if tokens is None:
         return f"reading the prompt, {round(elapsed_s)} s so far"
-    if eta_s is None:
+    if eta_s is None or eta_s < 1:  # not measured yet, or slower than measured: what is known
         return f"reading {tokens:,} tokens, {round(elapsed_s)} s so far"
-    return f"reading {tokens:,} tokens" + (f", {_about(eta_s)} left" if eta_s >= 1 else "")
+    return f"reading {tokens:,} tokens, {_about(eta_s)} left"
 
 
 def thinking_line(seconds: float) -> str:
