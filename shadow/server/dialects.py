@@ -351,8 +351,8 @@ class LlamaCpp(Dialect):
             return None
         client, root = self._engine
         query = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        before = client.post(root + "/apply-template", json=query, timeout=30).json()["prompt"]
-        after = client.post(root + "/apply-template", timeout=30, json=query | {
+        before = post(client, root + "/apply-template", query).json()["prompt"]
+        after = post(client, root + "/apply-template", query | {
             "messages": [*body["messages"], reply.message()], "add_generation_prompt": False}).json()["prompt"]
         if not after.startswith(before) or self.eos_text not in after[len(before):]:
             return None
@@ -364,7 +364,7 @@ class LlamaCpp(Dialect):
         if self._engine is None:
             raise ValueError("the engine's tokenizer is not known yet")
         client, root = self._engine
-        r = client.post(root + "/tokenize", json={"content": text, "parse_special": True}, timeout=30)
+        r = post(client, root + "/tokenize", {"content": text, "parse_special": True})
         r.raise_for_status()
         return list(r.json()["tokens"])
 
@@ -373,7 +373,7 @@ class LlamaCpp(Dialect):
         try:
             if chat:
                 query = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-                r = client.post(root + "/apply-template", json=query, timeout=30)
+                r = post(client, root + "/apply-template", query)
                 r.raise_for_status()
                 text = r.json()["prompt"]
             else:
@@ -382,8 +382,7 @@ class LlamaCpp(Dialect):
                     return Prompt(list(text), "engine-tokenize")
                 if not isinstance(text, str):
                     return Prompt(None, None, ["a prompt that is not one string or one list of ids"])
-            r = client.post(root + "/tokenize", json={"content": text, "add_special": not chat,
-                                                      "parse_special": True}, timeout=30)
+            r = post(client, root + "/tokenize", {"content": text, "add_special": not chat, "parse_special": True})
             r.raise_for_status()
             ids = r.json()["tokens"]
             if not _ints(ids) and ids != []:
@@ -448,6 +447,15 @@ def _parsed_arguments(call):
         except json.JSONDecodeError:
             pass
     return call
+
+
+def post(client: httpx.Client, url: str, body: dict, timeout: float = 30) -> httpx.Response:
+    """POST to one of an engine's pure endpoints (/tokenize, /apply-template), once more on a
+    connection the engine had closed (llama.cpp closes idle keep-alive connections)."""
+    try:
+        return client.post(url, json=body, timeout=timeout)
+    except httpx.RemoteProtocolError:
+        return client.post(url, json=body, timeout=timeout)
 
 
 def _ints(value) -> bool:

@@ -265,8 +265,12 @@ class Proxy:
         (a 400 or 422) gets the client's request as it came instead: the client's response never
         depends on the shadow (that turn's ids then come from what the engine shows unasked)."""
         headers = self.engine_headers(request_headers)
-        upstream = await self.client.send(self.client.build_request("POST", url, json=asked.body, headers=headers),
-                                          stream=True)
+        try:
+            upstream = await self.client.send(self.client.build_request("POST", url, json=asked.body, headers=headers),
+                                              stream=True)
+        except httpx.RemoteProtocolError:  # a keep-alive connection the engine had closed: no response came
+            upstream = await self.client.send(self.client.build_request("POST", url, json=asked.body, headers=headers),
+                                              stream=True)
         if upstream.status_code not in (400, 422) or not asked.added:
             return upstream, asked
         refusal = (await upstream.aread()).decode("utf-8", "replace")[:300]
