@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
-#   bash experiments/h200.sh tests sweep convsweep pins profile rate512 verify rate attention generator genprofile ab restore
+#   bash experiments/h200.sh tests sweep convsweep pins profile rate512 verify rate attention generator genprofile ab restore voice
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -39,6 +39,10 @@ for step in "$@"; do
     genprofile) timeout 300 python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda --profile 2>&1 \
                   | tee "$OUT/generator-profile.txt" | grep "in process" ;;
     attention) timeout 200 python3 experiments/attention_split.py --device cuda 2>&1 | tee "$OUT/attention-split.txt" ;;
+    voice) for m in qwen3.5-0.8b qwen3.5-2b; do
+             timeout 250 shadow voice-replay --model $m --device cuda --conversation $D/django__django-16950.traj.json \
+               --conversation $D/pytest-dev__pytest-6197.traj.json --max-turns 40 --csv "$OUT/voice-replay-$m.csv" --json \
+               > "$OUT/voice-replay-$m.txt" 2>&1; tail -n 12 "$OUT/voice-replay-$m.txt"; done ;;
     restore) timeout 300 python3 experiments/restore_speed.py --device cuda --runs 5 2>&1 | tail -3 | tee "$OUT/restore-h200.txt" ;;
     *) echo "unknown step $step" ;;
   esac
