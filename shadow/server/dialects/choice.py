@@ -14,9 +14,6 @@ from shadow.server.dialects.engines import VLLM, LlamaCpp, SGLang, Transformers
 log = logging.getLogger("shadow.proxy")
 
 ENGINES = ("vllm", "sglang", "llamacpp", "transformers", "openai")
-
-
-
 DIALECTS = {d.name: d for d in (VLLM, SGLang, LlamaCpp, Transformers, Dialect)}
 
 
