@@ -23,10 +23,10 @@ from shadow.server.dialects import as_carried
 from shadow.server.generator import Generator
 from shadow.server.guard import Limits
 from shadow.server.idcheck import TurnIds, check_turn
-from shadow.server.proxy import user_language
 from shadow.server.service import ShadowService
 from shadow.server.status import EngineLoad, TurnStatus, said
 from shadow.tokenizer import Tokenizer
+from shadow.voice.checks import request_language
 
 
 class EmbeddedEngine:
@@ -78,7 +78,7 @@ class EmbeddedEngine:
             writer = LineWriter(channel, TurnStatus(time.monotonic(), new_tokens=len(prompt), **self.timing), self.load,
                                 turn_id)
             writer.like = {"id": rid, "created": created, "model": self.model_name}
-            lines = TokenLines(writer, prompt, self.tokenizer, self.service, user_language(body))
+            lines = TokenLines(writer, prompt, self.tokenizer, self.service, request_language(body))
         threading.Thread(target=self._serve_turn, args=(turn_id, session, prompt, max_tokens, stop_ids, events,
                                                          reference), name="shadow-turn", daemon=True).start()
         reply = Reply(self, rid, created, chat, want_ids, prompt)

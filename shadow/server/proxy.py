@@ -22,14 +22,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from shadow.errors import ShadowInputError
+from shadow.server.channels import Channel
 from shadow.server.dialects import Asked, Dialect, Prompt, engine_root
 from shadow.server.idcheck import check_turn
-from shadow.server.reply import Reply
-from shadow.server.channels import Channel, LineWriter
+from shadow.server.proxy_turn import Lines, Turn
 from shadow.server.service import ShadowService
 from shadow.server.status import EngineLoad, TurnStatus
 from shadow.server.status import said as shown
+from shadow.voice.checks import request_language
 
 log = logging.getLogger("shadow.proxy")
 
@@ -54,108 +54,6 @@ def response_headers(upstream: httpx.Response, session: str | None) -> dict[str,
 
 def error_response(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
-
-
-class Turn:
-    """One proxied turn: what the shadow was fed so far, and what waits for the device."""
-
-    def __init__(self, service: ShadowService, turn_id: int):
-        self.service, self.turn_id = service, turn_id
-        self.reply = Reply()
-        self.fed_prompt: list[int] | None = None
-        self.prompt_due: list[int] | None = None  # known, not yet fed (the device was busy)
-        self.first_due = False  # the first token came and the shadow was not told yet
-        self.fed_output = 0  # output ids fed so far
-        self.held: list[int] = []  # output ids not fed yet
-        self.notes: list[str] = []  # what happened to the request on its way (for the turn's record)
-
-    def take_prompt(self, ids: list[int] | None) -> None:
-        if ids is not None and self.fed_prompt is None and self.prompt_due is None:
-            self.prompt_due = list(ids)
-
-    def feed(self, wait: bool, share: bool) -> bool:
-        """Hand the shadow what it can take now (a prompt, the first token's time, output ids, and
-        between deltas a share slice); with wait False nothing happens while the device is busy."""
-        prompt, first, output = self.prompt_due, self.first_due, self.held
-        share = share and (self.fed_prompt is not None or prompt is not None)
-        if prompt is None and not first and not output and not share:
-            return True
-        if not _on_device(self.service, self.turn_id, prompt, output, first, share, wait):
-            return False
-        if prompt is not None:
-            self.fed_prompt, self.prompt_due = prompt, None
-        self.first_due = False
-        self.fed_output += len(output)
-        self.held = []
-        return True
-
-
-def _on_device(service: ShadowService, turn_id: int, prompt, output, first: bool, share: bool,
-               wait: bool) -> bool:
-    """Feed the shadow on the device thread. Ids it cannot take (outside its vocabulary) are
-    skipped and logged. With wait False and the device busy, nothing is done and False returns."""
-
-    def feed() -> None:
-        try:
-            if prompt is not None:
-                service.set_prompt(turn_id, prompt)
-            if first:
-                service.first_token(turn_id)
-            if output and service.has_prompt(turn_id):
-                service.add_output(turn_id, output)
-            if share:
-                service.share_slice(turn_id)
-        except ShadowInputError as e:
-            log.warning("the shadow skipped ids of turn %s: %s", turn_id, e)
-
-    if wait:
-        service.run_request(feed)
-        return True
-    return service.device.run_if_idle(feed, "turn")[0]
-
-
-class Lines(LineWriter):
-    """A proxied turn's lines: the engine's events classified, and what the shadow knows of the
-    prompt (the new ids the engine must read) taken in when it is known."""
-
-    def __init__(self, channel: Channel, status: TurnStatus, load: EngineLoad, turn_id: int, before: Future,
-                 cached: Callable[[list[int]], int] | None):
-        super().__init__(channel, status, load, turn_id)
-        self.before, self.cached = before, cached
-        self._known = False
-
-    def refresh(self, now: float) -> None:
-        if not self._known and self.before.done() and not self.before.cancelled() and self.before.exception() is None:
-            ids = self.before.result().ids
-            if ids is not None:
-                new = len(ids) - (self.cached(ids) if self.cached else 0)
-                self.status.new_tokens = new
-                self.load.set_new(self.turn_id, new)
-            self._known = True
-        super().refresh(now)
-
-    def before_event(self, event: dict, reply, now: float) -> tuple[list, str | None]:
-        """The lines due with this engine event (to go out before it), and the event's kind."""
-        choices = event.get("choices") if isinstance(event.get("choices"), list) else []
-        choice = choices[0] if choices and isinstance(choices[0], dict) else {}
-        if self.like is None and "id" in event:
-            self.like = event
-        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
-        kind = None
-        if delta.get("reasoning_content") or delta.get("reasoning"):
-            kind = "reasoning"
-        elif delta.get("tool_calls"):
-            kind = "tool"
-        elif delta.get("content"):
-            kind = "content"
-        tool = None
-        if kind == "tool" and reply.tool_calls:
-            last = reply.tool_calls[max(reply.tool_calls)]
-            tool = (last.name, last.arguments)
-        out = self.before_delta(now, kind, tool) if kind else []
-        if choice.get("finish_reason") is not None:
-            out += self.before_delta(now, "end")
-        return out, kind
 
 
 class Proxy:
@@ -387,7 +285,7 @@ class Proxy:
             extra = [] if turn.fed_output else self.tokenizer.encode("".join(reply.reasoning) + "".join(reply.content))
             recent = [x.text for x in lines.status.lines if x is not line][-4:]
             phrase = await asyncio.to_thread(self.service.voice_phrase, turn.turn_id, line.kind, extra[-2048:],
-                                             recent, user_language(body))
+                                             recent, request_language(body))
             if phrase is not None:
                 line.with_phrase(phrase.text, {"said": phrase.text is not None, "raw": phrase.raw,
                                                "reason": phrase.reason, "seconds": round(phrase.seconds, 4)})
@@ -499,15 +397,3 @@ def label_asker(upstream: str, request_headers, body: dict, question) -> Callabl
 
     return ask
 
-
-def user_language(body: dict) -> str:
-    """The language of the request's last user message: 'de' or 'en' (the voice speaks it)."""
-    from shadow.voice.checks import language
-
-    for m in reversed(body.get("messages") or []):
-        if isinstance(m, dict) and m.get("role") == "user":
-            content = m.get("content")
-            text = content if isinstance(content, str) else " ".join(
-                p.get("text", "") for p in content or [] if isinstance(p, dict) and isinstance(p.get("text"), str))
-            return language(text) or "en"
-    return "en"

@@ -92,3 +92,14 @@ def check(phrase: str, read: str, examples: Sequence[str] = (), recent: Sequence
         if said is not None and said != user_language:
             return "language"
     return None
+
+
+def request_language(body: dict) -> str:
+    """The language of a chat request's last user message: 'de' or 'en' (the voice speaks it)."""
+    for m in reversed(body.get("messages") or []):
+        if isinstance(m, dict) and m.get("role") == "user":
+            content = m.get("content")
+            text = content if isinstance(content, str) else " ".join(
+                p.get("text", "") for p in content or [] if isinstance(p, dict) and isinstance(p.get("text"), str))
+            return language(text) or "en"
+    return "en"
