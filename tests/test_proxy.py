@@ -34,6 +34,9 @@ def scripted_engine(seen: list[dict], mode: dict) -> FastAPI:
         body = json.loads(raw)
         seen.append({"headers": dict(request.headers), "body": body})
         headers = {"x-request-id": "req-42", "cache-control": "no-store", "x-engine": "scripted"}
+        if mode.get("refuse_logprobs") and "logprobs" in body:
+            return JSONResponse({"error": {"message": "logprobs is not supported", "type": "invalid_request_error"}},
+                                status_code=400)
         usage = {"prompt_tokens": mode.get("prompt_tokens", 5), "completion_tokens": 2, "total_tokens": 7}
         if not body.get("stream"):
             out = {"id": "c", "object": "chat.completion",
@@ -255,3 +258,16 @@ def test_probe_recognises_each_engine_by_its_own_endpoints(tiny):
         with serving(app) as engine, httpx.Client() as client:
             name, _ = probe(client, str(engine.base_url).rstrip("/") + "/v1")
         assert name == want, (want, name)
+
+
+def test_an_engine_that_refuses_what_the_proxy_adds_gets_the_clients_request(scripted):
+    """The engine answers 400 to a field the proxy added (llama.cpp: logprobs with tools on a
+    stream): the request goes again exactly as the client sent it, and the client gets the answer."""
+    proxy, service, seen, mode = scripted
+    mode["refuse_logprobs"] = True
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    r = proxy.post("/v1/chat/completions", json=body, headers={"x-session-id": "refused"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+    assert "logprobs" in seen[-2]["body"] and seen[-1]["body"] == body  # the second as the client sent it
+    settled(service)
+    assert service.checks["refused"].verified + service.checks["refused"].unverified == 1
