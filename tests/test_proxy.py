@@ -270,4 +270,5 @@ def test_an_engine_that_refuses_what_the_proxy_adds_gets_the_clients_request(scr
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
     assert "logprobs" in seen[-2]["body"] and seen[-1]["body"] == body  # the second as the client sent it
     settled(service)
-    assert service.checks["refused"].verified + service.checks["refused"].unverified == 1
+    checks = service.checks["refused"]  # the scripted engine's usage is not this template's count: flagged
+    assert checks.verified + checks.unverified + checks.mismatched == 1
