@@ -287,3 +287,73 @@ def test_embedded_lines_while_a_request_waits_for_another(tiny):
     assert any("reading" in x for x in lines["first"]), lines
     assert any("waiting: another request is running, position 1" in x for x in lines["second"]), lines
     assert said == {"first": [], "second": []}  # the lines went to the reasoning channel only
+
+
+def tool_engine(seconds: float) -> FastAPI:
+    """An engine that writes a tool call (a file, line by line) for `seconds`."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "m"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        await request.json()
+
+        async def events():
+            def chunk(delta, finish=None):
+                return "data: " + json.dumps({"id": "w", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                              "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+            yield chunk({"role": "assistant", "content": ""})
+            yield chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function",
+                                         "function": {"name": "write", "arguments": '{"filePath": "src/render.js", "content": "'}}]})
+            for k in range(int(seconds / 0.1)):
+                await asyncio.sleep(0.1)
+                yield chunk({"tool_calls": [{"index": 0, "function": {"arguments": f"line {k}\\n"}}]})
+            yield chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"}'}}]}, "tool_calls")
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_a_tool_call_written_for_seconds_is_told_as_it_is_written_then_checked(tiny):
+    with serving(tool_engine(3.0)) as engine, running(upstream=str(engine.base_url).rstrip("/") + "/v1",
+                                                      dialect="openai", renderer=renderer(),
+                                                      status_channel="content") as (proxy, service):
+        events = stream(proxy, {"x-session-id": "w"}, [{"role": "user", "content": "write render.js"}])
+        settled(service)
+    said = [e["choices"][0]["delta"]["content"] for e in events if e.get("choices")
+            and MARK in (e["choices"][0]["delta"].get("content") or "")]
+    writing = [x for x in said if "writing render.js" in x]
+    assert writing and "lines so far" in writing[0]
+    counts = [int(x.split(", ")[1].split()[0]) for x in writing]
+    assert counts == sorted(counts) and counts[0] >= 10  # the lines of the open call, as they grow
+    assert "checking the tool call" in said[-1]
+
+
+def test_lines_in_front_of_transformers_serve_with_the_engines_own_numbers(tiny, big_model, transformers_engine):
+    """A long prompt to a real `transformers serve`: the reading line counts the prompt's ids as the
+    engine reads them (its template), its reasoning gives thinking lines (thresholds shortened)."""
+    from shadow.chat_template import ChatRenderer, load_hf_tokenizer, read_template
+
+    big = ChatRenderer(read_template(big_model), load_hf_tokenizer(big_model))
+    messages = [{"role": "user", "content": long_text(7, 20000)}]
+    with running(upstream=transformers_engine, renderer=big, status_channel="reasoning",
+                 status_timing={"quiet_s": 0.2, "progress_every_s": 0.3, "thinking_from_s": 0.3,
+                                "thinking_every_s": 0.5}) as (proxy, service):
+        events = []
+        with proxy.stream("POST", "/v1/chat/completions", headers={"x-session-id": "t"},
+                          json={"messages": messages, "stream": True, "max_tokens": 60}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+        settled(service)
+    said = [e["choices"][0]["delta"]["reasoning_content"] for e in events if e.get("choices")
+            and MARK in (e["choices"][0]["delta"].get("reasoning_content") or "")]
+    want = len(big.prompt_ids(messages))
+    assert any(f"reading {want:,} tokens" in x for x in said), said
+    assert any("thinking" in x for x in said), said

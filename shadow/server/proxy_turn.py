@@ -103,11 +103,15 @@ class Lines(LineWriter):
             self.like = event
         delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
         kind = None
-        if delta.get("reasoning_content") or delta.get("reasoning"):
+        # a piece of whitespace alone does not end the wait: an engine may send the generation
+        # prompt's own newline as a first reasoning piece before it has read anything
+        # (`transformers serve`'s reasoning parser does)
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning.strip():
             kind = "reasoning"
         elif delta.get("tool_calls"):
             kind = "tool"
-        elif delta.get("content"):
+        elif isinstance(delta.get("content"), str) and delta["content"].strip():
             kind = "content"
         tool = None
         if kind == "tool" and reply.tool_calls:
