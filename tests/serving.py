@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -10,6 +11,8 @@ from contextlib import contextmanager
 
 import httpx
 import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from shadow.engine import open_reader
 from shadow.schedule import BandwidthRule
@@ -107,3 +110,38 @@ def assert_exact(service: ShadowService, name: str) -> None:
         fresh = service.reader.prefill(s.ids[: s.committed])
         compared, mismatched, _ = compare_states(s.state, fresh)
     assert compared > 0 and mismatched == []
+
+
+def scripted_stream(steps, seen: list[dict] | None = None, usage: dict | None = None):
+    """An OpenAI-compatible engine on a FastAPI app that streams `steps`, each (seconds to wait
+    first, delta, finish reason or None), after a role chunk; with the client's include_usage, a
+    usage chunk at the end. `steps` may be a function of the request body. Requests go to `seen`."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "m"}]}
+
+    async def chat(request: Request):
+        body = await request.json()
+        if seen is not None:
+            seen.append(body)
+
+        def chunk(delta, finish=None) -> str:
+            return "data: " + json.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                                          "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
+
+        async def events():
+            yield chunk({"role": "assistant", "content": ""})
+            for wait, delta, finish in (steps(body) if callable(steps) else steps):
+                await asyncio.sleep(wait)
+                yield chunk(delta, finish)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                yield "data: " + json.dumps({"choices": [], "usage": usage or {"prompt_tokens": 1,
+                                                                               "completion_tokens": 2}}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    return app

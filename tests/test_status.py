@@ -11,9 +11,8 @@ import time
 
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
-from serving import long_text, running, serving, settled
+from serving import long_text, running, scripted_stream, serving, settled
 from shadow.chat_template import ChatRenderer, Template, default_hf_tokenizer
 from shadow.server.channels import Channel, LineWriter, choose, client_kind
 from shadow.server.status import (MARK, EngineLoad, TurnStatus, frame, frame_title, reading_line, strip_lines,
@@ -116,32 +115,8 @@ def test_inline_lines_close_their_part_before_the_models_reasoning():
 
 def slow_engine(seen: list[dict], delay_s: float) -> FastAPI:
     """An engine whose first token takes `delay_s`, then reasoning, a content piece, usage."""
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models():
-        return {"data": [{"id": "m"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = await request.json()
-        seen.append(body)
-
-        async def events():
-            yield 'data: {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m", ' \
-                  '"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}\n\n'
-            await asyncio.sleep(delay_s)
-            for delta in ({"reasoning_content": "hm"}, {"content": "ok"}):
-                yield "data: " + json.dumps({"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                                             "choices": [{"index": 0, "delta": delta}]}) + "\n\n"
-            yield "data: " + json.dumps({"id": "c1", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}) + "\n\n"
-            if (body.get("stream_options") or {}).get("include_usage"):
-                yield "data: " + json.dumps({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}) + "\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    return app
+    return scripted_stream([(delay_s, {"reasoning_content": "hm"}, None), (0, {"content": "ok"}, None),
+                            (0, {}, "stop")], seen)
 
 
 def renderer() -> ChatRenderer:
@@ -291,33 +266,12 @@ def test_embedded_lines_while_a_request_waits_for_another(tiny):
 
 def tool_engine(seconds: float) -> FastAPI:
     """An engine that writes a tool call (a file, line by line) for `seconds`."""
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models():
-        return {"data": [{"id": "m"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        await request.json()
-
-        async def events():
-            def chunk(delta, finish=None):
-                return "data: " + json.dumps({"id": "w", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                                              "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
-
-            yield chunk({"role": "assistant", "content": ""})
-            yield chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function",
-                                         "function": {"name": "write", "arguments": '{"filePath": "src/render.js", "content": "'}}]})
-            for k in range(int(seconds / 0.1)):
-                await asyncio.sleep(0.1)
-                yield chunk({"tool_calls": [{"index": 0, "function": {"arguments": f"line {k}\\n"}}]})
-            yield chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"}'}}]}, "tool_calls")
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    return app
+    call = {"index": 0, "id": "c1", "type": "function",
+            "function": {"name": "write", "arguments": '{"filePath": "src/render.js", "content": "'}}
+    lines = [(0.1, {"tool_calls": [{"index": 0, "function": {"arguments": f"line {k}\\n"}}]}, None)
+             for k in range(int(seconds / 0.1))]
+    return scripted_stream([(0, {"tool_calls": [call]}, None), *lines,
+                            (0, {"tool_calls": [{"index": 0, "function": {"arguments": '"}'}}]}, "tool_calls")])
 
 
 def test_a_tool_call_written_for_seconds_is_told_as_it_is_written_then_checked(tiny):

@@ -3,15 +3,12 @@ bit as it was, and, with random weights, nothing said (through a proxy whose eng
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
 
-from serving import GRID, long_text, running, serving, settled
+from serving import GRID, long_text, running, scripted_stream, serving, settled
 from shadow.tokenizer import load_tokenizer
 from shadow.voice.checks import REASONS, check, language
 from shadow.voice.voice import Voice, VoiceBudget
@@ -112,29 +109,5 @@ def test_with_random_weights_the_lines_go_out_without_a_phrase(tiny, tmp_path):
 
 def thinking_engine(seconds: float):
     """An engine that streams reasoning for `seconds`, then an answer."""
-    app = FastAPI()
-
-    @app.get("/v1/models")
-    async def models():
-        return {"data": [{"id": "m"}]}
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        await request.json()
-
-        async def events():
-            def chunk(delta, finish=None):
-                return "data: " + json.dumps({"id": "t", "object": "chat.completion.chunk", "created": 1, "model": "m",
-                                              "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}) + "\n\n"
-
-            yield chunk({"role": "assistant", "content": ""})
-            steps = int(seconds / 0.1)
-            for k in range(steps):
-                await asyncio.sleep(0.1)
-                yield chunk({"reasoning_content": f" step {k} of the grid reader"})
-            yield chunk({"content": "done"}, "stop")
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    return app
+    steps = [(0.1, {"reasoning_content": f" step {k} of the grid reader"}, None) for k in range(int(seconds / 0.1))]
+    return scripted_stream([*steps, (0, {"content": "done"}, "stop")])

@@ -59,57 +59,66 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else n
 
 
+@dataclass
+class _Part:
+    """The checks of one side of a turn (its prompt or its output)."""
+
+    passed: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    unknown: list[str] = field(default_factory=list)
+    first_diff: int | None = None
+
+    @property
+    def verified(self) -> bool | None:
+        return False if self.failed else (True if self.passed else None)
+
+
+def _check_part(name: str, ids: list[int], source: str | None, engine_ids: list[int] | None,
+                usage_key: str, counted: int | None, count_ok: bool) -> _Part:
+    """`name`'s ids against the engine's own ids (where it showed them and they are not the
+    source already) and against its usage count."""
+    part = _Part()
+    if engine_ids is not None and source != "engine":
+        part.first_diff = first_difference(ids, engine_ids)
+        if part.first_diff is None:
+            part.passed.append(f"{name} ids")
+        else:
+            part.failed.append(f"{name} ids differ from the engine's at {part.first_diff}")
+    elif source == "engine":
+        part.passed.append(f"{name} ids")
+    if counted is None:
+        part.unknown.append(f"no usage.{usage_key}")
+    elif count_ok:
+        part.passed.append(f"{name} count")
+    else:
+        via = f" ({source})" if name == "output" else ""
+        part.failed.append(f"{name}: {len(ids)} ids{via}, the engine counted {counted}")
+    return part
+
+
 def check_turn(t: TurnIds) -> TurnCheck:
-    passed, failed, unknown = [], [], []
-    first_diff = None
-    # the prompt
     if t.prompt is None:
-        unknown.append("no prompt ids" + (f" ({'; '.join(t.notes)})" if t.notes else ""))
+        prompt = _Part(unknown=["no prompt ids" + (f" ({'; '.join(t.notes)})" if t.notes else "")])
     else:
-        if t.engine_prompt is not None and t.prompt_source != "engine":
-            first_diff = first_difference(t.prompt, t.engine_prompt)
-            (failed if first_diff is not None else passed).append(
-                "prompt ids" if first_diff is None else f"prompt ids differ from the engine's at {first_diff}")
-        elif t.prompt_source == "engine":
-            passed.append("prompt ids")
-        if t.prompt_tokens is None:
-            unknown.append("no usage.prompt_tokens")
-        elif t.prompt_tokens == len(t.prompt):
-            passed.append("prompt count")
-        else:
-            failed.append(f"prompt: {len(t.prompt)} ids, the engine counted {t.prompt_tokens}")
-    prompt_ok = [c for c in passed if c.startswith("prompt")]
-    # the output
+        prompt = _check_part("prompt", t.prompt, t.prompt_source, t.engine_prompt, "prompt_tokens", t.prompt_tokens,
+                             t.prompt_tokens == len(t.prompt))
     if t.output_skipped is not None:
-        unknown.append(t.output_skipped)
+        output = _Part(unknown=[t.output_skipped])
     elif t.output_source is None:
-        unknown.append("no output ids")
+        output = _Part(unknown=["no output ids"])
     else:
-        if t.engine_output is not None and t.output_source != "engine":
-            d = first_difference(t.output, t.engine_output)
-            (failed if d is not None else passed).append(
-                "output ids" if d is None else f"output ids differ from the engine's at {d}")
-        elif t.output_source == "engine":
-            passed.append("output ids")
-        if t.completion_tokens is None:
-            unknown.append("no usage.completion_tokens")
-        elif _output_count_ok(t):
-            passed.append("output count")
-        else:
-            failed.append(f"output: {len(t.output)} ids ({t.output_source}), the engine counted {t.completion_tokens}")
-    output_ok = [c for c in passed if c.startswith("output")]
-    prompt_bad = any(f.startswith("prompt") for f in failed)
-    output_bad = any(f.startswith("output") for f in failed)
-    prompt_verified = False if prompt_bad else (True if prompt_ok else None)
-    output_verified = False if output_bad else (True if output_ok else None)
+        output = _check_part("output", t.output, t.output_source, t.engine_output, "completion_tokens",
+                             t.completion_tokens, _output_count_ok(t))
+    failed = prompt.failed + output.failed
     if failed:
         verified = False
-    elif prompt_ok and (output_ok or t.output_skipped is not None):  # every id read is verified
+    elif prompt.verified and (output.verified or t.output_skipped is not None):  # every id read is verified
         verified = True
     else:
         verified = None
-    return TurnCheck(verified, prompt_verified, output_verified, t.prompt_source, t.output_source, tuple(passed),
-                     tuple(failed + unknown), first_diff)
+    return TurnCheck(verified, prompt.verified, output.verified, t.prompt_source, t.output_source,
+                     tuple(prompt.passed + output.passed), tuple(failed + prompt.unknown + output.unknown),
+                     prompt.first_diff)
 
 
 def _output_count_ok(t: TurnIds) -> bool:
