@@ -70,11 +70,12 @@ def _each(value) -> list:
 
 
 def bounds(ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-           zero: bool = False) -> Callable:
+           zero: bool = False, says: str | None = None) -> Callable:
     """A callback: every value (one, or each of a repeated option) a finite number within the
-    bounds; None (not given) passes; with `zero`, 0 also passes (an option's "skip")."""
+    bounds; None (not given) passes; with `zero`, 0 also passes (an option's "skip"). The refusal
+    reads "--opt must be >= 1 (got 0)", or "--opt {says} (got 0)"."""
     parts = [f"{op} {b:g}" for op, b in ((">=", ge), (">", gt), ("<=", le), ("<", lt)) if b is not None]
-    rule = " and ".join(parts) + (" (or 0 to skip)" if zero else "")
+    rule = says or "must be " + " and ".join(parts) + (" (or 0 to skip)" if zero else "")
 
     def check(ctx, param, value):
         for v in _each(value):
@@ -82,7 +83,7 @@ def bounds(ge: float | None = None, gt: float | None = None, le: float | None = 
                 continue
             if not math.isfinite(v) or (ge is not None and v < ge) or (gt is not None and v <= gt) \
                     or (le is not None and v > le) or (lt is not None and v >= lt):
-                refuse(param, f"must be {rule} (got {v:g})")
+                refuse(param, f"{rule} (got {v:g})")
         return value
 
     return check

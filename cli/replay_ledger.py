@@ -28,11 +28,11 @@ def replay_ledger(
     read_rate_json: Annotated[Path | None, typer.Option(callback=input_file, help="Also use the rate measured by `shadow read-rate --json` (its last line's ms_per_1k_tokens).")] = None,
     share: Annotated[list[float] | None, typer.Option("--share", callback=bounds(gt=0, lt=1), help="In-turn share(s) of the time since the first token (repeatable). Default 0.02.")] = None,
     grid: GridOpt = 512,
-    engines: Annotated[int, typer.Option(callback=bounds(ge=1), help="Engines in the fleet, each with its own idle time, share and shadow.")] = 1,
+    engines: Annotated[int, typer.Option(callback=bounds(ge=1, says="is at least 1"), help="Engines in the fleet, each with its own idle time, share and shadow.")] = 1,
     route: Annotated[str, typer.Option(help="How requests reach engines: affinity (a session stays where its first request went, the engine with the fewest requests in flight), hash (of the session name; stays) or round-robin (request by request).")] = "affinity",
-    pack_to: Annotated[float | None, typer.Option("--pack", callback=bounds(gt=0), help="Shift sessions' start times so that this many are active at once on average (repeating the set where shifting alone cannot). Not for Mooncake traces (their times come from the service model).")] = None,
+    pack_to: Annotated[float | None, typer.Option("--pack", callback=bounds(gt=0, says="needs a positive number of active sessions"), help="Shift sessions' start times so that this many are active at once on average (repeating the set where shifting alone cannot). Not for Mooncake traces (their times come from the service model).")] = None,
     priorities: Annotated[list[str] | None, typer.Option("--priorities", help="The scheduler's order steps: all, none, or some of question,running,recent,oldest joined by commas (repeatable: arms side by side on the same timelines). Default all.")] = None,
-    solve_share: Annotated[float | None, typer.Option("--solve-share", callback=bounds(gt=0, le=100), help="Also find the smallest share giving this percentage of fresh turn starts (bisection), for each read rate and priority set.")] = None,
+    solve_share: Annotated[float | None, typer.Option("--solve-share", callback=bounds(gt=0, le=100, says="is a percentage in (0, 100]"), help="Also find the smallest share giving this percentage of fresh turn starts (bisection), for each read rate and priority set.")] = None,
     prefill_tok_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Service model, for traces without first-token and end times: prefill tokens per second.")] = 20_000.0,
     decode_tok_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Service model: decode tokens per second per request.")] = 40.0,
     slots: Annotated[int, typer.Option(callback=bounds(ge=1), help="Service model (Mooncake): requests each engine serves at once, first come first served.")] = 32,
@@ -58,7 +58,7 @@ def replay_ledger(
     if token_counts not in ("qwen", "usage"):
         raise ShadowInputError("--token-counts is 'qwen' or 'usage'")
     if route not in ROUTES:
-        raise ShadowInputError(f"--route must be one of {', '.join(ROUTES)}")
+        raise ShadowInputError(f"--route one of {', '.join(ROUTES)} (got {route!r})")
     rates = list(read_ms_per_1k or [])
     if read_rate_json:
         rates.append(_rate_from(read_rate_json))

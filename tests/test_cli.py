@@ -343,7 +343,7 @@ def test_replay_ledger_refuses_a_binary_file(workdir, fmt):
     (["--read-rate-json", "binary.dat"], "binary.dat: not a read-rate --json output"),
     (["--read-rate-json", "folder"], "--read-rate-json folder: is a folder"),
     (["--read-ms-per-1k", "nan"], "--read-ms-per-1k must be > 0 (got nan)"),
-    (["--engines", "0"], "--engines must be >= 1"),
+    (["--engines", "0"], "--engines is at least 1 (got 0)"),
 ], ids=["write-ledger-folder", "plot-suffix", "binary-rate-file", "rate-file-folder", "nan-rate", "no-engines"])
 def test_replay_ledger_refuses_bad_options(workdir, args, message):
     ledger = workdir / "x.ledger.jsonl"
