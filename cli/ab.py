@@ -7,44 +7,54 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.table import Table
 
-from cli.common import CsvOpt, JsonOpt, console, emit_json, errors, user_errors, write_csv
+from cli.common import CsvOpt, JsonOpt, PlotOpt, bounds, console, emit_json, progress, refuse, user_errors, write_csv
 from shadow.errors import ShadowInputError
+
+
+def _http_url(ctx, param, value):
+    if not value.startswith(("http://", "https://")):
+        refuse(param, f"{value!r}: not an http(s) URL, e.g. http://127.0.0.1:8000/v1")
+    return value
 
 
 @user_errors
 def ab(
-    url: Annotated[str, typer.Option(help="The running `shadow serve` base URL (embedded or proxy), e.g. http://127.0.0.1:8000/v1.")] = "http://127.0.0.1:8000/v1",
-    prompt_tokens: Annotated[int, typer.Option(help="Prompt length in tokens (the source: 16,350).")] = 16_350,
-    output_tokens: Annotated[int, typer.Option(help="Tokens generated per run (the source: 346).")] = 346,
-    runs: Annotated[int, typer.Option(help="Runs per arm.")] = 6,
-    pause: Annotated[float, typer.Option(help="Seconds between requests.")] = 1.5,
-    gate_pct: Annotated[float, typer.Option(help="The largest decode slowdown (%) that passes.")] = 3.0,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of decode tok/s per run and arm.")] = None,
+    url: Annotated[str, typer.Option(callback=_http_url, help="The running `shadow serve` base URL (embedded or proxy), e.g. http://127.0.0.1:8000/v1.")] = "http://127.0.0.1:8000/v1",
+    prompt_tokens: Annotated[int, typer.Option(callback=bounds(ge=1), help="Prompt length in tokens (the source: 16,350).")] = 16_350,
+    output_tokens: Annotated[int, typer.Option(callback=bounds(ge=2), help="Tokens generated per run, at least 2 (the source: 346).")] = 346,
+    runs: Annotated[int, typer.Option(callback=bounds(ge=1), help="Runs per arm.")] = 6,
+    pause: Annotated[float, typer.Option(callback=bounds(ge=0), help="Seconds between requests.")] = 1.5,
+    gate_pct: Annotated[float, typer.Option(callback=bounds(ge=0), help="The largest decode slowdown (%) that passes.")] = 3.0,
+    voice: Annotated[bool, typer.Option("--voice", help="Arms 'shadow, status lines and voice off' against 'all on': the on runs send Open WebUI's chat-id header, for which serve's default --status-channel auto writes status lines (and the voice its phrases); the off runs get none. Without it the voice stays off in both arms.")] = False,
+    plot: PlotOpt = None,
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Drive a running server with the shadow switched off and on (POST /v1/shadow/switch),
     arms alternating, a new session and a fresh prompt each run, and compare decode tok/s
     (from streamed token times, the first token excluded) and time to first token, with the time
-    the shadow read inside each decode as the server charged it to its share. Exit code 1 when the
-    slowdown is over the gate."""
+    the shadow read inside each decode as the server charged it to its share. The switch is set
+    back as it was at the end, also after an error or Ctrl-C. Exit code 1 when the slowdown is
+    over the gate."""
     import httpx
 
     from shadow.bench.ab import run_ab, summarize
     from shadow.tokenizer import load_tokenizer
 
-    if runs < 1 or prompt_tokens < 1 or output_tokens < 2 or pause < 0:
-        raise ShadowInputError("need runs >= 1, prompt tokens >= 1, output tokens >= 2 and a pause >= 0")
     base = url.rstrip("/")
     try:
-        status = httpx.get(base + "/shadow/status", timeout=10).json()
+        r = httpx.get(base + "/shadow/status", timeout=10)
+        status = r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as e:
         raise ShadowInputError(f"no shadow serve at {url} ({type(e).__name__})") from None
+    if not isinstance(status, dict) or "enabled" not in status:
+        raise ShadowInputError(f"no shadow serve at {url} (GET /shadow/status answered {r.status_code})")
+    restore = (bool(status["enabled"]), status.get("voice"))  # the switch as it was, set back at the end
     tokenizer = load_tokenizer(None)
-    with Progress(TextColumn("a/b"), BarColumn(), MofNCompleteColumn(), console=errors, transient=True) as bar:
+    with progress(TextColumn("a/b"), BarColumn(), MofNCompleteColumn()) as bar:
         task = bar.add_task("a/b", total=2 * runs)
 
         def report(done: int, total: int, run) -> None:
@@ -52,19 +62,26 @@ def ab(
                               f"decode {run.decode_tok_s:.2f} tok/s, {run.tokens} tokens")
             bar.update(task, completed=done)
 
-        results = run_ab(base, tokenizer, prompt_tokens, output_tokens, runs, pause, report)
+        results = run_ab(base, tokenizer, prompt_tokens, output_tokens, runs, pause, report, voice=voice,
+                         restore=restore)
     summary = summarize(results, gate_pct)
     table = Table(title=f"ab · {url} · {prompt_tokens:,} prompt tokens, {output_tokens} out · shadow weights: {status.get('weights')}")
-    for col in ("pair", "arm", "TTFT s", "decode tok/s", "tokens"):
+    for col in ("pair", "arm", "TTFT s", "decode tok/s", "tokens") + (("status lines",) if voice else ()):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(str(r.pair), r.arm, f"{r.ttft_s:.3f}", f"{r.decode_tok_s:.2f}", str(r.tokens))
+        table.add_row(str(r.pair), r.arm, f"{r.ttft_s:.3f}", f"{r.decode_tok_s:.2f}", str(r.tokens),
+                      *((str(r.lines),) if voice else ()))
     console.print(table)
     d, t = summary["decode_tok_s"], summary["ttft_s"]
     console.print(f"decode tok/s median: off {d['off']:.2f}, on {d['on']:.2f} ({summary['delta_pct']:+.2f} %); "
                   f"paired: {', '.join(f'{x:+.1f}' for x in summary['paired_deltas_pct'])} %; "
                   f"TTFT median off {t['off']:.3f} s, on {t['on']:.3f} s; gate {gate_pct:g} %: "
                   + ("[green]passed[/]" if summary["passed"] else "[red]failed[/]"))
+    if voice:
+        lines = summary["status_lines"]
+        console.print(f"status lines seen: off {lines['off']}, on {lines['on']}"
+                      + (" [yellow](none in the on runs: is the server's --status-channel off?)[/]" if not lines["on"] else "")
+                      + (" [yellow](lines in the off runs: run serve with --status-channel auto)[/]" if lines["off"] else ""))
     if summary["share_pct"] is not None:
         console.print(f"the shadow read inside the decode for {summary['share_pct']:.2f} % of it "
                       "(the share it was charged, median of the on runs)")
@@ -74,6 +91,7 @@ def ab(
         _plot(plot, results)
     if json_out:
         emit_json({"command": "ab", "url": url, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
+                   "voice": voice,
                    **summary, "per_run": [dataclasses.asdict(r) for r in results]})
     if not summary["passed"]:
         raise typer.Exit(1)
@@ -93,6 +111,5 @@ def _plot(path: Path, results) -> None:
     ax.set_ylabel("decode tok/s")
     ax.legend()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -1,76 +1,310 @@
-"""What every command shares: option types, user-error handling, the final JSON line."""
+"""What every command shares: option types and the checks behind them, user-error handling,
+progress, CSV and the final JSON line.
+
+The CLI's contract: bad input is one line on stderr and exit code 2, found before any work (the
+options' callbacks below run while the command line is parsed: files, presets, devices, ranges),
+so nothing is loaded, created or changed; anything else unexpected is one line and exit code 3
+(the traceback under `shadow --debug` or SHADOW_DEBUG); 1 means only "the check failed"; 130 is
+Ctrl-C.
+"""
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
+import math
+import os
 import sys
+import traceback
 from pathlib import Path
-from typing import Annotated, Callable
+from typing import Annotated, Callable, NoReturn
 
-import click
 import typer
+from rich.markup import escape
 from rich.console import Console
+from rich.progress import Progress
+from typer.core import TyperGroup
 
 from shadow.errors import ShadowInputError
+
+try:  # typer carries its own copy of click since 0.2x; before, it used click itself
+    from typer._click import exceptions as click_errors
+    from typer._click.globals import get_current_context
+except ImportError:  # pragma: no cover - older typer
+    from click import exceptions as click_errors
+    from click import get_current_context
 
 # a pipe or file gets a wide table rather than rich's default 80 columns
 console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
 errors = Console(stderr=True, highlight=False, soft_wrap=True)  # one error, one line
 
-ModelOpt = Annotated[str, typer.Option("--model", "-m", help="Preset (tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b: random weights) or a Qwen3.5 checkpoint folder.")]
-GridOpt = Annotated[int, typer.Option(help="Grid G: rows per chunk; the state advances only at multiples of G (a positive multiple of 64).")]
-DeviceOpt = Annotated[str, typer.Option(help="torch device: cpu, cuda, cuda:1 ...")]
-DtypeOpt = Annotated[str, typer.Option(help="Model dtype: auto (as stored: float32 for tiny, bfloat16 for the other presets), float32, bfloat16.")]
-KernelsOpt = Annotated[str, typer.Option(help="Kernels: auto (fast on CUDA when fla is installed, else reference), reference (plain PyTorch), fast = fla-triton (fused steps: merged projections, fla and Triton kernels, Triton chunk attention), fla-fused (the same with SDPA attention), fla (fla's kernels in the plain steps).")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="End stdout with one JSON object on its own line.")]
-CsvOpt = Annotated[Path | None, typer.Option("--csv", help="Also write the table as CSV to this path.")]
-
-
 EXIT_FAILED = 1  # the check failed: not bit-equal, gate failed, invalid files
 EXIT_USAGE = 2  # bad input: one line on stderr, nothing changed
 EXIT_INTERNAL = 3  # a bug or an environment failure: one line (the traceback under --debug)
 
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".webp", ".eps", ".ps", ".tif", ".tiff")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda", "mps")
+
+
+def say_error(message: str) -> None:
+    """One line on stderr: `error: message`."""
+    errors.print(f"[bold red]error:[/] {escape(message)}", markup=True)
+
+
+def refuse(param: typer.CallbackParam | None, message: str) -> NoReturn:
+    """Bad input met while parsing the command line: one line, exit 2, before the command runs."""
+    name = (param.opts[0] if param.opts else param.human_readable_name) if param is not None else ""
+    say_error(f"{name} {message}".strip())
+    raise typer.Exit(EXIT_USAGE)
+
+
+def _each(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+# ------------------------------------------------------------------------------------------------
+# option callbacks: each returns the value unchanged, or refuses it (one line, exit 2)
+
+
+def bounds(ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+           zero: bool = False, says: str | None = None) -> Callable:
+    """A callback: every value (one, or each of a repeated option) a finite number within the
+    bounds; None (not given) passes; with `zero`, 0 also passes (an option's "skip"). The refusal
+    reads "--opt must be >= 1 (got 0)", or "--opt {says} (got 0)"."""
+    parts = [f"{op} {b:g}" for op, b in ((">=", ge), (">", gt), ("<=", le), ("<", lt)) if b is not None]
+    rule = says or "must be " + " and ".join(parts) + (" (or 0 to skip)" if zero else "")
+
+    def check(ctx, param, value):
+        for v in _each(value):
+            if zero and v == 0:
+                continue
+            if not math.isfinite(v) or (ge is not None and v < ge) or (gt is not None and v <= gt) \
+                    or (le is not None and v > le) or (lt is not None and v >= lt):
+                refuse(param, f"{rule} (got {v:g})")
+        return value
+
+    return check
+
+
+def grid_size(ctx, param, value):
+    """A grid: a positive multiple of 64 (each of a repeated option); 0 passes where it means "skip"
+    (verify-exact --against-grid)."""
+    for v in _each(value):
+        if v == 0 and param.name == "against_grid":
+            continue
+        if v <= 0 or v % 64:
+            refuse(param, f"must be a positive multiple of 64 (got {v})")
+    return value
+
+
+def model_name(ctx, param, value):
+    """A preset or a Qwen3.5 checkpoint folder with a config.json (each of a repeated option)."""
+    from shadow.model.config import PRESETS
+
+    for v in _each(value):
+        if v in PRESETS:
+            continue
+        folder = Path(v)
+        if not folder.is_dir():
+            refuse(param, f"{v!r}: no checkpoint folder or preset of that name (presets: {', '.join(PRESETS)})")
+        if not (folder / "config.json").is_file():
+            refuse(param, f"{v}: the checkpoint folder has no config.json")
+    return value
+
+
+def device_name(ctx, param, value):
+    """cpu, cuda, cuda:N or mps, present on this machine."""
+    if value is None or value == "cpu":
+        return value
+    kind, _, index = value.partition(":")
+    if kind not in DEVICES or (index and not index.isdigit()) or (index and kind == "cpu"):
+        refuse(param, f"{value!r}: not a device (cpu, cuda, cuda:N, mps)")
+    import torch
+
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            refuse(param, f"{value}: CUDA is not available here (torch {torch.__version__})")
+        if index and int(index) >= torch.cuda.device_count():
+            refuse(param, f"{value}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        refuse(param, f"{value}: MPS is not available here")
+    return value
+
+
+def dtype_name(ctx, param, value):
+    if value is not None and value not in DTYPES:
+        refuse(param, f"unknown dtype {value!r} ({', '.join(DTYPES)})")
+    return value
+
+
+def kernels_name(ctx, param, value):
+    """A kernel set's name (each of a repeated option); whether it can run is `check_kernels`'s."""
+    from shadow.model.fast import SETS
+
+    names = ("auto", "reference", *SETS)
+    for v in _each(value):
+        if v not in names:
+            refuse(param, f"unknown kernels {v!r} ({', '.join(names)})")
+    return value
+
+
+def check_kernels(kernels: list[str] | str, device: str) -> None:
+    """Before loading anything: a fast kernel set needs CUDA and flash-linear-attention."""
+    from shadow.model.fast import available
+
+    wanted = [k for k in _each(kernels) if k not in ("auto", "reference")]
+    if wanted and not (device.startswith("cuda") and available()):
+        raise ShadowInputError(f"--kernels {wanted[0]} needs --device cuda and flash-linear-attention "
+                               "(pip install fla-core)")
+
+
+def input_file(ctx, param, value):
+    """An existing, readable regular file (each of a repeated option)."""
+    for v in _each(value):
+        path = Path(v)
+        if path.is_dir():
+            refuse(param, f"{path}: is a folder, not a file")
+        if not path.is_file():
+            refuse(param, f"{path}: no such file")
+        if not os.access(path, os.R_OK):
+            refuse(param, f"{path}: not readable")
+    return value
+
+
+def input_folder(ctx, param, value):
+    if value is not None and not Path(value).is_dir():
+        refuse(param, f"{value}: no such folder")
+    return value
+
+
+def output_file(*suffixes: str) -> Callable:
+    """A callback for a file the command writes at its end (--csv, --plot, --write-ledger): its
+    folder exists and is writable, the path is not a folder, and (for plots) its suffix is one of
+    `suffixes`. Checked at parse time, so a bad path fails before the run, not after it."""
+
+    def check(ctx, param, value):
+        if value is None:
+            return value
+        path = Path(value)
+        if path.is_dir() or str(value).endswith(os.sep):
+            refuse(param, f"{path}: is a folder; give a file name")
+        if suffixes and path.suffix.lower() not in suffixes:
+            refuse(param, f"{path}: unknown suffix {path.suffix or '(none)'!r} ({', '.join(suffixes)})")
+        parent = path.parent
+        if not parent.is_dir():
+            refuse(param, f"{path}: no folder {parent}")
+        if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            refuse(param, f"{path}: not writable")
+        return value
+
+    return check
+
+
+output_path = output_file()
+plot_path = output_file(*PLOT_SUFFIXES)
+
+
+def folder_to_write(ctx, param, value):
+    """A folder the command may create (--disk): not a file, and its nearest existing ancestor a
+    writable folder."""
+    if value is None:
+        return value
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        refuse(param, f"{path}: is a file, not a folder")
+    ancestor = path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        refuse(param, f"{path}: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK):
+        refuse(param, f"{path}: {ancestor} is not writable")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------
+# option types shared by the commands
+
+ModelOpt = Annotated[str, typer.Option("--model", "-m", callback=model_name, help="Preset (tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b: random weights) or a Qwen3.5 checkpoint folder.")]
+GridOpt = Annotated[int, typer.Option(callback=grid_size, help="Grid G: rows per chunk; the state advances only at multiples of G (a positive multiple of 64).")]
+DeviceOpt = Annotated[str, typer.Option(callback=device_name, help="torch device: cpu, cuda, cuda:1, mps (checked before anything loads).")]
+DtypeOpt = Annotated[str, typer.Option(callback=dtype_name, help="Model dtype: auto (as stored: float32 for tiny, bfloat16 for the other presets), float32, bfloat16.")]
+KernelsOpt = Annotated[str, typer.Option(callback=kernels_name, help="Kernels: auto (fast on CUDA when fla is installed, else reference), reference (plain PyTorch), fast = fla-triton (fused steps: merged projections, fla and Triton kernels, Triton chunk attention), fla-fused (the same with SDPA attention), fla (fla's kernels in the plain steps).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="End stdout with one JSON object on its own line.")]
+CsvOpt = Annotated[Path | None, typer.Option("--csv", callback=output_path, help="Also write the table as CSV to this file (its folder must exist).")]
+PlotOpt = Annotated[Path | None, typer.Option("--plot", callback=plot_path, help=f"Write the figure to this file ({', '.join(s[1:] for s in PLOT_SUFFIXES)}; its folder must exist).")]
+
+
+# ------------------------------------------------------------------------------------------------
+# the contract
+
 
 def debugging() -> bool:
-    ctx = click.get_current_context(silent=True)
+    ctx = get_current_context(silent=True)
     root = ctx.find_root() if ctx is not None else None
-    return bool(root is not None and isinstance(root.obj, dict) and root.obj.get("debug"))
+    return bool(root is not None and isinstance(root.obj, dict) and root.obj.get("debug")) \
+        or os.environ.get("SHADOW_DEBUG", "").lower() in ("1", "true", "yes", "on")
 
 
 def user_errors(fn: Callable) -> Callable:
     """The CLI's contract, in one place: bad input (a ShadowInputError, or a file the user named
     that cannot be read or written) is one clear line on stderr and exit code 2; anything else
-    unexpected is one line and exit code 3, with the traceback only under `shadow --debug`;
-    Ctrl-C exits 130."""
+    unexpected is one line and exit code 3, with the traceback before it only under `shadow
+    --debug` (or SHADOW_DEBUG=1); Ctrl-C exits 130."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except ShadowInputError as e:
-            errors.print(f"[bold red]error:[/] {e}", markup=True)
+            say_error(str(e))
             raise typer.Exit(EXIT_USAGE) from None
-        except (typer.Exit, click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
+        except (typer.Exit, typer.Abort, click_errors.ClickException):
             raise
         except KeyboardInterrupt:
             errors.print("interrupted")
             raise typer.Exit(130) from None
         except OSError as e:
             if debugging():
-                raise
+                traceback.print_exc()
             where = f" {e.filename}" if getattr(e, "filename", None) else ""
-            errors.print(f"[bold red]error:[/] cannot use{where}: {e.strerror or e}")
+            say_error(f"cannot use{where}: {e.strerror or e}")
             raise typer.Exit(EXIT_USAGE) from None
         except Exception as e:  # noqa: BLE001 - the contract: no traceback unless asked for
             if debugging():
-                raise
-            errors.print(f"[bold red]internal error:[/] {type(e).__name__}: {e}", markup=True)
-            errors.print("run `shadow --debug ...` for the traceback")
+                traceback.print_exc()  # and still exit 3: 1 means only "the check failed"
+            errors.print(f"[bold red]internal error:[/] {escape(f'{type(e).__name__}: {e}')}"
+                         + ("" if debugging() else " (`shadow --debug ...` shows the traceback)"), markup=True)
             raise typer.Exit(EXIT_INTERNAL) from None
 
     return wrapper
+
+
+class ShadowGroup(TyperGroup):
+    """The app's group (`typer.Typer(cls=ShadowGroup)`): click's own usage errors (an unknown
+    option, a value of the wrong type, a missing argument, a callback's BadParameter such as
+    serve's --config) are one line on stderr and exit 2, like every other bad input, instead of
+    Typer's framed panel."""
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except click_errors.UsageError as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # `shadow verify-exact` alone is not an error
+                raise
+            say_error(e.format_message())
+            raise typer.Exit(e.exit_code) from None
+
+
+def user_text_file(path: Path, read: Callable):
+    """`read(path)`, a file that is not UTF-8 text refused as bad input naming the file."""
+    try:
+        return read(path)
+    except UnicodeDecodeError:
+        raise ShadowInputError(f"{path}: not UTF-8 text") from None
 
 
 def parse_dtype(name: str):
@@ -82,6 +316,12 @@ def parse_dtype(name: str):
     return table[name]
 
 
+def progress(*columns, **options) -> Progress:
+    """A transient progress display on stderr; nothing at all when stderr is not a terminal (a
+    pipe gets no stray blank lines)."""
+    return Progress(*columns, console=errors, transient=True, disable=not errors.is_terminal, **options)
+
+
 def emit_json(obj: dict) -> None:
     """The last stdout line: one JSON document."""
     sys.stdout.flush()
@@ -89,8 +329,7 @@ def emit_json(obj: dict) -> None:
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    """The table as CSV (a pandas DataFrame: one row a dict, columns in the first row's order)."""
+    import pandas as pd
+
+    pd.DataFrame(rows).to_csv(path, index=False)

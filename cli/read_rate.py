@@ -9,9 +9,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from rich.progress import SpinnerColumn, TextColumn
+
 from cli.common import (
-    CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelOpt, console, emit_json, parse_dtype, user_errors,
-    write_csv,
+    CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelOpt, PlotOpt, bounds, check_kernels, console, emit_json,
+    grid_size, kernels_name, model_name, parse_dtype, progress, user_errors, write_csv,
 )
 from shadow.errors import ShadowInputError
 from shadow.model import fast
@@ -20,19 +22,19 @@ from shadow.model import fast
 @user_errors
 def read_rate(
     model: ModelOpt = "tiny",
-    also_model: Annotated[list[str] | None, typer.Option(help="More presets or checkpoints whose per-chunk sweep is timed too (repeatable), e.g. qwen3.5-2b.")] = None,
-    grid: Annotated[list[int] | None, typer.Option(help="Grid(s) to sweep (repeatable); the first one is used for the whole-session read, ask, decode and the reference. Default 512.")] = None,
+    also_model: Annotated[list[str] | None, typer.Option(callback=model_name, help="More presets or checkpoints whose per-chunk sweep is timed too (repeatable), e.g. qwen3.5-2b.")] = None,
+    grid: Annotated[list[int] | None, typer.Option(callback=grid_size, help="Grid(s) to sweep (repeatable); the first one is used for the whole-session read, ask, decode and the reference. Default 512.")] = None,
     contexts: Annotated[str, typer.Option(help="Context depths for the per-chunk timing, comma-separated.")] = "0,16384,65536",
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     kernels: KernelsOpt = "auto",
-    also_kernels: Annotated[list[str] | None, typer.Option(help="More kernel sets for the same model whose per-chunk sweep is timed too, in the same run (repeatable), e.g. fla-fused beside the default fast.")] = None,
-    repeats: Annotated[int, typer.Option(help="Timed repeats per measurement (the median is reported).")] = 5,
-    full_read_tokens: Annotated[int, typer.Option(help="Session length for the whole read from empty (0: skip).")] = 58_278,
-    ask_tokens: Annotated[int, typer.Option(help="Session length at whose end ask and fork decode are timed (0: skip).")] = 41_802,
-    decode_tokens: Annotated[int, typer.Option(help="Tokens decoded from the fork per timing.")] = 32,
-    reference_tokens: Annotated[int, typer.Option(help="Ids read by both us and the transformers reference for the side-by-side (0: skip the reference).")] = 16_384,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG of ms per 1,000 tokens against context.")] = None,
+    also_kernels: Annotated[list[str] | None, typer.Option(callback=kernels_name, help="More kernel sets for the same model whose per-chunk sweep is timed too, in the same run (repeatable), e.g. fla-fused beside the default fast.")] = None,
+    repeats: Annotated[int, typer.Option(callback=bounds(ge=1), help="Timed repeats per measurement (the median is reported; at least 1).")] = 5,
+    full_read_tokens: Annotated[int, typer.Option(callback=bounds(ge=0), help="Session length for the whole read from empty (0: skip; else at least the first grid).")] = 58_278,
+    ask_tokens: Annotated[int, typer.Option(callback=bounds(ge=0), help="Session length at whose end ask and fork decode are timed (0: skip).")] = 41_802,
+    decode_tokens: Annotated[int, typer.Option(callback=bounds(ge=1), help="Tokens decoded from the fork per timing (at least 1).")] = 32,
+    reference_tokens: Annotated[int, typer.Option(callback=bounds(ge=0), help="Ids read by both us and the transformers reference for the side-by-side (0: skip the reference; else at least the first grid).")] = 16_384,
+    plot: PlotOpt = None,
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -55,15 +57,18 @@ def read_rate(
         raise ShadowInputError(f"--contexts must be whole numbers, e.g. 0,16384,65536 (got {contexts!r})") from None
     if not depths or min(depths) < 0:
         raise ShadowInputError("--contexts needs non-negative depths, e.g. 0,16384,65536")
-    if repeats < 1:
-        raise ShadowInputError("--repeats must be at least 1")
+    for option, tokens in (("--full-read-tokens", full_read_tokens), ("--reference-tokens", reference_tokens)):
+        if 0 < tokens < grids[0]:  # fewer ids than one chunk: nothing would be read, a time of nothing
+            raise ShadowInputError(f"{option} must be 0 (skip) or at least the grid, {grids[0]} (got {tokens})")
+    check_kernels([kernels, *(also_kernels or [])], device)
     loaded, reader = open_reader(model, grid=grids[0], device=device, dtype=parse_dtype(dtype), kernels=kernels)
     dev = loaded.model.device
     device_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     result = rr.ReadRate()
     started = time.perf_counter()
-    with console.status("") as status:
-        say = lambda text: status.update(f"read-rate: {text}")  # noqa: E731
+    with progress(SpinnerColumn(), TextColumn("read-rate: {task.description}")) as bar:
+        task = bar.add_task("")
+        say = lambda text: bar.update(task, description=text)  # noqa: E731
         for i, g in enumerate(grids):
             r = reader if i == 0 else reader_for(loaded, g)
             result.rows += rr.chunk_times(r, depths, repeats, progress=say, model=model)
@@ -123,14 +128,15 @@ def read_rate(
             "kernels": loaded.model.kernels.name, "autotune_pins": fast.pinned(), "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "grid": head.grid, "context": head.context, "ms_per_chunk": round(head.ms_per_chunk, 4),
             "ms_per_1k_tokens": round(head.ms_per_1k_tokens, 4),
-            "compare_tokens": result.compare_tokens,
-            "ms_per_1k_tokens_same_ids": _r(result.ms_per_1k_tokens_read),
+            "compare_tokens": result.compare_tokens or None,  # None: that part was skipped (0)
+            "ms_per_1k_tokens_same_ids": _r(result.ms_per_1k_tokens_read) if reference_tokens else None,
             "reference_ms_per_1k_tokens": _r(result.reference_ms_per_1k_tokens),
             "reference": ("transformers+fla" if uses_fla() else "transformers (torch GDN)") if reference_tokens else None,
             "speedup_vs_reference": _r(result.speedup_vs_reference),
-            "ask_ms": _r(result.ask_ms), "ask_session_tokens": result.ask_session_tokens,
-            "fork_decode_ms_per_token": _r(result.fork_decode_ms_per_token),
-            "full_read_s": _r(result.full_read_s), "full_read_tokens": result.full_read_tokens,
+            "ask_ms": _r(result.ask_ms) if ask_tokens else None, "ask_session_tokens": result.ask_session_tokens or None,
+            "fork_decode_ms_per_token": _r(result.fork_decode_ms_per_token) if ask_tokens else None,
+            "full_read_s": _r(result.full_read_s) if full_read_tokens else None,
+            "full_read_tokens": result.full_read_tokens or None,
             "rows": [vars(r) for r in result.rows], "repeats": repeats, "seconds": round(seconds, 2),
         })
 
@@ -163,6 +169,5 @@ def _plot(path: Path, result, title: str) -> None:
     ax.set_title(f"read rate: {title}")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

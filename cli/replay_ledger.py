@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.table import Table
 
-from cli.common import CsvOpt, GridOpt, JsonOpt, console, emit_json, errors, user_errors, write_csv
+from cli.common import (
+    CsvOpt, GridOpt, JsonOpt, PlotOpt, bounds, console, emit_json, input_file, output_path, progress, user_errors,
+    user_text_file, write_csv,
+)
 from shadow.errors import ShadowInputError
 
 FORMATS = ("auto", "mooncake", "trajectory", "ledger")
@@ -20,21 +24,21 @@ FORMATS = ("auto", "mooncake", "trajectory", "ledger")
 def replay_ledger(
     inputs: Annotated[list[Path], typer.Argument(help="Trace files: a Mooncake trace (.jsonl), mini-swe-agent trajectories (.traj.json, or a folder of them), or the project's ledger (.jsonl).")],
     fmt: Annotated[str, typer.Option("--format", help="auto, mooncake, trajectory or ledger.")] = "auto",
-    read_ms_per_1k: Annotated[list[float] | None, typer.Option("--read-ms-per-1k", help="Read rate(s) in ms per 1,000 tokens (repeatable: a sweep). Default 87, the source's.")] = None,
-    read_rate_json: Annotated[Path | None, typer.Option(help="Also use the rate measured by `shadow read-rate --json` (its last line's ms_per_1k_tokens).")] = None,
-    share: Annotated[list[float] | None, typer.Option("--share", help="In-turn share(s) of the time since the first token (repeatable). Default 0.02.")] = None,
+    read_ms_per_1k: Annotated[list[float] | None, typer.Option("--read-ms-per-1k", callback=bounds(gt=0), help="Read rate(s) in ms per 1,000 tokens (repeatable: a sweep). Default 87, the source's.")] = None,
+    read_rate_json: Annotated[Path | None, typer.Option(callback=input_file, help="Also use the rate measured by `shadow read-rate --json` (its last line's ms_per_1k_tokens).")] = None,
+    share: Annotated[list[float] | None, typer.Option("--share", callback=bounds(gt=0, lt=1), help="In-turn share(s) of the time since the first token (repeatable). Default 0.02.")] = None,
     grid: GridOpt = 512,
-    engines: Annotated[int, typer.Option(help="Engines in the fleet, each with its own idle time, share and shadow.")] = 1,
+    engines: Annotated[int, typer.Option(callback=bounds(ge=1, says="is at least 1"), help="Engines in the fleet, each with its own idle time, share and shadow.")] = 1,
     route: Annotated[str, typer.Option(help="How requests reach engines: affinity (a session stays where its first request went, the engine with the fewest requests in flight), hash (of the session name; stays) or round-robin (request by request).")] = "affinity",
-    pack_to: Annotated[float | None, typer.Option("--pack", help="Shift sessions' start times so that this many are active at once on average (repeating the set where shifting alone cannot). Not for Mooncake traces (their times come from the service model).")] = None,
+    pack_to: Annotated[float | None, typer.Option("--pack", callback=bounds(gt=0, says="needs a positive number of active sessions"), help="Shift sessions' start times so that this many are active at once on average (repeating the set where shifting alone cannot). Not for Mooncake traces (their times come from the service model).")] = None,
     priorities: Annotated[list[str] | None, typer.Option("--priorities", help="The scheduler's order steps: all, none, or some of question,running,recent,oldest joined by commas (repeatable: arms side by side on the same timelines). Default all.")] = None,
-    solve_share: Annotated[float | None, typer.Option("--solve-share", help="Also find the smallest share giving this percentage of fresh turn starts (bisection), for each read rate and priority set.")] = None,
-    prefill_tok_s: Annotated[float, typer.Option(help="Service model, for traces without first-token and end times: prefill tokens per second.")] = 20_000.0,
-    decode_tok_s: Annotated[float, typer.Option(help="Service model: decode tokens per second per request.")] = 40.0,
-    slots: Annotated[int, typer.Option(help="Service model (Mooncake): requests each engine serves at once, first come first served.")] = 32,
+    solve_share: Annotated[float | None, typer.Option("--solve-share", callback=bounds(gt=0, le=100, says="is a percentage in (0, 100]"), help="Also find the smallest share giving this percentage of fresh turn starts (bisection), for each read rate and priority set.")] = None,
+    prefill_tok_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Service model, for traces without first-token and end times: prefill tokens per second.")] = 20_000.0,
+    decode_tok_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Service model: decode tokens per second per request.")] = 40.0,
+    slots: Annotated[int, typer.Option(callback=bounds(ge=1), help="Service model (Mooncake): requests each engine serves at once, first come first served.")] = 32,
     token_counts: Annotated[str, typer.Option(help="Trajectories: 'qwen' (re-render and re-tokenise with the Qwen3.5 vocabulary) or 'usage' (the provider's counts).")] = "qwen",
-    write_ledger_to: Annotated[Path | None, typer.Option("--write-ledger", help="Write the imported (and packed) requests as a ledger (JSONL).")] = None,
-    plot: Annotated[Path | None, typer.Option(help="Write a PNG: the CDF of tokens behind at turn starts, one line per arm.")] = None,
+    write_ledger_to: Annotated[Path | None, typer.Option("--write-ledger", callback=output_path, help="Write the imported (and packed) requests as a ledger (JSONL).")] = None,
+    plot: PlotOpt = None,
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -46,30 +50,20 @@ def replay_ledger(
     share and faster reads are never less fresh, and exits 1 if they are."""
     from shadow.ledger import ROUTES, ServiceModel, import_trajectory, mooncake_arrivals, read_ledger, rebase, \
         route_requests, write_ledger
-    from shadow.reader import check_grid
     from shadow.replay import density, monotone_checks, pack, replay, solve_share as solve
     from shadow.schedule import BandwidthRule, Priorities
 
-    check_grid(grid)
     if fmt not in FORMATS:
         raise ShadowInputError(f"unknown format {fmt!r} ({', '.join(FORMATS)})")
     if token_counts not in ("qwen", "usage"):
         raise ShadowInputError("--token-counts is 'qwen' or 'usage'")
-    if min(prefill_tok_s, decode_tok_s) <= 0 or slots < 1:
-        raise ShadowInputError("the service model needs positive rates and at least one slot")
-    if engines < 1 or route not in ROUTES:
-        raise ShadowInputError(f"--engines is at least 1 and --route one of {', '.join(ROUTES)}")
-    if pack_to is not None and pack_to <= 0:
-        raise ShadowInputError("--pack needs a positive number of active sessions")
-    if solve_share is not None and not 0 < solve_share <= 100:
-        raise ShadowInputError("--solve-share is a percentage in (0, 100]")
+    if route not in ROUTES:
+        raise ShadowInputError(f"--route one of {', '.join(ROUTES)} (got {route!r})")
     rates = list(read_ms_per_1k or [])
     if read_rate_json:
         rates.append(_rate_from(read_rate_json))
     rates = rates or [87.0]
     shares = share or [0.02]
-    if min(rates) <= 0 or min(shares) <= 0 or max(shares) >= 1:
-        raise ShadowInputError("read rates must be positive and shares between 0 and 1")
     try:
         prio_sets = [Priorities.parse(p) for p in (priorities or ["all"])]
     except ValueError as e:
@@ -77,22 +71,23 @@ def replay_ledger(
     service = ServiceModel(prefill_tok_s, decode_tok_s, slots)
 
     files = _expand(inputs)
+    kinds = {f: _detect(f) if fmt == "auto" else fmt for f in files}  # every file's format before any import
     requests, arrivals = [], []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=errors, transient=True) as bar:
+    with progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()) as bar:
         task = bar.add_task("importing", total=len(files))
         tokenizer = None
         for f in files:
-            kind = _detect(f) if fmt == "auto" else fmt
+            kind = kinds[f]
             if kind == "mooncake":
-                arrivals += mooncake_arrivals(f)
+                arrivals += user_text_file(f, mooncake_arrivals)
             elif kind == "trajectory":
                 if tokenizer is None and token_counts == "qwen":
                     from shadow.tokenizer import load_tokenizer
 
                     tokenizer = load_tokenizer(None)
-                requests += import_trajectory(f, service, tokenizer)
+                requests += user_text_file(f, lambda p: import_trajectory(p, service, tokenizer))
             else:
-                requests += read_ledger(f)
+                requests += user_text_file(f, read_ledger)
             bar.advance(task)
         if arrivals and (requests and engines > 1 or pack_to is not None):
             raise ShadowInputError("replay a Mooncake trace on its own with --engines, and without --pack "
@@ -173,7 +168,7 @@ def replay_ledger(
         console.print(f"[bold red]check failed:[/] {line}")
     console.print("checks: more share never less fresh, faster reads never less fresh: "
                   + ("[green]hold[/]" if checks["ok"] else "[bold red]FAIL[/]"))
-    if any(_detect(f) != "ledger" for f in files):
+    if any(kind != "ledger" for kind in kinds.values()):
         console.print(f"service model (where the trace has no first-token or end times): prefill {prefill_tok_s:g} tok/s, "
                       f"decode {decode_tok_s:g} tok/s per request, {slots} slots an engine (Mooncake); trajectories: "
                       f"one slot, ends clamped to the next request; token counts: {token_counts}")
@@ -231,9 +226,12 @@ def _detect(path: Path) -> str:
 def _rate_from(path: Path) -> float:
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
-        return float(json.loads(lines[-1])["ms_per_1k_tokens"])
+        rate = float(json.loads(lines[-1])["ms_per_1k_tokens"])
     except (OSError, IndexError, KeyError, ValueError, TypeError) as e:
         raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__})") from None
+    if not math.isfinite(rate) or rate <= 0:
+        raise ShadowInputError(f"{path}: its ms_per_1k_tokens is not a positive number ({rate})")
+    return rate
 
 
 def _plot(path: Path, arms) -> None:
@@ -255,6 +253,5 @@ def _plot(path: Path, arms) -> None:
     ax.set_title("how far behind the shadow is")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

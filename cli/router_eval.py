@@ -6,21 +6,37 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.table import Table
 
 from cli.common import (
-    CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, console, emit_json, errors, parse_dtype, user_errors, write_csv,
+    CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, check_kernels, console, emit_json, input_file, input_folder,
+    model_name, parse_dtype, progress, refuse, user_errors, user_text_file, write_csv,
 )
 from shadow.errors import ShadowInputError
 
 
+def _question_spec(ctx, param, value):
+    """Each --question: 'journal' or an existing question file."""
+    for spec in value or []:
+        if spec != "journal" and not Path(spec).is_file():
+            refuse(param, f"{spec}: neither 'journal' nor a question file")
+    return value
+
+
+def _question(load_question, spec: str):
+    try:
+        return load_question(spec)
+    except (UnicodeDecodeError, AttributeError) as e:  # not text; JSON but not an object
+        raise ShadowInputError(f"{spec}: not a question file {{name, text, choices}} ({type(e).__name__})") from None
+
+
 @user_errors
 def router_eval(
-    journal: Annotated[Path, typer.Option(help="The journal `shadow serve --journal` wrote (asks with a reference label).")],
-    sessions: Annotated[Path, typer.Option(help="The folder of parked session files (`shadow serve --disk`).")],
-    model: Annotated[list[str] | None, typer.Option("--model", "-m", help="Model(s) to ask (presets or checkpoint folders); default tiny.")] = None,
-    question: Annotated[list[str] | None, typer.Option(help="'journal' (the journal's own question) or a JSON file {name, text, choices}; repeatable.")] = None,
+    journal: Annotated[Path, typer.Option(callback=input_file, help="The journal `shadow serve --journal` wrote (asks with a reference label).")],
+    sessions: Annotated[Path, typer.Option(callback=input_folder, help="The folder of parked session files (`shadow serve --disk`).")],
+    model: Annotated[list[str] | None, typer.Option("--model", "-m", callback=model_name, help="Model(s) to ask (presets or checkpoint folders); default tiny.")] = None,
+    question: Annotated[list[str] | None, typer.Option(callback=_question_spec, help="'journal' (the journal's own question) or a JSON file {name, text, choices}; repeatable.")] = None,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     kernels: KernelsOpt = "auto",
@@ -37,16 +53,17 @@ device, dtype and kernels, which the journal records as its arithmetic)."""
     from shadow.routereval import evaluate, load_question, read_journal, session_ids
     from shadow.tokenizer import load_tokenizer
 
-    entries, unlabelled = read_journal(journal)
+    check_kernels(kernels, device)
+    entries, unlabelled = user_text_file(journal, read_journal)
     grids = {e.grid for e in entries}
     if len(grids) != 1:
         raise ShadowInputError(f"the journal mixes grids {sorted(grids)}")
     if not sessions.is_dir():
         raise ShadowInputError(f"no session folder {sessions}")
+    questions = [_question(load_question, q) for q in (question or ["journal"])]
     ids = session_ids(sessions, {e.session for e in entries})
-    questions = [load_question(q) for q in (question or ["journal"])]
     scores = []
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=errors, transient=True) as bar:
+    with progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()) as bar:
         for name in model or ["tiny"]:
             loaded, reader = open_reader(name, grid=next(iter(grids)), device=device, dtype=parse_dtype(dtype),
                                          kernels=kernels)

@@ -10,14 +10,14 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from cli.common import GridOpt, JsonOpt, console, emit_json, user_errors
+from cli.common import GridOpt, JsonOpt, console, emit_json, model_name, user_errors
 from shadow.errors import ShadowInputError
 
 
 @user_errors
 def store(
     folder: Annotated[Path, typer.Argument(help="A store folder (verify-exact --disk, serve's disk).")],
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Read every file in full against this model (weights hash, shapes, checksums); without it only headers are checked.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", callback=model_name, help="Read every file in full against this model (weights hash, shapes, checksums); without it only headers are checked.")] = None,
     grid: GridOpt = 512,
     json_out: JsonOpt = False,
 ) -> None:

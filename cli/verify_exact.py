@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cli.common import (
-    CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, console, emit_json, errors, parse_dtype,
-    user_errors, write_csv,
+    CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, bounds, check_kernels, console, emit_json,
+    folder_to_write, grid_size, input_file, parse_dtype, progress, user_errors, write_csv,
 )
 from shadow.errors import ShadowInputError
 from shadow.model import fast
@@ -21,17 +21,17 @@ from shadow.model import fast
 
 @user_errors
 def verify_exact(
-    conversation: Annotated[list[Path] | None, typer.Option("--conversation", "-c", help="A conversation file (mini-swe-agent .traj.json, SWE-agent .traj, or the project's .jsonl); repeatable. Default: the built-in seeded sample session.")] = None,
+    conversation: Annotated[list[Path] | None, typer.Option("--conversation", "-c", callback=input_file, help="A conversation file (mini-swe-agent .traj.json, SWE-agent .traj, or the project's .jsonl); repeatable. Default: the built-in seeded sample session.")] = None,
     model: ModelOpt = "tiny",
     grid: GridOpt = 512,
-    against_grid: Annotated[int, typer.Option(help="Also compare with a fresh prefill in chunks of this size (0: skip).")] = 2048,
+    against_grid: Annotated[int, typer.Option(callback=grid_size, help="Also compare with a fresh prefill in chunks of this size (0: skip).")] = 2048,
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     kernels: KernelsOpt = "auto",
-    cap_gib: Annotated[float | None, typer.Option(help="Resident cap in GiB; past it the least recently used sessions are spilled to --disk (or dropped and read again). Default: no cap.")] = None,
-    disk: Annotated[Path | None, typer.Option(help="Folder for spilled sessions (one safetensors file each).")] = None,
-    disk_cap_gib: Annotated[float, typer.Option(help="Disk cap in GiB; the oldest files past it are removed.")] = 64.0,
-    seed: Annotated[int, typer.Option(help="Seed of the random preset weights and of the sample session.")] = 0,
+    cap_gib: Annotated[float | None, typer.Option(callback=bounds(ge=0), help="Resident cap in GiB; past it the least recently used sessions are spilled to --disk (or dropped and read again). Default: no cap.")] = None,
+    disk: Annotated[Path | None, typer.Option(callback=folder_to_write, help="Folder for spilled sessions (one safetensors file each).")] = None,
+    disk_cap_gib: Annotated[float, typer.Option(callback=bounds(gt=0), help="Disk cap in GiB; the oldest files past it are removed.")] = 64.0,
+    seed: Annotated[int, typer.Option(callback=bounds(ge=0), help="Seed of the random preset weights and of the sample session.")] = 0,
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -43,18 +43,13 @@ def verify_exact(
     Exit code 1 when a state is not bit-equal."""
     from shadow.conversations import load_conversation
     from shadow.engine import open_reader
-    from shadow.reader import check_grid
     from shadow.sample import sample_conversation
     from shadow.store import SessionStore
     from shadow.tokenizer import load_tokenizer
     from shadow.verify import KINDS, verify
 
-    check_grid(grid)
-    if against_grid:
-        check_grid(against_grid)
-    if cap_gib is not None and cap_gib < 0:
-        raise ShadowInputError("--cap-gib must not be negative")
-    conversations = [load_conversation(p) for p in conversation] if conversation else [sample_conversation(seed)]
+    check_kernels(kernels, device)
+    conversations = [_load(load_conversation, p) for p in conversation] if conversation else [sample_conversation(seed)]
     started = time.perf_counter()
     loaded, reader = open_reader(
         model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels, seed=seed
@@ -62,10 +57,7 @@ def verify_exact(
     tokenizer = load_tokenizer(loaded.path)
     store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk,
                          disk_cap_gib=disk_cap_gib, model=model)
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=errors, transient=True,
-    ) as bar:
+    with progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
         task = bar.add_task("replay", total=None)
 
         def step(done: int, total: int, stage: str) -> None:
@@ -123,6 +115,16 @@ def verify_exact(
         })
     if not equal:
         raise typer.Exit(1)
+
+
+def _load(load_conversation, path: Path):
+    """A conversation file; one whose JSON has another shape than a conversation's (a list of
+    numbers where messages should be) is bad input, not an internal error."""
+    try:
+        return load_conversation(path)
+    except (AttributeError, TypeError, KeyError, IndexError) as e:
+        raise ShadowInputError(f"{path}: not a conversation (a message is not an object with role and content: "
+                               f"{type(e).__name__}: {e})") from None
 
 
 def _print_store(store) -> None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import shared_file
 from typer.testing import CliRunner
 
+from cli.common import ShadowGroup, write_csv
 from cli.main import app
 from shadow.conversations import save_jsonl
 from shadow.sample import sample_conversation
@@ -62,7 +68,7 @@ def test_verify_exact_on_a_real_trajectory_rolls_back():
         (["--model", "nope"], "no checkpoint folder or preset"),
         (["--grid", "100"], "multiple of 64"),
         (["--against-grid", "96"], "multiple of 64"),
-        (["-c", "/no/such/file.jsonl"], "no conversation file"),
+        (["-c", "/no/such/file.jsonl"], "no such file"),
         (["--dtype", "int7"], "unknown dtype"),
     ],
     ids=["unknown-preset", "bad-grid", "bad-other-grid", "missing-conversation", "bad-dtype"],
@@ -161,7 +167,7 @@ def test_store_command_on_a_missing_folder_exits_2(tmp_path):
 
 def test_negative_cap_exits_2():
     result = runner.invoke(app, ["verify-exact", "--cap-gib", "-1"])
-    assert result.exit_code == 2 and "must not be negative" in result.output
+    assert result.exit_code == 2 and "--cap-gib must be >= 0 (got -1)" in result.output
 
 
 def test_replay_ledger_on_trajectories_with_a_read_rate_file(tmp_path):
@@ -192,7 +198,7 @@ def test_replay_ledger_on_trajectories_with_a_read_rate_file(tmp_path):
         ('{"what": 1}\n', [], "unknown format"),
         ("not json\n", [], "cannot tell the format"),
         ("{}\n", ["--format", "csv"], "unknown format 'csv'"),
-        ("{}\n", ["--share", "1.5"], "shares between 0 and 1"),
+        ("{}\n", ["--share", "1.5"], "--share must be > 0 and < 1 (got 1.5)"),
     ],
     ids=["out-of-order", "unknown-format", "not-json", "bad-format-option", "bad-share"],
 )
@@ -228,3 +234,277 @@ def test_serve_refuses_an_unload_slack_it_cannot_honour(tmp_path):
     assert result.exit_code == 2 and "a --standing-question" in result.output
     result = runner.invoke(app, ["serve", "--upstream", "http://127.0.0.1:9/v1", "--kernels", "fast"])
     assert result.exit_code == 2 and "need CUDA" in result.output  # refused at start, not in the background
+
+
+# ------------------------------------------------------------------------------------------------
+# The contract (README): bad input gets one clear line on stderr and exit code 2, found before any
+# work, and nothing is created or changed; an internal error is one line and exit code 3.
+
+
+def tree(folder: Path) -> dict:
+    """Every path under `folder` with its size and modification time."""
+    return {p: (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture()
+def workdir(tmp_path, monkeypatch):
+    """A folder to run in, holding a binary file, a plain file, a folder and two conversation
+    files whose JSON is not a conversation's."""
+    (tmp_path / "binary.dat").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "afile").write_text("not a folder\n")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "numbers.traj.json").write_text(json.dumps({"messages": [1, 2]}))
+    (tmp_path / "strings.traj").write_text(json.dumps({"history": ["x"]}))
+    (tmp_path / "list.json").write_text("[1, 2]")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def refused(args: list[str], folder: Path, message: str, cli=None) -> None:
+    """`shadow ARGS` exits 2 with one line on stderr holding `message`, no traceback, and leaves
+    `folder` (and the cache) as it was."""
+    cache = Path(os.environ["SHADOW_CACHE"])
+    before, cached = tree(folder), tree(cache)
+    result = runner.invoke(cli or app, args)
+    lines = result.stderr.strip().splitlines()
+    assert result.exit_code == 2, result.output
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], result.stderr
+    assert "Traceback" not in result.output and (result.exception is None or isinstance(result.exception, SystemExit))
+    assert tree(folder) == before and tree(cache) == cached  # nothing created or changed
+
+
+def one_line_app():
+    """`cli.main.app` with the group class that prints click's own usage errors (a callback's
+    BadParameter, a value of the wrong type) on one line, as main.py builds it with
+    `typer.Typer(cls=ShadowGroup)`."""
+    wired = copy.copy(app)
+    wired.info = copy.copy(app.info)
+    wired.info.cls = ShadowGroup
+    return wired
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-c", "numbers.traj.json"], "numbers.traj.json: not a conversation"),
+    (["-c", "strings.traj"], "strings.traj: not a conversation"),
+    (["--disk", "afile"], "--disk afile: is a file, not a folder"),
+    (["--disk", "afile/sub"], "afile is a file, not a folder"),
+    (["--csv", "folder"], "--csv folder: is a folder"),
+    (["--csv", "nowhere/x.csv"], "no folder nowhere"),
+    (["--cap-gib", "-1"], "--cap-gib must be >= 0 (got -1)"),
+    (["--cap-gib", "nan"], "--cap-gib must be >= 0 (got nan)"),
+    (["--disk-cap-gib", "-1"], "--disk-cap-gib must be > 0"),
+    (["--kernels", "fast"], "--kernels fast needs --device cuda"),
+    (["--device", "gpu"], "--device 'gpu': not a device"),
+], ids=["messages-not-objects", "history-not-objects", "disk-is-a-file", "disk-under-a-file", "csv-folder",
+        "csv-no-parent", "negative-cap", "nan-cap", "negative-disk-cap", "fast-kernels-on-cpu", "unknown-device"])
+def test_verify_exact_refuses_before_any_work(workdir, args, message):
+    refused(["verify-exact", *args], workdir, message)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_cuda_is_refused_before_loading(workdir):
+    refused(["verify-exact", "--device", "cuda"], workdir, "--device cuda: CUDA is not available here")
+    refused(["read-rate", "--device", "cuda:1"], workdir, "CUDA is not available")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--full-read-tokens", "-1"], "--full-read-tokens must be >= 0 (got -1)"),
+    (["--full-read-tokens", "100"], "--full-read-tokens must be 0 (skip) or at least the grid, 512 (got 100)"),
+    (["--ask-tokens", "-3"], "--ask-tokens must be >= 0 (got -3)"),
+    (["--reference-tokens", "-5"], "--reference-tokens must be >= 0 (got -5)"),
+    (["--reference-tokens", "100"], "--reference-tokens must be 0 (skip) or at least the grid"),
+    (["--decode-tokens", "-4"], "--decode-tokens must be >= 1 (got -4)"),
+    (["--decode-tokens", "0"], "--decode-tokens must be >= 1 (got 0)"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--plot", "x.xyz"], "--plot x.xyz: unknown suffix '.xyz'"),
+    (["--plot", "folder"], "--plot folder: is a folder"),
+    (["--csv", "folder"], "--csv folder: is a folder"),
+    (["--also-model", "qwen9"], "--also-model 'qwen9': no checkpoint folder or preset"),
+    (["--also-model", "folder"], "folder: the checkpoint folder has no config.json"),
+    (["--also-kernels", "turbo"], "unknown kernels 'turbo'"),
+    (["--grid", "512", "--grid", "100"], "--grid must be a positive multiple of 64 (got 100)"),
+], ids=["negative-full-read", "full-read-under-a-chunk", "negative-ask", "negative-reference",
+        "reference-under-a-chunk", "negative-decode", "zero-decode", "zero-repeats", "unknown-plot-suffix",
+        "plot-folder", "csv-folder", "unknown-also-model", "also-model-without-config", "unknown-also-kernels",
+        "second-grid"])
+def test_read_rate_refuses_before_any_timing(workdir, args, message):
+    refused(["read-rate", *args], workdir, message)
+
+
+@pytest.mark.parametrize("fmt", ["auto", "ledger", "mooncake", "trajectory"])
+def test_replay_ledger_refuses_a_binary_file(workdir, fmt):
+    message = "binary.dat:1: not JSON" if fmt == "auto" else "binary.dat: not UTF-8 text"
+    refused(["replay-ledger", "binary.dat", "--format", fmt], workdir, message)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--write-ledger", "folder"], "--write-ledger folder: is a folder"),
+    (["--plot", "cdf.gif"], "--plot cdf.gif: unknown suffix"),
+    (["--read-rate-json", "binary.dat"], "binary.dat: not a read-rate --json output"),
+    (["--read-rate-json", "folder"], "--read-rate-json folder: is a folder"),
+    (["--read-ms-per-1k", "nan"], "--read-ms-per-1k must be > 0 (got nan)"),
+    (["--engines", "0"], "--engines is at least 1 (got 0)"),
+], ids=["write-ledger-folder", "plot-suffix", "binary-rate-file", "rate-file-folder", "nan-rate", "no-engines"])
+def test_replay_ledger_refuses_bad_options(workdir, args, message):
+    ledger = workdir / "x.ledger.jsonl"
+    ledger.write_text(json.dumps({"session": "a", "start": 0, "first_token": 1, "end": 2, "prompt_tokens": 600,
+                                  "new_prompt_tokens": 600, "output_tokens": 10}) + "\n")
+    refused(["replay-ledger", str(ledger), *args], workdir, message)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--journal", "binary.dat", "--sessions", "folder"], "binary.dat: not UTF-8 text"),
+    (["--journal", "nope.jsonl", "--sessions", "folder"], "--journal nope.jsonl: no such file"),
+    (["--journal", "afile", "--sessions", "afile"], "--sessions afile: no such folder"),
+    (["--journal", "afile", "--sessions", "folder", "--question", "binary.dat"], "binary.dat: not a question file"),
+    (["--journal", "afile", "--sessions", "folder", "--question", "list.json"], "list.json: not a question file"),
+    (["--journal", "afile", "--sessions", "folder", "--csv", "folder"], "--csv folder: is a folder"),
+    (["--journal", "afile", "--sessions", "folder", "--model", "qwen9"], "no checkpoint folder or preset"),
+], ids=["binary-journal", "missing-journal", "sessions-not-a-folder", "binary-question", "question-not-an-object",
+        "csv-folder", "unknown-model"])
+def test_router_eval_refuses_bad_input(workdir, args, message):
+    if "--question" in args:  # a journal with one labelled ask, so the questions are read
+        (workdir / "afile").write_text(json.dumps({"session": "s", "insertion": 1, "question_ids": [1],
+                                                   "choices": ["A"], "probs": [1.0], "reference": "A",
+                                                   "weights_hash": "x", "grid": 512}) + "\n")
+    refused(["router-eval", *args], workdir, message)
+
+
+def test_serve_refuses_a_binary_config_on_one_line(workdir):
+    refused(["serve", "--config", "binary.dat"], workdir, "cannot read binary.dat as TOML", cli=one_line_app())
+
+
+def test_click_errors_are_one_line_with_the_shadow_group(workdir):
+    refused(["verify-exact", "--grid", "abc"], workdir, "'--grid'", cli=one_line_app())
+    refused(["verify-exact", "--no-such-option"], workdir, "No such option", cli=one_line_app())
+
+
+def test_store_refuses_an_unknown_model_before_reading(workdir):
+    refused(["store", "folder", "--model", "qwen9"], workdir, "--model 'qwen9': no checkpoint folder or preset")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--runs", "0"], "--runs must be >= 1"),
+    (["--output-tokens", "1"], "--output-tokens must be >= 2"),
+    (["--pause", "-1"], "--pause must be >= 0"),
+    (["--url", "localhost:8000"], "not an http(s) URL"),
+    (["--plot", "folder"], "--plot folder: is a folder"),
+    (["--url", "http://127.0.0.1:9/v1"], "no shadow serve at http://127.0.0.1:9/v1"),
+], ids=["no-runs", "one-output-token", "negative-pause", "url-without-scheme", "plot-folder", "no-server"])
+def test_ab_refuses_bad_input(workdir, args, message):
+    refused(["ab", *args], workdir, message)
+
+
+def test_a_bad_input_in_a_real_process_is_one_line(workdir):
+    """The console script itself (no CliRunner): one line, exit 2, nothing written."""
+    before = tree(workdir)
+    done = subprocess.run([sys.executable, "-c", "from cli.main import main; main()", "read-rate",
+                           "--decode-tokens", "-4", "--plot", "rate.png"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip() == "error: --decode-tokens must be >= 1 (got -4)"
+    assert done.stdout == "" and tree(workdir) == before
+
+
+def test_an_internal_error_is_one_line_and_exit_3(workdir, monkeypatch):
+    """An injected bug in the library: one line and exit 3; the traceback only under --debug or
+    SHADOW_DEBUG (still exit 3: 1 means only that the check failed)."""
+    import shadow.store
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(shadow.store, "check_folder", broken)
+    plain = runner.invoke(app, ["store", "folder"])
+    assert plain.exit_code == 3 and "Traceback" not in plain.output
+    assert plain.stderr.strip().splitlines() == [
+        "internal error: RuntimeError: injected (`shadow --debug ...` shows the traceback)"]
+    for args, env in ((["--debug", "store", "folder"], {}), (["store", "folder"], {"SHADOW_DEBUG": "1"})):
+        debug = runner.invoke(app, args, env=env)
+        assert debug.exit_code == 3 and "Traceback (most recent call last)" in debug.stderr
+        assert debug.stderr.strip().splitlines()[-1] == "internal error: RuntimeError: injected"
+
+
+def test_ctrl_c_exits_130(workdir, monkeypatch):
+    import shadow.store
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shadow.store, "check_folder", interrupted)
+    result = runner.invoke(app, ["store", "folder"])
+    assert result.exit_code == 130 and result.stderr.strip() == "interrupted"
+
+
+def test_write_csv_is_a_pandas_table(tmp_path):
+    import pandas as pd
+
+    rows = [{"arm": "idle only", "fresh_pct": 8.4, "tried": [[0.01, 96.9]]}, {"arm": "idle + 2% share", "fresh_pct": 99.8,
+                                                                             "tried": []}]
+    write_csv(tmp_path / "t.csv", rows)
+    back = pd.read_csv(tmp_path / "t.csv")
+    assert list(back.columns) == ["arm", "fresh_pct", "tried"] and back["fresh_pct"].tolist() == [8.4, 99.8]
+
+
+# ------------------------------------------------------------------------------------------------
+# shadow ab against a real embedded `shadow serve --model tiny` on loopback
+
+
+@pytest.fixture()
+def embedded(tiny):
+    from serving import running
+
+    with running(status_timing={"quiet_s": 0.0, "thinking_from_s": 0.0}) as pair:
+        yield pair
+
+
+def test_ab_with_the_voice_switches_shadow_and_voice_per_arm_and_back(embedded, tmp_path):
+    """--voice: the off runs have shadow and voice off and ask for no status lines (so they get
+    none); the on runs have both on and send Open WebUI's header; the switch is as it was after."""
+    client, service = embedded
+    client.post("/v1/shadow/switch", json={"on": True, "voice": True})
+    base = str(client.base_url).rstrip("/") + "/v1"
+    csv_path = tmp_path / "ab.csv"
+    result = runner.invoke(app, ["ab", "--url", base, "--voice", "--prompt-tokens", "300", "--output-tokens", "5",
+                                 "--runs", "2", "--pause", "0", "--gate-pct", "1000", "--csv", str(csv_path),
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    doc = last_json(result.output)
+    assert doc["voice"] is True and doc["runs"] == 2 and doc["passed"] is True
+    runs = doc["per_run"]
+    assert [r["arm"] for r in runs] == ["off", "on", "on", "off"]
+    assert all(r["voice"] is (r["arm"] == "on") for r in runs)  # as the server's switch answered
+    assert all(r["tokens"] == 5 for r in runs)  # status lines are never counted as tokens
+    assert all(r["lines"] == 0 for r in runs if r["arm"] == "off") and doc["status_lines"]["off"] == 0
+    assert all(r["share_s"] == 0 for r in runs if r["arm"] == "off")
+    assert service.enabled is True and service.voice_enabled is True  # switched back
+    assert csv_path.read_text().splitlines()[0].startswith("arm,pair,ttft_s,decode_tok_s,tokens,share_s,lines,voice")
+
+
+def test_ab_sets_the_switch_back_after_an_error(embedded, workdir):
+    """The server refuses the first run (max_tokens over its limit) after the shadow was switched
+    off: exit 2 with the server's reason on one line, and the shadow is on again."""
+    client, service = embedded
+    base = str(client.base_url).rstrip("/") + "/v1"
+    result = runner.invoke(app, ["ab", "--url", base, "--voice", "--output-tokens", "100000", "--runs", "1",
+                                 "--pause", "0"])
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: the server refused the request (400)") and "max_tokens" in line
+    assert service.enabled is True and service.voice_enabled is True
+
+
+def test_ab_sets_the_switch_back_on_ctrl_c(embedded, tokenizer):
+    """Ctrl-C (a KeyboardInterrupt raised by the progress callback after the first, "off", run):
+    the interrupt goes on, and the shadow is on again."""
+    from shadow.bench.ab import run_ab
+
+    client, service = embedded
+    base = str(client.base_url).rstrip("/") + "/v1"
+    seen = []
+
+    def interrupt(done, total, run):
+        seen.append((run.arm, service.enabled))
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_ab(base, tokenizer, 200, 3, 2, 0.0, interrupt, voice=True, restore=(True, None))
+    assert seen == [("off", False)] and service.enabled is True and service.voice_enabled is True
