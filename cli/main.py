@@ -2,9 +2,12 @@
 
 import typer
 
+from cli.common import ShadowGroup
+
 from cli import ab, check_engine, read_rate, replay_ledger, router_eval, serve, store, verify_exact, voice_replay
 
 app = typer.Typer(
+    cls=ShadowGroup,
     help="Shadow reader toolkit: a small Qwen3.5 model that keeps an exact state of every session.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

@@ -15,7 +15,6 @@ from cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, bounds, check_kernels, console, emit_json,
     folder_to_write, grid_size, input_file, parse_dtype, progress, user_errors, write_csv,
 )
-from shadow.errors import ShadowInputError
 from shadow.model import fast
 
 
@@ -49,7 +48,7 @@ def verify_exact(
     from shadow.verify import KINDS, verify
 
     check_kernels(kernels, device)
-    conversations = [_load(load_conversation, p) for p in conversation] if conversation else [sample_conversation(seed)]
+    conversations = [load_conversation(p) for p in conversation] if conversation else [sample_conversation(seed)]
     started = time.perf_counter()
     loaded, reader = open_reader(
         model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels, seed=seed
@@ -115,16 +114,6 @@ def verify_exact(
         })
     if not equal:
         raise typer.Exit(1)
-
-
-def _load(load_conversation, path: Path):
-    """A conversation file; one whose JSON has another shape than a conversation's (a list of
-    numbers where messages should be) is bad input, not an internal error."""
-    try:
-        return load_conversation(path)
-    except (AttributeError, TypeError, KeyError, IndexError) as e:
-        raise ShadowInputError(f"{path}: not a conversation (a message is not an object with role and content: "
-                               f"{type(e).__name__}: {e})") from None
 
 
 def _print_store(store) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shadow.chat import ROLES, Message
-from shadow.errors import ShadowInputError
+from shadow.errors import ShadowInputError, read_text
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def load_conversation(path: str | Path) -> Conversation:
     path = Path(path)
     if not path.is_file():
         raise ShadowInputError(f"no conversation file {path}")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = read_text(path, "conversation")
     if not text.strip():
         raise ShadowInputError(f"{path} is empty")
     if path.suffix == ".jsonl":
@@ -45,9 +45,10 @@ def load_conversation(path: str | Path) -> Conversation:
         except json.JSONDecodeError as e:
             raise ShadowInputError(f"{path} is not valid JSON: {e}") from None
         if isinstance(doc, dict) and isinstance(doc.get("messages"), list):
-            messages = [_mini_swe_agent(m, path) for m in doc["messages"]]
+            messages = [_mini_swe_agent(_entry(m, path, k), path) for k, m in enumerate(doc["messages"])]
         elif isinstance(doc, dict) and isinstance(doc.get("history"), list):
-            messages = [_message(m.get("role"), m.get("content"), None, path) for m in doc["history"]]
+            messages = [_message(_entry(m, path, k).get("role"), m.get("content"), None, path)
+                        for k, m in enumerate(doc["history"])]
         else:
             raise ShadowInputError(
                 f"{path}: unknown format (expected mini-swe-agent 'messages', SWE-agent 'history', or .jsonl)"
@@ -73,12 +74,20 @@ def _own_jsonl(path: Path, text: str) -> list[Message]:
     return messages
 
 
+def _entry(m, path: Path, k: int) -> dict:
+    if not isinstance(m, dict):
+        raise ShadowInputError(f"{path}: message {k} is not an object")
+    return m
+
+
 def _mini_swe_agent(m: dict, path: Path) -> Message:
     reasoning = None
     extra = m.get("extra")
-    if isinstance(extra, dict):
-        choices = (extra.get("response") or {}).get("choices") or [{}]
-        reasoning = (choices[0].get("message") or {}).get("reasoning")
+    if isinstance(extra, dict) and isinstance(extra.get("response"), dict):
+        choices = extra["response"].get("choices")
+        first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        message = first.get("message") if isinstance(first.get("message"), dict) else {}
+        reasoning = message.get("reasoning")
     return _message(m.get("role"), m.get("content"), reasoning, path)
 
 

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from shadow.errors import ShadowInputError
+from shadow.errors import ShadowInputError, read_text
 
 FIELDS = ("session", "start", "first_token", "end", "prompt_tokens", "new_prompt_tokens", "output_tokens")
 
@@ -148,7 +148,7 @@ def read_ledger(path: str | Path) -> list[Request]:
     if not path.is_file():
         raise ShadowInputError(f"no ledger file {path}")
     out = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    for n, line in enumerate(read_text(path, "ledger").splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{n}"
@@ -200,7 +200,7 @@ def mooncake_arrivals(path: str | Path, block: int = MOONCAKE_BLOCK) -> list[Arr
     the previous prompt's tail), else the repeated blocks only; new prompt tokens are the rest."""
     path = Path(path)
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    for n, line in enumerate(read_text(path, "ledger").splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -251,7 +251,7 @@ def import_trajectory(path: str | Path, service: ServiceModel, tokenizer=None) -
 
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_text(path, "trajectory"))
         messages = doc["messages"]
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
         raise ShadowInputError(f"{path}: not a mini-swe-agent trajectory ({type(e).__name__})") from None

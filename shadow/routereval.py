@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from shadow.errors import ShadowInputError
+from shadow.errors import ShadowInputError, read_text
 from shadow.reader import Reader
 from shadow.sessionfile import SessionFileError, arithmetic_of, read_ids
 from shadow.tokenizer import Tokenizer
@@ -76,7 +76,7 @@ def read_journal(path: str | Path) -> tuple[list[Entry], int]:
     if not path.is_file():
         raise ShadowInputError(f"no journal file {path}")
     entries, unlabelled = [], 0
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    for n, line in enumerate(read_text(path, "journal").splitlines(), start=1):
         if not line.strip():
             continue
         try:
@@ -169,7 +169,7 @@ def load_question(spec: str) -> Question:
         return Question("journal")
     path = Path(spec)
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(read_text(path, "question file"))
         return Question(str(doc.get("name", path.stem)), str(doc["text"]), tuple(str(c) for c in doc["choices"]))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ShadowInputError(f"{spec}: not 'journal' nor a question file with text and choices ({type(e).__name__})") from None

@@ -284,8 +284,8 @@ def one_line_app():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["-c", "numbers.traj.json"], "numbers.traj.json: not a conversation"),
-    (["-c", "strings.traj"], "strings.traj: not a conversation"),
+    (["-c", "numbers.traj.json"], "numbers.traj.json: message 0 is not an object"),
+    (["-c", "strings.traj"], "strings.traj: message 0 is not an object"),
     (["--disk", "afile"], "--disk afile: is a file, not a folder"),
     (["--disk", "afile/sub"], "afile is a file, not a folder"),
     (["--csv", "folder"], "--csv folder: is a folder"),
@@ -333,7 +333,7 @@ def test_read_rate_refuses_before_any_timing(workdir, args, message):
 
 @pytest.mark.parametrize("fmt", ["auto", "ledger", "mooncake", "trajectory"])
 def test_replay_ledger_refuses_a_binary_file(workdir, fmt):
-    message = "binary.dat:1: not JSON" if fmt == "auto" else "binary.dat: not UTF-8 text"
+    message = "binary.dat:1: not JSON" if fmt == "auto" else "binary.dat: not a text"
     refused(["replay-ledger", "binary.dat", "--format", fmt], workdir, message)
 
 
@@ -353,11 +353,11 @@ def test_replay_ledger_refuses_bad_options(workdir, args, message):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--journal", "binary.dat", "--sessions", "folder"], "binary.dat: not UTF-8 text"),
+    (["--journal", "binary.dat", "--sessions", "folder"], "binary.dat: not a text journal"),
     (["--journal", "nope.jsonl", "--sessions", "folder"], "--journal nope.jsonl: no such file"),
     (["--journal", "afile", "--sessions", "afile"], "--sessions afile: no such folder"),
-    (["--journal", "afile", "--sessions", "folder", "--question", "binary.dat"], "binary.dat: not a question file"),
-    (["--journal", "afile", "--sessions", "folder", "--question", "list.json"], "list.json: not a question file"),
+    (["--journal", "afile", "--sessions", "folder", "--question", "binary.dat"], "binary.dat: not a text question file"),
+    (["--journal", "afile", "--sessions", "folder", "--question", "list.json"], "list.json: not 'journal' nor a question file"),
     (["--journal", "afile", "--sessions", "folder", "--csv", "folder"], "--csv folder: is a folder"),
     (["--journal", "afile", "--sessions", "folder", "--model", "qwen9"], "no checkpoint folder or preset"),
 ], ids=["binary-journal", "missing-journal", "sessions-not-a-folder", "binary-question", "question-not-an-object",

@@ -842,7 +842,7 @@ class ShadowService:
             ready = self.ready.is_set()
             return {
                 "ready": ready, "load_error": self.load_error, "engine": self.engine,
-                "grid": self.reader.grid if ready else None, "weights": self.weights, "enabled": self.enabled,
+                "grid": self.reader.grid if ready else None, "weights": self.weights, "enabled": self.enabled, "voice": self.voice_enabled,
                 "sessions": [vars(r) | {"rollbacks": self._rollbacks(r.name), "id_checks": self.checks.get(
                                  r.name, SessionChecks()).as_dict(r.committed + r.pending)}
                              for r in self.store.status()] if ready else [],
