@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
-#   bash experiments/h200.sh tests sweep convsweep pins profile rate512 verify rate attention generator genprofile ab restore voice
+#   bash experiments/h200.sh tests sweep convsweep pins profile rate512 verify rate attention generator genprofile ab restore voice abvoice
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -31,6 +31,9 @@ for step in "$@"; do
             --csv "$OUT/read-rate-h200.csv" --json > "$OUT/read-rate-h200.txt" 2>&1; tail -c 1500 "$OUT/read-rate-h200.txt" ;;
     ab) MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=${RUNS:-6} AB_TIMEOUT=380 \
           timeout 560 bash experiments/serve_demo.sh "$OUT" 2>&1 | tail -25 ;;
+    abvoice) MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-4000} RUNS=${RUNS:-2} \
+          TEMPLATE=.carry/qwen3.5.jinja VOICE=1 AB_TIMEOUT=420 timeout 540 bash experiments/serve_demo.sh "$OUT/abvoice" 2>&1 \
+          | tail -25 ;;
     generator) timeout 400 python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda 2>&1 \
                  | tee "$OUT/generator-speed.txt" | tail -6 ;;
     sweep) timeout 200 python3 experiments/tile_sweep.py 2>&1 | tee "$OUT/tile-sweep.txt" ;;

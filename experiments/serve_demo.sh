@@ -2,13 +2,15 @@
 # `shadow ab` and `shadow router-eval` end to end against a live `shadow serve` (embedded, random
 # weights by default), writing their --json outputs for the notebook. On the CPU with tiny this
 # shows the mechanics; on a GPU pass MODEL and GENERATOR (e.g. qwen3.5-0.8b and qwen3.5-4b).
-# Usage: [MODEL=tiny GENERATOR=tiny DEVICE=cpu PROMPT=2000 OUTPUT=32 RUNS=3] bash experiments/serve_demo.sh OUTDIR
+# Usage: [MODEL=tiny GENERATOR=tiny DEVICE=cpu PROMPT=2000 OUTPUT=32 RUNS=3 TEMPLATE= VOICE=] bash experiments/serve_demo.sh OUTDIR
 set -euo pipefail
 out=${1:-out}; mkdir -p "$out"
 model=${MODEL:-tiny}; generator=${GENERATOR:-$model}; device=${DEVICE:-cpu}
 port=${PORT:-8790}; work=$(mktemp -d)
+# TEMPLATE: a Jinja chat template for the embedded generator (Qwen3.5's opens a think block: its
+# turns reason, so the thinking lines and the voice run); VOICE=1: `ab --voice`
 shadow serve --model "$model" --generator-model "$generator" --device "$device" --port "$port" \
-  --disk "$work/disk" --journal "$work/journal.jsonl" > "$out/serve.log" 2>&1 &
+  --disk "$work/disk" --journal "$work/journal.jsonl" ${TEMPLATE:+--chat-template "$TEMPLATE"} > "$out/serve.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 started=$(date +%s)
@@ -24,7 +26,7 @@ curl -s "http://127.0.0.1:$port/v1/chat/completions" -H 'x-session-id: warmup' \
   -d "{\"messages\": [{\"role\": \"user\", \"content\": \"$(printf 'warm up the kernels %.0s' $(seq 1 400))\"}], \"max_tokens\": 8}" > /dev/null
 sleep 3
 timeout "${AB_TIMEOUT:-900}" shadow ab --url "http://127.0.0.1:$port/v1" --prompt-tokens "${PROMPT:-2000}" \
-  --output-tokens "${OUTPUT:-32}" --runs "${RUNS:-3}" --pause 1.5 --plot "$out/ab.png" --csv "$out/ab.csv" --json \
+  --output-tokens "${OUTPUT:-32}" --runs "${RUNS:-3}" --pause 1.5 ${VOICE:+--voice} --plot "$out/ab.png" --csv "$out/ab.csv" --json \
   > "$out/ab.txt" 2> >(tee "$out/ab.log" >&2) || status=$?
 if [ "${status:-0}" = 124 ]; then  # timed out: every thread's stack of the server, into its log
   echo "ab timed out; the server's threads:"; kill -USR1 $server; sleep 2; tail -n 80 "$out/serve.log"; exit 1
