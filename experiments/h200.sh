@@ -31,9 +31,10 @@ for step in "$@"; do
             --csv "$OUT/read-rate-h200.csv" --json > "$OUT/read-rate-h200.txt" 2>&1; tail -c 1500 "$OUT/read-rate-h200.txt" ;;
     ab) MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=${RUNS:-6} AB_TIMEOUT=380 \
           timeout 560 bash experiments/serve_demo.sh "$OUT" 2>&1 | tail -25 ;;
-    abvoice) MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-4000} RUNS=${RUNS:-2} \
-          TEMPLATE=.carry/qwen3.5.jinja VOICE=1 AB_TIMEOUT=420 timeout 540 bash experiments/serve_demo.sh "$OUT/abvoice" 2>&1 \
-          | tail -25 ;;
+    abvoice) for m in ${SHADOWS:-qwen3.5-0.8b qwen3.5-2b}; do
+               MODEL=$m GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-4000} RUNS=${RUNS:-2} \
+                 TEMPLATE=.carry/qwen3.5.jinja VOICE=1 AB_TIMEOUT=240 timeout 280 bash experiments/serve_demo.sh \
+                 "$OUT/abvoice-$m" 2>&1 | tail -6; cp "$OUT/abvoice-$m/ab.json" "$OUT/abvoice-$m.json" 2>/dev/null; done ;;
     generator) timeout 400 python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda 2>&1 \
                  | tee "$OUT/generator-speed.txt" | tail -6 ;;
     sweep) timeout 200 python3 experiments/tile_sweep.py 2>&1 | tee "$OUT/tile-sweep.txt" ;;
