@@ -34,7 +34,8 @@ for step in "$@"; do
     abvoice) for m in ${SHADOWS:-qwen3.5-0.8b qwen3.5-2b}; do
                MODEL=$m GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-4000} RUNS=${RUNS:-2} \
                  TEMPLATE=.carry/qwen3.5.jinja VOICE=1 AB_TIMEOUT=240 timeout 280 bash experiments/serve_demo.sh \
-                 "$OUT/abvoice-$m" 2>&1 | tail -6; cp "$OUT/abvoice-$m/ab.json" "$OUT/abvoice-$m.json" 2>/dev/null; done ;;
+                 "/tmp/abvoice-$m" 2>&1 | tail -6; cp "/tmp/abvoice-$m/ab.json" "$OUT/abvoice-$m.json"
+               cp "/tmp/abvoice-$m/ab.csv" "$OUT/abvoice-$m.csv"; done ;;
     generator) timeout 400 python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda 2>&1 \
                  | tee "$OUT/generator-speed.txt" | tail -6 ;;
     sweep) timeout 200 python3 experiments/tile_sweep.py 2>&1 | tee "$OUT/tile-sweep.txt" ;;
