@@ -39,9 +39,11 @@ warmed with its fixed chunk cost):
 - at load: read a scratch session of a few chunks at a few depths and `costs.warm(depth, s)`
   each (device synchronised, the first chunk after a load left out), so no chunk is ever read
   inside a stream just to measure it;
-- a request arrives: `turn_started(turn, session, now)` (and `waiting(n, now)` whenever the count
-  of requests queued for the device changes); its prompt fed: `update(session, committed, known,
-  now)`; a standing question registered: `question(session, now, stop=line)`;
+- a request arrives: `turn_started(turn, session, now)` (session None while the caller does not
+  know it yet, e.g. a proxy that finds it from the prompt's ids: `turn_session` names it then;
+  and `waiting(n, now)` whenever the count of requests queued for the device changes); its prompt
+  fed: `update(session, committed, known, now)`; a standing question registered:
+  `question(session, now, stop=line)`;
 - its first token: `first_token(turn, now)`;
 - between two decode rounds or streamed deltas: `update` with the output ids fed, then
   `next_read(now, between_rounds=True)`; a `Read` is read (its `chunks` of its `session`, which
