@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from shadow.errors import ShadowInputError, ShadowNotExact, ShadowUnavailable
+from shadow.errors import ShadowInputError, ShadowNotExact
 from shadow.model.config import ModelConfig
-from shadow.reader import Reader, Session, common_prefix
-from shadow.routereval import ids_crc
+from shadow.reader import Reader, common_prefix
 from shadow.schedule import BandwidthRule, ReadScheduler
+from shadow.server.asking import Asking
 from shadow.server.counters import Counters
 from shadow.server.device import DeviceThread
 from shadow.server.host import Model, ModelHost
@@ -103,7 +103,6 @@ class ShadowService:
         self.unload_slack = unload_slack_bytes  # None: never unload
         self.label_from_upstream = label_from_upstream  # a turn with no label header: the proxy asks the engine
         self.require_exact = require_exact  # asks on sessions not verified against the engine answer 409
-        self.max_ask_tail = max_ask_tail  # unread ids an ask or summary may prefill in one fork
         self.engine: dict | None = None  # proxy mode: the engine's dialect and id sources
         # the GPU (or CPU): generator, reader, asks, loads, and any spill of a session to disk
         self.device = DeviceThread()
@@ -122,6 +121,8 @@ class ShadowService:
         self.reading.stop_line = self.answers.line
         self.reading.after_read = self.answers.answer_if_ready
         self.reading.after_round = self._after_idle_round
+        self.asking = Asking(self.host, self.reading, self.device, self.state_lock, clock, self.counters,
+                             self.answers.journal, self.config.vocab_size, self._asked, max_ask_tail)
         self._pool_free = pool_free or self.host.pool_free
         if reader is not None and store is not None:
             self.host.use(reader, store, weights)
@@ -392,7 +393,8 @@ class ShadowService:
         with self.state_lock:
             checks = self.checks.get(session, SessionChecks())
             length = self._length(session)
-            return {"exact": checks.exact(length), "why_not": checks.why_not(length), "id_checks": checks.as_dict(length)}
+            return {"exact": checks.exact(length), "why_not": checks.why_not(length),
+                    "id_checks": checks.as_dict(length)}
 
     # standing questions -------------------------------------------------------------------
 
@@ -458,21 +460,6 @@ class ShadowService:
 
     # questions --------------------------------------------------------------------------
 
-    def _check_ids(self, ids: Sequence[int]) -> list[int]:
-        out = [int(i) for i in ids]
-        vocab = self.config.vocab_size
-        bad = next((i for i in out if not 0 <= i < vocab), None)
-        if bad is not None:
-            raise ShadowInputError(f"token id {bad} is outside the vocabulary (0 .. {vocab - 1})")
-        return out
-
-    def _check_tail(self, s: Session) -> None:
-        """An ask forwards the unread tail in one fork: refuse one longer than the limit (memory)."""
-        tail = len(s.ids) - s.committed
-        if self.max_ask_tail is not None and tail > self.max_ask_tail:
-            raise ShadowUnavailable(f"session {s.name!r} is {tail:,} ids behind (more than {self.max_ask_tail:,} "
-                                    "to read in one fork); ask again with a longer timeout_s")
-
     def _asked(self, session: str, timeout_s: float) -> tuple[str, dict]:
         """The store name an ask about `session` reads and its exactness (refused when required)."""
         self.host.wait_ready(timeout_s)
@@ -487,59 +474,14 @@ class ShadowService:
     def ask(self, session: str, question: Sequence[int], choices: Sequence[int], labels: Sequence[str],
             timeout_s: float = 10.0, reference: str | None = None, fresh: bool | None = None) -> dict:
         """Read the session up to the question's insertion point (its last id, within timeout_s),
-        then one forward of the pending tail and the question in a fork: the letters' softmax."""
-        question, choice_ids = self._check_ids(question), self._check_ids(choices)
-        named = session
-        session, exact = self._asked(session, timeout_s)
-        started = self.clock()
-
-        def on_device():
-            model = self.host.ensure()  # an idle burst may have unloaded it since the wait
-            with self.reading.asking(session):
-                s, behind, read = self.reading.read_to_end(model, session, timeout_s, started)
-                self._check_tail(s)
-                probs = model.reader.ask(s, question, choice_ids).tolist()
-            with self.state_lock:
-                self.reading.settle(model, keep=session)
-            return model, s, behind, read, probs
-
-        model, s, behind, read, probs = self.device.run(on_device, "ask")
-        best = max(range(len(probs)), key=probs.__getitem__)
-        answer = {
-            "session": named, "read": session, "choices": list(labels), "probs": probs, "label": labels[best],
-            "behind": behind, "read_chunks": read, "pending_after": len(s.ids) - s.committed,
-            "latency_ms": round((self.clock() - started) * 1000, 3), "weights": model.weights,
-            "weights_hash": model.weights_hash, "grid": model.grid, "arithmetic": model.store.identity.arithmetic,
-            "insertion": len(s.ids), "prefix_crc": ids_crc(s.ids),
-            "question_tokens": len(question), "question_ids": list(question), "reference": reference,
-            "fresh": fresh, "time": time.time(), **exact,
-        }
-        with self.state_lock:
-            self.counters.asks += 1
-            self.answers.journal.answer(answer)
-        return answer
+        then one forward of the pending tail and the question in a fork: the letters' softmax
+        (`Asking.ask`)."""
+        return self.asking.ask(session, question, choices, labels, timeout_s, reference, fresh)
 
     def summarize(self, session: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 10.0) -> dict:
         """Read the session to its end (within timeout_s), then decode greedily from a fork over the
         pending tail and `prompt` (a summary of the session); the session is left as it was."""
-        prompt = self._check_ids(prompt)
-        named = session
-        session, exact = self._asked(session, timeout_s)
-        started = self.clock()
-
-        def on_device():
-            model = self.host.ensure()
-            with self.reading.asking(session):
-                s, behind, _ = self.reading.read_to_end(model, session, timeout_s, started)
-                self._check_tail(s)
-                decode_start = self.clock()
-                out = model.reader.decode(s, prompt, max_tokens, stop=[model.reader.model.config.eos_token_id])
-            return model, out, behind, self.clock() - decode_start
-
-        model, out, behind, decode_s = self.device.run(on_device, "ask")
-        return {"session": named, "read": session, "ids": out, "behind": behind, "weights": model.weights,
-                "latency_ms": round((self.clock() - started) * 1000, 3),
-                "decode_ms_per_token": round(decode_s * 1000 / max(1, len(out)), 3), **exact}
+        return self.asking.summarize(session, prompt, max_tokens, timeout_s)
 
     # the idle window's unload -------------------------------------------------------------
 
