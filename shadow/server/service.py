@@ -8,8 +8,9 @@
   idle thread, the share between rounds, asks), its estimates warmed at load;
 - `standing.Standing`: standing questions, held at their line and answered there; the journal;
 - `naming.SessionNames`: which store name a prompt is read into (side branches, prefix matching);
+- `asking.Asking`: asks and summaries (a session read to its end, then one fork);
 
-and keeps the turns, each session's checks against the engine, asks and summaries, and the voice.
+and keeps the turns, each session's checks against the engine, the voice, and status.
 One thread owns the device (`DeviceThread`): turns (or, behind a proxy, the feeding of the
 shadow), chunks, asks, loads and spills run on it one at a time. `state_lock` guards sessions,
 turns, counters and the scheduler.
