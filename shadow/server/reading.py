@@ -338,6 +338,7 @@ class Reading:
             decision = self.idle_once(at)
             at = None
             if not isinstance(decision, Read):
+                self.state = "between bursts" if decision.until < math.inf else "caught up"
                 break
         self.rounds += 1
         self.after_round()
