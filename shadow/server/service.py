@@ -226,6 +226,8 @@ class ShadowService:
         where it differs), on the device thread. Checks ids before any change."""
         model = self.host.model
         ids = None if prompt_ids is None or model is None else model.reader.check_ids(prompt_ids)
+        if model is None and self.enabled and self.host.load_error is None:
+            self.host.start_load()  # let go after an idle burst: it loads while the engine reads the prompt
         with self.state_lock:
             self.turns[turn_id] = Turn(session, self.clock(), requested=requested, reference=reference,
                                        voice=VoiceBudget(self.voice_share))
