@@ -39,9 +39,11 @@ warmed with its fixed chunk cost):
 - at load: read a scratch session of a few chunks at a few depths and `costs.warm(depth, s)`
   each (device synchronised, the first chunk after a load left out), so no chunk is ever read
   inside a stream just to measure it;
-- a request arrives: `turn_started(turn, session, now)` (and `waiting(n, now)` whenever the count
-  of requests queued for the device changes); its prompt fed: `update(session, committed, known,
-  now)`; a standing question registered: `question(session, now, stop=line)`;
+- a request arrives: `turn_started(turn, session, now)` (session None while the caller does not
+  know it yet, e.g. a proxy that finds it from the prompt's ids: `turn_session` names it then;
+  and `waiting(n, now)` whenever the count of requests queued for the device changes); its prompt
+  fed: `update(session, committed, known, now)`; a standing question registered:
+  `question(session, now, stop=line)`;
 - its first token: `first_token(turn, now)`;
 - between two decode rounds or streamed deltas: `update` with the output ids fed, then
   `next_read(now, between_rounds=True)`; a `Read` is read (its `chunks` of its `session`, which
@@ -320,9 +322,23 @@ class ReadScheduler:
 
     # the engine ------------------------------------------------------------------------------
 
-    def turn_started(self, turn: object, session: str, now: float) -> None:
-        """A request arrived for `session` (the engine is busy from now until its turn ends)."""
+    def turn_started(self, turn: object, session: str | None, now: float) -> None:
+        """A request arrived for `session` (the engine is busy from now until its turn ends).
+        `session` None: not known yet (a proxy finds it from the prompt's ids); `turn_session`
+        names it when it is."""
         self._turns[turn] = (session, False)
+        if session is not None:
+            self._run(session, now)
+        self._burst_start = None
+
+    def turn_session(self, turn: object, session: str, now: float) -> None:
+        """Name the session of a turn started without one (its last turn counts from now)."""
+        named, decoding = self._turns[turn]
+        if named is None:
+            self._turns[turn] = (session, decoding)
+            self._run(session, now)
+
+    def _run(self, session: str, now: float) -> None:
         self._running[session] = self._running.get(session, 0) + 1
         s = self.sessions.get(session)
         if s is None:
@@ -330,7 +346,6 @@ class ReadScheduler:
             s = self.sessions[session]
         s.last_turn = now
         self._refresh(s, now, rerank=True)
-        self._burst_start = None
 
     def first_token(self, turn: object, now: float) -> None:
         """The turn's first output token: it decodes from now; a stretch starts if none decoded."""
@@ -344,15 +359,19 @@ class ReadScheduler:
 
     def turn_ended(self, turn: object, now: float) -> None:
         session, decoding = self._turns.pop(turn)
+        if session is not None:
+            self._stop_running(session, now)
+        if decoding:
+            self._decoding -= 1
+            if self._decoding == 0:
+                self.stretch_start, self.share_used = None, 0.0
+
+    def _stop_running(self, session: str, now: float) -> None:
         self._running[session] -= 1
         if not self._running[session]:
             del self._running[session]
             if session in self.sessions:
                 self._refresh(self.sessions[session], now, rerank=True)
-        if decoding:
-            self._decoding -= 1
-            if self._decoding == 0:
-                self.stretch_start, self.share_used = None, 0.0
 
     def waiting(self, n: int, now: float) -> None:
         """Requests waiting for the engine (or, embedded, for the device) besides the turns told."""

@@ -258,7 +258,7 @@ class Proxy:
                     out.append(self._line(line, event, turn, added, body, chat))
                     boundary = line.strip() == b""
                     if event is not None and turn.reply.events == 1:
-                        turn.first_due = True
+                        self.service.first_token(turn.turn_id)  # at once: the share counts from here
                 if lines is not None and boundary:
                     out += lines.encode(await self._voice(lines.due(time.monotonic()), turn, lines, body))
                 if out:

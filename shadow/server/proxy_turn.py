@@ -25,7 +25,6 @@ class Turn:
         self.reply = Reply()
         self.fed_prompt: list[int] | None = None
         self.prompt_due: list[int] | None = None  # known, not yet fed (the device was busy)
-        self.first_due = False  # the first token came and the shadow was not told yet
         self.fed_output = 0  # output ids fed so far
         self.held: list[int] = []  # output ids not fed yet
         self.notes: list[str] = []  # what happened to the request on its way (for the turn's record)
@@ -35,24 +34,22 @@ class Turn:
             self.prompt_due = list(ids)
 
     def feed(self, wait: bool, share: bool) -> bool:
-        """Hand the shadow what it can take now (a prompt, the first token's time, output ids, and
-        between deltas a share slice); with wait False nothing happens while the device is busy."""
-        prompt, first, output = self.prompt_due, self.first_due, self.held
-        share = share and (self.fed_prompt is not None or prompt is not None)
-        if prompt is None and not first and not output and not share:
+        """Hand the shadow what it can take now (a prompt, output ids, and between deltas a share
+        slice); with wait False nothing happens while the device is busy."""
+        prompt, output = self.prompt_due, self.held
+        # a share slice may read any session (the scheduler picks), not only this turn's
+        if prompt is None and not output and not share:
             return True
-        if not _on_device(self.service, self.turn_id, prompt, output, first, share, wait):
+        if not _on_device(self.service, self.turn_id, prompt, output, share, wait):
             return False
         if prompt is not None:
             self.fed_prompt, self.prompt_due = prompt, None
-        self.first_due = False
         self.fed_output += len(output)
         self.held = []
         return True
 
 
-def _on_device(service: ShadowService, turn_id: int, prompt, output, first: bool, share: bool,
-               wait: bool) -> bool:
+def _on_device(service: ShadowService, turn_id: int, prompt, output, share: bool, wait: bool) -> bool:
     """Feed the shadow on the device thread. Ids it cannot take (outside its vocabulary) are
     skipped and logged. With wait False and the device busy, nothing is done and False returns."""
 
@@ -60,8 +57,6 @@ def _on_device(service: ShadowService, turn_id: int, prompt, output, first: bool
         try:
             if prompt is not None:
                 service.set_prompt(turn_id, prompt)
-            if first:
-                service.first_token(turn_id)
             if output and service.has_prompt(turn_id):
                 service.add_output(turn_id, output)
             if share:

@@ -1,41 +1,50 @@
-"""The live shadow: sessions fed from served turns, read under the bandwidth rule, asked over HTTP.
+"""The live shadow: sessions fed from served turns, read under the one read scheduler, asked over HTTP.
 
-One thread owns the device (`DeviceThread`): the generator's turns (or, behind a proxy, the
-feeding of the shadow), the reader's chunks, asks and spills all run on it, one at a time. The
-idle window is a thread of its own: every poll it looks whether a request runs or waits, and if
-none does it hands the device one chunk at a time for at most a burst, checking before every
-chunk, so a request waits for at most one chunk. Inside a turn, `share_slice` runs between decode
-rounds (or streamed deltas) and reads whole chunks within the share of the time since the turn's
-first token.
+`ShadowService` composes small parts, one concern each:
+
+- `host.ModelHost`: the model, given at once or loaded in the background on the device thread;
+  one `Model` handle (reader and store) a job takes once; unloaded after an idle burst;
+- `reading.Reading`: drives `shadow.schedule.ReadScheduler` for everything the shadow reads (the
+  idle thread, the share between rounds, asks), its estimates warmed at load;
+- `standing.Standing`: standing questions, held at their line and answered there; the journal;
+- `naming.SessionNames`: which store name a prompt is read into (side branches, prefix matching);
+- `asking.Asking`: asks and summaries (a session read to its end, then one fork);
+
+and keeps the turns, each session's checks against the engine, the voice, and status.
+One thread owns the device (`DeviceThread`): turns (or, behind a proxy, the feeding of the
+shadow), chunks, asks, loads and spills run on it one at a time. `state_lock` guards sessions,
+turns, counters and the scheduler.
 """
 
 from __future__ import annotations
 
-import gc
-import json
 import logging
-import os
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-import torch
-
-from shadow.errors import ShadowInputError, ShadowNotExact, ShadowUnavailable
+from shadow.errors import ShadowInputError, ShadowNotExact
 from shadow.model.config import ModelConfig
-from shadow.reader import Reader, Session, common_prefix
-from shadow.routereval import ids_crc
-from shadow.schedule import BandwidthRule
+from shadow.reader import Reader, common_prefix
+from shadow.schedule import BandwidthRule, ReadScheduler
+from shadow.server.asking import Asking
+from shadow.server.counters import Counters
 from shadow.server.device import DeviceThread
+from shadow.server.host import Model, ModelHost
 from shadow.server.idcheck import SessionChecks, TurnCheck, TurnIds
-from shadow.voice.voice import Phrase, Voice, VoiceBudget
+from shadow.server.naming import SessionNames
+from shadow.server.reading import WARM_DEPTHS, Reading
+from shadow.server.standing import Journal, Pending, Standing, StandingQuestion, load_standing
 from shadow.store import SessionStore
+from shadow.voice.voice import Phrase, Voice, VoiceBudget
+
+__all__ = ["Counters", "Pending", "ShadowService", "StandingQuestion", "Turn", "load_standing"]
 
 T = TypeVar("T")
 log = logging.getLogger("shadow.serve")
@@ -53,7 +62,7 @@ class Turn:
     prompt_len: int = 0  # ids of the prompt fed
     output_len: int = 0  # output ids fed after it
     first_token: float | None = None
-    share_used: float = 0.0
+    share_used: float = 0.0  # seconds read in the share between this turn's rounds
     voice: VoiceBudget = field(default_factory=VoiceBudget)
     phrases: deque = field(default_factory=deque)  # phrase requests waiting for this turn's rounds (embedded)
     embedded: bool = False  # the embedded engine's turn: it holds the device through its rounds
@@ -61,72 +70,12 @@ class Turn:
     reference: str | None = None
 
 
-@dataclass(frozen=True)
-class StandingQuestion:
-    """A question asked of the shadow at every qualifying turn's insertion point (the prompt's last
-    <|im_end|>), answered when the reader reaches it, journaled beside the turn's reference label
-    (a request header). Nothing of the turn changes."""
-
-    name: str
-    question_ids: tuple[int, ...]
-    choice_ids: tuple[int, ...]
-    labels: tuple[str, ...]
-    min_prompt_tokens: int = 8192
-    label_header: str = "x-shadow-label"
-    text: str = ""  # as written in the file (what the upstream model is asked, when it labels)
-
-
-def load_standing(path: Path, tokenizer) -> StandingQuestion:
-    """A standing question from a JSON file {name, text, choices, min_prompt_tokens, label_header}."""
-    try:
-        doc = json.loads(Path(path).read_text())
-        labels = tuple(str(c) for c in doc["choices"])
-        return StandingQuestion(
-            name=str(doc.get("name", Path(path).stem)), question_ids=tuple(tokenizer.encode(doc["text"])),
-            choice_ids=tuple(tokenizer.single_token(c) for c in labels), labels=labels,
-            min_prompt_tokens=int(doc.get("min_prompt_tokens", 8192)),
-            label_header=str(doc.get("label_header", "x-shadow-label")).lower(), text=str(doc["text"]),
-        )
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ShadowInputError(f"{path}: not a standing question file ({type(e).__name__}: {e})") from None
-
-
-@dataclass
-class Pending:
-    session: str
-    insertion: int
-    reference: str | None
-    behind: int  # ids of the session not read when the turn began
-    registered: float
-    turn_id: int | None = None
-    label_wanted: bool = False  # the upstream model is being asked for the reference label
-    reference_source: str | None = None  # "header" or "upstream"
-    upstream_answer: str | None = None
-
-
-@dataclass
-class Counters:
-    requests: int = 0
-    chunks_idle: int = 0
-    chunks_share: int = 0
-    share_s: float = 0.0  # seconds of reading charged to turns' shares (inside their decodes)
-    chunks_ask: int = 0
-    max_wait_on_reader_ms: float = 0.0  # the longest a request waited behind a reader chunk
-    last_chunk_ms: float = 0.0
-    asks: int = 0
-    standing_answered: int = 0
-    standing_replaced: int = 0  # a newer turn came before the reader reached the older point
-    unloads: int = 0  # times the model was unloaded after an idle burst (sessions parked on disk)
-    idle_errors: int = 0  # idle rounds that failed (the reader went on)
-    idle_last_error: str | None = None
-    last_answers: deque = field(default_factory=lambda: deque(maxlen=20))
-
-
 class ShadowService:
     """The live shadow. With `reader` and `store` it is ready at once; with `load` instead (a
     function returning reader, store and the weights' label) it loads on the device thread as
     its first job after `start`, while requests pass through (proxy mode); until then nothing
-    is fed, `match_session` finds nothing, and asks wait for it. With a loader, a disk and
+    is fed, no session is matched by prefix, and asks wait for it. Either way the read
+    scheduler's estimates are measured at load (`warm_depths`). With a loader, a disk and
     `unload_slack_bytes`, an idle burst that leaves more than that free in the device's memory
     pool (`pool_free`, by default CUDA's reserved minus allocated bytes) parks every session on
     disk and drops the model; the next turn or ask loads it again and reads on from disk."""
@@ -139,132 +88,118 @@ class ShadowService:
         unload_slack_bytes: int | None = None, pool_free: Callable[[], int] | None = None,
         label_from_upstream: bool = False, prefix_match: bool = False, require_exact: bool = False,
         max_branches: int = 8, max_ask_tail: int | None = None, voice_tokenizer=None, voice_share: float = 0.03,
-        voice_reader: Reader | None = None,
+        voice_reader: Reader | None = None, warm_depths: Sequence[int] = WARM_DEPTHS,
     ):
         if (reader is None or store is None) and (load is None or config is None):
             raise ValueError("give a reader and a store, or a function that loads them and the model's config")
         self.config = reader.model.config if reader is not None else config
-        self.reader: Reader | None = None
-        self.store: SessionStore | None = None
-        self.weights, self.weights_hash = weights, ""
-        self.ready = threading.Event()  # the model is loaded
-        self._load_ended = threading.Event()  # loaded, or failed to
-        self.load_error: str | None = None
-        self._load = load
-        self._loading = False
-        self.unload_slack = unload_slack_bytes  # None: never unload
-        self.label_from_upstream = label_from_upstream  # a turn with no label header: the proxy asks the engine
-        self._awaiting_label: dict[int, dict] = {}  # turn id -> a standing answer waiting for its label
-        self._pool_free = pool_free or self._cuda_pool_free
+        self.rule, self.clock = rule, clock
+        self.journal = Path(journal) if journal else None
+        self.standing = standing
+        self.enabled = True  # switched off, the shadow feeds and reads nothing (for A/B runs)
         self.voice_tokenizer = voice_tokenizer  # with it, the voice writes phrases after status lines
         self.voice_reader = voice_reader  # a model of its own for the voice (else the shadow's, forked)
         self.voice_share = voice_share
         self.voice: Voice | None = None
         self.voice_enabled = True  # switched off (A/B runs), no phrase is written
-        if reader is not None and store is not None:
-            self._use(reader, store, weights)
-        self.rule = rule
-        self.journal = Path(journal) if journal else None
-        self.enabled = True  # switched off, the shadow feeds and reads nothing (for A/B runs)
-        self.standing = standing
-        self.pending: dict[str, Pending] = {}
-        self.clock = clock
-        # the GPU (or CPU): generator, reader, asks, and any spill of a session to disk
+        self.unload_slack = unload_slack_bytes  # None: never unload
+        self.label_from_upstream = label_from_upstream  # a turn with no label header: the proxy asks the engine
+        self.require_exact = require_exact  # asks on sessions not verified against the engine answer 409
+        self.engine: dict | None = None  # proxy mode: the engine's dialect and id sources
+        # the GPU (or CPU): generator, reader, asks, loads, and any spill of a session to disk
         self.device = DeviceThread()
-        self.state_lock = threading.Lock()  # sessions, turns, counters
+        self.state_lock = threading.Lock()  # sessions, turns, counters, the scheduler
         self.turns: dict[int, Turn] = {}
         self.waiting = 0
         self.counters = Counters()
-        self._recent: list[str] = []
-        self._latest: dict[str, int] = {}  # session -> the newest turn that fed its prompt
-        self.engine: dict | None = None  # proxy mode: the engine's dialect and id sources
-        self.prefix_match = prefix_match  # a request with no session name continues the longest matching session
-        self.require_exact = require_exact  # asks on sessions not verified against the engine answer 409
-        self.max_branches = max_branches
-        self.max_ask_tail = max_ask_tail  # unread ids an ask or summary may prefill in one fork
         self.checks: dict[str, SessionChecks] = {}  # store name -> its turns' checks against the engine
-        self._heads: dict[str, list[int]] = {}  # store name -> its first grid of ids (to tell side requests)
-        self._branches: dict[str, list[str]] = {}  # session name -> its side branches' store names
-        self._auto_names = 0
-        self._stop = threading.Event()
-        self._idle = threading.Thread(target=self._idle_window, name="shadow-idle", daemon=True)
+        self._latest: dict[str, int] = {}  # store name -> the newest turn that fed its prompt
+        self.names = SessionNames(prefix_match, max_branches)
+        self.host = ModelHost(self.device, load, on_load=self._on_load)
+        self.reading = Reading(ReadScheduler(rule, reader.grid if reader is not None else 512), self.host,
+                               self.device, self.state_lock, clock, self.counters, lambda: self.enabled, warm_depths)
+        self.answers = Standing(standing, Journal(self.journal, self.counters.last_answers), self.counters, clock,
+                                self.state_lock, self.reading.hold, label_from_upstream)
+        self.reading.stop_line = self.answers.line
+        self.reading.after_read = self.answers.answer_if_ready
+        self.reading.after_round = self._after_idle_round
+        self.asking = Asking(self.host, self.reading, self.device, self.state_lock, clock, self.counters,
+                             self.answers.journal, self.config.vocab_size, self._asked, max_ask_tail)
+        self._pool_free = pool_free or self.host.pool_free
+        if reader is not None and store is not None:
+            self.host.use(reader, store, weights)
 
-    # lifecycle --------------------------------------------------------------------------
-
-    def _use(self, reader: Reader, store: SessionStore, weights: str) -> None:
-        self.reader, self.store, self.weights = reader, store, weights
+    def _on_load(self, model: Model) -> None:
+        """On the loading thread, before the model is handed out: the scheduler's estimates, the voice."""
+        self.reading.warm(model)
         if self.voice_tokenizer is None:
             self.voice = None
         elif self.voice_reader is not None:  # --voice-model: its own model, reading a window of each session
             self.voice = Voice(self.voice_reader, self.voice_tokenizer, own_model=True)
         else:
-            self.voice = Voice(reader, self.voice_tokenizer)
-        self.weights_hash = store.identity.weights_hash
-        self.ready.set()
-        self._load_ended.set()
+            self.voice = Voice(model.reader, self.voice_tokenizer)
 
-    def _start_load(self) -> None:
-        """Hand the device a load job, unless the model is there or a load is on its way."""
-        with self.state_lock:
-            if self._loading or self.ready.is_set() or self._load is None:
-                return
-            self._loading = True
-            self._load_ended.clear()
-        self.device.submit(self._load_now, "load")
+    # the parts' state, as attributes ------------------------------------------------------
 
-    def _load_now(self) -> None:
-        """On the device thread: load the model (unless there); a failure is kept for status and asks."""
-        try:
-            if not self.ready.is_set():
-                self._use(*self._load())
-                self.load_error = None
-        except Exception as e:  # the proxy goes on passing requests through without a shadow
-            self.load_error = f"{type(e).__name__}: {e}"
-            log.error("the shadow failed to load: %s", self.load_error)
-        finally:
-            with self.state_lock:
-                self._loading = False
-            self._load_ended.set()
+    @property
+    def ready(self) -> threading.Event:
+        return self.host.ready
+
+    @property
+    def reader(self) -> Reader | None:
+        model = self.host.model
+        return None if model is None else model.reader
+
+    @property
+    def store(self) -> SessionStore | None:
+        model = self.host.model
+        return None if model is None else model.store
+
+    @property
+    def weights(self) -> str:
+        return self.host.weights
+
+    @property
+    def load_error(self) -> str | None:
+        return self.host.load_error
+
+    @property
+    def pending(self) -> dict[str, Pending]:
+        """Standing questions waiting for the reader, by session."""
+        return self.answers.pending
+
+    @property
+    def _stop(self) -> threading.Event:
+        """Set, the idle reader stops (after its chunk in flight)."""
+        return self.reading.stop_event
+
+    # lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._start_load()
-        self._idle.start()
-
-    def _ensure_loaded(self) -> None:
-        """On the device thread, before model work: load again if an idle burst unloaded the model."""
-        if not self.ready.is_set() and self.load_error is None:
-            self._load_now()
-        if not self.ready.is_set():
-            raise ShadowUnavailable(f"the shadow failed to load ({self.load_error})")
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        """Wait for the model (loading in the background, or loaded again after an unload), up to timeout_s."""
-        if not self.ready.is_set() and self.load_error is None:
-            self._start_load()
-        self._load_ended.wait(timeout_s)
-        if not self.ready.is_set():
-            raise ShadowUnavailable(self.load_error and f"the shadow failed to load ({self.load_error})"
-                                    or "the shadow is still loading its model")
+        self.host.start_load()
+        self.reading.start()
 
     def stop(self) -> None:
         """A planned stop: the idle reader ends after its chunk in flight; sessions go to disk."""
-        self._stop.set()
-        if self._idle.is_alive():
-            self._idle.join(timeout=30)
+        self.reading.stop()
 
-        def close() -> tuple[int, list[tuple[str, str]]]:
+        def close() -> tuple[SessionStore | None, int, list[tuple[str, str]]]:
             with self.state_lock:
-                if self.store is None:
-                    return 0, []
-                n = len(self.store.names()) if self.store.disk is not None else 0
-                return n, self.store.close()
+                model = self.host.model
+                if model is None:
+                    return None, 0, []
+                n = len(model.store.names()) if model.store.disk is not None else 0
+                return model.store, n, model.store.close()
 
-        held, failed = self.device.run(close, "stop")
+        store, held, failed = self.device.run(close, "stop")
         self.device.close()
-        if self.store is not None and self.store.disk is not None:
-            log.info("stopped: %d session(s) on %s", held - len(failed), self.store.disk)
+        if store is not None and store.disk is not None:
+            log.info("stopped: %d session(s) on %s", held - len(failed), store.disk)
         for name, reason in failed:
             log.error("stopped: session %s could not be written: %s", name, reason)
+
+    def busy(self) -> bool:
+        return bool(self.turns) or self.waiting > 0
 
     # turns ------------------------------------------------------------------------------
 
@@ -274,6 +209,7 @@ class ShadowService:
         reader is recorded."""
         with self.state_lock:
             self.waiting += 1
+            self.reading.waiting(self.waiting)
             behind_reader = self.device.running == "reader"
         start = self.clock()
 
@@ -281,6 +217,7 @@ class ShadowService:
             waited = (self.clock() - start) * 1000
             with self.state_lock:
                 self.waiting -= 1
+                self.reading.waiting(self.waiting)
                 if behind_reader:
                     self.counters.max_wait_on_reader_ms = max(self.counters.max_wait_on_reader_ms, waited)
             return fn()
@@ -289,109 +226,145 @@ class ShadowService:
 
     def begin_turn(self, turn_id: int, session: str | None, prompt_ids: Sequence[int] | None = None,
                    reference: str | None = None, requested: str | None = None) -> None:
-        """A request starts (the idle window stops). `session` is the store name when known (see
-        `session_for`); else it is found when the prompt comes, from `requested` (the name the
-        request gave, or None). With its prompt, the prompt is fed (rolling back where it
-        differs), on the device thread. Checks ids before any change."""
-        ids = None if prompt_ids is None or not self.ready.is_set() else self.reader.check_ids(prompt_ids)
+        """A request starts (the engine is busy: the idle window stops). `session` is the store name
+        when known (see `session_for`); else it is found when the prompt comes, from `requested`
+        (the name the request gave, or None). With its prompt, the prompt is fed (rolling back
+        where it differs), on the device thread. Checks ids before any change."""
+        model = self.host.model
+        ids = None if prompt_ids is None or model is None else model.reader.check_ids(prompt_ids)
+        if model is None and self.enabled and self.host.load_error is None:
+            self.host.start_load()  # let go after an idle burst: it loads while the engine reads the prompt
         with self.state_lock:
             self.turns[turn_id] = Turn(session, self.clock(), requested=requested, reference=reference,
                                        voice=VoiceBudget(self.voice_share))
             self.counters.requests += 1
+            self.reading.turn_started(turn_id, session)
         if ids is not None:
             self.set_prompt(turn_id, ids)
 
     def set_prompt(self, turn_id: int, prompt_ids: Sequence[int]) -> None:
-        """Feed a turn's prompt once known (a proxy learns it from the engine), on the device thread."""
-        if not self.ready.is_set() and self.load_error is None and self.enabled:
-            self._load_now()  # unloaded after an idle burst: load again, then read on from disk
-        if not self.ready.is_set() or not self.enabled:  # no model (it failed to load), or switched off
+        """Feed a turn's prompt once known (a proxy learns it from the engine), on the device
+        thread; a model an idle burst let go is loaded again first."""
+        model = self.host.loaded() if self.enabled else None
+        if model is None:  # no model (it failed to load), or switched off
             return
-        ids = self.reader.check_ids(prompt_ids)
-        if self.turns[turn_id].session is None:
-            name = self.session_for(self.turns[turn_id].requested, ids)
+        ids = model.reader.check_ids(prompt_ids)
+        turn = self.turns[turn_id]
+        if turn.session is None:
+            name = self.session_for(turn.requested, ids)
             with self.state_lock:
-                self.turns[turn_id].session = name
+                turn.session = name
+                self.reading.turn_session(turn_id, name)
         with self.state_lock:
-            turn = self.turns[turn_id]
             if self._latest.get(turn.session, 0) > turn_id:
                 return  # a newer turn of this session has fed already: this one came too late
             self._latest[turn.session] = turn_id
-            session = self.store.get(turn.session)
+            session = self.reading.get(model, turn.session)
             behind = len(session.ids) - session.committed
             known = len(session.ids)
-            feed = self.reader.feed_prompt(session, ids)
+            feed = model.reader.feed_prompt(session, ids)
             self.checks.setdefault(turn.session, SessionChecks()).replaced(
                 known if feed.first_diff is None else feed.first_diff)
             turn.prompt_fed, turn.prompt_len, turn.output_len = True, len(ids), 0
-            self._touch(turn.session)
-            self._register_standing(session, ids, turn.reference, behind, turn_id)
-        self._answer_if_ready(session)
+            self.names.touch(turn.session)
+            self.reading.sync(model, turn.session)
+            self.answers.register(model, session, ids, turn.reference, behind, turn_id)
+        self.answers.answer_if_ready(model, session)
+
+    def has_prompt(self, turn_id: int) -> bool:
+        with self.state_lock:
+            return self.turns[turn_id].prompt_fed
+
+    def first_token(self, turn_id: int) -> None:
+        with self.state_lock:
+            self.turns[turn_id].first_token = self.clock()
+            self.reading.first_token(turn_id)
+
+    def add_output(self, turn_id: int, ids: Sequence[int]) -> None:
+        """Append output ids, unless a newer turn of the session has fed its prompt since (that
+        prompt holds this answer already, re-rendered)."""
+        model = self.host.model
+        if not self.enabled or model is None or not self.has_prompt(turn_id):
+            return
+        with self.state_lock:
+            turn = self.turns[turn_id]
+            if self._latest.get(turn.session) != turn_id:
+                return
+            model.reader.feed_output(self.reading.get(model, turn.session), ids)
+            turn.output_len += len(ids)
+            self.reading.sync(model, turn.session)
+
+    def share_slice(self, turn_id: int) -> int:
+        """Between two of the engine's rounds (or streamed deltas) of this turn, on the device
+        thread: the chunks the scheduler grants the engine's share now (of whichever session it
+        picks: the turn's or another), their seconds charged to the turn. Returns the chunks read."""
+        with self.state_lock:
+            turn = self.turns.get(turn_id)
+        if turn is None:
+            return 0
+        done, seconds = self.reading.share()
+        with self.state_lock:
+            turn.share_used += seconds
+        return done
+
+    def end_turn(self, turn_id: int) -> None:
+        """The request is over; sessions past the cap spill, on the device (a spill reads session
+        tensors, which nothing may change meanwhile)."""
+
+        def end() -> None:
+            with self.state_lock:
+                turn = self.turns.pop(turn_id)
+                self.reading.turn_ended(turn_id)
+                model = self.host.model
+                if turn.prompt_fed and model is not None:
+                    self.reading.settle(model, keep=turn.session)
+
+        self.device.run(end, "end turn")
+
+    # sessions -----------------------------------------------------------------------------
 
     def session_for(self, requested: str | None, prompt: Sequence[int]) -> str:
-        """The store name a prompt is read into: the named session (or, unnamed, the resident
-        session sharing the longest prefix, with prefix matching on; else a new `auto-N`), or
-        one of its side branches. A prompt that shares less than half of a session's first block
-        of the grid (of its first ids, if it has fewer) is a side request (opencode's title
-        request beside its conversation: another system prompt) and is read as a side branch
-        (`NAME~K`) instead of rolling the session back; an ordinary new turn, even one that
-        differs where the last prompt's generation prompt was, shares far more. Later prompts
-        continue whichever branch they share most with."""
+        """The store name a prompt is read into (`SessionNames.choose`): the named session, the
+        longest matching one (prefix matching on), a new `auto-N`, or a side branch `NAME~K`."""
         with self.state_lock:
-            name = requested
-            if name is None and self.prefix_match:
-                name = self._match(prompt)
-            if name is None:
-                self._auto_names += 1
-                name = f"auto-{self._auto_names}"
-            grid = self.reader.grid if self.reader is not None else 512
-            best, best_shared = None, -1
-            for candidate in [name, *self._branches.get(name, [])]:
-                head = self._heads.get(candidate)
-                if not head:
-                    if candidate == name and best is None:
-                        best, best_shared = name, 0  # empty or new: anything continues it
-                    continue
-                shared = common_prefix(head, prompt)
-                if 2 * shared >= min(grid, len(head), len(prompt)) and shared > best_shared:
-                    best, best_shared = candidate, shared
-            if best is None:
-                branches = self._branches.setdefault(name, [])
-                if len(branches) >= self.max_branches:  # the least recently used branch is reused
-                    best = min(branches, key=lambda b: self._recent.index(b) if b in self._recent else -1)
-                else:
-                    best = f"{name}~{len(branches) + 1}"
-                    branches.append(best)
-            self._heads[best] = list(prompt[:grid])
-            return best
+            model = self.host.model
+            return self.names.choose(requested, prompt, None if model is None else model.store,
+                                     512 if model is None else model.grid)
 
     def cached_prefix(self, requested: str | None, prompt: Sequence[int]) -> int:
         """How many of a prompt's ids the session (or one of its branches) held already: what an
         engine with a prefix cache holds for it, so the rest is what it must read."""
         with self.state_lock:
-            if requested is None or self.store is None:
+            model = self.host.model
+            if requested is None or model is None:
                 return 0
-            best = 0
-            for name in [requested, *self._branches.get(requested, [])]:
-                s = self.store.peek(name)
-                if s is not None:
-                    best = max(best, common_prefix(s.ids, prompt))
-            return best
+            held = (model.store.peek(name) for name in self.names.family(requested))
+            return max((common_prefix(s.ids, prompt) for s in held if s is not None), default=0)
 
-    def _match(self, prompt: Sequence[int], minimum: int = 64) -> str | None:
-        """The resident main session sharing the longest prefix (at least `minimum` ids); the caller holds the lock."""
-        best, best_len = None, minimum - 1
-        if not self.ready.is_set():
-            return None
-        side = {b for branches in self._branches.values() for b in branches}
-        for name in self._recent:
-            s = self.store.peek(name)
-            if s is None or name in side:
-                continue
-            n = common_prefix(s.ids, prompt)
-            if n > best_len:
-                best, best_len = name, n
-        return best
+    def main_branch(self, session: str) -> str:
+        """The store name an ask about `session` reads: of the session and its side branches, the
+        one holding the most ids (the conversation, not a title request beside it)."""
+        with self.state_lock:
+            names = self.names.family(session)
+            return session if len(names) == 1 else max(names, key=self._length)
+
+    def known(self, session: str) -> bool:
+        with self.state_lock:
+            model = self.host.model
+            return session in self.names.recent or (model is not None and session in model.store.names())
+
+    def _length(self, name: str) -> int:
+        """Ids the session holds (resident, or by its file's header); the caller holds the lock."""
+        model = self.host.model
+        if model is None:
+            return 0
+        s = model.store.peek(name)
+        if s is not None:
+            return len(s.ids)
+        row = next((r for r in model.store.status() if r.name == name), None)
+        return row.committed + row.pending if row is not None else 0
+
+    # each session's checks against the engine ---------------------------------------------
 
     def record_turn(self, turn_id: int, check: TurnCheck, ids: TurnIds | None = None,
                     lines: list[dict] | None = None) -> None:
@@ -411,7 +384,7 @@ class ShadowService:
                       "notes": [] if ids is None else ids.notes, "time": time.time()}
             if lines:
                 record["status_lines"] = lines
-            self._journal(record)
+            self.answers.journal.write(record)
         if first:
             log.warning("session %s: turn %s does not match the engine (%s); the session is not exact from here on",
                         name, turn_id, "; ".join(check.reasons))
@@ -421,23 +394,29 @@ class ShadowService:
         (the embedded engine's turns: their check is journaled before their stream ends)."""
         if lines:
             with self.state_lock:
-                self._journal({"kind": "status_lines", "session": session, "turn": turn_id, "status_lines": lines,
-                               "time": time.time()})
+                self.answers.journal.write({"kind": "status_lines", "session": session, "turn": turn_id,
+                                            "status_lines": lines, "time": time.time()})
 
     def exactness(self, session: str) -> dict:
         """What the session's answers say of its ids: exact (every turn verified) or why not."""
         with self.state_lock:
             checks = self.checks.get(session, SessionChecks())
             length = self._length(session)
-            return {"exact": checks.exact(length), "why_not": checks.why_not(length), "id_checks": checks.as_dict(length)}
+            return {"exact": checks.exact(length), "why_not": checks.why_not(length),
+                    "id_checks": checks.as_dict(length)}
 
-    def has_prompt(self, turn_id: int) -> bool:
-        with self.state_lock:
-            return self.turns[turn_id].prompt_fed
+    # standing questions -------------------------------------------------------------------
 
-    def first_token(self, turn_id: int) -> None:
+    def wants_label(self, turn_id: int) -> bool:
+        """Whether this turn's standing question waits for a label from the upstream model."""
         with self.state_lock:
-            self.turns[turn_id].first_token = self.clock()
+            return self.answers.wants_label(turn_id)
+
+    def upstream_label(self, turn_id: int, label: str | None, answer: str | None) -> None:
+        """The upstream model's answer to the turn's standing question (`label` when it is one of
+        the choices, else None): it becomes the reference of the shadow's answer, which is then
+        journaled (at once if the shadow answered already)."""
+        self.device.run(lambda: self.answers.attach_label(turn_id, label, answer), "label")
 
     # the voice ---------------------------------------------------------------------------
 
@@ -448,10 +427,11 @@ class ShadowService:
         two of the turn's own rounds (embedded), waiting at most `wait_s`. None: nothing tried."""
         with self.state_lock:
             turn = self.turns.get(turn_id)
-            if (self.voice is None or not self.enabled or not self.voice_enabled or turn is None or turn.session is None or not turn.prompt_fed
-                    or not turn.voice.allows(turn.first_token, self.clock(), self.voice.cost_s)):
+            voice = self.voice
+            if (voice is None or not self.enabled or not self.voice_enabled or turn is None or turn.session is None
+                    or not turn.prompt_fed or not turn.voice.allows(turn.first_token, self.clock(), voice.cost_s)):
                 return None
-        job = lambda: self._phrase(turn, kind, extra, recent, lang)  # noqa: E731
+        job = lambda: self._phrase(voice, turn, kind, extra, recent, lang)  # noqa: E731
         ran, result = self.device.run_if_idle(job, "voice")
         if ran:
             return result
@@ -475,379 +455,84 @@ class ShadowService:
                 except Exception as e:  # noqa: BLE001 - the stream gets no phrase; the turn goes on
                     request.set_exception(e)
 
-    def _phrase(self, turn: Turn, kind: str, extra, recent, lang) -> Phrase | None:
-        with self.state_lock:
-            session = self.store.get(turn.session)
-        if not self.voice.fits(session, extra):
+    def _phrase(self, voice: Voice, turn: Turn, kind: str, extra, recent, lang) -> Phrase | None:
+        model = self.host.model
+        if model is None:
             return None
-        phrase = self.voice.phrase(session, kind, extra, recent, lang)
+        with self.state_lock:
+            session = self.reading.get(model, turn.session)
+        if not voice.fits(session, extra):
+            return None
+        phrase = voice.phrase(session, kind, extra, recent, lang)
         turn.voice.used_s += phrase.seconds
         return phrase
 
-    def add_output(self, turn_id: int, ids: Sequence[int]) -> None:
-        """Append output ids, unless a newer turn of the session has fed its prompt since (that
-        prompt holds this answer already, re-rendered)."""
-        if not self.enabled or not self.has_prompt(turn_id):
-            return
-        with self.state_lock:
-            if self._latest.get(self.turns[turn_id].session) != turn_id:
-                return
-            turn = self.turns[turn_id]
-            self.reader.feed_output(self.store.get(turn.session), ids)
-            turn.output_len += len(ids)
+    # questions --------------------------------------------------------------------------
 
-    def share_slice(self, turn_id: int) -> int:
-        """Between two rounds, on the device thread: read whole chunks of this turn's
-        session within the share of the time since its first token, at most one slice."""
-        with self.state_lock:
-            turn = self.turns[turn_id]
-            if turn.first_token is None or not turn.prompt_fed:
-                return 0
-            budget = self.rule.share_budget(turn.first_token, self.clock(), turn.share_used)
-            session = self.store.get(turn.session)
-        if self.counters.last_chunk_ms:  # the next chunk's cost estimated from the last one
-            chunks = self.rule.slice_chunks(budget, self.counters.last_chunk_ms / 1000)
-        else:  # no cost known yet: one chunk, to measure it
-            chunks = 1 if budget > 0 else 0
-        if chunks == 0:
-            return 0
-        start = self.clock()
-        done = self._read(session, chunks)
-        with self.state_lock:
-            used = self.clock() - start
-            turn.share_used += used
-            self.counters.share_s += used
-            self.counters.chunks_share += done
-        return done
+    def _asked(self, session: str, timeout_s: float) -> tuple[str, dict]:
+        """The store name an ask about `session` reads and its exactness (refused when required)."""
+        self.host.wait_ready(timeout_s)
+        if not self.known(session):
+            raise ShadowInputError(f"unknown session {session!r}")
+        name = self.main_branch(session)
+        exact = self.exactness(name)
+        if self.require_exact and not exact["exact"]:
+            raise ShadowNotExact(f"session {name!r} is not exact: {exact['why_not']}")
+        return name, exact
 
-    def end_turn(self, turn_id: int) -> None:
-        """The request is over; sessions past the cap spill, on the device (a spill reads session
-        tensors, which nothing may change meanwhile)."""
+    def ask(self, session: str, question: Sequence[int], choices: Sequence[int], labels: Sequence[str],
+            timeout_s: float = 10.0, reference: str | None = None, fresh: bool | None = None) -> dict:
+        """Read the session up to the question's insertion point (its last id, within timeout_s),
+        then one forward of the pending tail and the question in a fork: the letters' softmax
+        (`Asking.ask`)."""
+        return self.asking.ask(session, question, choices, labels, timeout_s, reference, fresh)
 
-        def end() -> None:
-            with self.state_lock:
-                turn = self.turns.pop(turn_id)
-                if turn.prompt_fed:
-                    self.store.settle(keep=turn.session)
+    def summarize(self, session: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 10.0) -> dict:
+        """Read the session to its end (within timeout_s), then decode greedily from a fork over the
+        pending tail and `prompt` (a summary of the session); the session is left as it was."""
+        return self.asking.summarize(session, prompt, max_tokens, timeout_s)
 
-        self.device.run(end, "end turn")
+    # the idle window's unload -------------------------------------------------------------
 
-    # the idle window ----------------------------------------------------------------------
-
-    def busy(self) -> bool:
-        return bool(self.turns) or self.waiting > 0
-
-    def _idle_window(self) -> None:
-        """The idle reader's thread: one poll round after another until the stop. A round that
-        fails (a spill's disk, a bug) is logged and counted, and the next round goes on: the
-        thread never dies (status shows its errors and the last one)."""
-        while not self._stop.is_set():
-            try:
-                self._idle_round()
-            except Exception as e:  # noqa: BLE001 - kept, counted, shown; the reader goes on
-                with self.state_lock:
-                    self.counters.idle_errors += 1
-                    self.counters.idle_last_error = f"{type(e).__name__}: {e}"
-                log.exception("an idle round failed; the idle reader goes on")
-                self._stop.wait(1.0)
-
-    def _idle_round(self) -> None:
-        now = self.clock()
-        self._stop.wait(max(0.0, self.rule.next_poll(now + 1e-6) - now))
-        if not (self._stop.is_set() or self.busy() or not self.enabled):
-            burst_start = self.clock()
-            while not self._stop.is_set() and not self.busy() and self.device.idle():
-                chunk_s = self.counters.last_chunk_ms / 1000
-                if not self.rule.burst_allows(burst_start, self.clock(), chunk_s):
-                    break
-                if not self.device.run(self._idle_chunk, "reader"):
-                    break
-            if self.unload_slack is not None and not self.busy() and self.device.idle():
-                self.device.run(self._unload_if_slack, "unload")
-
-    def _cuda_pool_free(self) -> int:
-        """Bytes the caching allocator holds for the model's device and nothing uses (0 off CUDA)."""
-        device = self.reader.model.device if self.reader is not None else None
-        if device is None or device.type != "cuda":
-            return 0
-        return torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    def _after_idle_round(self) -> None:
+        if self.unload_slack is not None and self.host.can_unload and not self.busy() and self.device.idle():
+            self.device.run(self._unload_if_slack, "unload")
 
     def _unload_if_slack(self) -> None:
         """On the device, after an idle burst with nothing left to read: when more than the slack
         sits free in the pool, park every session on disk and let the model go (DESIGN 7); the
         next turn or ask loads it again and reads on from disk."""
-        if (self.busy() or not self.ready.is_set() or self._load is None or self.store.disk is None
-                or self.pending or self._pool_free() <= self.unload_slack):
+        model = self.host.model
+        if (model is None or model.store.disk is None or self.busy() or self.pending
+                or self._pool_free() <= self.unload_slack):
             return
         with self.state_lock:
-            if self._next_backlog() is not None:
+            if self.reading.sched.has_backlog() or model.store.close():  # a session not written stays: no unload
                 return
-            if self.store.close():  # a session that could not be written stays: no unload
-                return
-            self.reader, self.store = None, None
-            self.ready.clear()
-            self._load_ended.clear()
+            self.reading.spilled(None)
             self.counters.unloads += 1
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        self.host.unload()
 
-    def _idle_chunk(self) -> int:
-        """One chunk of the session with the most recent turn that has one, unless a request came
-        (checked on the device, before every chunk: a waiting request goes first)."""
-        if self.busy() or not self.ready.is_set():
-            return 0
-        with self.state_lock:
-            session = self._next_backlog()
-        if session is None:
-            return 0
-        done = self._read(session, 1)
-        with self.state_lock:
-            self.counters.chunks_idle += done
-            self.store.settle(keep=session.name)
-        return done
-
-    def _next_backlog(self) -> Session | None:
-        """The resident session with the most recent turn that has a whole chunk to read (spilled
-        sessions wait on disk for their next turn rather than thrash the cap)."""
-        for name in reversed(self._recent):
-            s = self.store.peek(name)
-            if s is not None and s.committed + self.reader.grid <= len(s.ids):
-                return s
-        return None
-
-    def _register_standing(self, session: Session, prompt: list[int], reference: str | None, behind: int,
-                           turn_id: int | None = None) -> None:
-        q = self.standing
-        if q is None or len(prompt) < q.min_prompt_tokens:
-            return
-        eos = self.reader.model.config.eos_token_id
-        last = max((i for i, t in enumerate(prompt) if t == eos), default=None)
-        if last is None:
-            return
-        if session.name in self.pending:
-            self.counters.standing_replaced += 1
-        wanted = self.label_from_upstream and reference is None
-        self.pending[session.name] = Pending(session.name, last + 1, reference, behind, self.clock(), turn_id, wanted,
-                                             "header" if reference is not None else None)
-
-    def wants_label(self, turn_id: int) -> bool:
-        """Whether this turn's standing question waits for a label from the upstream model."""
-        with self.state_lock:
-            return turn_id in self._awaiting_label or any(
-                p.turn_id == turn_id and p.label_wanted for p in list(self.pending.values()))
-
-    def upstream_label(self, turn_id: int, label: str | None, answer: str | None) -> None:
-        """The upstream model's answer to the turn's standing question (`label` when it is one of
-        the choices, else None): it becomes the reference of the shadow's answer, which is then
-        journaled (at once if the shadow answered already)."""
-
-        def attach() -> None:
-            record = self._awaiting_label.pop(turn_id, None)
-            if record is not None:
-                self._record(record | {"reference": label, "reference_source": "upstream", "upstream_answer": answer})
-                return
-            for p in self.pending.values():
-                if p.turn_id == turn_id and p.label_wanted:
-                    p.reference, p.reference_source, p.upstream_answer = label, "upstream", answer
-                    p.label_wanted = False
-
-        self.device.run(attach, "label")
-
-    def _answer_if_ready(self, session: Session) -> None:
-        """Answer the session's standing question once the reader sits at its insertion point's
-        grid line (on the device thread)."""
-        p = self.pending.get(session.name)
-        line = None if p is None else p.insertion // self.reader.grid * self.reader.grid
-        if p is None or session.committed < line:
-            return
-        if session.committed > line or p.insertion > len(session.ids):
-            self.pending.pop(session.name)  # the session changed under it: nothing valid to ask
-            return
-        q = self.standing
-        probs = self.reader.ask(session, q.question_ids, q.choice_ids, end=p.insertion).tolist()
-        best = max(range(len(probs)), key=probs.__getitem__)
-        self.pending.pop(session.name)
-        record = {
-            "standing": q.name, "session": session.name, "choices": list(q.labels), "probs": probs,
-            "label": q.labels[best], "reference": p.reference, "reference_source": p.reference_source,
-            "fresh": None, "behind": p.behind, "lag_s": round(self.clock() - p.registered, 4),
-            "weights": self.weights, "weights_hash": self.weights_hash, "grid": self.reader.grid,
-            "arithmetic": self.store.identity.arithmetic, "insertion": p.insertion,
-            "prefix_crc": ids_crc(session.ids[: p.insertion]), "question_tokens": len(q.question_ids),
-            "question_ids": list(q.question_ids), "time": time.time(),
-        }
-        if p.upstream_answer is not None:
-            record["upstream_answer"] = p.upstream_answer
-        self.counters.standing_answered += 1
-        if p.label_wanted and p.turn_id is not None:  # journaled when the upstream's label comes
-            self._awaiting_label[p.turn_id] = record
-        else:
-            self._record(record)
-
-    def _record(self, answer: dict) -> None:
-        self.counters.last_answers.append(answer)
-        self._journal(answer)
-
-    def _journal(self, record: dict) -> None:
-        """Append a record; the journal is the service's own (mode 0600: it holds what was asked)."""
-        if self.journal:
-            fd = os.open(self.journal, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            with os.fdopen(fd, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def _read(self, session: Session, chunks: int) -> int:
-        """Read up to `chunks` whole chunks, stopping at a standing question's grid line to answer
-        it; the device is synchronised so the cost is known."""
-        p = self.pending.get(session.name)
-        if p is not None:
-            line = p.insertion // self.reader.grid * self.reader.grid
-            chunks = min(chunks, max(0, (line - session.committed) // self.reader.grid))
-        start = time.perf_counter()
-        done = self.reader.advance(session, max_chunks=chunks) if chunks else 0
-        if self.reader.model.device.type == "cuda":
-            torch.cuda.synchronize()
-        if done:
-            self.counters.last_chunk_ms = (time.perf_counter() - start) * 1000 / done
-        if p is not None:
-            self._answer_if_ready(session)
-        return done
-
-    def _touch(self, name: str) -> None:
-        if name in self._recent:
-            self._recent.remove(name)
-        self._recent.append(name)
-
-    # questions --------------------------------------------------------------------------
-
-    def main_branch(self, session: str) -> str:
-        """The store name an ask about `session` reads: of the session and its side branches, the
-        one holding the most ids (the conversation, not a title request beside it)."""
-        with self.state_lock:
-            names = [session, *self._branches.get(session, [])]
-            if len(names) == 1:
-                return session
-            return max(names, key=lambda n: self._length(n))
-
-    def _rollbacks(self, name: str) -> int | None:
-        s = self.store.peek(name) if self.store is not None else None
-        return None if s is None else s.rollbacks
-
-    def _length(self, name: str) -> int:
-        s = self.store.peek(name) if self.store is not None else None
-        if s is not None:
-            return len(s.ids)
-        row = next((r for r in self.store.status() if r.name == name), None) if self.store is not None else None
-        return row.committed + row.pending if row is not None else 0
-
-    def _check_tail(self, s: Session) -> None:
-        """An ask forwards the unread tail in one fork: refuse one longer than the limit (memory)."""
-        tail = len(s.ids) - s.committed
-        if self.max_ask_tail is not None and tail > self.max_ask_tail:
-            raise ShadowUnavailable(f"session {s.name!r} is {tail:,} ids behind (more than {self.max_ask_tail:,} "
-                                    "to read in one fork); ask again with a longer timeout_s")
-
-    def _exact_or_refuse(self, session: str) -> dict:
-        exact = self.exactness(session)
-        if self.require_exact and not exact["exact"]:
-            raise ShadowNotExact(f"session {session!r} is not exact: {exact['why_not']}")
-        return exact
-
-    def known(self, session: str) -> bool:
-        with self.state_lock:
-            return session in self._recent or (self.store is not None and session in self.store.names())
-
-    def _read_to_end(self, session: str, timeout_s: float, started: float) -> tuple[Session, int, int]:
-        """On the device: read `session` to its last whole chunk (answering standing questions on
-        the way) until timeout_s after `started`; returns (session, ids unread before, chunks read)."""
-        with self.state_lock:
-            s = self.store.get(session)
-            behind = len(s.ids) - s.committed
-        read = 0
-        while self.clock() - started < timeout_s:
-            waiting = s.name in self.pending
-            if self._read(s, 1):
-                read += 1
-            elif not (waiting and s.name not in self.pending):  # nothing read, nothing answered
-                break
-        return s, behind, read
-
-    def ask(self, session: str, question: Sequence[int], choices: Sequence[int], labels: Sequence[str],
-            timeout_s: float = 10.0, reference: str | None = None, fresh: bool | None = None) -> dict:
-        """Read the session up to the question's insertion point (its last id, within timeout_s),
-        then one forward of the pending tail and the question in a fork: the letters' softmax."""
-        self._wait_ready(timeout_s)
-        question = self.reader.check_ids(question)
-        choice_ids = self.reader.check_ids(choices)
-        if not self.known(session):
-            raise ShadowInputError(f"unknown session {session!r}")
-        named, session = session, self.main_branch(session)
-        exact = self._exact_or_refuse(session)
-        started = self.clock()
-
-        def on_device():
-            self._ensure_loaded()  # an idle burst may have unloaded it since the wait
-            s, behind, read = self._read_to_end(session, timeout_s, started)
-            self._check_tail(s)
-            probs = self.reader.ask(s, question, choice_ids).tolist()
-            with self.state_lock:
-                self.store.settle(keep=session)
-            return s, behind, read, probs
-
-        s, behind, read, probs = self.device.run(on_device, "ask")
-        best = max(range(len(probs)), key=probs.__getitem__)
-        answer = {
-            "session": named, "read": session, "choices": list(labels), "probs": probs, "label": labels[best],
-            "behind": behind, "read_chunks": read, "pending_after": len(s.ids) - s.committed,
-            "latency_ms": round((self.clock() - started) * 1000, 3), "weights": self.weights,
-            "weights_hash": self.weights_hash, "grid": self.reader.grid, "arithmetic": self.store.identity.arithmetic,
-            "insertion": len(s.ids),
-            "prefix_crc": ids_crc(s.ids),
-            "question_tokens": len(question), "question_ids": list(question), "reference": reference,
-            "fresh": fresh, "time": time.time(), **exact,
-        }
-        with self.state_lock:
-            self.counters.asks += 1
-            self.counters.chunks_ask += read
-            self._record(answer)
-        return answer
-
-    def summarize(self, session: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 10.0) -> dict:
-        """Read the session to its end (within timeout_s), then decode greedily from a fork over the
-        pending tail and `prompt` (a summary of the session); the session is left as it was."""
-        self._wait_ready(timeout_s)
-        prompt = self.reader.check_ids(prompt)
-        if not self.known(session):
-            raise ShadowInputError(f"unknown session {session!r}")
-        named, session = session, self.main_branch(session)
-        exact = self._exact_or_refuse(session)
-        started = self.clock()
-
-        def on_device():
-            self._ensure_loaded()
-            s, behind, _ = self._read_to_end(session, timeout_s, started)
-            self._check_tail(s)
-            decode_start = self.clock()
-            out = self.reader.decode(s, prompt, max_tokens, stop=[self.reader.model.config.eos_token_id])
-            return out, behind, self.clock() - decode_start
-
-        out, behind, decode_s = self.device.run(on_device, "ask")
-        return {"session": named, "read": session, "ids": out, "behind": behind, "weights": self.weights,
-                "latency_ms": round((self.clock() - started) * 1000, 3),
-                "decode_ms_per_token": round(decode_s * 1000 / max(1, len(out)), 3), **exact}
+    # status -----------------------------------------------------------------------------
 
     def status(self) -> dict:
         with self.state_lock:
             c = self.counters
-            ready = self.ready.is_set()
+            model = self.host.model
+            ready = model is not None
+            sessions = []
+            for r in model.store.status() if ready else []:
+                s = model.store.peek(r.name)
+                sessions.append(vars(r) | {"rollbacks": None if s is None else s.rollbacks,
+                                           "id_checks": self.checks.get(r.name, SessionChecks()).as_dict(
+                                               r.committed + r.pending)})
             return {
                 "ready": ready, "load_error": self.load_error, "engine": self.engine,
-                "grid": self.reader.grid if ready else None, "weights": self.weights, "enabled": self.enabled, "voice": self.voice_enabled,
-                "sessions": [vars(r) | {"rollbacks": self._rollbacks(r.name), "id_checks": self.checks.get(
-                                 r.name, SessionChecks()).as_dict(r.committed + r.pending)}
-                             for r in self.store.status()] if ready else [],
-                "branches": {k: list(v) for k, v in self._branches.items() if v},
-                "store": self.store.totals() if ready else None,
+                "grid": model.grid if ready else None, "weights": self.weights, "enabled": self.enabled,
+                "voice": self.voice_enabled,
+                "sessions": sessions,
+                "branches": {k: list(v) for k, v in self.names.branches.items() if v},
+                "store": model.store.totals() if ready else None,
                 "turns_in_flight": len(self.turns), "waiting": self.waiting,
                 "counters": {
                     "requests": c.requests, "chunks_idle": c.chunks_idle, "chunks_share": c.chunks_share,
@@ -857,7 +542,7 @@ class ShadowService:
                     "standing_pending": len(self.pending), "unloads": c.unloads,
                     "max_wait_on_reader_ms": round(c.max_wait_on_reader_ms, 3),
                 },
-                "idle_reader": {"alive": self._idle.is_alive(), "errors": c.idle_errors,
-                                "last_error": c.idle_last_error},
+                "reading": self.reading.status(),
+                "idle_reader": self.reading.idle_status(),
                 "last_answers": list(c.last_answers),
             }

@@ -1,0 +1,102 @@
+"""Asks and summaries over HTTP: a session read to its end (within the ask's time), then one fork.
+
+An ask's session comes first in the read scheduler while the ask reads it (`Reading.asking`); its
+chunks are reported like every other read. The fork prefills the unread tail and the question
+above the read position and puts the state back: the session is left bit for bit as it was.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from shadow.errors import ShadowInputError, ShadowUnavailable
+from shadow.reader import Session
+from shadow.routereval import ids_crc
+from shadow.server.counters import Counters
+from shadow.server.device import DeviceThread
+from shadow.server.host import ModelHost
+from shadow.server.reading import Reading
+from shadow.server.standing import Journal
+
+
+class Asking:
+    """`resolve(session, timeout_s)` waits for the model and returns the store name an ask about
+    `session` reads and what its checks say of it (`ShadowService._asked`), or raises."""
+
+    def __init__(self, host: ModelHost, reading: Reading, device: DeviceThread, lock: threading.Lock,
+                 clock: Callable[[], float], counters: Counters, journal: Journal, vocab_size: int,
+                 resolve: Callable[[str, float], tuple[str, dict]], max_tail: int | None = None):
+        self.host, self.reading, self.device, self.lock, self.clock = host, reading, device, lock, clock
+        self.counters, self.journal, self.vocab_size, self.resolve = counters, journal, vocab_size, resolve
+        self.max_tail = max_tail  # unread ids an ask or summary may prefill in one fork
+
+    def check_ids(self, ids: Sequence[int]) -> list[int]:
+        out = [int(i) for i in ids]
+        bad = next((i for i in out if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise ShadowInputError(f"token id {bad} is outside the vocabulary (0 .. {self.vocab_size - 1})")
+        return out
+
+    def _check_tail(self, s: Session) -> None:
+        """An ask forwards the unread tail in one fork: refuse one longer than the limit (memory)."""
+        tail = len(s.ids) - s.committed
+        if self.max_tail is not None and tail > self.max_tail:
+            raise ShadowUnavailable(f"session {s.name!r} is {tail:,} ids behind (more than {self.max_tail:,} "
+                                    "to read in one fork); ask again with a longer timeout_s")
+
+    def ask(self, session: str, question: Sequence[int], choices: Sequence[int], labels: Sequence[str],
+            timeout_s: float = 10.0, reference: str | None = None, fresh: bool | None = None) -> dict:
+        """Read the session up to the question's insertion point (its last id, within timeout_s),
+        then one forward of the pending tail and the question in a fork: the letters' softmax."""
+        question, choice_ids = self.check_ids(question), self.check_ids(choices)
+        name, exact = self.resolve(session, timeout_s)
+        started = self.clock()
+
+        def on_device():
+            model = self.host.ensure()  # an idle burst may have unloaded it since the wait
+            with self.reading.asking(name):
+                s, behind, read = self.reading.read_to_end(model, name, timeout_s, started)
+                self._check_tail(s)
+                probs = model.reader.ask(s, question, choice_ids).tolist()
+            with self.lock:
+                self.reading.settle(model, keep=name)
+            return model, s, behind, read, probs
+
+        model, s, behind, read, probs = self.device.run(on_device, "ask")
+        best = max(range(len(probs)), key=probs.__getitem__)
+        answer = {
+            "session": session, "read": name, "choices": list(labels), "probs": probs, "label": labels[best],
+            "behind": behind, "read_chunks": read, "pending_after": len(s.ids) - s.committed,
+            "latency_ms": round((self.clock() - started) * 1000, 3), "weights": model.weights,
+            "weights_hash": model.weights_hash, "grid": model.grid, "arithmetic": model.store.identity.arithmetic,
+            "insertion": len(s.ids), "prefix_crc": ids_crc(s.ids),
+            "question_tokens": len(question), "question_ids": list(question), "reference": reference,
+            "fresh": fresh, "time": time.time(), **exact,
+        }
+        with self.lock:
+            self.counters.asks += 1
+            self.journal.answer(answer)
+        return answer
+
+    def summarize(self, session: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 10.0) -> dict:
+        """Read the session to its end (within timeout_s), then decode greedily from a fork over the
+        pending tail and `prompt` (a summary of the session); the session is left as it was."""
+        prompt = self.check_ids(prompt)
+        name, exact = self.resolve(session, timeout_s)
+        started = self.clock()
+
+        def on_device():
+            model = self.host.ensure()
+            with self.reading.asking(name):
+                s, behind, _ = self.reading.read_to_end(model, name, timeout_s, started)
+                self._check_tail(s)
+                decode_start = self.clock()
+                out = model.reader.decode(s, prompt, max_tokens, stop=[model.reader.model.config.eos_token_id])
+            return model, out, behind, self.clock() - decode_start
+
+        model, out, behind, decode_s = self.device.run(on_device, "ask")
+        return {"session": session, "read": name, "ids": out, "behind": behind, "weights": model.weights,
+                "latency_ms": round((self.clock() - started) * 1000, 3),
+                "decode_ms_per_token": round(decode_s * 1000 / max(1, len(out)), 3), **exact}

@@ -1,0 +1,385 @@
+"""Read driving: the live service's side of the one read scheduler (`shadow.schedule`).
+
+Everything the live shadow reads is decided by a `ReadScheduler` and reported back to it, as its
+module docstring says a live caller does, always under the service's lock (the scheduler is not
+thread-safe; reading itself runs outside the lock, on the device thread):
+
+- at load (`warm`): one chunk of a scratch session read and left out (the first chunk after a
+  load pays for caches, graphs and the allocator), then one chunk at each of a few depths, device
+  synchronised, each warming the cost estimate of its depth; so no chunk is ever read inside a
+  stream just to measure it;
+- turns (`turn_started`, `turn_session` once a proxy finds the session, `first_token`,
+  `turn_ended`) and requests waiting for the device (`waiting`);
+- every change to a session (`sync`: after each feed, output, rollback and read, and after every
+  spill and restore, which `get` and `settle` do);
+- questions: a standing question holds its session at its line (`hold`, `release`), an ask puts
+  its session first while it reads (`asking`);
+- the idle thread: at each poll tick, while the engine is idle and a session has a whole chunk,
+  it hands the device one job per chunk, which asks `next_read(now)` right before the chunk; a
+  request that comes waits for at most one chunk;
+- between two rounds of the engine or two streamed deltas, `share` asks
+  `next_read(now, between_rounds=True)`; the chunks it names may be of another session than the
+  turn's;
+- every read (idle, share or ask) reports `read_done` with its device-synchronised seconds.
+
+The idle thread never dies: a failed round is counted, logged and shown (`idle_status`), and the
+next round goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from shadow.reader import Reader, Session
+from shadow.schedule import Read, ReadScheduler, Wait
+from shadow.server.counters import Counters
+from shadow.server.device import DeviceThread
+from shadow.server.host import Model, ModelHost
+
+log = logging.getLogger("shadow.serve")
+
+WARM_DEPTHS = (0, 8192, 32768)  # context depths whose chunk cost is measured at load
+
+
+def _synchronize(reader: Reader) -> None:
+    if reader.model.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def scratch_chunk_s(reader: Reader, depth: int, clock: Callable[[], float]) -> float:
+    """Seconds of one chunk whose first row sits at `depth`, read on a scratch session whose state
+    is set `depth` rows deep (its rows are zeros: a chunk's cost depends on its depth and shape,
+    not on the values), device synchronised before and after."""
+    grid = reader.grid
+    scratch = reader.new_session("(warm)")
+    for layer in scratch.state.attention:
+        layer.reserve(depth + grid)
+    scratch.state.length = depth
+    scratch.ids = [0] * (depth + grid)
+    _synchronize(reader)
+    start = clock()
+    reader.advance(scratch, max_chunks=1)
+    _synchronize(reader)
+    return clock() - start
+
+
+def measure_chunks(reader: Reader, clock: Callable[[], float], depths: Sequence[int] = WARM_DEPTHS
+                   ) -> list[tuple[int, float]]:
+    """(depth, seconds of one chunk) at each depth; a first chunk is read before and left out."""
+    scratch_chunk_s(reader, 0, clock)
+    out = [(depth, scratch_chunk_s(reader, depth, clock)) for depth in depths]
+    if reader.model.device.type == "cuda":
+        torch.cuda.empty_cache()  # the scratch rows are not the sessions' memory
+    return out
+
+
+class Reading:
+    """Drives `sched` for the service. `enabled()` says whether the shadow reads at all;
+    `stop_line(name, grid)` is the grid line a standing question holds a session at;
+    `after_read(model, session)` runs after a read that stopped at such a line (the question is
+    answered there); `after_round()` after each idle round (the unload check)."""
+
+    def __init__(self, sched: ReadScheduler, host: ModelHost, device: DeviceThread, lock: threading.Lock,
+                 clock: Callable[[], float], counters: Counters, enabled: Callable[[], bool] = lambda: True,
+                 warm_depths: Sequence[int] = WARM_DEPTHS):
+        self.sched, self.host, self.device, self.lock, self.clock = sched, host, device, lock, clock
+        self.counters, self.enabled, self.warm_depths = counters, enabled, tuple(warm_depths)
+        self.stop_line: Callable[[str, int], int | None] = lambda name, grid: None
+        self.after_read: Callable[[Model, Session], None] = lambda model, session: None
+        self.after_round: Callable[[], None] = lambda: None
+        self.last: Read | Wait | None = None  # the scheduler's last answer
+        self._holds: dict[str, int] = {}  # session -> the line a standing question holds it at
+        self._asks: dict[str, int] = {}  # session -> asks reading it now
+        self._turns: set = set()
+        self.stop_event = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="shadow-idle", daemon=True)
+        self.state = "not started"
+        self.rounds = 0
+        self.last_read_at: float | None = None
+
+    # load ------------------------------------------------------------------------------------
+
+    def warm(self, model: Model) -> None:
+        """At load, on the loading thread: the scheduler takes the model's grid and its chunk costs
+        measured on a scratch session (`measure_chunks`)."""
+        measured = measure_chunks(model.reader, self.clock, self.warm_depths)
+        with self.lock:
+            self.sched.grid = model.grid
+            for depth, seconds in measured:
+                self.sched.costs.warm(depth, seconds)
+
+    # sessions (the caller holds the lock) ----------------------------------------------------
+
+    def sync(self, model: Model, name: str) -> None:
+        """Tell the scheduler a session's true state: its read position and ids while resident,
+        else that it is not (spilled sessions wait on disk for their next turn)."""
+        s, now = model.store.peek(name), self.clock()
+        told = self.sched.sessions.get(name)
+        if s is not None:
+            self.sched.update(name, s.committed, len(s.ids), now)
+            if told is None and (name in self._holds or name in self._asks):
+                self._question(name)
+        elif told is not None and told.resident:
+            self.sched.update(name, told.committed, told.known, now, resident=False)
+
+    def get(self, model: Model, name: str) -> Session:
+        """The session, resident (restored from disk or new), told to the scheduler."""
+        session = model.store.get(name)
+        self.sync(model, name)
+        return session
+
+    def settle(self, model: Model, keep: str | None) -> None:
+        """Enforce the store's cap; the sessions it spilled are told as not resident."""
+        model.store.settle(keep=keep)
+        self.spilled(model)
+
+    def spilled(self, model: Model | None) -> None:
+        """Tell the scheduler which sessions left memory (every one, with no model)."""
+        now = self.clock()
+        for name, told in list(self.sched.sessions.items()):
+            if told.resident and (model is None or model.store.peek(name) is None):
+                self.sched.update(name, told.committed, told.known, now, resident=False)
+
+    # turns (the caller holds the lock) -------------------------------------------------------
+
+    def turn_started(self, turn: object, session: str | None) -> None:
+        self._turns.add(turn)
+        self.sched.turn_started(turn, session, self.clock())
+
+    def turn_session(self, turn: object, session: str) -> None:
+        if turn in self._turns:
+            self.sched.turn_session(turn, session, self.clock())
+
+    def first_token(self, turn: object) -> None:
+        if turn in self._turns:
+            self.sched.first_token(turn, self.clock())
+
+    def turn_ended(self, turn: object) -> None:
+        if turn in self._turns:
+            self._turns.discard(turn)
+            self.sched.turn_ended(turn, self.clock())
+
+    def waiting(self, n: int) -> None:
+        self.sched.waiting(n, self.clock())
+
+    # questions -------------------------------------------------------------------------------
+
+    def hold(self, name: str, line: int | None) -> None:
+        """A standing question holds `name` at `line` (None: released). The caller holds the lock."""
+        if line is None:
+            self._holds.pop(name, None)
+        else:
+            self._holds[name] = line
+        self._question(name)
+
+    @contextmanager
+    def asking(self, name: str) -> Iterator[None]:
+        """An ask's session comes first while the ask reads it."""
+        with self.lock:
+            self._asks[name] = self._asks.get(name, 0) + 1
+            self._question(name)
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._asks[name] -= 1
+                if not self._asks[name]:
+                    del self._asks[name]
+                self._question(name)
+
+    def _question(self, name: str) -> None:
+        now = self.clock()
+        if name in self._holds or name in self._asks:
+            self.sched.question(name, now, stop=self._holds.get(name))
+        else:
+            self.sched.answered(name, now)
+
+    # reading (on the device thread, without the lock) ----------------------------------------
+
+    def read(self, model: Model, session: Session, read: Read) -> tuple[int, float]:
+        """Read `read.chunks` whole chunks of `session` (fewer at a standing question's line),
+        device synchronised before and after; report `read_done` and the session's true state;
+        answer a question the read reached. Returns (chunks read, their seconds)."""
+        grid = model.grid
+        with self.lock:
+            line = self.stop_line(session.name, grid)
+        chunks = read.chunks if line is None else min(read.chunks, max(0, (line - session.committed) // grid))
+        _synchronize(model.reader)
+        start = self.clock()
+        done = model.reader.advance(session, max_chunks=chunks) if chunks > 0 else 0
+        _synchronize(model.reader)
+        end = self.clock()
+        seconds = end - start
+        with self.lock:
+            self.sched.read_done(read, done, seconds, end)
+            self.sync(model, session.name)
+            c = self.counters
+            if done:
+                c.last_chunk_ms = seconds * 1000 / done
+                self.last_read_at = end
+            if read.window == "idle":
+                c.chunks_idle += done
+            elif read.window == "share":
+                c.chunks_share += done
+                c.share_s += seconds
+            else:
+                c.chunks_ask += done
+        if line is not None:
+            self.after_read(model, session)
+        return done, seconds
+
+    def _decided(self, model: Model, decision: Read | Wait) -> Session | None:
+        """The session a Read names, resident (the caller holds the lock); None for a Wait, or if
+        the session left memory unseen (told now)."""
+        self.last = decision
+        if not isinstance(decision, Read):
+            return None
+        session = model.store.peek(decision.session)
+        if session is None:
+            self.sync(model, decision.session)
+        return session
+
+    def idle_once(self, at: float | None = None) -> Read | Wait:
+        """One look of the idle window, as a device job: `next_read` (at `at`, the poll tick the
+        caller woke for, else now) and, for a Read, its one chunk; the cap enforced after it."""
+
+        def job() -> Read | Wait:
+            with self.lock:
+                model = self.host.model
+                if model is None or not self.enabled():
+                    return Wait(math.inf)
+                decision = self.sched.next_read(self.clock() if at is None else at)
+                session = self._decided(model, decision)
+                if session is None:
+                    return decision if isinstance(decision, Wait) else Wait(self.clock())
+            self.read(model, session, decision)
+            with self.lock:
+                self.settle(model, keep=decision.session)
+            return decision
+
+        return self.device.run(job, "reader")
+
+    def share(self) -> tuple[int, float]:
+        """Between two rounds of the engine (or two streamed deltas), on the device thread: the
+        chunks the scheduler grants the share now, of whichever session it picks. Returns
+        (chunks read, their seconds)."""
+        with self.lock:
+            model = self.host.model
+            if model is None or not self.enabled() or not self.sched.busy:
+                return 0, 0.0
+            decision = self.sched.next_read(self.clock(), between_rounds=True)
+            session = self._decided(model, decision)
+        if session is None:
+            return 0, 0.0
+        return self.read(model, session, decision)
+
+    def read_to_end(self, model: Model, name: str, timeout_s: float, started: float) -> tuple[Session, int, int]:
+        """For an ask, on the device thread: read `name` to its last whole chunk, a chunk at a time
+        (answering standing questions on the way), until timeout_s after `started`; returns
+        (session, ids unread before, chunks read)."""
+        with self.lock:
+            s = self.get(model, name)
+            behind = len(s.ids) - s.committed
+        read = 0
+        while self.clock() - started < timeout_s:
+            with self.lock:
+                held = self.stop_line(name, model.grid) is not None
+                estimate = self.sched.costs.estimate(s.committed)
+            if self.read(model, s, Read(name, 1, "ask", s.committed, estimate))[0]:
+                read += 1
+                continue
+            with self.lock:
+                answered = held and self.stop_line(name, model.grid) is None
+            if not answered:  # nothing read, nothing answered
+                break
+        return s, behind, read
+
+    # the idle thread -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """The idle thread ends after its chunk in flight."""
+        self.stop_event.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        """One poll round after another until the stop. A round that fails (a spill's disk, a bug)
+        is logged and counted, and the next round goes on: the thread never dies."""
+        while not self.stop_event.is_set():
+            try:
+                self._round()
+            except Exception as e:  # noqa: BLE001 - kept, counted, shown; the reader goes on
+                with self.lock:
+                    self.counters.idle_errors += 1
+                    self.counters.idle_last_error = f"{type(e).__name__}: {e}"
+                self.state = "error"
+                log.exception("an idle round failed; the idle reader goes on")
+                self.stop_event.wait(1.0)
+        self.state = "stopped"
+
+    def _round(self) -> None:
+        """Sleep to the next poll tick, then one device job per chunk while the scheduler reads
+        (its burst begins at the tick woken for)."""
+        rule = self.sched.rule
+        now = self.clock()
+        tick = rule.next_poll(now + 1e-6)
+        self.stop_event.wait(max(0.0, tick - now))
+        at = tick if self.clock() - tick < rule.poll_s else None
+        while not self.stop_event.is_set() and self._may_read():
+            decision = self.idle_once(at)
+            at = None
+            if not isinstance(decision, Read):
+                self.state = "between bursts" if decision.until < math.inf else "caught up"
+                break
+        self.rounds += 1
+        self.after_round()
+
+    def _may_read(self) -> bool:
+        """Whether an idle look could read now (no device job spent otherwise); sets `state`."""
+        with self.lock:
+            if not self.enabled():
+                self.state = "off"
+            elif self.host.model is None:
+                self.state = "no model"
+            elif self.sched.busy:
+                self.state = "engine busy"
+            elif not self.sched.has_backlog():
+                self.state = "caught up"
+            elif not self.device.idle():
+                self.state = "device busy"
+            else:
+                self.state = "reading"
+                return True
+            return False
+
+    # status (the caller holds the lock) ------------------------------------------------------
+
+    def status(self) -> dict:
+        """The scheduler's estimates (ms a chunk by the depth of its first row), the share the
+        engine's decode stretch holds now, and what it knows of the engine."""
+        now = self.clock()
+        sched = self.sched
+        return {
+            "chunk_ms_by_depth": {str(d): round(s * 1000, 3) for d, s in sched.costs.table().items()},
+            "share_left_s": round(sched.share_left(now), 6), "share_used_s": round(sched.share_used, 6),
+            "decoding": sched.decoding, "busy": sched.busy, "backlog": sched.has_backlog(),
+            "questions": sorted(set(self._holds) | set(self._asks)),
+            "last_decision": None if self.last is None else type(self.last).__name__.lower(),
+        }
+
+    def idle_status(self) -> dict:
+        c = self.counters
+        alive = self._thread.is_alive()
+        dead = "stopped" if self.stop_event.is_set() else "dead" if self._thread.ident else "not started"
+        return {"alive": alive, "state": self.state if alive else dead,
+                "rounds": self.rounds, "errors": c.idle_errors, "last_error": c.idle_last_error,
+                "last_read_s_ago": None if self.last_read_at is None else round(self.clock() - self.last_read_at, 3)}

@@ -1,0 +1,180 @@
+"""Standing questions (the source's "router in shadow mode") and the service's journal.
+
+A standing question is asked of the shadow at every qualifying turn's insertion point (the
+prompt's last <|im_end|>): registered when the turn's prompt is fed, it holds the session's reader
+at the insertion point's grid line (`hold`: the read scheduler reads it first and no further),
+and is answered when the reader sits there, by one forward of the question in a fork; the answer
+is journaled beside the turn's reference label (a request header, or, opt-in, the upstream
+model's answer, which may come after the shadow's). Nothing of the turn changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from shadow.errors import ShadowInputError
+from shadow.reader import Session
+from shadow.routereval import ids_crc
+from shadow.server.counters import Counters
+from shadow.server.host import Model
+
+
+@dataclass(frozen=True)
+class StandingQuestion:
+    """A question asked of the shadow at every qualifying turn's insertion point (the prompt's last
+    <|im_end|>), answered when the reader reaches it, journaled beside the turn's reference label
+    (a request header). Nothing of the turn changes."""
+
+    name: str
+    question_ids: tuple[int, ...]
+    choice_ids: tuple[int, ...]
+    labels: tuple[str, ...]
+    min_prompt_tokens: int = 8192
+    label_header: str = "x-shadow-label"
+    text: str = ""  # as written in the file (what the upstream model is asked, when it labels)
+
+
+def load_standing(path: Path, tokenizer) -> StandingQuestion:
+    """A standing question from a JSON file {name, text, choices, min_prompt_tokens, label_header}."""
+    try:
+        doc = json.loads(Path(path).read_text())
+        labels = tuple(str(c) for c in doc["choices"])
+        return StandingQuestion(
+            name=str(doc.get("name", Path(path).stem)), question_ids=tuple(tokenizer.encode(doc["text"])),
+            choice_ids=tuple(tokenizer.single_token(c) for c in labels), labels=labels,
+            min_prompt_tokens=int(doc.get("min_prompt_tokens", 8192)),
+            label_header=str(doc.get("label_header", "x-shadow-label")).lower(), text=str(doc["text"]),
+        )
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ShadowInputError(f"{path}: not a standing question file ({type(e).__name__}: {e})") from None
+
+
+@dataclass
+class Pending:
+    session: str
+    insertion: int
+    reference: str | None
+    behind: int  # ids of the session not read when the turn began
+    registered: float
+    turn_id: int | None = None
+    label_wanted: bool = False  # the upstream model is being asked for the reference label
+    reference_source: str | None = None  # "header" or "upstream"
+    upstream_answer: str | None = None
+
+
+class Journal:
+    """The service's JSONL journal (mode 0600: it holds what was asked; None: none is kept) and
+    the last answers (`answers`, shown in status)."""
+
+    def __init__(self, path: Path | None, answers: deque):
+        self.path, self.answers = path, answers
+
+    def answer(self, record: dict) -> None:
+        self.answers.append(record)
+        self.write(record)
+
+    def write(self, record: dict) -> None:
+        if self.path:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            with os.fdopen(fd, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+class Standing:
+    """The pending standing questions, one a session (a newer turn's replaces an older one). Every
+    change of what holds a session goes to `hold(name, line)` (line None: released). Registering
+    and answering run on the device thread; `lock` is the service's state lock."""
+
+    def __init__(self, question: StandingQuestion | None, journal: Journal, counters: Counters, clock,
+                 lock: threading.Lock, hold: Callable[[str, int | None], None], label_from_upstream: bool = False):
+        self.question, self.journal, self.counters, self.clock = question, journal, counters, clock
+        self.lock, self.hold, self.label_from_upstream = lock, hold, label_from_upstream
+        self.pending: dict[str, Pending] = {}
+        self._awaiting_label: dict[int, dict] = {}  # turn id -> an answer waiting for its label
+
+    def line(self, name: str, grid: int) -> int | None:
+        """The grid line the reader holds `name` at (None: no question pending)."""
+        p = self.pending.get(name)
+        return None if p is None else p.insertion // grid * grid
+
+    def register(self, model: Model, session: Session, prompt: list[int], reference: str | None, behind: int,
+                 turn_id: int | None = None) -> None:
+        """At a turn's fed prompt (the caller holds the lock): a question at its insertion point, if
+        the prompt qualifies."""
+        q = self.question
+        if q is None or len(prompt) < q.min_prompt_tokens:
+            return
+        eos = model.reader.model.config.eos_token_id
+        last = max((i for i, t in enumerate(prompt) if t == eos), default=None)
+        if last is None:
+            return
+        if session.name in self.pending:
+            self.counters.standing_replaced += 1
+        wanted = self.label_from_upstream and reference is None
+        self.pending[session.name] = Pending(session.name, last + 1, reference, behind, self.clock(), turn_id, wanted,
+                                             "header" if reference is not None else None)
+        self.hold(session.name, self.line(session.name, model.grid))
+
+    def _drop(self, name: str) -> None:
+        self.pending.pop(name, None)
+        self.hold(name, None)
+
+    def answer_if_ready(self, model: Model, session: Session) -> None:
+        """On the device thread: answer the session's question once the reader sits at its
+        insertion point's grid line (dropped if the session changed under it)."""
+        with self.lock:
+            p = self.pending.get(session.name)
+            line = self.line(session.name, model.grid)
+            if p is None or session.committed < line:
+                return
+            if session.committed > line or p.insertion > len(session.ids):
+                self._drop(session.name)  # nothing valid to ask
+                return
+        q = self.question
+        probs = model.reader.ask(session, q.question_ids, q.choice_ids, end=p.insertion).tolist()
+        best = max(range(len(probs)), key=probs.__getitem__)
+        record = {
+            "standing": q.name, "session": session.name, "choices": list(q.labels), "probs": probs,
+            "label": q.labels[best], "reference": p.reference, "reference_source": p.reference_source,
+            "fresh": None, "behind": p.behind, "lag_s": round(self.clock() - p.registered, 4),
+            "weights": model.weights, "weights_hash": model.weights_hash, "grid": model.grid,
+            "arithmetic": model.store.identity.arithmetic, "insertion": p.insertion,
+            "prefix_crc": ids_crc(session.ids[: p.insertion]), "question_tokens": len(q.question_ids),
+            "question_ids": list(q.question_ids), "time": time.time(),
+        }
+        with self.lock:
+            if self.pending.get(session.name) is p:
+                self._drop(session.name)
+            if p.upstream_answer is not None:
+                record["upstream_answer"] = p.upstream_answer
+            self.counters.standing_answered += 1
+            if p.label_wanted and p.turn_id is not None:  # journaled when the upstream's label comes
+                self._awaiting_label[p.turn_id] = record
+            else:
+                self.journal.answer(record)
+
+    def wants_label(self, turn_id: int) -> bool:
+        """Whether this turn's question waits for a label from the upstream model (the caller holds the lock)."""
+        return turn_id in self._awaiting_label or any(
+            p.turn_id == turn_id and p.label_wanted for p in list(self.pending.values()))
+
+    def attach_label(self, turn_id: int, label: str | None, answer: str | None) -> None:
+        """On the device thread: the upstream model's answer becomes the reference of the shadow's
+        answer, journaled at once if the shadow answered already."""
+        with self.lock:
+            record = self._awaiting_label.pop(turn_id, None)
+            if record is not None:
+                self.journal.answer(record | {"reference": label, "reference_source": "upstream",
+                                              "upstream_answer": answer})
+                return
+            for p in self.pending.values():
+                if p.turn_id == turn_id and p.label_wanted:
+                    p.reference, p.reference_source, p.upstream_answer = label, "upstream", answer
+                    p.label_wanted = False

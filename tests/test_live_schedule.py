@@ -1,0 +1,356 @@
+"""The live service drives the one read scheduler: the same timeline live and replayed reads the same
+chunks of the same sessions at the same times; slow chunks never stop the reader; the first
+streamed turn after a start never waits for a chunk read to measure its cost."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import threading
+import time
+
+import pytest
+
+import shadow.replay
+import shadow.server.service
+from serving import GRID, assert_exact, long_text, running, serving, settled, wait_until_read
+from shadow.engine import open_reader
+from shadow.ledger import Request
+from shadow.replay import readable, replay, time_readable
+from shadow.schedule import BandwidthRule, ReadScheduler, Wait
+from shadow.server.app import create_app
+from shadow.server.generator import Generator
+from shadow.server.service import ShadowService
+from shadow.store import SessionStore
+from shadow.tokenizer import load_tokenizer
+
+CHUNK_S = 0.0625  # 1/16 s: every time in the timeline below is exact in binary, so both sides add alike
+RULE = BandwidthRule(poll_s=0.25, burst_s=1.0, share=0.1, slice_s=0.15)
+_START, _FIRST, _END = 0, 1, 2
+
+
+class Traced(ReadScheduler):
+    """The scheduler, recording every read reported to it (one list for all instances)."""
+
+    reads: list[tuple] = []
+
+    def read_done(self, read, chunks, seconds, now):
+        if chunks:
+            Traced.reads.append((read.session, read.window, read.depth, chunks, now, seconds))
+        super().read_done(read, chunks, seconds, now)
+
+
+def timeline(seed: int) -> list[Request]:
+    """Three sessions of two or three turns each, overlapping one another on the engine; each prompt
+    extends the session's last prompt and output (no rollback); times on a 1/32 s grid, decode
+    rounds of 1/32 s."""
+    rng = random.Random(seed)
+    requests = []
+    for session in "abc":
+        t, prompt = rng.randrange(16, 160) / 32, 0
+        for _ in range(rng.randrange(2, 4)):
+            new, output = rng.randrange(50, 700), rng.randrange(8, 64)
+            prompt += new
+            first = t + rng.randrange(4, 40) / 32
+            requests.append(Request(session, t, first, first + output / 32, prompt, new, output))
+            prompt += output
+            t = first + output / 32 + rng.randrange(1, 200) / 32
+    return sorted(requests, key=lambda r: r.start)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class ChunkCost:
+    """The reader's forward as the test's hook: a chunk costs CHUNK_S of the clock, and the driver's
+    events that fall inside it fire at their times (as HTTP threads would, beside the device)."""
+
+    def __init__(self, inner, clock: Clock):
+        self.inner, self.clock, self.driver = inner, clock, None
+
+    def __call__(self, ids, state):
+        end = self.clock.t + CHUNK_S
+        if self.driver is not None:
+            self.driver.fire(end, inclusive=False, mid_chunk=True)
+        self.clock.t = end
+        return self.inner(ids, state)
+
+
+class LiveDriver:
+    """The timeline's engine beside a live `ShadowService`, on an injected clock, stepped the way
+    the replay steps its engine: events at their times (those that fall inside a chunk fire
+    inside it, from the chunk-cost hook, as HTTP threads would; a prompt whose request came
+    mid-chunk is fed after it, as the device would), the decoded output as it comes, and at each
+    step the service's idle look or, between decode rounds, its share slice."""
+
+    def __init__(self, service: ShadowService, clock: Clock, requests: list[Request], ids: list[tuple[list, list]]):
+        self.service, self.clock, self.requests, self.ids = service, clock, requests, ids
+        self.events = sorted([(r.start, _START, i) for i, r in enumerate(requests)]
+                             + [(r.first_token, _FIRST, i) for i, r in enumerate(requests)]
+                             + [(r.end, _END, i) for i, r in enumerate(requests)])
+        self.last_start = max(n for n, e in enumerate(self.events) if e[1] == _START)
+        self.next_event = 0
+        self.fed: dict[int, int] = {}  # request -> output ids fed
+        self.owed: list[int] = []  # requests begun mid-chunk, their prompt not fed yet
+        self.decoding: dict[int, Request] = {}
+        self.shares: list[tuple[str, str]] = []  # (the session of the turn that asked, the session read)
+        self.mid_chunk: list[int] = []  # kinds of the events that fired inside a chunk
+
+    def fire(self, t: float, inclusive: bool, mid_chunk: bool = False) -> None:
+        while self.next_event < len(self.events):
+            when, kind, i = self.events[self.next_event]
+            if when > t or (when == t and not inclusive):
+                return
+            self.next_event += 1
+            self.clock.t = when
+            self.handle(kind, i, mid_chunk)
+
+    def handle(self, kind: int, i: int, mid_chunk: bool) -> None:
+        r, service = self.requests[i], self.service
+        if mid_chunk:
+            self.mid_chunk.append(kind)
+        if kind == _START:
+            if mid_chunk:
+                service.begin_turn(i + 1, r.session)
+                self.owed.append(i)
+            else:
+                service.begin_turn(i + 1, r.session, self.ids[i][0])
+        elif kind == _FIRST:
+            service.first_token(i + 1)
+            self.fed[i] = 0
+            if r.end > r.first_token:
+                self.decoding[i] = r
+        else:
+            self.output(i, r.output_tokens)
+            service.end_turn(i + 1)
+            self.decoding.pop(i, None)
+
+    def output(self, i: int, upto: int) -> None:
+        if upto > self.fed[i]:
+            self.service.add_output(i + 1, self.ids[i][1][self.fed[i]:upto])
+            self.fed[i] = upto
+
+    def round_s(self) -> float:
+        return min(((r.end - r.first_token) / r.output_tokens for r in self.decoding.values() if r.output_tokens),
+                   default=0.0)
+
+    def run(self) -> None:
+        service, next_round = self.service, -math.inf
+        while True:
+            for i in self.owed:
+                service.set_prompt(i + 1, self.ids[i][0])
+            self.owed = []
+            t = self.clock.t
+            self.fire(t, inclusive=True)
+            self.clock.t = t
+            if self.next_event > self.last_start:
+                return
+            for i, r in self.decoding.items():
+                self.output(i, readable(r, t) - r.prompt_tokens)
+            if self.decoding and t >= next_round:
+                turn = next(iter(self.decoding))
+                service.share_slice(turn + 1)
+                decision = service.reading.last
+                if not isinstance(decision, Wait):
+                    self.shares.append((self.requests[turn].session, decision.session))
+                    next_round = self.clock.t + self.round_s()
+                    continue
+            elif self.decoding:
+                decision = Wait(math.inf)  # busy, and not between two rounds
+            else:
+                decision = service.reading.idle_once()
+                if not isinstance(decision, Wait):
+                    continue
+            wake = [decision.until]
+            if self.next_event < len(self.events):
+                wake.append(self.events[self.next_event][0])
+            if self.decoding and next_round > t:
+                wake.append(next_round)
+            for r in self.decoding.values():
+                known = readable(r, t)
+                wake.append(time_readable(r, (known // GRID + 1) * GRID))
+            nxt = min(wake)
+            assert nxt < math.inf
+            self.clock.t = max(nxt, math.nextafter(t, math.inf))
+
+
+@pytest.mark.parametrize("seed", [4, 9, 21])  # timelines where a start, a first token or an end comes mid-chunk
+def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same_times(tiny, monkeypatch, seed):
+    """The replay and a live service (injected clock, chunk costs and the engine's events from a
+    hook) over one timeline: every read (session, window, depth, chunks, end, seconds) the same."""
+    requests = timeline(seed)
+    monkeypatch.setattr(shadow.replay, "ReadScheduler", Traced)
+    monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
+    Traced.reads = []
+    arm = replay(requests, read_ms_per_1k=CHUNK_S * 1e6 / GRID, grid=GRID, rule=RULE)
+    replayed, Traced.reads = Traced.reads, []
+
+    rng = random.Random(5)
+    ids, last = [], {}
+    for r in requests:
+        prompt = last.get(r.session, []) + [rng.randrange(1000, 200000) for _ in range(r.new_prompt_tokens)]
+        assert len(prompt) == r.prompt_tokens
+        output = [rng.randrange(1000, 200000) for _ in range(r.output_tokens)]
+        ids.append((prompt, output))
+        last[r.session] = prompt + output
+    clock = Clock()
+    loaded, reader = open_reader("tiny", grid=GRID)
+    hook = ChunkCost(reader.forward, clock)
+    reader.forward = hook
+    service = ShadowService(reader, SessionStore(reader, loaded.weights_hash, cap_gib=None), RULE, clock=clock)
+    try:
+        assert service.reading.sched.costs.table() == {0: CHUNK_S, 8192: CHUNK_S, 32768: CHUNK_S}  # warmed at load
+        clock.t = 0.0
+        hook.driver = driver = LiveDriver(service, clock, requests, ids)
+        driver.run()
+        live = Traced.reads
+        assert live == replayed
+        windows = {w for _, w, *_ in live}
+        assert windows == {"idle", "share"} and len({s for s, *_ in live}) == 3
+        assert any(asked != read for asked, read in driver.shares)  # a share read another session than the turn's
+        assert driver.mid_chunk  # an engine event came while a chunk was read
+        counters = service.status()["counters"]
+        assert (counters["chunks_idle"], counters["chunks_share"]) == (arm.chunks_idle, arm.chunks_share)
+        hook.driver = None
+        assert_exact(service, "a")
+    finally:
+        service.stop()
+
+
+def test_a_turn_named_late_counts_as_running_from_then():
+    sched = ReadScheduler(grid=4)
+    sched.update("x", 0, 40, 0.0)
+    sched.turn_started(1, None, 1.0)
+    assert sched.busy and sched.next_read(1.0) == Wait(math.inf)
+    sched.turn_session(1, "y", 2.0)
+    sched.update("y", 0, 8, 2.0)
+    sched.first_token(1, 3.0)
+    read = sched.next_read(3.0 + 100, between_rounds=False)
+    assert read == Wait(math.inf)
+    sched.costs.warm(0, 0.01)
+    read = sched.next_read(200.0, between_rounds=True)
+    assert read.session == "y"  # the running turn's session first
+    sched.turn_ended(1, 201.0)
+    assert not sched.busy
+
+
+class SlowFirst:
+    """A reader's forward whose next `left` chunks each take `seconds` longer (a cold device)."""
+
+    def __init__(self, inner, seconds: float):
+        self.inner, self.seconds, self.left = inner, seconds, 0
+        self.kinds: list[str | None] = []
+        self.device = None
+
+    def __call__(self, ids, state):
+        if self.left > 0:
+            self.left -= 1
+            self.kinds.append(self.device.running if self.device else None)
+            time.sleep(self.seconds)
+        return self.inner(ids, state)
+
+
+def test_chunks_slower_than_a_burst_never_stop_the_idle_reader(tiny):
+    """Three chunks after the start take longer than a whole idle burst: the reader reads them, one
+    a burst, its estimate moves by at most a bounded factor for each, and it reads on to the end."""
+    loaded, reader = open_reader("tiny", grid=GRID)
+    slow = SlowFirst(reader.forward, 0.5)
+    reader.forward = slow
+    rule = BandwidthRule(burst_s=0.3)
+    service = ShadowService(reader, SessionStore(reader, loaded.weights_hash, cap_gib=None), rule,
+                            weights=loaded.weights_label)
+    slow.device, slow.left = service.device, 3
+    app = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model))
+    with serving(app) as client:
+        r = client.post("/v1/chat/completions", headers={"x-session-id": "slow"},
+                        json={"messages": [{"role": "user", "content": long_text(3, 900)}], "max_tokens": 2})
+        assert r.status_code == 200
+        wait_until_read(service, ["slow"])
+        status = client.get("/v1/shadow/status").json()
+    assert slow.left == 0 and slow.kinds == ["reader"] * 3  # the slow chunks were the idle reader's
+    row = next(s for s in status["sessions"] if s["name"] == "slow")
+    assert row["pending"] < GRID and status["counters"]["chunks_idle"] == row["committed"] // GRID
+    assert status["idle_reader"]["alive"] and status["idle_reader"]["errors"] == 0
+    assert status["reading"]["chunk_ms_by_depth"]["0"] < 500  # the estimate came back down
+
+
+def test_the_first_streamed_turn_after_a_start_never_waits_for_a_measuring_chunk(tiny):
+    """A proxy beside a real engine on loopback, its shadow loading in the background. The first
+    chunk its reader ever reads is slow (a cold device): it is read at load, left out of the
+    estimates; the first streamed turn's share reads between deltas (a large share, so it reads)
+    and no gap between the client's deltas comes near that chunk's cost."""
+    from shadow.model.checkpoint import read_config, resolve_checkpoint
+
+    cold_s = 2.0
+    slow: list[SlowFirst] = []
+
+    def load():
+        _, reader = open_reader("tiny", grid=GRID)
+        slow.append(SlowFirst(reader.forward, cold_s))
+        slow[0].left, slow[0].device = 1, service.device
+        reader.forward = slow[0]
+        return reader, SessionStore(reader, tiny.weights_hash, cap_gib=None), "random"
+
+    service = ShadowService(None, None, BandwidthRule(share=0.5), load=load,
+                            config=read_config(resolve_checkpoint("tiny")))
+    with running() as (engine, _):
+        app = create_app(service, load_tokenizer(None), "upstream", upstream=str(engine.base_url).rstrip("/") + "/v1")
+        with serving(app) as proxy:
+            deadline = time.time() + 60
+            while not proxy.get("/v1/shadow/status").json()["ready"] and time.time() < deadline:
+                time.sleep(0.05)
+            assert service.ready.is_set() and slow[0].kinds == ["load"]  # the cold chunk: read at load
+            body = {"messages": [{"role": "user", "content": long_text(40, 1200)}], "max_tokens": 96,
+                    "ignore_eos": True, "stream": True}
+            arrivals = []
+            with proxy.stream("POST", "/v1/chat/completions", json=body, headers={"x-session-id": "first"}) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        arrivals.append(time.monotonic())
+                        assert "choices" in json.loads(line[6:])
+            settled(service)
+            status = proxy.get("/v1/shadow/status").json()
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(arrivals) > 90 and status["counters"]["chunks_share"] > 0  # the share read inside the stream
+    assert max(gaps) < cold_s
+    assert set(status["reading"]["chunk_ms_by_depth"]) == {"0", "8192", "32768"}
+    assert all(ms < 1000 * cold_s / 4 for ms in status["reading"]["chunk_ms_by_depth"].values())
+
+
+def test_status_shows_the_scheduler_and_the_idle_reader(tiny):
+    with running() as (client, service):
+        status = client.get("/v1/shadow/status").json()
+        reading, idle = status["reading"], status["idle_reader"]
+        assert set(reading["chunk_ms_by_depth"]) == {"0", "8192", "32768"} and reading["share_left_s"] == 0.0
+        assert reading["busy"] is False and idle["alive"] is True and idle["errors"] == 0
+        assert idle["state"] in ("caught up", "not started", "reading", "between bursts")
+
+
+def test_a_failing_idle_round_is_counted_shown_and_the_reader_goes_on(tiny):
+    with running() as (client, service):
+        broken = threading.Event()
+
+        def fail_once():
+            if not broken.is_set():
+                broken.set()
+                raise OSError("disk gone")
+
+        service.reading.after_round = fail_once
+        deadline = time.time() + 10
+        while service.counters.idle_errors == 0 and time.time() < deadline:
+            time.sleep(0.05)
+        status = client.get("/v1/shadow/status").json()
+        assert status["idle_reader"]["errors"] == 1 and "disk gone" in status["idle_reader"]["last_error"]
+        r = client.post("/v1/chat/completions", headers={"x-session-id": "after"},
+                        json={"messages": [{"role": "user", "content": long_text(9, 400)}], "max_tokens": 2})
+        assert r.status_code == 200
+        wait_until_read(service, ["after"])  # the idle reader went on
+        assert client.get("/v1/shadow/status").json()["idle_reader"]["alive"] is True
+
