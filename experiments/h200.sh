@@ -32,9 +32,9 @@ for step in "$@"; do
     ab) MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=${RUNS:-6} AB_TIMEOUT=380 \
           timeout 560 bash experiments/serve_demo.sh "$OUT" 2>&1 | tail -25 ;;
     abvoice) for m in ${SHADOWS:-qwen3.5-0.8b qwen3.5-2b}; do
-               MODEL=$m GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-4000} RUNS=${RUNS:-2} \
+               MODEL=$m GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-4096} RUNS=${RUNS:-2} \
                  TEMPLATE=.carry/qwen3.5.jinja VOICE=1 AB_TIMEOUT=240 timeout 280 bash experiments/serve_demo.sh \
-                 "/tmp/abvoice-$m" 2>&1 | tail -6; cp "/tmp/abvoice-$m/ab.json" "$OUT/abvoice-$m.json"
+                 "/tmp/abvoice-$m" 2>&1 | tail -6; tail -n 5 "/tmp/abvoice-$m/ab.log"; cp "/tmp/abvoice-$m/ab.json" "$OUT/abvoice-$m.json"
                cp "/tmp/abvoice-$m/ab.csv" "$OUT/abvoice-$m.csv"; done ;;
     generator) timeout 400 python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda 2>&1 \
                  | tee "$OUT/generator-speed.txt" | tail -6 ;;
