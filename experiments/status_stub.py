@@ -1,7 +1,8 @@
 """A tiny OpenAI-compatible server that streams Open WebUI status events, then reasoning and content.
 
-It stands in for `shadow serve` until the real status lines exist, so `openwebui_run.py` can be
-proven against a real Open WebUI. One model (`--model`, default "stub"). A streamed chat request gets:
+It lets `openwebui_run.py` probe, in one run of a real Open WebUI, event shapes `shadow serve`
+does not send (a final event hidden, apart, or missing) beside the ones it does. One model
+(`--model`, default "stub"). A streamed chat request gets:
 
   1. `--statuses` status events, `--status-delay` seconds apart, each alone in its chunk:
      `data: {"event": {"type": "status", "data": {"description": "...", "done": false}}}`

@@ -1,8 +1,10 @@
-"""A real client: Open WebUI in headless Chromium shows the status lines an OpenAI-compatible server
-streams before the first token (experiments/openwebui_run.py drives it; experiments/status_stub.py
-serves). Skipped where Open WebUI (a separate venv: SHADOW_OPENWEBUI_PYTHON names its python) or
-Chromium (/usr/bin/chromium, or SHADOW_CHROMIUM) is not installed. SHADOW_OPENWEBUI_UPSTREAM=URL
-also runs it against a given server (e.g. a running `shadow serve`)."""
+"""A real client: Open WebUI in headless Chromium shows the status lines `shadow serve` streams
+before the first token (experiments/openwebui_run.py drives it): a real `shadow serve` in front of a
+real `transformers serve`, and experiments/status_stub.py for the event shapes Open WebUI renders
+(with and without the last done:true event). Skipped where Open WebUI (a separate venv:
+SHADOW_OPENWEBUI_PYTHON names its python; .ci/run installs it under ~/.cache/shadow) or Chromium
+(/usr/bin/chromium, or SHADOW_CHROMIUM) is not installed. SHADOW_OPENWEBUI_UPSTREAM=URL also runs
+it against a given server."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from serving import serving
+from serving import running, serving, settled
 
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "experiments" / "openwebui_run.py"
@@ -24,7 +26,7 @@ CHROMIUM = os.environ.get("SHADOW_CHROMIUM", "/usr/bin/chromium")
 def openwebui_python() -> str | None:
     """The python of a venv with open-webui and playwright, or None."""
     for candidate in (os.environ.get("SHADOW_OPENWEBUI_PYTHON"), str(ROOT / ".owui-venv/bin/python"),
-                      str(ROOT / ".ci/openwebui/bin/python")):
+                      str(Path.home() / ".cache/shadow/openwebui-0.12.4/bin/python")):
         if candidate and Path(candidate).exists():
             found = subprocess.run([candidate, "-c", "import importlib.util as u, sys; sys.exit(not ("
                                     "u.find_spec('open_webui') and u.find_spec('playwright')))"], capture_output=True)
@@ -100,6 +102,45 @@ def test_open_webui_shows_status_lines_before_the_answer_and_the_final_line_afte
     assert [m["role"] for m in chats[2]["messages"]] == ["user", "assistant", "user"]
     assert chats[2]["messages"][1] == {"role": "assistant", "content": stub.ANSWER[:120]}
     assert chats[0]["prompt_tokens"] > 500 * 3 // 4  # the long prompt went upstream
+
+
+def test_open_webui_shows_the_lines_of_shadow_serve_in_front_of_transformers_serve(tmp_path, big_model,
+                                                                                 transformers_engine):
+    """Open WebUI -> `shadow serve` (proxy, its client recognised by X-OpenWebUI-Chat-Id) -> a real
+    `transformers serve`: while the engine reads the long prompt the browser shows the reading
+    line under the model's name, then the last line saying what the wait was; they are the lines the
+    server journaled, with the engine's own prompt count; the shadow's session is verified."""
+    from shadow.chat_template import ChatRenderer, load_hf_tokenizer, read_template
+
+    big = ChatRenderer(read_template(big_model), load_hf_tokenizer(big_model))
+    journal = tmp_path / "journal.jsonl"
+    timing = {"quiet_s": 0.2, "progress_every_s": 0.5}  # the CPU engine reads 12k ids in about 2 s
+    with running(upstream=transformers_engine, renderer=big, journal=journal, status_timing=timing,
+                 prefix_match=False) as (proxy, service):
+        report = drive(str(proxy.base_url), tmp_path / "run", "--prompt", "Say hello.", "--long-prompt", "3000")
+        settled(service)
+        status = proxy.get("/v1/shadow/status").json()
+    turn = report["turns"][0]
+    assert turn["done"], turn
+    shown = [s["text"] for s in turn["statuses"]]
+    assert shown and all(s["pending"] and s["before_answer"] for s in turn["statuses"][:-1]), turn["statuses"]
+    assert all(x.startswith("reading ") for x in shown[:-1]), shown  # "reading the prompt" until it is counted
+    final = turn["statuses"][-1]
+    assert final["text"].startswith("Read ") and not final["pending"] and turn["status_after"] == final["text"]
+
+    records = [r for r in map(json.loads, journal.read_text().splitlines()) if r.get("kind") == "turn"]
+    chat = [r for r in records if r.get("status_lines")]
+    assert len(chat) == 1, records  # the chat turn; Open WebUI's side requests (titles, tags) carry no lines
+    record = chat[0]
+    said = [x["text"] for x in record["status_lines"]]
+    assert said[: len(shown)] == shown  # what the browser showed under the model's name is what was said;
+    assert all(x["kind"] not in ("waiting", "reading") for x in record["status_lines"][len(shown):])  # in the reasoning
+    count = f"{record['prompt_ids']:,}"
+    assert any(x.startswith(f"reading {count} tokens") for x in shown), shown
+    assert final["text"].startswith(f"Read {count} tokens in ")
+    assert record["verified"] is True and record["ids_source"]["prompt"] == "template"
+    session = next(s for s in status["sessions"] if s["name"] == record["session"])
+    assert session["id_checks"]["exact"], session
 
 
 @pytest.mark.skipif(not os.environ.get("SHADOW_OPENWEBUI_UPSTREAM"), reason="SHADOW_OPENWEBUI_UPSTREAM not set")
