@@ -1,5 +1,6 @@
 """The voice: its checks on hand-written phrases (every rule), its fork leaving the session bit for
-bit as it was, and, with random weights, nothing said (through a proxy whose engine thinks)."""
+bit as it was, and, with random weights, nothing said (through a proxy whose engine thinks, and
+between the embedded engine's own rounds); a voice that fails never breaks the stream."""
 
 from __future__ import annotations
 
@@ -105,6 +106,58 @@ def test_with_random_weights_the_lines_go_out_without_a_phrase(tiny, tmp_path):
     (turn,) = [r for r in records if r.get("kind") == "turn"]
     tried = [x["phrase"] for x in turn["status_lines"] if x.get("phrase")]
     assert tried and all(not p["said"] and p["reason"] in REASONS for p in tried)
+
+
+def embedded_thinking_turn(journal, voice: type[Voice] = Voice) -> tuple[list[str], list[dict]]:
+    """One streamed turn of the embedded `tiny` engine under the Qwen3.5 template (its prompt opens
+    a think block, so the turn thinks; thinking lines from 0.5 s): the lines the client got and
+    the lines the journal kept; the session is bit-equal to a fresh prefill after it."""
+    from conftest import shared_file
+    from serving import assert_exact, wait_until_read
+    from shadow.chat_template import ChatRenderer, default_hf_tokenizer, read_template
+
+    qwen = ChatRenderer(read_template(shared_file("templates", "qwen3.5.jinja")), default_hf_tokenizer())
+    with running(journal=journal, renderer=qwen, status_channel="reasoning",
+                 status_timing={"thinking_from_s": 0.5, "thinking_every_s": 0.8, "quiet_s": 0.2}) as (client, service):
+        service.voice = voice(service.reader, load_tokenizer(None))
+        service.voice_share = 0.9  # the test's turn is short: a share large enough to try
+        events = []
+        with client.stream("POST", "/v1/chat/completions", headers={"x-session-id": "own"},
+                           json={"messages": [{"role": "user", "content": long_text(3, 200)}], "stream": True,
+                                 "max_tokens": 400}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+        settled(service)
+        wait_until_read(service, ["own"])
+        assert_exact(service, "own")
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    shown = [e["choices"][0]["delta"]["reasoning_content"] for e in events
+             if e.get("choices") and "thinking" in (e["choices"][0]["delta"].get("reasoning_content") or "")]
+    kept = [x for r in map(json.loads, journal.read_text().splitlines()) for x in r.get("status_lines", [])]
+    return shown, kept
+
+
+def test_embedded_the_voice_writes_between_the_engines_rounds_and_random_weights_say_nothing(tmp_path):
+    """The embedded engine's rounds hold the device; the voice's phrase is written between two of
+    them. Its first phrase on this CPU may outlast the stream's wait: a phrase that started is
+    still kept (its time is spent), so the journal records the attempt and why it was not said."""
+    shown, kept = embedded_thinking_turn(tmp_path / "j.jsonl")
+    assert shown and all(":" not in x.split("thinking", 1)[1] for x in shown)
+    tried = [x["phrase"] for x in kept if x.get("phrase")]
+    assert tried and all(not p["said"] and p["reason"] in REASONS and p["seconds"] > 0 for p in tried), kept
+
+
+class FailingVoice(Voice):
+    def phrase(self, *args, **kwargs):
+        raise RuntimeError("the voice broke")
+
+
+def test_a_voice_that_fails_never_breaks_the_stream(tmp_path, caplog):
+    shown, kept = embedded_thinking_turn(tmp_path / "j.jsonl", FailingVoice)
+    assert shown and kept and not any(x.get("phrase") for x in kept)
+    assert "the voice failed" in caplog.text
 
 
 def thinking_engine(seconds: float):

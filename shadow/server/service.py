@@ -424,7 +424,9 @@ class ShadowService:
                      lang: str = "en", wait_s: float = 0.3) -> Phrase | None:
         """A voice phrase for a status line of this turn, if the turn's voice budget holds one and
         the device can write it now: at once where the device is free (proxy mode), else between
-        two of the turn's own rounds (embedded), waiting at most `wait_s`. None: nothing tried."""
+        two of the turn's own rounds (embedded), waiting at most `wait_s` for it to start (one
+        that started is waited for and kept: its time is spent). None: nothing tried, or the
+        voice failed (logged); it never raises, so a stream goes on without its phrase."""
         with self.state_lock:
             turn = self.turns.get(turn_id)
             voice = self.voice
@@ -432,16 +434,19 @@ class ShadowService:
                     or not turn.prompt_fed or not turn.voice.allows(turn.first_token, self.clock(), voice.cost_s)):
                 return None
         job = lambda: self._phrase(voice, turn, kind, extra, recent, lang)  # noqa: E731
-        ran, result = self.device.run_if_idle(job, "voice")
-        if ran:
-            return result
-        if turn.embedded:  # the turn's own rounds hold the device: it serves phrases between them
-            request = Future()
-            turn.phrases.append((job, request))
-            try:
-                return request.result(timeout=wait_s)
-            except FutureTimeout:
-                request.cancel()
+        try:
+            ran, result = self.device.run_if_idle(job, "voice")
+            if ran:
+                return result
+            if turn.embedded:  # the turn's own rounds hold the device: it serves phrases between them
+                request = Future()
+                turn.phrases.append((job, request))
+                try:
+                    return request.result(timeout=wait_s)
+                except FutureTimeout:
+                    return None if request.cancel() else request.result()
+        except Exception:  # noqa: BLE001 - the line goes out with its facts alone
+            log.exception("turn %s: the voice failed; its %s line goes out without a phrase", turn_id, kind)
         return None
 
     def serve_phrases(self, turn_id: int) -> None:
