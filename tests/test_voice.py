@@ -59,6 +59,25 @@ def test_the_budget_is_a_share_of_the_time_since_the_first_token_in_capped_slice
     assert not b.allows(0.0, 2.0, 0.05)
 
 
+def test_a_slow_phrase_is_tried_again_once_its_measure_is_old(tiny, tokenizer):
+    """Warmed at load, the voice has a measured cost; an estimate over the slice keeps phrases from
+    being tried until `retry_s` has passed since it was measured, then one is tried again."""
+    from shadow.engine import open_reader
+
+    now = [100.0]
+    _, reader = open_reader("tiny", grid=GRID)
+    voice = Voice(reader, tokenizer, retry_s=60.0, clock=lambda: now[0])
+    assert voice.estimate() is None
+    assert voice.warm() > 0 and voice.estimate() == voice.cost_s and voice.measured_at == 100.0
+    voice.cost_s = 0.4  # as if a phrase had taken 0.4 s
+    budget = VoiceBudget(share=0.5)
+    assert not budget.allows(0.0, 10.0, voice.estimate())
+    now[0] = 161.0
+    assert voice.estimate() is None and budget.allows(0.0, 10.0, voice.estimate())  # a whole slice, tried again
+    voice.cost_s = 0.1
+    assert voice.estimate() == 0.1  # under the slice: kept however old
+
+
 def test_a_phrase_leaves_the_session_bit_equal(tiny, tokenizer):
     from shadow.engine import open_reader
 

@@ -130,7 +130,8 @@ class ShadowService:
             self.host.use(reader, store, weights)
 
     def _on_load(self, model: Model) -> None:
-        """On the loading thread, before the model is handed out: the scheduler's estimates, the voice."""
+        """On the loading thread, before the model is handed out: the scheduler's estimates, the
+        voice (its cost measured on a scratch session)."""
         self.reading.warm(model)
         if self.voice_tokenizer is None:
             self.voice = None
@@ -138,6 +139,8 @@ class ShadowService:
             self.voice = Voice(self.voice_reader, self.voice_tokenizer, own_model=True)
         else:
             self.voice = Voice(model.reader, self.voice_tokenizer)
+        if self.voice is not None:
+            self.voice.warm()
 
     # the parts' state, as attributes ------------------------------------------------------
 
@@ -431,7 +434,7 @@ class ShadowService:
             turn = self.turns.get(turn_id)
             voice = self.voice
             if (voice is None or not self.enabled or not self.voice_enabled or turn is None or turn.session is None
-                    or not turn.prompt_fed or not turn.voice.allows(turn.first_token, self.clock(), voice.cost_s)):
+                    or not turn.prompt_fed or not turn.voice.allows(turn.first_token, self.clock(), voice.estimate())):
                 return None
         job = lambda: self._phrase(voice, turn, kind, extra, recent, lang)  # noqa: E731
         try:

@@ -5,7 +5,9 @@ tokens, the session left bit-equal. Every phrase passes `checks.check` before it
 
 Its time is rationed like the shadow's: a share (default 3 %) of the time since the turn's first
 token, one phrase in one slice of at most 150 ms between the engine's rounds or streamed deltas;
-a phrase the measured cost says would not fit is not tried.
+a phrase the measured cost says would not fit is not tried. The cost is measured at load (`warm`:
+one-time set-up is left out) and by every phrase; an estimate over the slice is tried again once
+`retry_s` has passed since it was measured, so one slow phrase never silences the voice for good.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from shadow.chat import render_question
 from shadow.reader import Reader, Session
 from shadow.tokenizer import Tokenizer
 from shadow.voice.checks import check
+
+SLICE_S = 0.15  # the most a phrase may hold the device between two rounds or deltas
 
 QUESTIONS = {
     "en": {
@@ -48,7 +52,7 @@ class VoiceBudget:
     """A turn's voice time: `share` of the time since its first token, in slices of at most `slice_s`."""
 
     share: float = 0.03
-    slice_s: float = 0.15
+    slice_s: float = SLICE_S
     used_s: float = 0.0
 
     def allows(self, first_token: float | None, now: float, cost_s: float | None) -> bool:
@@ -65,13 +69,33 @@ class Voice:
     shadow's state: it reads the session's newest `window` ids afresh with its own model."""
 
     def __init__(self, reader: Reader, tokenizer: Tokenizer, max_tokens: int = 12, window: int = 2048,
-                 max_tail: int | None = None, own_model: bool = False):
+                 max_tail: int | None = None, own_model: bool = False, slice_s: float = SLICE_S,
+                 retry_s: float = 60.0, clock=time.monotonic):
         self.reader, self.tokenizer, self.own_model = reader, tokenizer, own_model
         self.max_tokens, self.window = max_tokens, window
         self.max_tail = max_tail if max_tail is not None else 2 * reader.grid  # unread ids a phrase may prefill
+        self.slice_s, self.retry_s, self.clock = slice_s, retry_s, clock
         self.cost_s: float | None = None  # measured, decaying toward new phrases
+        self.measured_at: float | None = None
         self.eos = reader.model.config.eos_token_id
         self.newline = set(tokenizer.encode("\n"))
+
+    def estimate(self) -> float | None:
+        """The cost a phrase is expected to take: None (unmeasured: a whole slice must be there)
+        where it is unmeasured, or over the slice and measured more than `retry_s` ago."""
+        if self.cost_s is None or (self.cost_s > self.slice_s and self.measured_at is not None
+                                   and self.clock() - self.measured_at > self.retry_s):
+            return None
+        return self.cost_s
+
+    def warm(self) -> float:
+        """At load, on the device: two phrases on a scratch session; the first sets up what runs
+        once (kernels, graphs, caches), the second's time is the first estimate. Returns it."""
+        scratch = self.reader.new_session("(voice warm)")
+        scratch.ids = self.question("thinking", "en") * 4
+        self.phrase(scratch, "thinking")
+        self.cost_s = None
+        return self.phrase(scratch, "thinking").seconds
 
     def question(self, kind: str, lang: str) -> list[int]:
         text = QUESTIONS.get(lang, QUESTIONS["en"])[kind]
@@ -96,6 +120,7 @@ class Voice:
                                  stop=[self.eos, *self.newline])
         seconds = time.perf_counter() - start
         self.cost_s = seconds if self.cost_s is None else 0.7 * self.cost_s + 0.3 * seconds
+        self.measured_at = self.clock()
         raw = self.tokenizer.decode([i for i in ids if i != self.eos and i not in self.newline]).strip()
         read = self.tokenizer.decode((list(session.ids) + list(extra))[-self.window:])
         reason = check(raw, read, QUESTIONS.get(lang, QUESTIONS["en"]).values(), recent, lang)
