@@ -46,6 +46,7 @@ for k in range(8):
         "reference": rng.choice("AAB"), "fresh": k % 2 == 0})
 PY
 kill -TERM $server; wait $server || true
+cp "$work/journal.jsonl" "$out/journal.jsonl"  # every turn's status lines and the voice's attempts
 shadow router-eval --journal "$work/journal.jsonl" --sessions "$work/disk" --model "$model" --device "$device" --json > "$out/router-eval.txt"
 tail -n 1 "$out/router-eval.txt" > "$out/router-eval.json"
 tail -n 3 "$out/ab.txt" "$out/router-eval.txt"

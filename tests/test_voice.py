@@ -12,7 +12,7 @@ import torch
 from serving import GRID, long_text, running, scripted_stream, serving, settled
 from shadow.tokenizer import load_tokenizer
 from shadow.voice.checks import REASONS, check, language
-from shadow.voice.voice import Voice, VoiceBudget
+from shadow.voice.voice import PhraseCost, Voice, VoiceBudget
 
 READ = ("The test in tests/test_grid.py fails: the chunk at row 3072 is read twice. Looking at reader.py, "
         "the advance loop checks the committed length before the marks. Fixing the loop order should help.")
@@ -59,23 +59,35 @@ def test_the_budget_is_a_share_of_the_time_since_the_first_token_in_capped_slice
     assert not b.allows(0.0, 2.0, 0.05)
 
 
-def test_a_slow_phrase_is_tried_again_once_its_measure_is_old(tiny, tokenizer):
-    """Warmed at load, the voice has a measured cost; an estimate over the slice keeps phrases from
-    being tried until `retry_s` has passed since it was measured, then one is tried again."""
+def test_the_phrase_cost_is_a_line_by_the_ids_prefilled_measured_at_load_and_by_every_phrase(tiny, tokenizer):
+    """Warmed at load (a phrase with nothing unread, one with the longest tail a phrase may take),
+    the cost is a line by the ids the fork prefills; each phrase moves it toward what it took; an
+    estimate over the slice keeps phrases from being tried until `retry_s` has passed since the
+    last measure, then one is tried again."""
     from shadow.engine import open_reader
 
     now = [100.0]
     _, reader = open_reader("tiny", grid=GRID)
     voice = Voice(reader, tokenizer, retry_s=60.0, clock=lambda: now[0])
-    assert voice.estimate() is None
-    assert voice.warm() > 0 and voice.estimate() == voice.cost_s and voice.measured_at == 100.0
-    voice.cost_s = 0.4  # as if a phrase had taken 0.4 s
+    short, longest = voice.prefill(reader.new_session("empty")), voice.prefill(None)
+    assert voice.estimate(short) is None and longest == voice.max_tail + short
+    cost = voice.warm()
+    assert voice.measured_at == 100.0 and cost.base_s >= 0 and cost.per_id_s >= 0
+    assert voice.estimate(short) == cost(short) <= voice.estimate(longest) == cost(longest)
+
+    voice.cost = PhraseCost(0.1, 0.001)  # as if measured: 0.1 s with nothing unread, 1.1 s at 1,000 ids
     budget = VoiceBudget(share=0.5)
-    assert not budget.allows(0.0, 10.0, voice.estimate())
-    now[0] = 161.0
-    assert voice.estimate() is None and budget.allows(0.0, 10.0, voice.estimate())  # a whole slice, tried again
-    voice.cost_s = 0.1
-    assert voice.estimate() == 0.1  # under the slice: kept however old
+    assert budget.allows(0.0, 10.0, voice.estimate(20)) and not budget.allows(0.0, 10.0, voice.estimate(1000))
+    now[0] = 161.0  # a minute since the last measure: over the slice, a whole slice is asked for once more
+    assert voice.estimate(1000) is None and budget.allows(0.0, 10.0, voice.estimate(1000))
+    assert voice.estimate(20) == pytest.approx(0.12)  # under the slice: kept however old
+
+    session = reader.new_session("s")
+    session.ids = tokenizer.encode(long_text(5, 60))
+    n = voice.prefill(session)
+    phrase = voice.phrase(session, "thinking")
+    assert voice.measured_at == 161.0
+    assert voice.cost.scale == pytest.approx(0.7 + 0.3 * phrase.seconds / (0.1 + 0.001 * n))
 
 
 def test_a_phrase_leaves_the_session_bit_equal(tiny, tokenizer):
@@ -92,7 +104,7 @@ def test_a_phrase_leaves_the_session_bit_equal(tiny, tokenizer):
     after = session.state.tensors()
     assert session.ids == ids and session.committed == committed
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert phrase.tokens >= 1 and phrase.seconds > 0 and voice.cost_s == phrase.seconds
+    assert phrase.tokens >= 1 and phrase.seconds > 0 and voice.cost(voice.prefill(session)) == phrase.seconds
     assert phrase.text is None and phrase.reason in REASONS  # random weights: noise, and not said
 
 

@@ -431,10 +431,12 @@ class ShadowService:
         that started is waited for and kept: its time is spent). None: nothing tried, or the
         voice failed (logged); it never raises, so a stream goes on without its phrase."""
         with self.state_lock:
-            turn = self.turns.get(turn_id)
-            voice = self.voice
-            if (voice is None or not self.enabled or not self.voice_enabled or turn is None or turn.session is None
-                    or not turn.prompt_fed or not turn.voice.allows(turn.first_token, self.clock(), voice.estimate())):
+            turn, voice, model = self.turns.get(turn_id), self.voice, self.host.model
+            if (voice is None or model is None or not self.enabled or not self.voice_enabled or turn is None
+                    or turn.session is None or not turn.prompt_fed):
+                return None
+            cost = voice.estimate(voice.prefill(model.store.peek(turn.session), len(extra)))
+            if not turn.voice.allows(turn.first_token, self.clock(), cost):
                 return None
         job = lambda: self._phrase(voice, turn, kind, extra, recent, lang)  # noqa: E731
         try:

@@ -5,9 +5,10 @@ tokens, the session left bit-equal. Every phrase passes `checks.check` before it
 
 Its time is rationed like the shadow's: a share (default 3 %) of the time since the turn's first
 token, one phrase in one slice of at most 150 ms between the engine's rounds or streamed deltas;
-a phrase the measured cost says would not fit is not tried. The cost is measured at load (`warm`:
-one-time set-up is left out) and by every phrase; an estimate over the slice is tried again once
-`retry_s` has passed since it was measured, so one slow phrase never silences the voice for good.
+a phrase the measured cost says would not fit is not tried. The cost, by the ids the fork
+prefills, is measured at load (`warm`: one-time set-up left out) and moved by every phrase; an
+estimate over the slice is tried again once `retry_s` has passed since the last measure, so one
+slow phrase never silences the voice for good.
 """
 
 from __future__ import annotations
@@ -63,6 +64,33 @@ class VoiceBudget:
         return need <= self.slice_s and need <= budget
 
 
+@dataclass
+class PhraseCost:
+    """A phrase's expected seconds by the ids its fork prefills (the unread tail, the newest text,
+    the question): a line through two points measured at load, times a scale that every phrase
+    since moves toward what it measured."""
+
+    base_s: float
+    per_id_s: float
+    scale: float = 1.0
+
+    @classmethod
+    def through(cls, short: tuple[int, float], long: tuple[int, float]) -> PhraseCost:
+        (n0, s0), (n1, s1) = short, long
+        per_id = max(0.0, (s1 - s0) / (n1 - n0)) if n1 > n0 else 0.0
+        return cls(max(0.0, s0 - per_id * n0), per_id)
+
+    def line(self, n: int) -> float:
+        return self.base_s + self.per_id_s * n
+
+    def __call__(self, n: int) -> float:
+        return self.scale * self.line(n)
+
+    def update(self, n: int, seconds: float) -> None:
+        if self.line(n) > 0:
+            self.scale = 0.7 * self.scale + 0.3 * seconds / self.line(n)
+
+
 class Voice:
     """Phrases from a reader's sessions. `phrase` runs on the device (it forks the session). With
     `own_model` (`--voice-model`: a checkpoint other than the shadow's), the voice cannot fork the
@@ -75,27 +103,44 @@ class Voice:
         self.max_tokens, self.window = max_tokens, window
         self.max_tail = max_tail if max_tail is not None else 2 * reader.grid  # unread ids a phrase may prefill
         self.slice_s, self.retry_s, self.clock = slice_s, retry_s, clock
-        self.cost_s: float | None = None  # measured, decaying toward new phrases
+        self.cost: PhraseCost | None = None  # measured at load (`warm`), moved by every phrase
         self.measured_at: float | None = None
         self.eos = reader.model.config.eos_token_id
         self.newline = set(tokenizer.encode("\n"))
+        self.question_ids = len(self.question("thinking", "en"))
 
-    def estimate(self) -> float | None:
-        """The cost a phrase is expected to take: None (unmeasured: a whole slice must be there)
-        where it is unmeasured, or over the slice and measured more than `retry_s` ago."""
-        if self.cost_s is None or (self.cost_s > self.slice_s and self.measured_at is not None
-                                   and self.clock() - self.measured_at > self.retry_s):
+    def prefill(self, session: Session | None, extra: int = 0) -> int:
+        """The ids a phrase about `session` (None: not resident, so the most a phrase may take)
+        with `extra` newest ids would prefill."""
+        if self.own_model:  # a window of the newest ids, read afresh
+            tail = self.window if session is None else min(len(session.ids) + extra, self.window)
+        else:
+            tail = self.max_tail if session is None else len(session.ids) - session.committed + extra
+        return tail + self.question_ids
+
+    def estimate(self, n: int) -> float | None:
+        """The seconds a phrase prefilling `n` ids is expected to take: None (a whole slice must be
+        there) where it is unmeasured, or over the slice and measured more than `retry_s` ago."""
+        if self.cost is None:
             return None
-        return self.cost_s
+        seconds = self.cost(n)
+        if seconds > self.slice_s and self.measured_at is not None and self.clock() - self.measured_at > self.retry_s:
+            return None
+        return seconds
 
-    def warm(self) -> float:
-        """At load, on the device: two phrases on a scratch session; the first sets up what runs
-        once (kernels, graphs, caches), the second's time is the first estimate. Returns it."""
-        scratch = self.reader.new_session("(voice warm)")
-        scratch.ids = self.question("thinking", "en") * 4
-        self.phrase(scratch, "thinking")
-        self.cost_s = None
-        return self.phrase(scratch, "thinking").seconds
+    def warm(self) -> PhraseCost:
+        """At load, on the device: phrases on a scratch session, one with nothing unread and one
+        with the longest tail a phrase may prefill, after a first that sets up what runs once
+        (kernels, graphs, caches): the line of the phrase cost through the two."""
+        filler = self.question("thinking", "en")
+        points = []
+        for tail in (0, 0, self.window if self.own_model else self.max_tail):
+            scratch = self.reader.new_session("(voice warm)")
+            scratch.ids = (filler * (tail // len(filler) + 1))[:tail]
+            seconds = self._write(scratch, "thinking", (), "en")[1]
+            points.append((self.prefill(scratch), seconds))
+        self.cost, self.measured_at = PhraseCost.through(points[1], points[2]), self.clock()
+        return self.cost
 
     def question(self, kind: str, lang: str) -> list[int]:
         text = QUESTIONS.get(lang, QUESTIONS["en"])[kind]
@@ -110,6 +155,20 @@ class Voice:
                lang: str = "en") -> Phrase:
         """A phrase of `kind` (thinking, decided, writing) about the session and `extra` (the
         newest ids the session does not hold yet), checked against what the fork read."""
+        n = self.prefill(session, len(extra))
+        ids, seconds = self._write(session, kind, extra, lang)
+        if self.cost is None:
+            self.cost = PhraseCost(seconds, 0.0)  # not warmed: one measure, the same for every length
+        else:
+            self.cost.update(n, seconds)
+        self.measured_at = self.clock()
+        raw = self.tokenizer.decode([i for i in ids if i != self.eos and i not in self.newline]).strip()
+        read = self.tokenizer.decode((list(session.ids) + list(extra))[-self.window:])
+        reason = check(raw, read, QUESTIONS.get(lang, QUESTIONS["en"]).values(), recent, lang)
+        return Phrase(raw if reason is None else None, raw, reason, seconds, len(ids))
+
+    def _write(self, session: Session, kind: str, extra: Sequence[int], lang: str) -> tuple[list[int], float]:
+        """The fork's greedy ids and the seconds they took."""
         start = time.perf_counter()
         if self.own_model:  # a window of the newest ids, read afresh by the voice's own model
             window = (list(session.ids) + list(extra))[-self.window:]
@@ -118,10 +177,4 @@ class Voice:
             session, extra = scratch, []
         ids = self.reader.decode(session, list(extra) + self.question(kind, lang), self.max_tokens,
                                  stop=[self.eos, *self.newline])
-        seconds = time.perf_counter() - start
-        self.cost_s = seconds if self.cost_s is None else 0.7 * self.cost_s + 0.3 * seconds
-        self.measured_at = self.clock()
-        raw = self.tokenizer.decode([i for i in ids if i != self.eos and i not in self.newline]).strip()
-        read = self.tokenizer.decode((list(session.ids) + list(extra))[-self.window:])
-        reason = check(raw, read, QUESTIONS.get(lang, QUESTIONS["en"]).values(), recent, lang)
-        return Phrase(raw if reason is None else None, raw, reason, seconds, len(ids))
+        return ids, time.perf_counter() - start
