@@ -180,6 +180,42 @@ def test_embedded_the_voice_writes_between_the_engines_rounds_and_random_weights
     assert tried and all(not p["said"] and p["reason"] in REASONS and p["seconds"] > 0 for p in tried), kept
 
 
+def test_a_phrase_that_started_between_rounds_is_kept_when_it_outlasts_the_wait(tiny):
+    """Embedded: the turn's rounds hold the device and serve phrases between them. A phrase that
+    started there but runs past the stream's wait is waited for and returned, its time charged."""
+    import time
+
+    from shadow.voice.voice import Phrase
+
+    class SlowVoice(Voice):
+        def phrase(self, *args, **kwargs):
+            time.sleep(0.5)
+            return Phrase(None, "noise", "unread words", 0.5, 3)
+
+    tokenizer = load_tokenizer(None)
+    with running() as (_, service):
+        service.voice = SlowVoice(service.reader, tokenizer)
+        service.voice.cost = PhraseCost(0.01, 0.0)  # expected to fit the slice
+        service.device.run(lambda: service.begin_turn(1000, "slow", tokenizer.encode(long_text(6, 50))))
+        service.first_token(1000)
+        turn = service.turns[1000]
+        turn.embedded, turn.first_token = True, turn.first_token - 10.0  # 10 s into its decode: budget for a phrase
+
+        def rounds():  # the turn's own rounds, for 1.5 s, serving phrases between them
+            for _ in range(150):
+                service.serve_phrases(1000)
+                time.sleep(0.01)
+
+        held = service.device.submit(rounds)
+        time.sleep(0.05)
+        phrase = service.voice_phrase(1000, "thinking", wait_s=0.05)
+        held.result()
+        used = turn.voice.used_s
+        service.end_turn(1000)
+    assert phrase is not None and phrase.raw == "noise" and phrase.seconds == 0.5
+    assert used >= 0.5
+
+
 class FailingVoice(Voice):
     def phrase(self, *args, **kwargs):
         raise RuntimeError("the voice broke")

@@ -140,7 +140,10 @@ class ShadowService:
         else:
             self.voice = Voice(model.reader, self.voice_tokenizer)
         if self.voice is not None:
-            self.voice.warm()
+            try:
+                self.voice.warm()
+            except Exception:  # noqa: BLE001 - unmeasured, a phrase asks for a whole slice
+                log.exception("the voice's cost could not be measured at load; it is measured by its first phrase")
 
     # the parts' state, as attributes ------------------------------------------------------
 
@@ -464,6 +467,9 @@ class ShadowService:
                     request.set_result(job())
                 except Exception as e:  # noqa: BLE001 - the stream gets no phrase; the turn goes on
                     request.set_exception(e)
+                except BaseException as e:  # the stream waiting on it is answered before this goes on
+                    request.set_exception(e)
+                    raise
 
     def _phrase(self, voice: Voice, turn: Turn, kind: str, extra, recent, lang) -> Phrase | None:
         model = self.host.model
