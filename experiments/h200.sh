@@ -49,7 +49,7 @@ for step in "$@"; do
              timeout 250 shadow voice-replay --model $m --device cuda --conversation $D/django__django-16950.traj.json \
                --conversation $D/pytest-dev__pytest-6197.traj.json --max-turns 40 --csv "$OUT/voice-replay-$m.csv" --json \
                > "$OUT/voice-replay-$m.txt" 2>&1; tail -n 12 "$OUT/voice-replay-$m.txt"; done ;;
-    restore) timeout 300 python3 experiments/restore_speed.py --device cuda --runs 5 2>&1 | tail -3 | tee "$OUT/restore-h200.txt" ;;
+    restore) timeout 300 python3 experiments/restore_speed.py --device cuda --runs 5 --compare-whole-read 2>&1 | tail -3 | tee "$OUT/restore-h200.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done

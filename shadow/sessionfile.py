@@ -24,10 +24,12 @@ import hashlib
 import json
 import math
 import os
+import queue
 import re
 import secrets
 import stat
 import threading
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,11 +238,12 @@ def check_identity(meta: dict[str, str] | Header, identity: Identity) -> None:
 
 def read_ids(path: Path) -> tuple[str, list[int]]:
     """A file's session name and ids, every byte verified (no model needed)."""
+    sha = hashlib.sha256()
     with _opened(path) as (fd, size):
         header, spans, n = _header_of(fd, size)
         _ids_span(header, spans)
-        tensors, data = _data(fd, size, n, spans)
-    if hashlib.sha256(data).hexdigest() != header.meta["data_sha256"]:
+        tensors = _data(fd, size, n, spans, sha.update)
+    if sha.hexdigest() != header.meta["data_sha256"]:
         raise SessionFileError(DATA_MISMATCH)
     return header.name, _id_values(tensors["ids"], None)
 
@@ -248,22 +251,20 @@ def read_ids(path: Path) -> tuple[str, list[int]]:
 def read_session(path: Path, identity: Identity, model_state: ModelState, max_checkpoints: int = MAX_CHECKPOINTS) -> Session:
     """Load a session into `model_state` (a fresh state of the reader's model, on its device).
     The header is verified and every field validated against the model before the tensors are
-    read; the data digest is computed (in a thread) while they are copied into the fresh state,
-    and checked before any id is read or the session returned: on a mismatch nothing is returned
-    (the caller discards the state)."""
-    with _opened(path) as (fd, size):
-        header, spans, n = _header_of(fd, size)
-        check_identity(header, identity)
-        _fit(header, spans, model_state, max_checkpoints)
-        tensors, data = _data(fd, size, n, spans)
-    digest: list[str] = []
-    hasher = threading.Thread(target=lambda: digest.append(hashlib.sha256(data).hexdigest()), daemon=True)
-    hasher.start()
+    read; the data digest is computed (in a thread) block by block as the bytes are read and while
+    they are copied into the fresh state, and checked before any id is read or the session
+    returned: on a mismatch nothing is returned (the caller discards the state)."""
+    digest = _Digest()
     try:
+        with _opened(path) as (fd, size):
+            header, spans, n = _header_of(fd, size)
+            check_identity(header, identity)
+            _fit(header, spans, model_state, max_checkpoints)
+            tensors = _data(fd, size, n, spans, digest.add)
         checkpoints = _fill(header, tensors, model_state)
     finally:
-        hasher.join()
-    if digest != [header.meta["data_sha256"]]:
+        got = digest.hexdigest()
+    if got != header.meta["data_sha256"]:
         raise SessionFileError(DATA_MISMATCH)
     ids = _id_values(tensors["ids"], model_state.config.vocab_size)
     return Session(
@@ -283,9 +284,42 @@ def _header_of(fd: int, size: int) -> tuple[Header, dict[str, tuple], int]:
     return header, spans, n
 
 
-def _data(fd: int, size: int, n: int, spans: dict[str, tuple]) -> tuple[dict[str, torch.Tensor], memoryview]:
-    """The tensors (views of one buffer in memory) and their bytes, not yet verified: the caller
-    checks `data_sha256` over the bytes before it uses a value."""
+READ_BLOCK = 32 << 20  # bytes read (and handed to the digest) at a time
+
+
+class _Digest:
+    """SHA-256 of the blocks given to `add`, in order, computed on a thread of its own while more
+    are read (hashlib lets go of the GIL). `hexdigest` waits for every block; a failure in the
+    thread gives a digest that matches nothing."""
+
+    def __init__(self):
+        self._sha, self._blocks, self._failed = hashlib.sha256(), queue.SimpleQueue(), False
+        self._thread = threading.Thread(target=self._run, name="session-digest", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while (block := self._blocks.get()) is not None:
+                self._sha.update(block)
+        except Exception:  # noqa: BLE001 - reported as a mismatch by hexdigest
+            self._failed = True
+            while self._blocks.get() is not None:
+                pass
+
+    def add(self, block: memoryview) -> None:
+        self._blocks.put(block)
+
+    def hexdigest(self) -> str:
+        self._blocks.put(None)
+        self._thread.join()
+        return "failed" if self._failed else self._sha.hexdigest()
+
+
+def _data(fd: int, size: int, n: int, spans: dict[str, tuple],
+          on_block: Callable[[memoryview], None] = lambda block: None) -> dict[str, torch.Tensor]:
+    """The tensors (views of one buffer in memory), not yet verified: each block of their bytes
+    goes to `on_block` as it is read, and the caller checks `data_sha256` over them before it
+    uses a value."""
     try:
         buf = torch.empty(size - 8 - n, dtype=torch.uint8)  # not zero-filled: every byte is read into it
     except (RuntimeError, MemoryError):
@@ -293,9 +327,10 @@ def _data(fd: int, size: int, n: int, spans: dict[str, tuple]) -> tuple[dict[str
     view = memoryview(buf.numpy())
     got = 0
     while got < len(view):
-        step = os.preadv(fd, [view[got:]], 8 + n + got)
+        step = os.preadv(fd, [view[got:got + READ_BLOCK]], 8 + n + got)
         if step == 0:
             raise SessionFileError(f"truncated while reading ({8 + n + got} of {size} bytes)")
+        on_block(view[got:got + step])
         got += step
     tensors = {}
     for name, (dtype, shape, begin, end) in spans.items():
@@ -303,7 +338,7 @@ def _data(fd: int, size: int, n: int, spans: dict[str, tuple]) -> tuple[dict[str
         if t.data_ptr() % dtype.itemsize:
             t = t.clone()
         tensors[name] = t.view(dtype).reshape(shape)
-    return tensors, view
+    return tensors
 
 
 class _opened:
