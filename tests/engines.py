@@ -13,14 +13,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import SHARED_DATA
 from serving import free_port
 
-TEMPLATE = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "templates" / "qwen3.5.jinja"
+TEMPLATE = SHARED_DATA / "templates" / "qwen3.5.jinja"
 
 
 def qwen_template() -> Path:
     if not TEMPLATE.is_file():
-        pytest.skip(f"the Qwen3.5 chat template is not at {TEMPLATE} (../shared/data)")
+        pytest.skip(f"the Qwen3.5 chat template is not at {TEMPLATE} (../shared/data, or SHADOW_SHARED_DATA)")
     return TEMPLATE
 
 
