@@ -41,8 +41,8 @@ def ab(
     over the gate."""
     import httpx
 
-    from shadow.bench.ab import run_ab, summarize
-    from shadow.tokenizer import load_tokenizer
+    from shadow.offline.bench.ab import run_ab, summarize
+    from shadow.text.tokenizer import load_tokenizer
 
     base = url.rstrip("/")
     try:

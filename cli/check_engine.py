@@ -35,15 +35,15 @@ def check_engine(
     Exit code 1 when a request's ids do not match the engine."""
     import httpx
 
-    from cli.serve import _template_kwargs, big_model_renderer
-    from shadow.enginecheck import check_engine as run, summary
-    from shadow.server.dialects import DIALECTS, ENGINES, probe
+    from shadow.text.chat_template import parse_template_kwargs, renderer_for
+    from shadow.engines.enginecheck import check_engine as run, summary
+    from shadow.engines.dialects import DIALECTS, ENGINES, probe
 
     if engine != "auto" and engine not in ENGINES:
         raise ShadowInputError(f"--engine must be auto or one of {', '.join(ENGINES)}")
     if not url.startswith(("http://", "https://")):
         raise ShadowInputError(f"{url!r} is not an http(s) URL")
-    kwargs = _template_kwargs(chat_template_kwargs)
+    kwargs = parse_template_kwargs(chat_template_kwargs)
     with httpx.Client() as client:
         try:
             models = client.get(url.rstrip("/") + "/models", timeout=10).json()
@@ -53,7 +53,7 @@ def check_engine(
     if model_name is None:
         data = models.get("data") if isinstance(models, dict) else None
         model_name = data[0].get("id") if isinstance(data, list) and data and isinstance(data[0], dict) else None
-    renderer = big_model_renderer(chat_template, tokenizer, None) if (chat_template or tokenizer) else None
+    renderer = renderer_for(chat_template, tokenizer, None) if (chat_template or tokenizer) else None
     eos = getattr(renderer.tokenizer, "eos_token_id", None) if renderer else None
     dialect = DIALECTS[name](renderer, template_kwargs=kwargs, eos_id=eos if isinstance(eos, int) else QWEN_END)
     console.print(f"{dialect.describe()} (found by: {evidence})", markup=False)

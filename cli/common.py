@@ -142,9 +142,8 @@ def dtype_name(ctx, param, value):
 
 def kernels_name(ctx, param, value):
     """A kernel set's name (each of a repeated option); whether it can run is `check_kernels`'s."""
-    from shadow.model.fast import SETS
+    from shadow.model.runtime import KERNEL_NAMES as names
 
-    names = ("auto", "reference", *SETS)
     for v in _each(value):
         if v not in names:
             refuse(param, f"unknown kernels {v!r} ({', '.join(names)})")
@@ -153,7 +152,7 @@ def kernels_name(ctx, param, value):
 
 def check_kernels(kernels: list[str] | str, device: str) -> None:
     """Before loading anything: a fast kernel set needs CUDA and flash-linear-attention."""
-    from shadow.model.fast import available
+    from shadow.model.runtime import fast_available as available
 
     wanted = [k for k in _each(kernels) if k not in ("auto", "reference")]
     if wanted and not (device.startswith("cuda") and available()):

@@ -16,7 +16,7 @@ from cli.common import (
     grid_size, kernels_name, model_name, parse_dtype, progress, user_errors, write_csv,
 )
 from shadow.errors import ShadowInputError
-from shadow.model import fast
+from shadow.model import runtime
 
 
 @user_errors
@@ -46,9 +46,9 @@ def read_rate(
     medians after warm-up, the device synchronised around each."""
     import torch
 
-    from shadow.bench import readrate as rr
-    from shadow.bench.reference import reference_model, reference_read_ms_per_1k, uses_fla
-    from shadow.engine import open_reader, reader_for
+    from shadow.offline.bench import readrate as rr
+    from shadow.offline.bench.reference import reference_model, reference_read_ms_per_1k, uses_fla
+    from shadow.core.reader import open_reader, reader_for
 
     grids = grid or [512]
     try:
@@ -125,7 +125,7 @@ def read_rate(
     if json_out:
         emit_json({
             "command": "read-rate", "device": device_name, "model": model, "weights": loaded.weights_label,
-            "kernels": loaded.model.kernels.name, "autotune_pins": fast.pinned(), "dtype": str(loaded.model.dtype).removeprefix("torch."),
+            "kernels": loaded.model.kernels.name, "autotune_pins": runtime.pinned(), "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "grid": head.grid, "context": head.context, "ms_per_chunk": round(head.ms_per_chunk, 4),
             "ms_per_1k_tokens": round(head.ms_per_1k_tokens, 4),
             "compare_tokens": result.compare_tokens or None,  # None: that part was skipped (0)

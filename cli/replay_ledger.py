@@ -48,10 +48,10 @@ def replay_ledger(
     had not read: fresh = less than one grid chunk behind. Arms: idle only and idle + share for
     each read rate, each share of a sweep and each priority set. The command checks that more
     share and faster reads are never less fresh, and exits 1 if they are."""
-    from shadow.ledger import ROUTES, ServiceModel, import_trajectory, mooncake_arrivals, read_ledger, rebase, \
+    from shadow.offline.ledger import ROUTES, ServiceModel, import_trajectory, mooncake_arrivals, read_ledger, rebase, \
         route_requests, write_ledger
-    from shadow.replay import density, monotone_checks, pack, replay, solve_share as solve
-    from shadow.schedule import BandwidthRule, Priorities
+    from shadow.offline.replay import density, monotone_checks, pack, replay, solve_share as solve
+    from shadow.core.schedule import BandwidthRule, Priorities
 
     if fmt not in FORMATS:
         raise ShadowInputError(f"unknown format {fmt!r} ({', '.join(FORMATS)})")
@@ -82,7 +82,7 @@ def replay_ledger(
                 arrivals += user_text_file(f, mooncake_arrivals)
             elif kind == "trajectory":
                 if tokenizer is None and token_counts == "qwen":
-                    from shadow.tokenizer import load_tokenizer
+                    from shadow.text.tokenizer import load_tokenizer
 
                     tokenizer = load_tokenizer(None)
                 requests += user_text_file(f, lambda p: import_trajectory(p, service, tokenizer))

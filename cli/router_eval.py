@@ -42,9 +42,9 @@ def router_eval(
     "fresh" subset, a confusion table, and the control (the journal's own model and question must
     give the journal's probabilities again within 0.02; like for like only with the live server's
 device, dtype and kernels, which the journal records as its arithmetic)."""
-    from shadow.engine import open_reader
-    from shadow.routereval import evaluate, load_question, read_journal, session_ids
-    from shadow.tokenizer import load_tokenizer
+    from shadow.core.reader import open_reader
+    from shadow.offline.routereval import evaluate, load_question, read_journal, session_ids
+    from shadow.text.tokenizer import load_tokenizer
 
     check_kernels(kernels, device)
     entries, unlabelled = read_journal(journal)

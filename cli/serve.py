@@ -11,9 +11,10 @@ from typing import Annotated
 import typer
 
 from cli.common import console, parse_dtype, user_errors
+from shadow.text.chat_template import parse_template_kwargs, renderer_for
 from shadow.errors import ShadowInputError
-from shadow.server.channels import CHANNELS
-from shadow.server.dialects import DIALECTS, ENGINES
+from shadow.server.http.channels import CHANNELS
+from shadow.engines.dialects import DIALECTS, ENGINES
 
 log = logging.getLogger("shadow.serve")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -94,7 +95,7 @@ def serve(
     import faulthandler
     import signal
 
-    from shadow.server.guard import Access, Limits
+    from shadow.server.http.guard import Access, Limits
 
     # every option is checked before any work: nothing is loaded, written or bound on bad input
     if not 0 < share < 1:
@@ -116,7 +117,7 @@ def serve(
     if journal is not None and (journal.is_dir() or not journal.parent.is_dir()):
         raise ShadowInputError(f"--journal {journal} must be a file in an existing folder")
     parse_dtype(dtype)
-    kwargs = _template_kwargs(chat_template_kwargs)
+    kwargs = parse_template_kwargs(chat_template_kwargs)
     listener = _bind(host, port)  # before the model loads: a port in use fails at once
     limits = Limits(max_body_bytes=int(max_body_mb * 2**20), max_prompt_tokens=max_prompt_tokens,
                     max_question_tokens=max_question_tokens, max_tokens=max_tokens, max_ask_tail=max_ask_tail,
@@ -179,17 +180,17 @@ def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, dis
            standing_question, headers, prefix_match, label_from_upstream, unload_slack_gib, engine, chat_template,
            tokenizer_path, template_kwargs, require_exact, access, limits, upstream_key, lines, voice):
     """The app for these settings, and whether its weights are random."""
-    from shadow.engine import open_reader
+    from shadow.core.reader import open_reader
     from shadow.model import load_model
     from shadow.model.checkpoint import RANDOM_MARKER, read_config, resolve_checkpoint
-    from shadow.model.fast import pick
-    from shadow.reader import check_grid
-    from shadow.schedule import BandwidthRule
-    from shadow.server.app import create_app
+    from shadow.model.runtime import choose_kernels as pick
+    from shadow.core.reader import check_grid
+    from shadow.core.schedule import BandwidthRule
+    from shadow.server.http.app import create_app
     from shadow.server.generator import Generator
     from shadow.server.service import ShadowService, load_standing
-    from shadow.store import SessionStore
-    from shadow.tokenizer import load_tokenizer
+    from shadow.core.store import SessionStore
+    from shadow.text.tokenizer import load_tokenizer
 
     rule = BandwidthRule(share=share)
     options = {"prefix_match": prefix_match, "require_exact": require_exact, "max_ask_tail": limits.max_ask_tail,
@@ -206,7 +207,7 @@ def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, dis
     if upstream:  # proxy mode: requests pass through at once; the shadow loads in the background
         tokenizer = load_tokenizer(folder)
         standing = load_standing(standing_question, tokenizer) if standing_question else None
-        renderer = big_model_renderer(chat_template, tokenizer_path, folder)
+        renderer = renderer_for(chat_template, tokenizer_path, folder)
         dialect = None if engine == "auto" else DIALECTS[engine](renderer, template_kwargs=template_kwargs,
                                                                   eos_id=config.eos_token_id)
 
@@ -235,42 +236,9 @@ def _build(*, model, generator_model, grid, device, dtype, kernels, cap_gib, dis
                             voice_tokenizer=tokenizer if voice["voice"] else None, **options)
     gen_model = loaded.model if generator_model in (None, model) else load_model(
         generator_model, dtype=parse_dtype(dtype), device=device, kernels=loaded.model.kernels).model
-    renderer = big_model_renderer(chat_template, tokenizer_path, None) if chat_template else None
+    renderer = renderer_for(chat_template, tokenizer_path, None) if chat_template else None
     app = create_app(service, tokenizer, generator_model or model, generator=Generator.on(gen_model),
                      renderer=renderer, **common)
     log.info("the shadow is ready: %s (%s), grid %d, %s", model, loaded.weights_label[:16], grid,
              store.identity.arithmetic)
     return app, loaded.random
-
-
-def _template_kwargs(text: str | None) -> dict:
-    if not text:
-        return {}
-    import json
-
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ShadowInputError(f"--chat-template-kwargs is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise ShadowInputError("--chat-template-kwargs must be a JSON object")
-    return value
-
-
-def big_model_renderer(template: Path | None, tokenizer: Path | None, checkpoint: Path | None):
-    """The big model's chat template and tokenizer, or None (said once) when no template is found.
-    A template or tokenizer named on the command line that cannot be read is an error."""
-    from shadow.chat_template import ChatRenderer, default_hf_tokenizer, find_template, load_hf_tokenizer, read_template
-
-    found = read_template(template) if template is not None else find_template(tokenizer, checkpoint)
-    if found is None:
-        log.warning("no chat template found (--chat-template, --tokenizer, %s): where the engine shows no prompt "
-                    "ids, the shadow reads nothing and its turns are marked unverified", checkpoint)
-        return None
-    folders = [p for p in (tokenizer, template, checkpoint) if p is not None]
-    if tokenizer is not None:
-        hf = load_hf_tokenizer(tokenizer)
-    else:
-        where = next((p for p in folders if Path(p).is_dir() and (Path(p) / "tokenizer.json").is_file()), None)
-        hf = load_hf_tokenizer(where) if where is not None else default_hf_tokenizer()
-    return ChatRenderer(found, hf)

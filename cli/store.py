@@ -23,8 +23,8 @@ def store(
 ) -> None:
     """List each session file: session, tokens, bytes, age, and whether it is valid or why not.
     Exit 0 when every file is valid, 1 when any is not, 2 on bad input."""
-    from shadow.engine import open_reader
-    from shadow.store import check_folder
+    from shadow.core.reader import open_reader
+    from shadow.core.store import check_folder
 
     if not folder.is_dir():
         raise ShadowInputError(f"no store folder {folder}")

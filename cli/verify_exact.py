@@ -15,7 +15,7 @@ from cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, bounds, check_kernels, console, emit_json,
     folder_to_write, grid_size, input_file, parse_dtype, progress, user_errors, write_csv,
 )
-from shadow.model import fast
+from shadow.model import runtime
 
 
 @user_errors
@@ -40,12 +40,12 @@ def verify_exact(
     back between turns). Then compare each state with a fresh prefill of the same ids on the same
     grid (every tensor, bit for bit) and on another grid (largest differences, question probes).
     Exit code 1 when a state is not bit-equal."""
-    from shadow.conversations import load_conversation
-    from shadow.engine import open_reader
-    from shadow.sample import sample_conversation
-    from shadow.store import SessionStore
-    from shadow.tokenizer import load_tokenizer
-    from shadow.verify import KINDS, verify
+    from shadow.text.conversations import load_conversation
+    from shadow.core.reader import open_reader
+    from shadow.text.sample import sample_conversation
+    from shadow.core.store import SessionStore
+    from shadow.text.tokenizer import load_tokenizer
+    from shadow.offline.verify import KINDS, verify
 
     check_kernels(kernels, device)
     conversations = [load_conversation(p) for p in conversation] if conversation else [sample_conversation(seed)]
@@ -93,7 +93,7 @@ def verify_exact(
         others = [v.other_grid for v in verdicts if v.other_grid]
         emit_json({
             "command": "verify-exact", "model": model, "weights": loaded.weights_label,
-            "weights_hash": loaded.weights_hash, "device": device, "kernels": loaded.model.kernels.name, "autotune_pins": fast.pinned(), "dtype": str(loaded.model.dtype).removeprefix("torch."),
+            "weights_hash": loaded.weights_hash, "device": device, "kernels": loaded.model.kernels.name, "autotune_pins": runtime.pinned(), "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "grid": grid, "turns": sum(v.turns for v in verdicts), "tokens": sum(v.tokens for v in verdicts),
             "rollbacks": sum(v.rollbacks for v in verdicts), "ids_reread": sum(v.ids_reread for v in verdicts),
             "same_grid_bit_equal": equal, "tensors_compared": sum(v.tensors_compared for v in verdicts),

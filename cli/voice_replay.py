@@ -34,10 +34,10 @@ def voice_replay(
     decided phrase at its end, each from a fork of the session, each checked before it would be
     said. Reports each phrase's latency (one phrase is one slice; the slice cap is 150 ms), the
     share said, and why the others were not. With random weights nothing should pass."""
-    from shadow.conversations import load_conversation
-    from shadow.engine import open_reader
-    from shadow.sample import sample_conversation
-    from shadow.tokenizer import load_tokenizer
+    from shadow.text.conversations import load_conversation
+    from shadow.core.reader import open_reader
+    from shadow.text.sample import sample_conversation
+    from shadow.text.tokenizer import load_tokenizer
     from shadow.voice.replay import voice_replay as run
 
     conversations = [load_conversation(p) for p in conversation] if conversation else [sample_conversation(seed)]

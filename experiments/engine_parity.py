@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from shadow.enginecheck import play_sessions, session_script
+from shadow.engines.enginecheck import play_sessions, session_script
 
 
 def main() -> None:

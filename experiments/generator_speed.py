@@ -23,13 +23,13 @@ import uuid
 
 import httpx
 
-from shadow.bench.ab import prompt_text, stream_once, switch
-from shadow.bench.readrate import random_ids
+from shadow.offline.bench.ab import prompt_text, stream_once, switch
+from shadow.offline.bench.readrate import random_ids
 from shadow.model import load_model
 from shadow.model.checkpoint import read_config, resolve_checkpoint
-from shadow.model.fast import pick
+from shadow.model.runtime import choose_kernels as pick
 from shadow.server.generator import Generator
-from shadow.tokenizer import load_tokenizer
+from shadow.text.tokenizer import load_tokenizer
 
 
 def in_process(generator: Generator, prompt: list[int], tokens: int) -> tuple[float, float, list[float]]:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from shadow.bench.readrate import ask_and_decode, random_ids
-from shadow.engine import open_reader
+from shadow.offline.bench.readrate import ask_and_decode, random_ids
+from shadow.core.reader import open_reader
 from shadow.model import autotune_pins
 
 

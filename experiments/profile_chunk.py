@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from shadow.bench.readrate import random_ids
-from shadow.engine import open_reader
-from shadow.model import fast
+from shadow.offline.bench.readrate import random_ids
+from shadow.core.reader import open_reader
+from shadow.model import runtime
 
 
 def state_hash(state) -> str:
@@ -80,7 +80,7 @@ def main() -> None:
         cleared = hash_in_child({**os.environ, "TRITON_CACHE_DIR": empty})
     print(json.dumps({"cross_process_hashes": hashes, "cross_process_equal": hashes[0] == hashes[1],
                       "cleared_cache_hash": cleared, "cleared_cache_equal": cleared == hashes[0],
-                      "autotune_pins": fast.pin_autotuning()}))
+                      "autotune_pins": runtime.pin_autotuning()}))
 
 
 if __name__ == "__main__":

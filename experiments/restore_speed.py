@@ -5,7 +5,7 @@ bit for bit. The file was just written, so it is read from the page cache: this 
 the SHA-256 of every byte and the copy to the device, not the disk. With `--compare-whole-read`
 the runs alternate with the reference way of reading: the whole file first, its digest after
 (overlapped only with the copy to the device), against the digest of each 32 MiB block as it is
-read (`shadow.sessionfile.READ_BLOCK`).
+read (`shadow.core.sessionfile.READ_BLOCK`).
 
     python3 experiments/restore_speed.py [--device cuda] [--runs 3] [--folder /tmp/restore] [--compare-whole-read]
 Last stdout line: one JSON object.
@@ -20,9 +20,9 @@ import time
 
 import torch
 
-import shadow.sessionfile as sessionfile
-from shadow.engine import open_reader
-from shadow.store import SessionStore, session_bytes
+import shadow.core.sessionfile as sessionfile
+from shadow.core.reader import open_reader
+from shadow.core.store import SessionStore, session_bytes
 
 TOKENS = 58_278
 

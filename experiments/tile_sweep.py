@@ -17,9 +17,9 @@ import statistics
 
 import torch
 
-from shadow.model import fast, kernel_twins, ops
+from shadow.model.kernels import attention, reference, twins
 from shadow.model import triton_attention as ta
-from shadow.model import triton_ops as tri
+from shadow.model.kernels import triton as tri
 
 HQ, HKV, D, T = 8, 2, 256, 512
 ATTENTION_TILES = [
@@ -79,9 +79,9 @@ def attention_rows() -> None:
 
 def attention_at(depth: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     scale = D ** -0.5
-    want = ops.attention(q.float(), k.float(), v.float(), scale)
+    want = reference.attention(q.float(), k.float(), v.float(), scale)
     flops = 4 * HQ * T * D * (k.shape[1] - T / 2)
-    ways = [("sdpa (flash)", lambda: fast.attention_sdpa(q, k, v, scale))]
+    ways = [("sdpa (flash)", lambda: attention.attention_sdpa(q, k, v, scale))]
     ways += [(f"triton {t['BM']}x{t['BN']} w{t['num_warps']} s{t['num_stages']} x{t['waves']}",
               lambda t=t: ta.chunk_attention(q, k, v, scale, t)) for t in ATTENTION_TILES]
     for name, fn in ways:
@@ -101,7 +101,7 @@ def conv_rows() -> None:
     x = torch.randn(T, 8224, device="cuda", generator=g).bfloat16()
     state = torch.randn(6144, 3, device="cuda", generator=g).bfloat16()
     w = torch.randn(6144, 4, device="cuda", generator=g).bfloat16()
-    want = kernel_twins.conv_split(x, state, w, 2048, 2048, 16)
+    want = twins.conv_split(x, state, w, 2048, 2048, 16)
     floor = gpu_ms(lambda: x.clone())  # the same bytes read and written once: the bandwidth floor
     print(f"conv floor: a copy of the projection {floor * 1000:7.1f} us", flush=True)
     for tiles in CONV_TILES:

@@ -40,7 +40,7 @@ def tiny(shadow_cache):
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    from shadow.tokenizer import load_tokenizer
+    from shadow.text.tokenizer import load_tokenizer
 
     return load_tokenizer(None)
 
@@ -57,7 +57,7 @@ def big_model(tmp_path_factory, shadow_cache) -> Path:
     """A random-weight big-model folder (tiny shape, text layout) with the real Qwen3.5 vocabulary
     and chat template, for the real engines."""
     from engines import qwen_template
-    from shadow.bigmodel import write_engine_folder
+    from shadow.engines.bigmodel import write_engine_folder
 
     return write_engine_folder(tmp_path_factory.mktemp("big") / "qwen3.5-tiny-big", qwen_template())
 

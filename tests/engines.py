@@ -1,5 +1,5 @@
 """Real engines on loopback for the tests: Hugging Face `transformers serve` over a random-weight
-big-model folder (`shadow.bigmodel`) with the real Qwen3.5 vocabulary and chat template."""
+big-model folder (`shadow.engines.bigmodel`) with the real Qwen3.5 vocabulary and chat template."""
 
 from __future__ import annotations
 

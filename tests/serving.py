@@ -14,14 +14,14 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from shadow.engine import open_reader
-from shadow.schedule import BandwidthRule
-from shadow.server.app import create_app
+from shadow.core.reader import open_reader
+from shadow.core.schedule import BandwidthRule
+from shadow.server.http.app import create_app
 from shadow.server.generator import Generator
 from shadow.server.service import ShadowService
-from shadow.store import SessionStore
-from shadow.tokenizer import load_tokenizer
-from shadow.verify import compare_states
+from shadow.core.store import SessionStore
+from shadow.text.tokenizer import load_tokenizer
+from shadow.offline.verify import compare_states
 
 GRID = 128
 

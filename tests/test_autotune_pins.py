@@ -22,7 +22,7 @@ if importlib.util.find_spec("triton") is not None:
 
 
 def test_a_recording_round_trips_through_json_into_the_autotuner():
-    from shadow.model import autotune_pins
+    from shadow.model.kernels import pins as autotune_pins
 
     prefix = __name__ + "."
     chosen = _tuned.configs[1]
@@ -39,6 +39,6 @@ def test_a_recording_round_trips_through_json_into_the_autotuner():
 
 
 def test_pins_path_names_the_gpu_as_a_file():
-    from shadow.model import autotune_pins
+    from shadow.model.kernels import pins as autotune_pins
 
     assert autotune_pins.pins_path("NVIDIA H200").name == "NVIDIA_H200.json"

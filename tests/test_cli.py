@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 
 from cli.common import ShadowGroup, write_csv
 from cli.main import app
-from shadow.conversations import save_jsonl
-from shadow.sample import sample_conversation
+from shadow.text.conversations import save_jsonl
+from shadow.text.sample import sample_conversation
 
 runner = CliRunner()
 
@@ -407,12 +407,12 @@ def test_a_bad_input_in_a_real_process_is_one_line(workdir):
 def test_an_internal_error_is_one_line_and_exit_3(workdir, monkeypatch):
     """An injected bug in the library: one line and exit 3; the traceback only under --debug or
     SHADOW_DEBUG (still exit 3: 1 means only that the check failed)."""
-    import shadow.store
+    import shadow.core.store
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(shadow.store, "check_folder", broken)
+    monkeypatch.setattr(shadow.core.store, "check_folder", broken)
     plain = runner.invoke(app, ["store", "folder"])
     assert plain.exit_code == 3 and "Traceback" not in plain.output
     assert plain.stderr.strip().splitlines() == [
@@ -424,12 +424,12 @@ def test_an_internal_error_is_one_line_and_exit_3(workdir, monkeypatch):
 
 
 def test_ctrl_c_exits_130(workdir, monkeypatch):
-    import shadow.store
+    import shadow.core.store
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(shadow.store, "check_folder", interrupted)
+    monkeypatch.setattr(shadow.core.store, "check_folder", interrupted)
     result = runner.invoke(app, ["store", "folder"])
     assert result.exit_code == 130 and result.stderr.strip() == "interrupted"
 
@@ -495,7 +495,7 @@ def test_ab_sets_the_switch_back_after_an_error(embedded, workdir):
 def test_ab_sets_the_switch_back_on_ctrl_c(embedded, tokenizer):
     """Ctrl-C (a KeyboardInterrupt raised by the progress callback after the first, "off", run):
     the interrupt goes on, and the shadow is on again."""
-    from shadow.bench.ab import run_ab
+    from shadow.offline.bench.ab import run_ab
 
     client, service = embedded
     base = str(client.base_url).rstrip("/") + "/v1"

@@ -7,10 +7,10 @@ import json
 import pytest
 from conftest import shared_file
 
-from shadow.chat import Message, render_output, render_prompt
-from shadow.conversations import load_conversation, save_jsonl
+from shadow.text.chat import Message, render_output, render_prompt
+from shadow.text.conversations import load_conversation, save_jsonl
 from shadow.errors import ShadowInputError
-from shadow.sample import sample_conversation
+from shadow.text.sample import sample_conversation
 
 
 def test_reasoning_drops_once_a_new_user_message_comes():

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from shadow.server.dialects import DIALECTS, LlamaCpp, SGLang, Transformers, VLLM, Dialect, Prompt, as_carried
-from shadow.server.idcheck import SessionChecks, TurnIds, check_turn
-from shadow.server.reply import Reply
+from shadow.engines.dialects import DIALECTS, LlamaCpp, SGLang, Transformers, VLLM, Dialect, Prompt, as_carried
+from shadow.engines.idcheck import SessionChecks, TurnIds, check_turn
+from shadow.engines.reply import Reply
 
 END = 248046
 
@@ -145,7 +145,7 @@ def test_llamacpp_output_ids_are_the_ids_beside_the_logprobs():
 # the generic and transformers dialects --------------------------------------------------
 
 def test_openai_dialect_maps_logprob_bytes_to_ids_with_the_big_models_tokenizer(tokenizer):
-    from shadow.chat_template import ChatRenderer, Template, default_hf_tokenizer
+    from shadow.text.chat_template import ChatRenderer, Template, default_hf_tokenizer
 
     d = Dialect(ChatRenderer(Template("{{ messages[0].content }}", "t"), default_hf_tokenizer()), eos_id=END)
     ids = tokenizer.encode(" Hello world, grüße 日本")

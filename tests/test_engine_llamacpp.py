@@ -16,13 +16,13 @@ import pytest
 from conftest import shared_file
 from llama_server import llama_server, require_binary
 from serving import assert_exact, running, settled, wait_until_read
-from shadow.enginecheck import play_sessions, session_script
+from shadow.engines.enginecheck import play_sessions, session_script
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     require_binary()
-    from shadow.gguf import write_gguf
+    from shadow.engines.gguf import write_gguf
 
     template = shared_file("templates", "qwen3.5.jinja")
     gguf = write_gguf(tmp_path_factory.mktemp("gguf") / "qwen35-random.gguf", template.read_text())

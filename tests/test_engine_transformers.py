@@ -17,7 +17,7 @@ import torch
 
 from engines import transformers_serve_missing
 from serving import assert_exact, running, settled, wait_until_read
-from shadow.enginecheck import play_sessions, session_script
+from shadow.engines.enginecheck import play_sessions, session_script
 
 pytestmark = pytest.mark.skipif(transformers_serve_missing() is not None,
                                 reason=transformers_serve_missing() or "")
@@ -46,7 +46,7 @@ def truth(big_model):
 
 
 def renderer_of(folder: Path):
-    from shadow.chat_template import ChatRenderer, load_hf_tokenizer, read_template
+    from shadow.text.chat_template import ChatRenderer, load_hf_tokenizer, read_template
 
     return ChatRenderer(read_template(folder), load_hf_tokenizer(folder))
 

@@ -14,14 +14,15 @@ import textwrap
 import pytest
 import torch
 
-from shadow.model import load_model, ops
+from shadow.model import load_model
+from shadow.model.kernels import reference
 from shadow.model.fused import FusedSteps
 from shadow.model.piecewise import PiecewiseForward
 from shadow.model.qwen35 import ModuleSteps
-from shadow.reader import Reader
-from shadow.verify import compare_states
+from shadow.core.reader import Reader
+from shadow.offline.verify import compare_states
 
-FUSED_REFERENCE = dataclasses.replace(ops.REFERENCE, name="reference-fused", fused=True)
+FUSED_REFERENCE = dataclasses.replace(reference.REFERENCE, name="reference-fused", fused=True)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def test_triton_kernels_match_their_twins_under_the_interpreter():
             scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
         interp._patch_lang_tensor = patched
 
-        from shadow.model import kernel_twins as twin, ops, triton_attention as ta, triton_ops as tri
+        from shadow.model.kernels import reference, triton as tri, triton_attention as ta, twins as twin
         torch.manual_seed(0)
         worst = 0.0
         for t in (1, 3, 70):
@@ -111,7 +112,7 @@ def test_triton_kernels_match_their_twins_under_the_interpreter():
             aligned = tri.conv_split(proj, state, w, 16, 32, 4, {"BT": 2, "BC": 16, "num_warps": 1})
             assert all(torch.equal(g, h) for g, h in zip(got, aligned))
             worst = max(worst, *((a - b).abs().max().item() for a, b in zip(got, want)))
-            y, s = ops.causal_conv(proj[:, :96], state, w)
+            y, s = reference.causal_conv(proj[:, :96], state, w)
             worst = max(worst, (torch.cat(got[:3], -1) - y).abs().max().item(), (got[6] - s).abs().max().item())
             assert torch.equal(torch.cat(got[3:6], -1), proj[:, 96:])  # z, b, a: the projection's bits
         gu = torch.randn(5, 600)
@@ -133,7 +134,7 @@ def test_triton_kernels_match_their_twins_under_the_interpreter():
             q = torch.randn(hq, t, 32)
             k, v = torch.randn(hkv, cached + t + 40, 32), torch.randn(hkv, cached + t + 40, 32)
             got = ta.chunk_attention(q, k[:, : cached + t], v[:, : cached + t], 32 ** -0.5, tiles)
-            want = ops.attention(q, k[:, : cached + t], v[:, : cached + t], 32 ** -0.5)
+            want = reference.attention(q, k[:, : cached + t], v[:, : cached + t], 32 ** -0.5)
             assert got.shape == want.shape and got.is_contiguous()
             worst = max(worst, (got - want).abs().max().item())
         print(worst)
@@ -152,8 +153,8 @@ def test_triton_kernels_compile_for_the_h200():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from shadow.model import triton_attention as ta
-    from shadow.model import triton_ops as tri
+    from shadow.model.kernels import triton_attention as ta
+    from shadow.model.kernels import triton as tri
 
     ptr, i32 = "*bf16", "i32"
     kernels = [
@@ -191,8 +192,8 @@ def test_triton_kernels_compile_for_the_h200():
 
 
 def test_a_kernel_set_revision_is_part_of_the_stored_arithmetic(fused):
-    from shadow.sessionfile import arithmetic_of
+    from shadow.model.runtime import arithmetic
 
-    assert arithmetic_of(fused) == "reference-fused/float32"
+    assert arithmetic(fused) == "reference-fused/float32"
     revised = load_model("tiny", kernels=dataclasses.replace(FUSED_REFERENCE, revision=2)).model
-    assert arithmetic_of(revised) == "reference-fused.2/float32"
+    assert arithmetic(revised) == "reference-fused.2/float32"

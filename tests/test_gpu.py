@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shadow.model import ModelConfig, fast, load_model, ops, write_random_checkpoint
+from shadow.model import ModelConfig, load_model, runtime, write_random_checkpoint
+from shadow.model.kernels import attention, fla, reference, sets
 from shadow.model.piecewise import PiecewiseForward
-from shadow.reader import Reader
-from shadow.verify import compare_states
+from shadow.core.reader import Reader
+from shadow.offline.verify import compare_states
 
-pytestmark = pytest.mark.skipif(not fast.available(), reason="needs CUDA and flash-linear-attention (fla-core)")
+pytestmark = pytest.mark.skipif(not runtime.fast_available(), reason="needs CUDA and flash-linear-attention (fla-core)")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -27,12 +28,12 @@ def test_fla_gdn_matches_reference_kernel():
     decay = -torch.rand(t, hv, device="cuda", generator=g) * 0.3
     beta = torch.rand(t, hv, device="cuda", generator=g).bfloat16()
     state = torch.randn(hv, dk, dv, device="cuda", generator=g) * 0.1
-    out, new = fast.gdn_fla(q, k, v, decay, beta, state)
-    ref_out, ref_new = ops.gdn_reference(q.double(), k.double(), v.double(), decay.double(), beta.double(), state.double())
+    out, new = fla.gdn_fla(q, k, v, decay, beta, state)
+    ref_out, ref_new = reference.gdn_reference(q.double(), k.double(), v.double(), decay.double(), beta.double(), state.double())
     assert rel(out, ref_out) < 2e-2 and rel(new, ref_new) < 2e-2
-    step_out, step_new = fast.gdn_fla(q[:1], k[:1], v[:1], decay[:1], beta[:1], state)
-    ref_step, ref_step_new = ops.gdn_recurrent(
-        ops.l2norm(q[:1].float().repeat_interleave(2, 1)) * dk ** -0.5, ops.l2norm(k[:1].float().repeat_interleave(2, 1)),
+    step_out, step_new = fla.gdn_fla(q[:1], k[:1], v[:1], decay[:1], beta[:1], state)
+    ref_step, ref_step_new = reference.gdn_recurrent(
+        reference.l2norm(q[:1].float().repeat_interleave(2, 1)) * dk ** -0.5, reference.l2norm(k[:1].float().repeat_interleave(2, 1)),
         v[:1], decay[:1], beta[:1], state)
     assert rel(step_out, ref_step) < 2e-2 and rel(step_new, ref_step_new) < 2e-2
 
@@ -46,15 +47,15 @@ def test_fla_gate_in_kernel_matches_the_reference_gate():
         a, b = (torch.randn(t, 8, device="cuda", generator=g).bfloat16() for _ in range(2))
         a_log, dt_bias = torch.rand(8, device="cuda", generator=g), torch.rand(8, device="cuda", generator=g)
         state = torch.randn(8, 128, 128, device="cuda", generator=g) * 0.1
-        out, new = fast.gdn_fla_gated(q, k, v, a, b, a_log, dt_bias, state)
-        ref_out, ref_new = ops.gdn_gated_reference(q.double(), k.double(), v.double(), a.double(), b.double(),
+        out, new = fla.gdn_fla_gated(q, k, v, a, b, a_log, dt_bias, state)
+        ref_out, ref_new = reference.gdn_gated_reference(q.double(), k.double(), v.double(), a.double(), b.double(),
                                                    a_log.double(), dt_bias.double(), state.double())
         assert rel(out, ref_out) < 2e-2 and rel(new, ref_new) < 2e-2, t
 
 
 def test_triton_kernels_match_their_twins_on_cuda():
-    from shadow.model import kernel_twins as twin
-    from shadow.model import triton_ops as tri
+    from shadow.model.kernels import triton as tri
+    from shadow.model.kernels import twins as twin
 
     g = torch.Generator(device="cuda").manual_seed(4)
     for t in (1, 3, 512):
@@ -89,15 +90,15 @@ def test_sdpa_attention_matches_reference_kernel(t):
     q = torch.randn(8, t, 256, device="cuda", generator=g).bfloat16()
     k = torch.randn(2, 4096, 256, device="cuda", generator=g).bfloat16()
     v = torch.randn(2, 4096, 256, device="cuda", generator=g).bfloat16()
-    out = fast.attention_sdpa(q, k, v, 256 ** -0.5)
-    ref = ops.attention(q.float(), k.float(), v.float(), 256 ** -0.5)
+    out = attention.attention_sdpa(q, k, v, 256 ** -0.5)
+    ref = reference.attention(q.float(), k.float(), v.float(), 256 ** -0.5)
     assert rel(out, ref) < 2e-2
 
 
 @pytest.mark.parametrize("t, cached", [(512, 0), (512, 16384), (620, 41182), (17, 3000), (32, 100)])
 def test_triton_chunk_attention_matches_reference_and_repeats_its_bits(t, cached):
     """The 0.8B's heads over the valid rows of a larger buffer, as in a session."""
-    from shadow.model.triton_attention import chunk_attention
+    from shadow.model.kernels.triton_attention import chunk_attention
 
     g = torch.Generator(device="cuda").manual_seed(3)
     length = cached + t
@@ -105,12 +106,12 @@ def test_triton_chunk_attention_matches_reference_and_repeats_its_bits(t, cached
     k = torch.randn(2, length + 4000, 256, device="cuda", generator=g).bfloat16()[:, :length]
     v = torch.randn(2, length + 4000, 256, device="cuda", generator=g).bfloat16()[:, :length]
     out = chunk_attention(q, k, v, 256 ** -0.5)
-    ref = ops.attention(q.float(), k.float(), v.float(), 256 ** -0.5)
+    ref = reference.attention(q.float(), k.float(), v.float(), 256 ** -0.5)
     assert out.shape == (t, 8, 256) and rel(out, ref) < 2e-2
     assert torch.equal(out, chunk_attention(q, k, v, 256 ** -0.5))
 
 
-@pytest.fixture(scope="module", params=[fast.FAST, fast.FUSED, fast.TRITON], ids=["fla", "fused", "triton"])
+@pytest.fixture(scope="module", params=[sets.FAST, sets.FUSED, sets.TRITON], ids=["fla", "fused", "triton"])
 def tiny_cuda(request):
     return load_model("tiny", dtype=torch.bfloat16, device="cuda", kernels=request.param)
 
@@ -129,14 +130,14 @@ TINY_XFAIL = pytest.mark.xfail(
 )
 
 
-@pytest.mark.parametrize("kernels", [fast.FAST, fast.FUSED, fast.TRITON], ids=["fla", "fused", "triton"])
+@pytest.mark.parametrize("kernels", [sets.FAST, sets.FUSED, sets.TRITON], ids=["fla", "fused", "triton"])
 @pytest.mark.parametrize("config", [pytest.param("tiny", marks=TINY_XFAIL), "wide"])
 def test_fast_forward_close_to_reference_on_the_same_rounded_weights(config, kernels, tmp_path):
     """The fla/SDPA forward in bfloat16 against the reference kernels in float32 on the same
     bfloat16-rounded weights (so only the kernels and the compute dtype differ)."""
     name = "tiny" if config == "tiny" else str(write_random_checkpoint(tmp_path / "wide", WIDE, dtype=torch.bfloat16))
     fast_model = load_model(name, dtype=torch.bfloat16, device="cuda", kernels=kernels).model
-    ref_model = load_model(name, dtype=torch.bfloat16, device="cuda", kernels=ops.REFERENCE).model.float()
+    ref_model = load_model(name, dtype=torch.bfloat16, device="cuda", kernels=reference.REFERENCE).model.float()
     ids = torch.randint(0, 248044, (512,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     a = fast_model.logits(fast_model(ids, fast_model.new_state()))
     b = ref_model.logits(ref_model(ids, ref_model.new_state()))
@@ -168,7 +169,7 @@ def test_graphed_reader_is_exact_after_turns_rollback_and_forks(tiny_cuda):
 def test_pinned_autotuning_gives_the_same_bits_as_tuning(tiny_cuda):
     """Every fla autotuner's choices recorded, forgotten, and put back from the recording: the
     forward gives the same bits (the pins are what a cleared cache would otherwise re-tune)."""
-    from shadow.model import autotune_pins
+    from shadow.model.kernels import pins as autotune_pins
 
     model = tiny_cuda.model
     ids = torch.randint(0, 248044, (512,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
@@ -191,7 +192,7 @@ def eight_layers(tmp_path_factory):
     return write_random_checkpoint(tmp_path_factory.mktemp("eight"), config, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("kernels", [fast.FAST, fast.FUSED, fast.TRITON], ids=["fla", "fused", "triton"])
+@pytest.mark.parametrize("kernels", [sets.FAST, sets.FUSED, sets.TRITON], ids=["fla", "fused", "triton"])
 def test_graphed_pieces_equal_eager_pieces_bit_for_bit(kernels, eight_layers):
     """Graph replays against the same pieces run eagerly, chunk after chunk, with a graph of
     another row count replayed in between, on eight layers (two attention layers, three pieces):

@@ -12,18 +12,18 @@ import time
 
 import pytest
 
-import shadow.replay
+import shadow.offline.replay
 import shadow.server.service
 from serving import GRID, assert_exact, long_text, running, serving, settled, wait_until_read
-from shadow.engine import open_reader
-from shadow.ledger import Request
-from shadow.replay import readable, replay, time_readable
-from shadow.schedule import BandwidthRule, ReadScheduler, Wait
-from shadow.server.app import create_app
+from shadow.core.reader import open_reader
+from shadow.offline.ledger import Request
+from shadow.offline.replay import readable, replay, time_readable
+from shadow.core.schedule import BandwidthRule, ReadScheduler, Wait
+from shadow.server.http.app import create_app
 from shadow.server.generator import Generator
 from shadow.server.service import ShadowService
-from shadow.store import SessionStore
-from shadow.tokenizer import load_tokenizer
+from shadow.core.store import SessionStore
+from shadow.text.tokenizer import load_tokenizer
 
 CHUNK_S = 0.0625  # 1/16 s: every time in the timeline below is exact in binary, so both sides add alike
 RULE = BandwidthRule(poll_s=0.25, burst_s=1.0, share=0.1, slice_s=0.15)
@@ -185,7 +185,7 @@ def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same
     """The replay and a live service (injected clock, chunk costs and the engine's events from a
     hook) over one timeline: every read (session, window, depth, chunks, end, seconds) the same."""
     requests = timeline(seed)
-    monkeypatch.setattr(shadow.replay, "ReadScheduler", Traced)
+    monkeypatch.setattr(shadow.offline.replay, "ReadScheduler", Traced)
     monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
     Traced.reads = []
     arm = replay(requests, read_ms_per_1k=CHUNK_S * 1e6 / GRID, grid=GRID, rule=RULE)

@@ -64,7 +64,7 @@ def template_path() -> Path:
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory, template_path) -> Path:
     require_binary()
-    from shadow.gguf import write_gguf
+    from shadow.engines.gguf import write_gguf
 
     return write_gguf(tmp_path_factory.mktemp("gguf") / "qwen35-random.gguf", template_path.read_text())
 
@@ -136,7 +136,7 @@ def test_build_script_is_cached_and_prints_the_binary_path():
 
 
 def test_gguf_is_deterministic_for_a_seed(tmp_path, template_path):
-    from shadow.gguf import write_gguf
+    from shadow.engines.gguf import write_gguf
 
     small = dict(hidden=32, layers=1, heads=2, kv_heads=1, intermediate=64)
     a = write_gguf(tmp_path / "a.gguf", template_path.read_text(), seed=1, **small)
@@ -148,8 +148,8 @@ def test_gguf_is_deterministic_for_a_seed(tmp_path, template_path):
 def test_token_types_as_llama_cpp_converter_writes_them():
     from gguf import TokenType
 
-    from shadow.gguf import VOCAB_ROWS, vocabulary_lists
-    from shadow.vocab import qwen_vocabulary
+    from shadow.engines.gguf import VOCAB_ROWS, vocabulary_lists
+    from shadow.text.vocab import qwen_vocabulary
 
     tokens, types = vocabulary_lists(qwen_vocabulary())
     assert len(tokens) == len(types) == VOCAB_ROWS
@@ -184,7 +184,7 @@ def test_health_props_models_and_no_version_route(server, gguf_path, template_pa
 
 
 def test_chat_template_file_overrides_the_gguf_template(tmp_path, template_path):
-    from shadow.gguf import write_gguf
+    from shadow.engines.gguf import write_gguf
 
     require_binary()
     path = write_gguf(tmp_path / "plain.gguf", "{{ messages[0]['content'] }}", hidden=32, layers=1, heads=2,
@@ -200,8 +200,8 @@ def test_chat_template_file_overrides_the_gguf_template(tmp_path, template_path)
 
 
 def test_tokenize_equals_qwen_tokenizer_on_docs_and_a_trajectory(server, tokenizer):
-    from shadow.chat import render_prompt
-    from shadow.conversations import load_conversation
+    from shadow.text.chat import render_prompt
+    from shadow.text.conversations import load_conversation
 
     docs = (ROOT / "docs" / "SERVE.md").read_text()
     conv = load_conversation(shared_file("trajectories", "mini-swe-agent", "django__django-11095.traj.json"))

@@ -110,7 +110,7 @@ def test_open_webui_shows_the_lines_of_shadow_serve_in_front_of_transformers_ser
     `transformers serve`: while the engine reads the long prompt the browser shows the reading
     line under the model's name, then the last line saying what the wait was; they are the lines the
     server journaled, with the engine's own prompt count; the shadow's session is verified."""
-    from shadow.chat_template import ChatRenderer, load_hf_tokenizer, read_template
+    from shadow.text.chat_template import ChatRenderer, load_hf_tokenizer, read_template
 
     big = ChatRenderer(read_template(big_model), load_hf_tokenizer(big_model))
     journal = tmp_path / "journal.jsonl"

@@ -8,10 +8,11 @@ import dataclasses
 import pytest
 import torch
 
-from shadow.model import PRESETS, load_model, ops, write_random_checkpoint
+from shadow.model import PRESETS, load_model, write_random_checkpoint
+from shadow.model.kernels import reference
 from shadow.model.piecewise import PiecewiseForward
-from shadow.reader import Reader
-from shadow.verify import compare_states
+from shadow.core.reader import Reader
+from shadow.offline.verify import compare_states
 
 
 def test_pieces_equal_the_plain_forward_bit_for_bit(tiny):
@@ -122,7 +123,7 @@ def test_graph_replays_hand_each_attention_its_own_pieces_tensors(shadow_cache, 
     replays reads any tensor but its own piece's, as it did when a plan kept one hand-off slot."""
     layers = ("linear_attention",) * 3 + ("full_attention",)
     config = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=8, layer_types=layers * 2)
-    kernels = dataclasses.replace(ops.REFERENCE, name="reference-fused", fused=True) if fused else ops.REFERENCE
+    kernels = dataclasses.replace(reference.REFERENCE, name="reference-fused", fused=True) if fused else reference.REFERENCE
     model = load_model(str(write_random_checkpoint(tmp_path / "eight", config)), kernels=kernels).model
     assert len(model.config.attention_layers) == 2
     graphed = _EmulatedGraphs(model, sizes={64, 16}, graphs=True)
@@ -138,7 +139,7 @@ def test_a_reader_on_emulated_graphs_keeps_the_contract_through_turns_rollback_a
     """The reader as it runs on a GPU (graphs for the grid and the fork sizes), with the graphs
     emulated, on eight layers: turns, a rollback, an ask and a fork decode, then the session's
     state against a fresh prefill, bit for bit, and the ask against the eager reader's."""
-    from shadow.engine import FORK_SIZES
+    from shadow.model.runtime import FORK_SIZES
 
     layers = ("linear_attention",) * 3 + ("full_attention",)
     config = dataclasses.replace(PRESETS["tiny"], num_hidden_layers=8, layer_types=layers * 2)

@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from serving import running, serving, settled
-from shadow.chat_template import ChatRenderer, Template, default_hf_tokenizer
+from shadow.text.chat_template import ChatRenderer, Template, default_hf_tokenizer
 
 END = 248046
 
@@ -241,7 +241,7 @@ def test_an_unreachable_engine_mid_body_gives_502(tiny):
 
 
 def test_probe_recognises_each_engine_by_its_own_endpoints(tiny):
-    from shadow.server.dialects import probe
+    from shadow.engines.dialects import probe
 
     shapes = {
         "llamacpp": {"/props": {"default_generation_settings": {}, "build_info": "b1-x"}},

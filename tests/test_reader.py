@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from shadow.errors import ShadowInputError
-from shadow.reader import MAX_CHECKPOINTS, Reader
-from shadow.state import KV_STEP
-from shadow.verify import compare_states
+from shadow.core.reader import MAX_CHECKPOINTS, Reader
+from shadow.model.state import KV_STEP
+from shadow.offline.verify import compare_states
 
 GRID = 64
 
@@ -208,6 +208,6 @@ def test_compare_states_sees_a_one_ulp_change(reader):
 @pytest.mark.parametrize("a, b, n", [([], [], 0), ([1, 2, 3], [1, 2, 3], 3), ([1, 2, 3], [1, 2], 2),
                                      ([1, 2, 3], [1, 9, 3], 1), ([5], [6], 0), (list(range(1000)), list(range(999)) + [0], 999)])
 def test_common_prefix(a, b, n):
-    from shadow.reader import common_prefix
+    from shadow.core.reader import common_prefix
 
     assert common_prefix(a, b) == n == common_prefix(b, a)

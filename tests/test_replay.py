@@ -11,10 +11,10 @@ import pytest
 from conftest import shared_file
 
 from shadow.errors import ShadowInputError
-from shadow.ledger import (Request, ServiceModel, import_mooncake, import_trajectory, mooncake_arrivals, read_ledger,
+from shadow.offline.ledger import (Request, ServiceModel, import_mooncake, import_trajectory, mooncake_arrivals, read_ledger,
                            route_requests, write_ledger)
-from shadow.replay import Arm, TurnStart, density, monotone_checks, pack, replay, solve_share
-from shadow.schedule import BandwidthRule, Priorities
+from shadow.offline.replay import Arm, TurnStart, density, monotone_checks, pack, replay, solve_share
+from shadow.core.schedule import BandwidthRule, Priorities
 
 MS_100 = 100.0  # ms per 1,000 tokens: a 512-token chunk costs 51.2 ms
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from shadow.schedule import BandwidthRule, ChunkCosts, Priorities, Read, ReadScheduler, Wait
+from shadow.core.schedule import BandwidthRule, ChunkCosts, Priorities, Read, ReadScheduler, Wait
 
 G = 512
 

@@ -14,14 +14,14 @@ import pytest
 from fastapi import FastAPI, Request
 
 from serving import GRID, assert_exact, long_text, serving, settled
-from shadow.engine import open_reader
-from shadow.schedule import BandwidthRule
-from shadow.server.app import create_app
+from shadow.core.reader import open_reader
+from shadow.core.schedule import BandwidthRule
+from shadow.server.http.app import create_app
 from shadow.server.generator import Generator
-from shadow.server.guard import Access, Limits
+from shadow.server.http.guard import Access, Limits
 from shadow.server.service import ShadowService
-from shadow.store import SessionStore
-from shadow.tokenizer import load_tokenizer
+from shadow.core.store import SessionStore
+from shadow.text.tokenizer import load_tokenizer
 
 KEY, ADMIN = "k-3f9a", "admin-77c1"
 

@@ -16,12 +16,12 @@ import httpx
 import pytest
 
 from serving import GRID, answers, assert_exact, free_port, long_text, running, serving, settled, wait_until_read
-from shadow.engine import open_reader
-from shadow.schedule import BandwidthRule
-from shadow.server.app import create_app
+from shadow.core.reader import open_reader
+from shadow.core.schedule import BandwidthRule
+from shadow.server.http.app import create_app
 from shadow.server.service import ShadowService
-from shadow.store import SessionStore, check_folder
-from shadow.tokenizer import load_tokenizer
+from shadow.core.store import SessionStore, check_folder
+from shadow.text.tokenizer import load_tokenizer
 
 
 @pytest.fixture()
@@ -439,7 +439,7 @@ def test_a_late_answer_never_lands_after_a_newer_prompt(server):
 
 
 def test_text_stream_holds_a_character_split_over_ids_until_whole(tokenizer):
-    from shadow.server.embedded import TextStream
+    from shadow.server.http.embedded import TextStream
 
     text = "héllo wörld — 日本語のテキスト 🎉🎉 done"
     ids = tokenizer.encode(text)

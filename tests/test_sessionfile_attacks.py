@@ -19,11 +19,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-import shadow.sessionfile as sessionfile
-import shadow.store as store_module
-from shadow.reader import Reader
-from shadow.sessionfile import Identity, SessionFileError, arithmetic_of, read_fields, read_ids, read_session
-from shadow.store import SessionStore, check_folder
+import shadow.core.sessionfile as sessionfile
+import shadow.core.store as store_module
+from shadow.core.reader import Reader
+from shadow.core.sessionfile import Identity, SessionFileError, read_fields, read_ids, read_session
+from shadow.model.runtime import arithmetic
+from shadow.core.store import SessionStore, check_folder
 
 GRID = 64
 DTYPE_NAMES = {torch.int64: "I64", torch.float32: "F32", torch.int32: "I32", torch.float64: "F64"}
@@ -83,7 +84,7 @@ def place(folder: Path, data: bytes, name: str) -> Path:
 
 
 def load(path: Path, reader: Reader):
-    return read_session(path, Identity("h", GRID, arithmetic_of(reader.model)), reader.model.new_state())
+    return read_session(path, Identity("h", GRID, arithmetic(reader.model)), reader.model.new_state())
 
 
 # every header bit ------------------------------------------------------------------------------
@@ -550,8 +551,8 @@ def test_close_writes_every_session_it_can_and_reports_the_rest(reader, tmp_path
 KILL_SPILLER = r"""
 import sys, torch
 from shadow.model import load_model
-from shadow.reader import Reader
-from shadow.store import SessionStore
+from shadow.core.reader import Reader
+from shadow.core.store import SessionStore
 reader = Reader(load_model("tiny").model, 64)
 store = SessionStore(reader, "h", cap_gib=0, disk=sys.argv[1])
 gen = torch.Generator().manual_seed(0)

@@ -13,10 +13,10 @@ import pytest
 from fastapi import FastAPI, Request
 
 from serving import long_text, running, scripted_stream, serving, settled
-from shadow.chat_template import ChatRenderer, Template, default_hf_tokenizer
-from shadow.server.channels import Channel, LineWriter, choose, client_kind
-from shadow.server.status import (MARK, EngineLoad, TurnStatus, frame, frame_title, reading_line, strip_lines,
-                                  strip_request, tool_action, waited_line, waiting_line)
+from shadow.text.chat_template import ChatRenderer, Template, default_hf_tokenizer
+from shadow.server.http.channels import Channel, LineWriter, choose, client_kind
+from shadow.server.http.status import EngineLoad, TurnStatus, reading_line, tool_action, waited_line, waiting_line
+from shadow.text.framing import MARK, frame, frame_title, strip_lines, strip_request
 
 
 # pure --------------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ def test_a_tool_call_written_for_seconds_is_told_as_it_is_written_then_checked(t
 def test_lines_in_front_of_transformers_serve_with_the_engines_own_numbers(tiny, big_model, transformers_engine):
     """A long prompt to a real `transformers serve`: the reading line counts the prompt's ids as the
     engine reads them (its template), its reasoning gives thinking lines (thresholds shortened)."""
-    from shadow.chat_template import ChatRenderer, load_hf_tokenizer, read_template
+    from shadow.text.chat_template import ChatRenderer, load_hf_tokenizer, read_template
 
     big = ChatRenderer(read_template(big_model), load_hf_tokenizer(big_model))
     messages = [{"role": "user", "content": long_text(7, 20000)}]

@@ -15,9 +15,9 @@ from safetensors import safe_open
 from test_sessionfile_attacks import rebuild, split
 
 from shadow.model import load_model
-from shadow.reader import Reader
-from shadow.sessionfile import read_header
-from shadow.store import SessionStore, check_folder, session_bytes
+from shadow.core.reader import Reader
+from shadow.core.sessionfile import read_header
+from shadow.core.store import SessionStore, check_folder, session_bytes
 
 GRID = 64
 
@@ -199,7 +199,7 @@ def test_bad_files_are_refused_reported_once_and_reread(reader, tiny, tmp_path, 
     else:
         grid_reader, expected = Reader(tiny.model, 2 * GRID), "another grid"
     store = SessionStore(grid_reader, weights, cap_gib=None, disk=tmp_path)
-    with caplog.at_level("WARNING", logger="shadow.store"):
+    with caplog.at_level("WARNING", logger="shadow.core.store"):
         s = store.get("a")
     assert s.committed == 0 and s.ids == []  # nothing served from the file
     assert len(store.counters.rejected) == 1 and expected in store.counters.rejected[0][1]
@@ -218,8 +218,8 @@ def test_bad_files_are_refused_reported_once_and_reread(reader, tiny, tmp_path, 
 KILL_WRITER = r"""
 import sys, torch
 from shadow.model import load_model
-from shadow.reader import Reader
-from shadow.store import SessionStore
+from shadow.core.reader import Reader
+from shadow.core.store import SessionStore
 reader = Reader(load_model("tiny").model, 64)
 store = SessionStore(reader, "h", cap_gib=None, disk=sys.argv[1])
 s = store.get("big")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from serving import GRID, long_text, running, scripted_stream, serving, settled
-from shadow.tokenizer import load_tokenizer
+from shadow.text.tokenizer import load_tokenizer
 from shadow.voice.checks import REASONS, check, language
 from shadow.voice.voice import PhraseCost, Voice, VoiceBudget
 
@@ -64,7 +64,7 @@ def test_the_phrase_cost_is_a_line_by_the_ids_prefilled_measured_at_load_and_by_
     the cost is a line by the ids the fork prefills; each phrase moves it toward what it took; an
     estimate over the slice keeps phrases from being tried until `retry_s` has passed since the
     last measure, then one is tried again."""
-    from shadow.engine import open_reader
+    from shadow.core.reader import open_reader
 
     now = [100.0]
     _, reader = open_reader("tiny", grid=GRID)
@@ -91,7 +91,7 @@ def test_the_phrase_cost_is_a_line_by_the_ids_prefilled_measured_at_load_and_by_
 
 
 def test_a_phrase_leaves_the_session_bit_equal(tiny, tokenizer):
-    from shadow.engine import open_reader
+    from shadow.core.reader import open_reader
 
     _, reader = open_reader("tiny", grid=GRID)
     session = reader.new_session("v")
@@ -145,7 +145,7 @@ def embedded_thinking_turn(journal, voice: type[Voice] = Voice) -> tuple[list[st
     the lines the journal kept; the session is bit-equal to a fresh prefill after it."""
     from conftest import shared_file
     from serving import assert_exact, wait_until_read
-    from shadow.chat_template import ChatRenderer, default_hf_tokenizer, read_template
+    from shadow.text.chat_template import ChatRenderer, default_hf_tokenizer, read_template
 
     qwen = ChatRenderer(read_template(shared_file("templates", "qwen3.5.jinja")), default_hf_tokenizer())
     with running(journal=journal, renderer=qwen, status_channel="reasoning",

@@ -1,4 +1,5 @@
-"""Checkpoint folders: load a Hugging Face Qwen3.5 folder, or write a random-weight one for a preset.
+"""Checkpoint folders: read a Hugging Face Qwen3.5 folder, or write a random-weight one for a preset
+(`runtime.load_model` builds a runnable model from one).
 
 A folder holds `config.json` and `*.safetensors` (text weights under `model.language_model.`
 or `model.`; vision and MTP weights are skipped). A random folder, written by this module,
@@ -20,7 +21,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shadow.errors import ShadowInputError
-from shadow.model import ops
 from shadow.model.config import PRESETS, ModelConfig
 from shadow.model.qwen35 import Qwen35
 
@@ -73,13 +73,9 @@ def read_config(folder: Path) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
-def load_model(
-    name: str, *, dtype: torch.dtype | None = None, device: str = "cpu",
-    kernels: ops.Kernels = ops.REFERENCE, seed: int = 0,
-) -> LoadedModel:
-    """Load a preset or checkpoint folder. dtype None keeps the stored dtype."""
-    folder = resolve_checkpoint(name, seed)
-    config = read_config(folder)
+def read_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """The text model's tensors of a checkpoint folder (keys without their prefix; vision and MTP
+    weights skipped) and the weights hash (sha256 of its safetensors files, in name order)."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ShadowInputError(f"{folder} has no *.safetensors files")
@@ -89,8 +85,13 @@ def load_model(
             text_key = _text_key(key)
             if text_key is not None:
                 tensors[text_key] = t
-    with torch.device("meta"):
-        model = Qwen35(config, kernels)
+    return tensors, _hash_files(files)
+
+
+def place_weights(model: Qwen35, tensors: dict[str, torch.Tensor], folder: Path, device: str,
+                  dtype: torch.dtype | None) -> None:
+    """Load `tensors` into `model` (built on the meta device) on `device`, in `dtype` (None: as
+    stored); ShadowInputError when they do not fit the config."""
     expected = set(model.state_dict())
     missing, extra = expected - set(tensors), set(tensors) - expected
     if missing or extra:
@@ -100,8 +101,6 @@ def load_model(
     target = dtype or tensors["embed_tokens.weight"].dtype
     model.load_state_dict({k: t.to(device=device, dtype=_param_dtype(k, target)) for k, t in tensors.items()}, assign=True)
     model.eval()
-    model.build_steps()  # merged weights (fused kernels) now, not inside a first chunk's graph capture
-    return LoadedModel(model, folder, _hash_files(files), (folder / RANDOM_MARKER).exists())
 
 
 def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

@@ -13,8 +13,8 @@ The merged weights are built from the loaded model once; the modules' own weight
 into them, so the model holds no second copy and its plain steps still see the same values.
 The arithmetic differs from `ModuleSteps` (one rounding where the modules round several times),
 so this is a kernel set of its own (`fla-fused`): exact against itself, close to the reference.
-On CUDA the one-launch kernels are Triton's (`triton_ops`); elsewhere their PyTorch twins
-(`kernel_twins`, for tests).
+On CUDA the one-launch kernels are Triton's (`kernels.triton`); elsewhere their PyTorch twins
+(`kernels.twins`, for tests).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shadow.model.qwen35 import Qwen35, rope_tables
-from shadow.state import DeltaState
+from shadow.model.rope import rope_tables
+from shadow.model.state import DeltaState
 
 
 def _merge(linears: list[nn.Linear]) -> torch.Tensor:
@@ -81,17 +81,14 @@ class FusedSteps:
     weight, its norm); a step handed any other x computes the norm itself, with the same bits,
     so forwards that interleave (forks, other row counts) stay correct."""
 
-    def __init__(self, model: Qwen35):
+    def __init__(self, model, one_launch):
+        """`model`: a loaded `Qwen35`; `one_launch`: the module of one-launch kernels to call,
+        `kernels.triton` on CUDA or `kernels.twins` elsewhere (`runtime.steps_for` chooses)."""
         self.model = model
         c, dtype = model.config, model.dtype
         self.c = c
         self.kernels = model.kernels
         self.key_dim = c.linear_num_key_heads * c.linear_key_head_dim
-        self.on_cuda = model.device.type == "cuda"
-        if self.on_cuda:
-            from shadow.model import triton_ops as one_launch
-        else:
-            from shadow.model import kernel_twins as one_launch
         self.one_launch = one_launch
         self.layers: list[_Gdn | _Attention] = []
         for layer in model.layers:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from shadow.model.qwen35 import Qwen35, attend
-from shadow.state import DeltaArena, ModelState
+from shadow.model.state import DeltaArena, ModelState
 
 
 class _Plan:

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shadow.model import ops
 from shadow.model.config import ModelConfig
-from shadow.state import AttentionState, DeltaState, ModelState
+from shadow.model.kernels.reference import REFERENCE, Kernels, rms_norm
+from shadow.model.rope import apply_rope, rope_tables
+from shadow.model.state import AttentionState, DeltaState, ModelState
 
 
 class MLP(nn.Module):
@@ -34,7 +35,7 @@ class Norm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
-        self.kernel = ops.rms_norm
+        self.kernel = rms_norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel(x, self.weight, self.eps)
@@ -56,7 +57,7 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight = nn.Parameter(torch.ones(c.linear_value_head_dim))
         self.out_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, state: DeltaState, kernels: ops.Kernels) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: DeltaState, kernels: Kernels) -> torch.Tensor:
         c, t = self.c, x.shape[0]
         mixed, conv = kernels.conv(self.in_proj_qkv(x), state.conv, self.conv1d.weight.squeeze(1))
         key_dim = c.linear_num_key_heads * c.linear_key_head_dim
@@ -101,32 +102,13 @@ class Attention(nn.Module):
 
 def attend(
     state: AttentionState, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    kernels: ops.Kernels,
+    kernels: Kernels,
 ) -> torch.Tensor:
     """Store the new rows' k, v at rows start.. of the session's buffer and attend over exactly
     the valid rows. Never inside a CUDA graph: the buffer is the session's and may move."""
     state.write(start, k, v)
     end = start + q.shape[1]
     return kernels.attention(q, state.k[:, :end], state.v[:, :end], q.shape[-1] ** -0.5)
-
-
-def rope_tables(c: ModelConfig, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, rotary_dim] for absolute positions; text-only M-RoPE is plain RoPE."""
-    dim = c.rotary_dim
-    inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first rotary_dim features of x [T, H, D]; the rest pass through."""
-    dim = cos.shape[-1]
-    rot, rest = x[..., :dim], x[..., dim:]
-    half = dim // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
 class Layer(nn.Module):
@@ -182,7 +164,7 @@ class ModuleSteps:
 class Qwen35(nn.Module):
     """Qwen3.5 text model. `forward(ids, state)` reads ids at rows state.length.. and advances the state."""
 
-    def __init__(self, config: ModelConfig, kernels: ops.Kernels = ops.REFERENCE):
+    def __init__(self, config: ModelConfig, kernels: Kernels = REFERENCE):
         super().__init__()
         self.config = config
         self.kernels = kernels
@@ -194,7 +176,9 @@ class Qwen35(nn.Module):
         for module in self.modules():
             if isinstance(module, Norm):
                 module.kernel = kernels.norm
-        self._steps = None
+        # what the forward calls between attention layers: the modules' own steps, unless the
+        # runtime gives the fused ones (`runtime.load_model`, once the weights are loaded)
+        self.steps = ModuleSteps(self)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -203,23 +187,6 @@ class Qwen35(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
-
-    @property
-    def steps(self):
-        """The forward's steps: fused (merged projections) when the kernel set says so, the
-        modules' own otherwise; built on first use unless `build_steps` ran."""
-        if self._steps is None:
-            self.build_steps()
-        return self._steps
-
-    def build_steps(self) -> None:
-        """Build the steps from the weights as they are now (call after loading them)."""
-        if self.kernels.fused:
-            from shadow.model.fused import FusedSteps
-
-            self._steps = FusedSteps(self)
-        else:
-            self._steps = ModuleSteps(self)
 
     def new_state(self) -> ModelState:
         return ModelState(self.config, self.dtype, self.device)

@@ -1,1 +1,1 @@
-"""`shadow serve`: the live service (FastAPI), its embedded generator and the shadow beside it."""
+"""`shadow serve`: settings, the build from settings to a running service, the service (turns and sessions), and its parts."""

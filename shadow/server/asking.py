@@ -12,13 +12,12 @@ import time
 from collections.abc import Callable, Sequence
 
 from shadow.errors import ShadowInputError, ShadowUnavailable
-from shadow.reader import Session
-from shadow.routereval import ids_crc
+from shadow.core.reader import Session
+from shadow.offline.journal import Journal, ids_crc
 from shadow.server.counters import Counters
 from shadow.server.device import DeviceThread
 from shadow.server.host import ModelHost
 from shadow.server.reading import Reading
-from shadow.server.standing import Journal
 
 
 class Asking:

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from shadow.model.qwen35 import Qwen35
+from shadow.model.runtime import forward_for
 
 PREFILL_CHUNK = 512  # prompt rows per forward, so attention memory stays bounded
 
@@ -22,11 +23,7 @@ class Generator:
     def on(cls, model: Qwen35) -> Generator:
         """A generator whose prefill chunks and decode steps replay CUDA graphs on a GPU (as an
         engine's would); the plain forward elsewhere."""
-        if model.device.type != "cuda":
-            return cls(model)
-        from shadow.model.piecewise import PiecewiseForward
-
-        return cls(model, PiecewiseForward(model, sizes={PREFILL_CHUNK, 1}))
+        return cls(model, forward_for(model, {PREFILL_CHUNK, 1}))
 
     def generate(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = ()) -> Iterator[int]:
         """Greedy tokens after `prompt`, one per decode round, ending at a stop id (yielded) or max_tokens."""

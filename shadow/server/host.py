@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from shadow.errors import ShadowUnavailable
-from shadow.reader import Reader
+from shadow.core.reader import Reader
 from shadow.server.device import DeviceThread
-from shadow.store import SessionStore
+from shadow.core.store import SessionStore
 
 log = logging.getLogger("shadow.serve")
 

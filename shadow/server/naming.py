@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from shadow.reader import common_prefix
-from shadow.store import SessionStore
+from shadow.core.reader import common_prefix
+from shadow.core.store import SessionStore
 
 
 class SessionNames:

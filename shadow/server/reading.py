@@ -1,4 +1,4 @@
-"""Read driving: the live service's side of the one read scheduler (`shadow.schedule`).
+"""Read driving: the live service's side of the one read scheduler (`shadow.core.schedule`).
 
 Everything the live shadow reads is decided by a `ReadScheduler` and reported back to it, as its
 module docstring says a live caller does, always under the service's lock (the scheduler is not
@@ -36,8 +36,8 @@ from contextlib import contextmanager
 
 import torch
 
-from shadow.reader import Reader, Session
-from shadow.schedule import Read, ReadScheduler, Wait
+from shadow.core.reader import Reader, Session
+from shadow.core.schedule import Read, ReadScheduler, Wait
 from shadow.server.counters import Counters
 from shadow.server.device import DeviceThread
 from shadow.server.host import Model, ModelHost

@@ -4,7 +4,7 @@
 
 - `host.ModelHost`: the model, given at once or loaded in the background on the device thread;
   one `Model` handle (reader and store) a job takes once; unloaded after an idle burst;
-- `reading.Reading`: drives `shadow.schedule.ReadScheduler` for everything the shadow reads (the
+- `reading.Reading`: drives `shadow.core.schedule.ReadScheduler` for everything the shadow reads (the
   idle thread, the share between rounds, asks), its estimates warmed at load;
 - `standing.Standing`: standing questions, held at their line and answered there; the journal;
 - `naming.SessionNames`: which store name a prompt is read into (side branches, prefix matching);
@@ -31,17 +31,18 @@ from typing import TypeVar
 
 from shadow.errors import ShadowInputError, ShadowNotExact
 from shadow.model.config import ModelConfig
-from shadow.reader import Reader, common_prefix
-from shadow.schedule import BandwidthRule, ReadScheduler
+from shadow.core.reader import Reader, common_prefix
+from shadow.core.schedule import BandwidthRule, ReadScheduler
 from shadow.server.asking import Asking
 from shadow.server.counters import Counters
 from shadow.server.device import DeviceThread
 from shadow.server.host import Model, ModelHost
-from shadow.server.idcheck import SessionChecks, TurnCheck, TurnIds
+from shadow.engines.idcheck import SessionChecks, TurnCheck, TurnIds
 from shadow.server.naming import SessionNames
 from shadow.server.reading import WARM_DEPTHS, Reading
-from shadow.server.standing import Journal, Pending, Standing, StandingQuestion, load_standing
-from shadow.store import SessionStore
+from shadow.offline.journal import Journal
+from shadow.server.standing import Pending, Standing, StandingQuestion, load_standing
+from shadow.core.store import SessionStore
 from shadow.voice.voice import Phrase, Voice, VoiceBudget
 
 __all__ = ["Counters", "Pending", "ShadowService", "StandingQuestion", "Turn", "load_standing"]

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shadow.errors import ShadowInputError
-from shadow.reader import Session
-from shadow.routereval import ids_crc
+from shadow.core.reader import Session
+from shadow.offline.journal import Journal, ids_crc
 from shadow.server.counters import Counters
 from shadow.server.host import Model
 
@@ -67,24 +67,6 @@ class Pending:
     label_wanted: bool = False  # the upstream model is being asked for the reference label
     reference_source: str | None = None  # "header" or "upstream"
     upstream_answer: str | None = None
-
-
-class Journal:
-    """The service's JSONL journal (mode 0600: it holds what was asked; None: none is kept) and
-    the last answers (`answers`, shown in status)."""
-
-    def __init__(self, path: Path | None, answers: deque):
-        self.path, self.answers = path, answers
-
-    def answer(self, record: dict) -> None:
-        self.answers.append(record)
-        self.write(record)
-
-    def write(self, record: dict) -> None:
-        if self.path:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            with os.fdopen(fd, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
 
 class Standing:

@@ -1,5 +1,5 @@
 """The voice replayed on recorded sessions (what `shadow voice-replay` runs): each conversation is
-read turn by turn as a live shadow would (prompts rendered with `shadow.chat`, read to their last
+read turn by turn as a live shadow would (prompts rendered with `shadow.text.chat`, read to their last
 whole chunk); at each assistant turn that reasons, the voice writes a thinking phrase at a third
 and at two thirds of the reasoning (its newest text not yet in the session, as in a stream) and a
 decided phrase at its end, each on a fork of the session, and each is checked. Measured: the
@@ -13,10 +13,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from shadow.chat import render_output, render_prompt
-from shadow.conversations import Conversation
-from shadow.reader import Reader
-from shadow.tokenizer import Tokenizer
+from shadow.text.chat import render_output, render_prompt
+from shadow.text.conversations import Conversation
+from shadow.core.reader import Reader
+from shadow.text.tokenizer import Tokenizer
 from shadow.voice.checks import language
 from shadow.voice.voice import Voice
 

@@ -17,9 +17,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shadow.chat import render_question
-from shadow.reader import Reader, Session
-from shadow.tokenizer import Tokenizer
+from shadow.text.chat import render_question
+from shadow.core.reader import Reader, Session
+from shadow.text.tokenizer import Tokenizer
 from shadow.voice.checks import check
 
 SLICE_S = 0.15  # the most a phrase may hold the device between two rounds or deltas

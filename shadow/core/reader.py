@@ -1,0 +1,273 @@
+"""Exact grid reading of sessions: the pending tail, prompt-end checkpoints, rollback and forks.
+
+The contract: a session's state advances only in whole chunks of `grid`
+rows at absolute positions k * grid, so after any number of turns, rollbacks and forks it equals
+a fresh prefill of the same ids on the same grid, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from shadow.errors import ShadowInputError
+from shadow.model.checkpoint import LoadedModel
+from shadow.model.qwen35 import Qwen35
+from shadow.model.runtime import FORK_SIZES, forward_for, load_model
+from shadow.model.state import DeltaSnapshot, ModelState
+
+MAX_CHECKPOINTS = 6
+
+
+@dataclass
+class Session:
+    """One session: every id it holds, the state of the committed rows, its checkpoints."""
+
+    name: str
+    state: ModelState
+    ids: list[int] = field(default_factory=list)
+    checkpoints: list[DeltaSnapshot] = field(default_factory=list)  # oldest first, positions rising
+    marks: list[int] = field(default_factory=list)  # grid lines where a checkpoint is still wanted
+    rollbacks: int = 0
+    ids_reread: int = 0
+
+    @property
+    def committed(self) -> int:
+        """C: rows read into the state, always a multiple of the grid."""
+        return self.state.length
+
+    @property
+    def pending(self) -> int:
+        """Ids past C, waiting for a whole chunk (or more, if the reader is behind)."""
+        return len(self.ids) - self.committed
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What feeding a prompt did: the first id that differed from what was known, and where reading resumes."""
+
+    first_diff: int | None
+    rolled_back_to: int | None
+    reread: int
+
+
+class Reader:
+    """Reads sessions on a fixed grid with one model. Holds no session state of its own."""
+
+    def __init__(
+        self, model: Qwen35, grid: int = 512, max_checkpoints: int = MAX_CHECKPOINTS,
+        forward: Callable[[torch.Tensor, ModelState], torch.Tensor] | None = None,
+    ):
+        """`forward` runs the model on a state (default: the model itself; on CUDA a
+        `PiecewiseForward`, whose `sizes` are the row counts it has graphs for)."""
+        check_grid(grid)
+        self.model = model
+        self.grid = grid
+        self.max_checkpoints = max_checkpoints
+        self.forward = forward or model
+
+    def new_session(self, name: str) -> Session:
+        return Session(name=name, state=self.model.new_state())
+
+    # feeding ---------------------------------------------------------------------------
+
+    def feed_prompt(self, session: Session, ids: Sequence[int]) -> Feed:
+        """A turn's whole prompt. Where it differs from the ids known, go back to the newest
+        checkpoint at or below the first difference (or to the start); mark a checkpoint at the
+        last grid line at or below the prompt's end."""
+        ids = self.check_ids(ids)
+        known = session.ids
+        same = common_prefix(known, ids)
+        feed = Feed(None, None, 0)
+        if same < len(known):
+            feed = Feed(same, None, 0)
+            if same < session.committed:
+                feed = self._rollback(session, same)
+            session.marks = [m for m in session.marks if m <= same]
+        session.ids = list(ids)
+        self._mark(session, len(ids) // self.grid * self.grid)
+        return feed
+
+    def feed_output(self, session: Session, ids: Sequence[int]) -> None:
+        """Ids the big model generated after the last prompt; appended as they are."""
+        session.ids.extend(self.check_ids(ids))
+
+    def _rollback(self, session: Session, first_diff: int) -> Feed:
+        keep = [c for c in session.checkpoints if c.position <= first_diff]
+        old = session.committed
+        if keep:
+            session.state.restore(keep[-1])
+        else:
+            session.state = self.model.new_state()
+        session.checkpoints = keep
+        session.rollbacks += 1
+        session.ids_reread += old - session.committed
+        return Feed(first_diff, session.committed, old - session.committed)
+
+    def _mark(self, session: Session, line: int) -> None:
+        if line <= 0 or line in session.marks or any(c.position == line for c in session.checkpoints):
+            return
+        if line == session.committed:
+            self._checkpoint(session)
+        elif line > session.committed:
+            session.marks = sorted([*session.marks, line])
+
+    def _checkpoint(self, session: Session) -> None:
+        session.checkpoints.append(session.state.snapshot())
+        del session.checkpoints[: -self.max_checkpoints]
+
+    # reading ---------------------------------------------------------------------------
+
+    def advance(
+        self, session: Session, max_chunks: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> int:
+        """Read whole grid chunks from C while ids allow; stop early at max_chunks or when
+        should_stop() says so (it is asked before every chunk). Returns the chunks read."""
+        done = 0
+        while session.committed + self.grid <= len(session.ids):
+            if (max_chunks is not None and done >= max_chunks) or (should_stop and should_stop()):
+                break
+            start = session.committed
+            self.forward(self._ids(session.ids[start : start + self.grid]), session.state)
+            done += 1
+            if session.marks and session.marks[0] == session.committed:
+                session.marks.pop(0)
+                self._checkpoint(session)
+        return done
+
+    def prefill(self, ids: Sequence[int], chunk: int | None = None) -> ModelState:
+        """A fresh state of all `ids`, read in chunks of `chunk` rows (default: the grid), the last
+        chunk possibly shorter. With the default and len(ids) a grid multiple, this is the state
+        the contract compares a session against."""
+        ids = self.check_ids(ids)
+        chunk = chunk or self.grid
+        state = self.model.new_state()
+        for start in range(0, len(ids), chunk):
+            self.forward(self._ids(ids[start : start + chunk]), state)
+        return state
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        """ids as a tensor on the model's device, copied without waiting for the device."""
+        tensor = torch.tensor(ids, dtype=torch.long)
+        if self.model.device.type != "cuda":
+            return tensor
+        return tensor.pin_memory().to(self.model.device, non_blocking=True)
+
+    # forks -------------------------------------------------------------------------------
+
+    @contextmanager
+    def fork(self, state: ModelState):
+        """Run anything on top of `state`; afterwards its GDN state and length are as before, bit for bit."""
+        snap = state.snapshot()
+        try:
+            yield state
+        finally:
+            state.restore(snap)
+
+    def next_logits(self, session: Session, question: Sequence[int], end: int | None = None) -> torch.Tensor:
+        """Float32 logits [vocab] after the pending tail (up to `end`, default all ids) and
+        `question`, from a fork. `end` must not be below the committed length."""
+        question = self.check_ids(question)
+        if not question:
+            raise ShadowInputError("the question has no ids")
+        end = len(session.ids) if end is None else end
+        if not session.committed <= end <= len(session.ids):
+            raise ShadowInputError(f"cannot ask at {end}: the session has read {session.committed} of {len(session.ids)} ids")
+        tail = session.ids[session.committed : end]
+        with self.fork(session.state) as state:
+            hidden = self._fork_read(tail + question, state, pad=True)
+            return self.model.logits(hidden[-1:])[0]
+
+    def ask(self, session: Session, question: Sequence[int], choices: Sequence[int], end: int | None = None) -> torch.Tensor:
+        """Each choice is one token (a letter); returns their softmax [len(choices)] after the
+        question, asked at `end` (default: after every id the session holds)."""
+        choices = self.check_ids(choices)
+        if not choices:
+            raise ShadowInputError("choices are empty")
+        if len(set(choices)) != len(choices):
+            raise ShadowInputError("choices repeat a token")
+        logits = self.next_logits(session, question, end)
+        return torch.softmax(logits[torch.tensor(choices, device=logits.device)], dim=-1)
+
+    def decode(
+        self, session: Session, prompt: Sequence[int], max_new_tokens: int,
+        stop: Sequence[int] = (),
+    ) -> list[int]:
+        """Greedy decode from a fork over the pending tail and `prompt`; the session is left as it was."""
+        prompt = self.check_ids(prompt)
+        tail = session.ids[session.committed :]
+        out: list[int] = []
+        with self.fork(session.state) as state:
+            hidden = self._fork_read(tail + prompt, state, pad=False)
+            while len(out) < max_new_tokens:
+                token = int(self.model.logits(hidden[-1:])[0].argmax())
+                out.append(token)
+                if token in stop or len(out) == max_new_tokens:
+                    break
+                hidden = self.forward(self._ids([token]), state)
+        return out
+
+    def _fork_read(self, ids: list[int], state: ModelState, pad: bool) -> torch.Tensor:
+        """Hidden rows of `ids` read on top of `state` inside a fork. With a graphed forward, in
+        grid-sized pieces, the last one padded at its end to a graphed size when `pad` (only the
+        last row's logits are used then: causal rows never see the padding after them)."""
+        sizes = sorted(getattr(self.forward, "sizes", ()))
+        if not sizes:
+            return self.forward(self._ids(ids), state)
+        hidden = []
+        for lo in range(0, len(ids), self.grid):
+            piece = ids[lo : lo + self.grid]
+            fit = next((s for s in sizes if s >= len(piece)), len(piece)) if pad else len(piece)
+            hidden.append(self.forward(self._ids(piece + [0] * (fit - len(piece))), state)[: len(piece)])
+        return torch.cat(hidden)
+
+    # input checks ------------------------------------------------------------------------
+
+    def check_ids(self, ids: Sequence[int]) -> list[int]:
+        out = [int(i) for i in ids]
+        vocab = self.model.config.vocab_size
+        bad = next((i for i in out if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise ShadowInputError(f"token id {bad} is outside the vocabulary (0 .. {vocab - 1})")
+        return out
+
+
+def open_reader(
+    model: str, *, grid: int = 512, device: str = "cpu", dtype=None, kernels: str = "auto",
+    seed: int = 0, graphs: bool = True,
+) -> tuple[LoadedModel, Reader]:
+    """A loaded model and a Reader on it: on CUDA the forward is piecewise-graphed for the grid
+    and the fork sizes (`runtime.forward_for`); on the CPU it is the plain forward."""
+    check_grid(grid)
+    loaded = load_model(model, dtype=dtype, device=device, kernels=kernels, seed=seed)
+    return loaded, reader_for(loaded, grid, graphs)
+
+
+def reader_for(loaded: LoadedModel, grid: int, graphs: bool = True) -> Reader:
+    """A Reader on `loaded` for `grid`, graphed for the grid and the fork sizes on a GPU."""
+    check_grid(grid)
+    return Reader(loaded.model, grid, forward=forward_for(loaded.model, {grid, *FORK_SIZES}, graphs))
+
+
+def check_grid(grid: int) -> int:
+    if not isinstance(grid, int) or grid <= 0 or grid % 64:
+        raise ShadowInputError(f"grid must be a positive multiple of 64, got {grid}")
+    return grid
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix: a binary search over slice comparisons (each done in
+    C), so long sessions compare fast."""
+    a, b = list(a), list(b)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

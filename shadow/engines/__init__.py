@@ -1,0 +1,1 @@
+"""The big model's side: engine dialects (how each serving engine shows the ids it read and wrote), reading its responses, each turn's check against it, the conformance cases, and random big-model folders a real engine serves."""

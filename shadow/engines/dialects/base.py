@@ -1,0 +1,295 @@
+"""The generic dialect (any OpenAI-compatible engine) that the others build on, and what every
+dialect shares: the request as the engine is asked it (`Asked`), a prompt known before the
+response (`Prompt`), the messages as a request carries them."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+
+from shadow.text.chat_template import ChatRenderer, TemplateError
+from shadow.engines.idcheck import TurnIds, first_difference
+from shadow.engines.reply import Reply
+
+log = logging.getLogger("shadow.proxy")
+
+
+@dataclass(frozen=True)
+class Asked:
+    """The body sent to the engine, and what the proxy added to it (to strip from the response)."""
+
+    body: dict
+    added: frozenset[str] = frozenset()
+
+
+@dataclass
+class Prompt:
+    ids: list[int] | None
+    source: str | None
+    notes: list[str] = field(default_factory=list)
+
+
+class Dialect:
+    """The generic OpenAI-compatible engine: the big model's template, logprobs or re-tokenised text."""
+
+    name = "openai"
+    prompt_source = "template"
+    output_source = "logprobs, else re-tokenised text"
+    asks_usage = True  # stream_options.include_usage is accepted
+    asks_logprobs = True
+
+    def __init__(self, renderer: ChatRenderer | None = None, eos_text: str = "<|im_end|>", eos_id: int | None = None,
+                 template_kwargs: dict | None = None):
+        self.renderer = renderer
+        self.template_kwargs = dict(template_kwargs or {})  # the engine's defaults; a request's win
+        self.eos_text = eos_text
+        self.eos_id = eos_id
+        self._bytes_to_id: dict[bytes, int] | None = None
+
+    def describe(self) -> str:
+        template = f" ({self.renderer.origin})" if self.renderer else " (none found: prompts are not read)"
+        return (f"engine dialect {self.name}: prompt ids from {self.prompt_source}"
+                f"{template if self.prompt_source.startswith('template') or self.name == 'sglang' else ''}; "
+                f"output ids from {self.output_source}")
+
+    # the request ------------------------------------------------------------------------
+
+    def ask(self, body: dict, chat: bool) -> Asked:
+        sent, added = dict(body), set()
+        if body.get("stream") and self.asks_usage:
+            options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+            if not options.get("include_usage"):
+                sent["stream_options"] = {**options, "include_usage": True}
+                added.add("usage")
+        if self.asks_logprobs and self.renderer is not None and "logprobs" not in body:
+            sent["logprobs"] = True if chat else 0
+            added.add("logprobs")
+        return Asked(sent, frozenset(added))
+
+    def template_messages(self, body: dict) -> tuple[list[dict], list | None, dict]:
+        """The messages, tools and template kwargs the engine's template sees."""
+        messages, tools, kwargs = as_carried(body)
+        return messages, tools, {**self.template_kwargs, **kwargs}
+
+    def prompt(self, client: httpx.Client, root: str, body: dict, chat: bool) -> Prompt:
+        """The prompt ids known before the response (ids None where the engine will show them).
+        Blocking: the proxy runs it in a thread beside the request."""
+        return self.render(body, chat)
+
+    def render(self, body: dict, chat: bool) -> Prompt:
+        if self.renderer is None:
+            return Prompt(None, None, ["no chat template"])
+        try:
+            if not chat:
+                p = body.get("prompt")
+                if isinstance(p, str):
+                    return Prompt(self.renderer.encode(p), "template")
+                if _ints(p):
+                    return Prompt(list(p), "template")
+                return Prompt(None, None, ["a prompt that is not one string or one list of ids"])
+            messages, tools, kwargs = self.template_messages(body)
+            return Prompt(self.renderer.prompt_ids(messages, tools, kwargs), "template")
+        except TemplateError as e:
+            return Prompt(None, None, [str(e)])
+        except Exception as e:  # a malformed request: the engine judges it, the shadow reads nothing
+            return Prompt(None, None, [f"cannot render ({type(e).__name__}: {e})"])
+
+    # the response -----------------------------------------------------------------------
+
+    def clean(self, event: dict, added: frozenset[str], client_asked: dict) -> dict | None:
+        """The event as the client would have had it without what the proxy added; None drops an
+        event that only carried what the proxy asked for (the usage chunk, SGLang's ids chunk)."""
+        if not added:
+            return event
+        out = dict(event)
+        removed = False
+        if "usage" in added and "usage" in out:
+            out.pop("usage")
+            removed = True
+        if "token_ids" in added:
+            removed |= out.pop("prompt_token_ids", None) is not None
+            removed |= out.pop("sglext", None) is not None
+        if isinstance(out.get("choices"), list):
+            if not out["choices"] and removed:
+                return None
+            out["choices"] = [self._clean_choice(c, added) for c in out["choices"]]
+        return out
+
+    def _clean_choice(self, choice, added: frozenset[str]):
+        if not isinstance(choice, dict):
+            return choice
+        c = dict(choice)
+        if "token_ids" in added:
+            for key in ("token_ids", "response_token_ids", "prompt_token_ids", "meta_info"):
+                c.pop(key, None)
+        if "logprobs" in added and "logprobs" in c:
+            c["logprobs"] = None
+        if "tokens" in added:
+            c.pop("tokens", None)
+        return c
+
+    def turn_ids(self, reply: Reply, before: Prompt | None, body: dict, chat: bool) -> TurnIds:
+        """The ids the shadow reads for the turn, from the best source this dialect has."""
+        t = TurnIds(prompt_tokens=reply.usage_count("prompt_tokens"),
+                    completion_tokens=reply.usage_count("completion_tokens"))
+        if before is not None:
+            t.notes += before.notes
+        if reply.prompt_ids is not None:  # the engine's own ids win over any rendering
+            t.prompt, t.prompt_source = reply.prompt_ids, "engine"
+            if before is not None and before.ids is not None and before.ids != reply.prompt_ids:
+                t.notes.append(f"the {before.source} prompt differed from the engine's at "
+                               f"{first_difference(before.ids, reply.prompt_ids)}; the engine's was read")
+        elif before is not None and before.ids is not None:
+            t.prompt, t.prompt_source = before.ids, before.source
+        if reply.choices_seen > 1:
+            t.notes.append(f"{reply.choices_seen} choices: the shadow reads the first")
+        if reply.malformed:
+            t.notes.append(f"{reply.malformed} malformed event(s) skipped")
+        shown = reply.engine_output()
+        if shown is not None and (reply.shown_output or reply.ext_output is not None):
+            t.output, t.output_source = shown, "engine"
+        elif shown is not None:  # the ids beside the logprobs (llama.cpp): the end token may be left out
+            t.output, t.output_source = shown, "logprobs"
+            self._end(reply, t.output, t)
+        elif reply.shown_logprobs and self._from_logprobs(reply, t):
+            pass
+        else:
+            self._retokenise(reply, body, chat, t)
+        self._read_only_if_counted(t)
+        return t
+
+    @staticmethod
+    def _read_only_if_counted(t: TurnIds) -> None:
+        """An output that is not the engine's own id list (logprobs, re-tokenised text) is read
+        only when its length is the engine's count: ids known to be wrong are never read (the
+        next prompt brings the reply as the engine renders it)."""
+        want = t.completion_tokens
+        if t.output_source not in ("logprobs", "retokenised") or want is None:
+            return
+        n = len(t.output)
+        if n == want or ("end token appended" in t.notes and n - 1 == want):
+            return
+        t.output_skipped = f"output not read: {n} ids from {t.output_source}, the engine counted {want}"
+        t.output = []
+
+    def _from_logprobs(self, reply: Reply, t: TurnIds) -> bool:
+        table = self._id_table()
+        if table is None:
+            return False
+        ids = []
+        for text, raw in reply.logprob_tokens:
+            key = bytes(raw) if raw is not None else text.encode("utf-8")
+            i = table.get(key)
+            if i is None and text.startswith("token_id:") and text[9:].isdigit():
+                i = int(text[9:])
+            if i is None:
+                t.notes.append(f"logprob token {text!r} is not in the vocabulary")
+                return False
+            ids.append(i)
+        self._end(reply, ids, t)
+        t.output, t.output_source = ids, "logprobs"
+        return True
+
+    def _retokenise(self, reply: Reply, body: dict, chat: bool, t: TurnIds) -> None:
+        """The output re-tokenised from its text. Candidates, in order: the reply as the template
+        writes it (reasoning, content, tool calls, through the end token), then the raw text with
+        and without the end token, raw and stripped; the first whose length is the engine's count
+        is taken, else the first (and then it is not read: `_read_only_if_counted`)."""
+        candidates: list[list[int]] = []
+        try:
+            if chat and reply.finish_reason in ("stop", "tool_calls"):
+                text = self._reply_text(body, reply)
+                if text is not None:
+                    candidates.append(self._encode(text))
+            raw = reply.text + "".join(c.arguments for c in reply.tool_calls.values())
+            ended = reply.finish_reason in ("stop", "tool_calls") and self.eos_id is not None
+            for text in (raw, raw.strip()):
+                ids = self._encode(text)
+                candidates += [ids + [self.eos_id], ids] if ended else [ids]
+        except Exception as e:  # noqa: BLE001 - no tokenizer, a template that cannot write it, an engine down
+            t.notes.append(f"the output could not be re-tokenised ({type(e).__name__}: {e})")
+            return
+        want = t.completion_tokens
+        chosen = next((c for c in candidates if len(c) == want), candidates[0])
+        t.output, t.output_source = list(chosen), "retokenised"
+
+    def _reply_text(self, body: dict, reply: Reply) -> str | None:
+        """The reply as the big model's template writes it after the generation prompt."""
+        if self.renderer is None:
+            return None
+        messages, tools, kwargs = self.template_messages(body)
+        return self.renderer.reply_text(messages, normalise_message(reply.message()), tools, kwargs, end=self.eos_text)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.renderer is None:
+            raise ValueError("no tokenizer")
+        return self.renderer.encode(text)
+
+    def _end(self, reply: Reply, ids: list[int], t: TurnIds) -> None:
+        """Append the end token the engine stopped on and did not show."""
+        if reply.finish_reason in ("stop", "tool_calls") and self.eos_id is not None and (not ids or ids[-1] != self.eos_id):
+            ids.append(self.eos_id)
+            t.notes.append("end token appended")
+
+    def _id_table(self) -> dict[bytes, int] | None:
+        """Token bytes to id, from the big model's tokenizer (specials by their text)."""
+        if self._bytes_to_id is None and self.renderer is not None:
+            from shadow.text.vocab import byte_to_unicode
+
+            back = {c: b for b, c in byte_to_unicode().items()}
+            table: dict[bytes, int] = {}
+            tok = self.renderer.tokenizer
+            special = set(getattr(tok, "all_special_tokens", []) or []) | {
+                a.content for a in getattr(tok, "added_tokens_decoder", {}).values()}
+            for text, i in tok.get_vocab().items():
+                if text in special or any(ch not in back for ch in text):
+                    table[text.encode("utf-8")] = i
+                else:
+                    table.setdefault(bytes(back[ch] for ch in text), i)
+            self._bytes_to_id = table
+        return self._bytes_to_id
+
+
+def as_carried(body: dict) -> tuple[list[dict], list | None, dict]:
+    """The request's messages as it carries them (tool-call arguments given as a JSON string are
+    parsed, as vLLM and transformers do: templates iterate them as a mapping), its tools and its
+    chat_template_kwargs."""
+    messages = [normalise_message(m) for m in body.get("messages") or []]
+    kwargs = body.get("chat_template_kwargs") if isinstance(body.get("chat_template_kwargs"), dict) else {}
+    return messages, body.get("tools"), dict(kwargs)
+
+
+def normalise_message(m: dict) -> dict:
+    if not isinstance(m, dict) or not m.get("tool_calls"):
+        return m
+    return {**m, "tool_calls": [_parsed_arguments(c) for c in m["tool_calls"]]}
+
+
+def _parsed_arguments(call):
+    if not isinstance(call, dict):
+        return call
+    call = copy.deepcopy(call)
+    fn = call.get("function") if isinstance(call.get("function"), dict) else call
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except json.JSONDecodeError:
+            pass
+    return call
+
+
+def post(client: httpx.Client, url: str, body: dict, timeout: float = 30) -> httpx.Response:
+    """POST to one of an engine's pure endpoints (/tokenize, /apply-template), once more on a
+    connection the engine had closed (llama.cpp closes idle keep-alive connections)."""
+    try:
+        return client.post(url, json=body, timeout=timeout)
+    except httpx.RemoteProtocolError:
+        return client.post(url, json=body, timeout=timeout)
+
+
+def _ints(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)

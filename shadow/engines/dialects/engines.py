@@ -1,0 +1,162 @@
+"""The dialects of the engines that show their ids (vLLM, SGLang, llama.cpp) or hand their template
+other messages than the request carries (`transformers serve`)."""
+
+from __future__ import annotations
+
+import httpx
+
+from shadow.engines.dialects.base import Asked, Dialect, Prompt, _ints, _parsed_arguments, as_carried, post
+from shadow.engines.idcheck import TurnIds
+from shadow.engines.reply import Reply
+
+
+class VLLM(Dialect):
+    name = "vllm"
+    prompt_source = "engine (return_token_ids)"
+    output_source = "engine (choices[].token_ids)"
+    asks_logprobs = False
+
+    def ask(self, body: dict, chat: bool) -> Asked:
+        asked = super().ask(body, chat)
+        if body.get("return_token_ids"):
+            return asked
+        return Asked(asked.body | {"return_token_ids": True}, asked.added | {"token_ids"})
+
+    def prompt(self, client, root, body, chat) -> Prompt:
+        return Prompt(None, None)  # the engine shows them; the template only if it does not (turn_ids)
+
+    def turn_ids(self, reply: Reply, before: Prompt | None, body: dict, chat: bool) -> TurnIds:
+        if reply.prompt_ids is None and (before is None or before.ids is None):
+            before = self.render(body, chat)
+            before.notes.insert(0, "the engine showed no prompt ids")
+        return super().turn_ids(reply, before, body, chat)
+
+
+class SGLang(VLLM):
+    """SGLang: non-streamed chat and completions return ids when asked (`return_token_ids`,
+    `return_prompt_token_ids`); a streamed chat request refuses those (400), so it asks for the
+    `sglext` ids instead (`return_input_ids_in_sglext`, `return_output_ids_in_sglext`: one
+    chunk after the last choice chunk, in 2026 releases; older ones ignore unknown fields), and
+    the turn falls back to the template and logprobs where they do not come."""
+
+    name = "sglang"
+    prompt_source = "engine (ids fields, or sglext on streamed chat), else template"
+    output_source = "engine, else logprobs, else re-tokenised text"
+    asks_logprobs = True
+
+    def ask(self, body: dict, chat: bool) -> Asked:
+        asked = Dialect.ask(self, body, chat)
+        if chat and body.get("stream"):
+            wanted = ("return_input_ids_in_sglext", "return_output_ids_in_sglext")
+        elif chat:
+            wanted = ("return_token_ids", "return_prompt_token_ids")
+        else:
+            wanted = ("return_token_ids",)
+        extra = {k: True for k in wanted if not body.get(k)}
+        return Asked(asked.body | extra, asked.added | ({"token_ids"} if extra else set()))
+
+    def prompt(self, client, root, body, chat) -> Prompt:
+        if chat and body.get("stream"):  # the template, in case this release sends no sglext ids
+            return self.render(body, chat)
+        return Prompt(None, None)
+
+
+class LlamaCpp(Dialect):
+    """llama.cpp's `llama-server`: the engine's own template and tokenizer (`/apply-template`,
+    `/tokenize`) give the prompt ids (`usage.prompt_tokens` counts them, cached or not); the
+    output ids are the `id` beside each logprob (its OpenAI endpoints ignore `return_tokens`):
+    complete, end token included, on a whole response; a streamed chat leaves out what its
+    reasoning parser holds back (`</think>` and the end token), so such an output is read only
+    when its count is the engine's."""
+
+    name = "llamacpp"
+    prompt_source = "engine-tokenize (/apply-template, /tokenize)"
+    output_source = "the ids beside logprobs (else its own template and /tokenize over the reply's text)"
+    _engine: tuple[httpx.Client, str] | None = None
+
+    def ask(self, body: dict, chat: bool) -> Asked:
+        sent, added = dict(body), set()
+        if body.get("stream"):
+            options = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+            if not options.get("include_usage"):
+                sent["stream_options"] = {**options, "include_usage": True}
+                added.add("usage")
+        if not body.get("logprobs") and not (body.get("stream") and body.get("tools")):
+            sent["logprobs"] = True if chat else 1  # (refused with tools on a stream: no output ids then)
+            added.add("logprobs")
+        return Asked(sent, frozenset(added))
+
+    def _reply_text(self, body: dict, reply: Reply) -> str | None:
+        """The reply as the engine's own template writes it: /apply-template with and without it."""
+        if self._engine is None:
+            return None
+        client, root = self._engine
+        query = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        before = post(client, root + "/apply-template", query).json()["prompt"]
+        after = post(client, root + "/apply-template", query | {
+            "messages": [*body["messages"], reply.message()], "add_generation_prompt": False}).json()["prompt"]
+        if not after.startswith(before) or self.eos_text not in after[len(before):]:
+            return None
+        rest = after[len(before):]
+        return rest[: rest.rfind(self.eos_text) + len(self.eos_text)]
+
+    def _encode(self, text: str) -> list[int]:
+        """The engine's own tokenizer (llama.cpp does not NFC-normalise, and reaches other merges)."""
+        if self._engine is None:
+            raise ValueError("the engine's tokenizer is not known yet")
+        client, root = self._engine
+        r = post(client, root + "/tokenize", {"content": text, "parse_special": True})
+        r.raise_for_status()
+        return list(r.json()["tokens"])
+
+    def prompt(self, client: httpx.Client, root: str, body: dict, chat: bool) -> Prompt:
+        self._engine = (client, root)
+        try:
+            if chat:
+                query = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+                r = post(client, root + "/apply-template", query)
+                r.raise_for_status()
+                text = r.json()["prompt"]
+            else:
+                text = body.get("prompt")
+                if _ints(text):
+                    return Prompt(list(text), "engine-tokenize")
+                if not isinstance(text, str):
+                    return Prompt(None, None, ["a prompt that is not one string or one list of ids"])
+            r = post(client, root + "/tokenize", {"content": text, "add_special": not chat, "parse_special": True})
+            r.raise_for_status()
+            ids = r.json()["tokens"]
+            if not _ints(ids) and ids != []:
+                raise ValueError("/tokenize returned no list of ids")
+            return Prompt(list(ids), "engine-tokenize")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            return Prompt(None, None, [f"the engine did not tokenise the prompt ({type(e).__name__}: {e})"])
+
+
+class Transformers(Dialect):
+    """Hugging Face `transformers serve`: it refuses unknown fields, gives no logprobs, always
+    ends a stream with `usage`, and hands its template the messages after its own conversion
+    (tool-call arguments parsed from JSON, content dropped where tool calls are, content parts
+    joined with spaces, other fields such as `reasoning_content` dropped)."""
+
+    name = "transformers"
+    output_source = "re-tokenised text"
+    asks_usage = False
+    asks_logprobs = False
+
+    def template_messages(self, body: dict) -> tuple[list[dict], list | None, dict]:
+        messages, tools, kwargs = as_carried(body)
+        kwargs = {**self.template_kwargs, **kwargs}
+        out = []
+        for m in body.get("messages") or []:
+            parsed: dict = {"role": m["role"]}
+            if m.get("tool_calls"):
+                parsed["tool_calls"] = [_parsed_arguments(c) for c in m["tool_calls"]]
+            if "tool_call_id" in m:
+                parsed["tool_call_id"] = m["tool_call_id"]
+            raw = [] if m.get("tool_calls") else (m.get("content") or [])
+            if isinstance(raw, str):
+                raw = [{"type": "text", "text": raw}]
+            parsed["content"] = " ".join(p["text"] for p in raw if p.get("type") in ("text", "input_text", "output_text"))
+            out.append(parsed)
+        return out, tools, kwargs

@@ -1,0 +1,1 @@
+"""Kernels behind one contract each (`reference.Kernels`): the plain reference set that runs anywhere, fla, torch SDPA and the project's Triton kernels for CUDA, their PyTorch twins, the kernel sets, and fla's autotuning pins."""

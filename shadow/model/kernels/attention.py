@@ -1,0 +1,43 @@
+"""Attention on CUDA behind `reference.attention`'s contract: torch SDPA (flash or memory-efficient
+backend, never cuDNN) and the project's Triton chunk attention (`triton_attention`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]  # never cuDNN (attention_sdpa)
+CHUNK_ATTENTION_ROWS = 16  # from this many query rows up, attention_triton runs the Triton chunk kernel
+
+
+def attention_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`reference.attention`'s contract on torch SDPA (flash or memory-efficient backend), GQA in the kernel.
+
+    Never cuDNN: torch builds a cuDNN graph for each new key length, tens of milliseconds, and a
+    decode step has a new length every time (measured in docs/BENCHMARKS.md, the A/B section)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    t, length = q.shape[1], k.shape[1]
+    kwargs = {"scale": scale, "enable_gqa": True}
+    with sdpa_kernel(SDPA_BACKENDS):
+        if t == 1:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], **kwargs)
+        elif t == length:
+            out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, **kwargs)
+        else:
+            out = F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=causal_lower_right(t, length), **kwargs
+            )
+    return out[0].transpose(0, 1)
+
+
+def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """`reference.attention`'s contract: the project's Triton chunk attention (`triton_attention`) from
+    CHUNK_ATTENTION_ROWS rows up (chunks, asks), SDPA below (decode steps)."""
+    if q.shape[1] < CHUNK_ATTENTION_ROWS:
+        return attention_sdpa(q, k, v, scale)
+    from shadow.model.kernels.triton_attention import chunk_attention
+
+    return chunk_attention(q, k, v, scale)

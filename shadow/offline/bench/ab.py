@@ -1,0 +1,191 @@
+"""Decode-cost A/B against a running server: the shadow off and on, arms alternating, a new
+session each run (so the shadow reads the whole prompt every time), paired run by run.
+
+Decode tok/s comes from streamed token arrival times, the first token excluded; TTFT is from the
+request's send to its first token. The shadow is switched through `POST /v1/shadow/switch`
+(`{"on": bool, "voice": bool}`), and switched back to where it was when the A/B ends, however it
+ends (an error, Ctrl-C).
+
+With `voice`, the arms are "shadow, status lines and voice off" against "all on": the "on" runs
+also send Open WebUI's chat-id header (`x-openwebui-chat-id`), for which a server with the default
+`--status-channel auto` writes status lines (status events before the first token, then lines in
+the reasoning) and the voice's phrases after them; the "off" runs send no such header, so they get
+no lines. Each run counts the lines it saw (`lines`); lines are never counted as tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import signal
+import statistics
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+
+from shadow.errors import ShadowInputError
+from shadow.text.sample import sample_conversation
+from shadow.text.framing import MARK
+from shadow.text.tokenizer import Tokenizer
+
+STATUS_HEADER = "x-openwebui-chat-id"  # the client kind that gets status lines under `--status-channel auto`
+
+
+@dataclass(frozen=True)
+class Run:
+    arm: str  # "off" or "on"
+    pair: int
+    ttft_s: float
+    decode_tok_s: float
+    tokens: int
+    share_s: float | None = None  # the server's reading charged to shares during the run (None: not reported)
+    lines: int = 0  # status lines streamed to the client (status events and framed lines)
+    voice: bool | None = None  # the voice as the server's switch said it was for this run
+
+    @property
+    def decode_s(self) -> float:
+        """From the first streamed token to the last."""
+        return (self.tokens - 1) / self.decode_tok_s
+
+
+def prompt_text(tokenizer: Tokenizer, tokens: int, tag: str) -> str:
+    """About `tokens` tokens of agent-like text (the seeded sample session), tagged to defeat prefix caches."""
+    text = "\n".join(m.content for m in sample_conversation(seed=7, turns=max(4, tokens // 700)).messages)
+    ids = tokenizer.encode(text)
+    while len(ids) < tokens:
+        ids = ids + ids
+    return f"[{tag}]\n" + tokenizer.decode(ids[:tokens])
+
+
+def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, session: str, arm: str, pair: int,
+                status_lines: bool = False) -> Run:
+    """One streamed chat request; `status_lines`: send the header that asks for status lines.
+    A 4xx answer is the caller's input refused (ShadowInputError); anything else is a RuntimeError."""
+    # token ids asked for (vLLM's return_token_ids; the project's serve too), so every token counts,
+    # also one whose text waits for the rest of a character; without ids, non-empty deltas count
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "min_tokens": max_tokens, "return_token_ids": True}
+    headers = {"x-session-id": session} | ({STATUS_HEADER: session} if status_lines else {})
+    times, count, lines = [], 0, 0
+    start = time.perf_counter()
+    with client.stream("POST", base + "/chat/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            raise _refusal(r.status_code, r.read())
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "event" in event:  # an Open WebUI status event
+                lines += 1
+                continue
+            choice = (event.get("choices") or [{}])[0]
+            delta = choice.get("delta") or {}
+            if MARK in (delta.get("reasoning_content") or "") + (delta.get("content") or ""):
+                lines += 1  # a framed status line: not a token
+                continue
+            n = len(choice.get("token_ids") or []) or (1 if delta.get("content") else 0)
+            if n:
+                times.append(time.perf_counter())
+                count += n
+    if count < 2:
+        raise RuntimeError("fewer than two tokens streamed: no decode rate")
+    return Run(arm, pair, times[0] - start, (count - 1) / (times[-1] - times[0]), count, lines=lines)
+
+
+def _refusal(status: int, body: bytes) -> Exception:
+    try:
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body[:300].decode("utf-8", "replace")
+    if 400 <= status < 500:
+        return ShadowInputError(f"the server refused the request ({status}): {message}")
+    return RuntimeError(f"the server failed ({status}): {message}")
+
+
+def share_seconds(client: httpx.Client, base: str) -> float | None:
+    """The server's `share_s` counter (seconds read inside turns' shares), if it reports one."""
+    r = client.get(base + "/shadow/status")
+    r.raise_for_status()
+    return r.json().get("counters", {}).get("share_s")
+
+
+def switch(client: httpx.Client, base: str, on: bool, voice: bool | None = None) -> dict:
+    """Turn the shadow (and, given, the voice; else it follows the shadow) on or off; the server's
+    answer, `{"on", "voice"}`."""
+    r = client.post(base + "/shadow/switch", json={"on": on} | ({} if voice is None else {"voice": voice}),
+                    timeout=30.0)
+    if r.status_code != 200:
+        raise _refusal(r.status_code, r.content)
+    return r.json()
+
+
+def run_ab(base: str, tokenizer: Tokenizer, prompt_tokens: int, output_tokens: int, runs: int, pause_s: float,
+           progress=None, voice: bool = False, restore: tuple[bool, bool | None] = (True, None)) -> list[Run]:
+    """`runs` pairs; within a pair the arms alternate (off first in even pairs, on first in odd ones).
+    "off": shadow and voice off; "on": the shadow on, and with `voice` the voice and status lines on
+    too. `progress(done, total, run)` is called after each run. Whatever happens, the switch is
+    set back to `restore` (on, voice) at the end, a second Ctrl-C during that held back."""
+    out = []
+    with httpx.Client(timeout=httpx.Timeout(900.0)) as client:
+        try:
+            for pair in range(runs):
+                for arm in (("off", "on") if pair % 2 == 0 else ("on", "off")):
+                    on = arm == "on"
+                    state = switch(client, base, on, voice=on and voice)
+                    tag = uuid.uuid4().hex[:12]
+                    before = share_seconds(client, base)
+                    run = stream_once(client, base, prompt_text(tokenizer, prompt_tokens, tag), output_tokens,
+                                      f"ab-{tag}", arm, pair, status_lines=on and voice)
+                    after = share_seconds(client, base)
+                    share = None if before is None or after is None else after - before
+                    out.append(dataclasses.replace(run, share_s=share, voice=state.get("voice")))
+                    if progress:
+                        progress(len(out), 2 * runs, out[-1])
+                    time.sleep(pause_s)
+        finally:
+            with interrupts_held():
+                switch(client, base, *restore)
+    return out
+
+
+@contextmanager
+def interrupts_held():
+    """Ctrl-C inside the block waits until the block is done, then raises KeyboardInterrupt (in the
+    main thread; elsewhere signals do not arrive, and this does nothing)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def summarize(runs: list[Run], gate_pct: float) -> dict:
+    """Medians per arm, the change in decode rate (on vs off, %), paired deltas, the verdict, and
+    `share_pct`: the median over "on" runs of the reading the server charged to shares, as a % of
+    the run's decode time (None when the server does not report it); a slowdown beyond it is
+    cost the share does not account for; `status_lines`: the lines each arm's runs saw."""
+    arms = {a: [r for r in runs if r.arm == a] for a in ("off", "on")}
+    decode = {a: statistics.median(r.decode_tok_s for r in rs) for a, rs in arms.items()}
+    ttft = {a: statistics.median(r.ttft_s for r in rs) for a, rs in arms.items()}
+    pairs = sorted({r.pair for r in runs})
+    paired = []
+    for p in pairs:
+        off = next(r for r in arms["off"] if r.pair == p)
+        on = next(r for r in arms["on"] if r.pair == p)
+        paired.append(100 * (on.decode_tok_s - off.decode_tok_s) / off.decode_tok_s)
+    delta = 100 * (decode["on"] - decode["off"]) / decode["off"]
+    charged = [100 * r.share_s / r.decode_s for r in arms["on"] if r.share_s is not None]
+    return {"runs": len(pairs), "decode_tok_s": decode, "ttft_s": ttft, "delta_pct": delta,
+            "paired_deltas_pct": paired, "share_pct": statistics.median(charged) if charged else None,
+            "status_lines": {a: sum(r.lines for r in rs) for a, rs in arms.items()},
+            "gate_pct": gate_pct, "passed": -delta <= gate_pct}

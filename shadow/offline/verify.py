@@ -1,0 +1,170 @@
+"""Replay a conversation turn by turn and check the exactness contract.
+
+Same grid: the replayed state against a fresh prefill of the same ids, every tensor, torch.equal.
+Other grid: a fresh prefill of the same ids in chunks of another size (largest absolute
+difference per tensor kind) and question probes asked of both states (top token, KL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shadow.text.chat import render_output, render_prompt, render_question
+from shadow.text.conversations import Conversation
+from shadow.errors import ShadowInputError
+from shadow.core.reader import Reader, Session, check_grid
+from shadow.model.state import ModelState, tensor_kind
+from shadow.core.store import SessionStore
+from shadow.text.tokenizer import Tokenizer
+
+PROBES = (
+    "What task is the user asking for? Answer in one line.",
+    "Which file was read or changed last?",
+    "Did the last command succeed? Answer yes or no.",
+    "Summarise the latest tool output in one sentence.",
+)
+KINDS = ("k", "v", "recurrent", "conv")
+
+
+@dataclass
+class OtherGrid:
+    grid: int
+    max_abs_diff: dict[str, float]
+    probe_top1_agree: int
+    probes: int
+    probe_max_kl: float
+
+
+@dataclass
+class Verdict:
+    """What verify-exact found for one conversation."""
+
+    name: str
+    turns: int
+    tokens: int  # ids the session holds at the end
+    committed: int
+    rollbacks: int
+    ids_reread: int
+    same_grid_bit_equal: bool
+    tensors_compared: int
+    mismatched: list[str] = field(default_factory=list)
+    other_grid: OtherGrid | None = None
+
+
+def replay(
+    reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation], store: SessionStore,
+    on_turn: Callable[[], None] | None = None,
+) -> dict[str, list[int]]:
+    """Feed every request of every conversation (its re-rendered prompt, then its output) and read
+    after each, the conversations' turns interleaved round robin through `store` (which may
+    spill or drop sessions between turns). Returns each conversation's final ids."""
+    pending = {c.name: list(c.requests()) for c in conversations}
+    final: dict[str, list[int]] = {}
+    for turn in range(max(len(r) for r in pending.values())):
+        for name, requests in pending.items():
+            if turn >= len(requests):
+                continue
+            history, output = requests[turn]
+            session = store.get(name)
+            reader.feed_prompt(session, tokenizer.encode(render_prompt(history)))
+            reader.advance(session)
+            reader.feed_output(session, tokenizer.encode(render_output(output)))
+            reader.advance(session)
+            final[name] = list(session.ids)
+            store.settle(keep=name)
+            if on_turn:
+                on_turn()
+    return final
+
+
+def compare_states(a: ModelState, b: ModelState) -> tuple[int, list[str], dict[str, float]]:
+    """(tensors compared, names not bit-equal, largest absolute difference by kind)."""
+    ta, tb = a.tensors(), b.tensors()
+    if ta.keys() != tb.keys() or a.length != b.length:
+        raise ValueError("states of different models or lengths")
+    mismatched, diffs = [], dict.fromkeys(KINDS, 0.0)
+    for name, x in ta.items():
+        y = tb[name]
+        if not torch.equal(x, y):
+            mismatched.append(name)
+            kind = tensor_kind(name)
+            diffs[kind] = max(diffs[kind], (x.float() - y.float()).abs().max().item())
+    return len(ta), mismatched, diffs
+
+
+def probe_agreement(
+    reader: Reader, tokenizer: Tokenizer, session: Session, other: ModelState,
+    probes: Sequence[str] = PROBES,
+) -> tuple[int, float]:
+    """Ask each probe of the session's state and of `other` (same ids); (top-1 agreements, max KL)."""
+    agree, worst = 0, 0.0
+    mirror = Session(name=session.name, state=other, ids=session.ids)
+    for text in probes:
+        question = tokenizer.encode(render_question(text))
+        p = torch.log_softmax(reader.next_logits(session, question).double(), -1)
+        q = torch.log_softmax(reader.next_logits(mirror, question).double(), -1)
+        agree += int(p.argmax() == q.argmax())
+        worst = max(worst, float((p.exp() * (p - q)).sum()))
+    return agree, worst
+
+
+def verify(
+    reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation],
+    against_grid: int | None = None, store: SessionStore | None = None,
+    progress: Callable[[int, int, str], None] | None = None,
+) -> list[Verdict]:
+    """Replay `conversations` (interleaved, through `store`; default: one with no cap), then
+    compare each final state with fresh prefills. ShadowInputError, before anything is read or
+    written, when `store` already holds a session named like a conversation. progress(done, total, stage) is called as it
+    goes (total = all turns + 2 per conversation)."""
+    if against_grid is not None:
+        check_grid(against_grid)
+    names = [c.name for c in conversations]
+    if len(set(names)) != len(names):
+        raise ShadowInputError(f"two conversations share a name: {min(n for n in names if names.count(n) > 1)}")
+    store = store or SessionStore(reader, weights_hash="", cap_gib=None)
+    held = sorted(set(names) & set(store.names()))
+    if held:  # a replay starts from an empty session; an earlier run's would be continued
+        raise ShadowInputError(
+            f"the store already holds a session named {held[0]!r} (an earlier run's?): "
+            "verify replays each conversation from empty, so give it a folder without it"
+        )
+    turns = {c.name: sum(1 for _ in c.requests()) for c in conversations}
+    total, done = sum(turns.values()) + 2 * len(conversations), 0
+    report = progress or (lambda done, total, stage: None)
+
+    def turn_done() -> None:
+        nonlocal done
+        done += 1
+        report(done, total, "replay")
+
+    final = replay(reader, tokenizer, conversations, store, turn_done)
+    verdicts = []
+    for conv in conversations:
+        session = store.get(conv.name)
+        if session.ids != final[conv.name]:  # dropped past the cap without a disk: read it again
+            reader.feed_prompt(session, final[conv.name])
+            reader.advance(session)
+        committed = session.committed
+        fresh = reader.prefill(session.ids[:committed])
+        compared, mismatched, _ = compare_states(session.state, fresh)
+        done += 1
+        report(done, total, f"{conv.name}: fresh prefill, same grid")
+        verdict = Verdict(
+            name=conv.name, turns=turns[conv.name], tokens=len(session.ids), committed=committed,
+            rollbacks=session.rollbacks, ids_reread=session.ids_reread,
+            same_grid_bit_equal=not mismatched, tensors_compared=compared, mismatched=mismatched,
+        )
+        if against_grid is not None:
+            other = reader.prefill(session.ids[:committed], chunk=against_grid)
+            _, _, diffs = compare_states(session.state, other)
+            agree, kl = probe_agreement(reader, tokenizer, session, other)
+            verdict.other_grid = OtherGrid(against_grid, diffs, agree, len(PROBES), kl)
+        done += 1
+        report(done, total, f"{conv.name}: fresh prefill, other grid")
+        store.settle(keep=conv.name)
+        verdicts.append(verdict)
+    return verdicts

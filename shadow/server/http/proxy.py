@@ -1,0 +1,399 @@
+"""Proxy mode: requests pass to a real OpenAI-compatible engine and its responses come back as the
+engine sent them (status, headers, body, SSE events as they arrive), less only what the proxy
+itself asked for that the client did not (`shadow.engines.dialects`). The shadow reads beside it
+the ids the engine read and wrote, from the best source the engine's dialect offers, and checks
+every turn against what the engine shows (`shadow.engines.idcheck`).
+
+Nothing the client sees depends on the shadow: ids the shadow cannot take are skipped, a stream
+never waits for the device, malformed engine events pass to the client untouched, and every turn
+ends (in a `finally`) whatever happens to the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import httpx
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from shadow.server.http.channels import Channel
+from shadow.engines.dialects import Asked, Dialect, Prompt, engine_root
+from shadow.engines.idcheck import check_turn
+from shadow.server.http.proxy_turn import Lines, Turn
+from shadow.server.service import ShadowService
+from shadow.server.http.status import EngineLoad, TurnStatus
+from shadow.server.http.status import said as shown
+from shadow.voice.checks import request_language
+
+log = logging.getLogger("shadow.proxy")
+
+# the client's headers the engine gets: credentials and content negotiation (content-type is
+# set by the proxy itself: it forwards JSON)
+PASS_HEADERS = ("authorization", "accept", "openai-organization", "openai-project", "x-request-id")
+# the engine's headers the client does not get: hop by hop, or no longer true of the body
+DROP_RESPONSE_HEADERS = ("content-length", "content-encoding", "transfer-encoding", "connection", "keep-alive",
+                         "date", "server")
+
+
+def passed_headers(request_headers) -> dict[str, str]:
+    return {k: v for k, v in request_headers.items() if k.lower() in PASS_HEADERS}
+
+
+def response_headers(upstream: httpx.Response, session: str | None) -> dict[str, str]:
+    out = {k: v for k, v in upstream.headers.items() if k.lower() not in DROP_RESPONSE_HEADERS}
+    if session:
+        out["x-shadow-session"] = session
+    return out
+
+
+def error_response(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
+
+
+class Proxy:
+    """The engine behind the shadow: its URL, its dialect, the HTTP clients."""
+
+    def __init__(self, upstream: str, dialect: Dialect, service: ShadowService, label_from_upstream: bool = False,
+                 timeout_s: float = 600.0, upstream_key: str | None = None, max_prompt_tokens: int | None = None,
+                 engine_slots: int = 1, tokenizer=None, timing: dict | None = None):
+        """`upstream_key`: the engine's own key, sent in place of the client's `Authorization`;
+        `max_prompt_tokens`: longer prompts pass to the engine but the shadow does not read them."""
+        self.upstream = upstream.rstrip("/")
+        self.upstream_key = upstream_key
+        self.tokenizer = tokenizer  # the shadow's: the newest text of a turn for the voice
+        self.timing = dict(timing or {})  # TurnStatus's thresholds (tests shorten them)
+        self.max_prompt_tokens = max_prompt_tokens
+        self.root = engine_root(upstream)
+        self.dialect = dialect
+        self.service = service
+        self.label_from_upstream = label_from_upstream
+        # an idle connection is given up before the engine would close it (llama.cpp: after 5 s), so
+        # a request never goes out on a connection the engine has just closed
+        limits = httpx.Limits(keepalive_expiry=3.0)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
+        self.sync_client = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0), limits=limits)  # /tokenize
+        self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shadow-prompt")
+        self.load = EngineLoad(engine_slots)  # requests in flight to the engine, its prefill rate
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        self.sync_client.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def engine_headers(self, request_headers) -> dict[str, str]:
+        headers = passed_headers(request_headers)
+        if self.upstream_key is not None:
+            headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            headers["authorization"] = f"Bearer {self.upstream_key}"
+        return headers
+
+    def prompt(self, body: dict, chat: bool) -> Future:
+        """The prompt ids the dialect knows before the response, computed in a thread beside the request."""
+        return self.pool.submit(self.dialect.prompt, self.sync_client, self.root, body, chat)
+
+    async def forward(self, request_headers, body: dict, chat: bool, turn_id: int, session: str | None,
+                      before: Future, channel: Channel = Channel("off"), cached: Callable[[list[int]], int] | None = None
+                      ) -> Response:
+        """Forward one completion request; the turn is registered already and is ended here.
+        With a `channel` on (a streamed chat), status lines go to the client while the engine
+        works; a request the engine keeps waiting has its stream opened at its first line.
+        `cached(prompt ids)`: how many of them the engine holds already (the shadow knows)."""
+        service = self.service
+        label = None
+        if chat and self.label_from_upstream and service.standing is not None:
+            label = label_asker(self.upstream, request_headers, body, service.standing)
+        asked = self.dialect.ask(body, chat)
+        turn = Turn(service, turn_id)
+        lines = None
+        if chat and body.get("stream") and channel.on:
+            lines = Lines(channel, TurnStatus(time.monotonic(), **self.timing), self.load, turn_id, before, cached)
+        self.load.start(turn_id, time.monotonic())
+        url = self.upstream + ("/chat/completions" if chat else "/completions")
+        sending = asyncio.ensure_future(self._send(url, asked, body, request_headers, turn))
+        if lines is not None:
+            done, _ = await asyncio.wait({sending}, timeout=lines.status.quiet_s)
+            if not done:  # the engine keeps the request waiting: its stream opens at the first line
+                headers = {"x-shadow-session": session} if session else {}
+                return StreamingResponse(self._relay_when_answered(sending, turn, asked.added, body, chat, before,
+                                                                   label, lines),
+                                         status_code=200, media_type="text/event-stream", headers=headers)
+        try:
+            upstream, asked = await sending
+        except httpx.HTTPError as e:
+            before.cancel()
+            await self._end(turn_id)
+            return error_response(502, f"upstream unreachable: {type(e).__name__}: {e}", "upstream_error")
+        headers = response_headers(upstream, session)
+        if upstream.status_code != 200 or not body.get("stream"):
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as e:
+                content = None
+                broke = f"the engine's response broke off: {type(e).__name__}: {e}"
+            finally:
+                await upstream.aclose()
+            if content is None or upstream.status_code != 200:
+                before.cancel()
+                await self._end(turn_id)
+                if content is None:
+                    return error_response(502, broke, "upstream_error")
+                return Response(content, status_code=upstream.status_code, headers=headers)
+            event = _json(content)
+            if event is not None:
+                turn.reply.read(event, chat)
+                cleaned = self.dialect.clean(event, asked.added, body)
+                if cleaned is not event:
+                    content = json.dumps(cleaned, ensure_ascii=False).encode()
+            else:
+                turn.reply.malformed += 1
+            self._finish_later(turn, before, body, chat, label, None)
+            return Response(content, status_code=200, headers=headers)
+        return StreamingResponse(self._relay(upstream, turn, asked.added, body, chat, before, label, lines),
+                                 status_code=200, headers=headers)
+
+    async def _send(self, url: str, asked: Asked, body: dict, request_headers, turn: Turn
+                    ) -> tuple[httpx.Response, Asked]:
+        """Send the request as the dialect asks it; an engine that refuses what the proxy added
+        (a 400 or 422) gets the client's request as it came instead: the client's response never
+        depends on the shadow (that turn's ids then come from what the engine shows unasked)."""
+        headers = self.engine_headers(request_headers)
+        try:
+            upstream = await self.client.send(self.client.build_request("POST", url, json=asked.body, headers=headers),
+                                              stream=True)
+        except httpx.RemoteProtocolError:  # a keep-alive connection the engine had closed: no response came
+            upstream = await self.client.send(self.client.build_request("POST", url, json=asked.body, headers=headers),
+                                              stream=True)
+        if upstream.status_code not in (400, 422) or not asked.added:
+            return upstream, asked
+        refusal = (await upstream.aread()).decode("utf-8", "replace")[:300]
+        await upstream.aclose()
+        log.warning("the engine refused the fields the proxy adds (%s): %s; sent as the client sent it",
+                    ", ".join(sorted(asked.added)), refusal)
+        turn.notes.append(f"the engine refused {', '.join(sorted(asked.added))}: sent as the client sent it")
+        plain = Asked(body, frozenset())
+        upstream = await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
+                                          stream=True)
+        return upstream, plain
+
+    async def _end(self, turn_id: int) -> None:
+        self.load.end(turn_id)
+        await asyncio.to_thread(self.service.end_turn, turn_id)
+
+    async def _relay_when_answered(self, sending: asyncio.Future, turn: Turn, added, body: dict, chat: bool,
+                                   before: Future, label, lines: "Lines"):
+        """The client's stream, opened before the engine answered: lines while it waits, then
+        the engine's stream; an engine that refuses or fails ends it with an error object."""
+        while not sending.done():
+            for data in lines.encode(lines.due(time.monotonic())):
+                yield data
+            await asyncio.wait({sending}, timeout=1.0)
+        failure = None
+        try:
+            upstream, asked = sending.result()
+            added = asked.added
+        except httpx.HTTPError as e:
+            failure = f"upstream unreachable: {type(e).__name__}: {e}"
+        else:
+            if upstream.status_code != 200:
+                try:
+                    content = (await upstream.aread()).decode("utf-8", "replace")
+                except httpx.HTTPError:
+                    content = ""
+                await upstream.aclose()
+                failure = f"the engine answered {upstream.status_code}: {content[:500]}"
+        if failure is not None:
+            before.cancel()
+            await self._end(turn.turn_id)
+            message = {"error": {"message": failure, "type": "upstream_error"}}
+            yield b"data: " + json.dumps(message).encode() + b"\n\ndata: [DONE]\n\n"
+            return
+        async for data in self._relay(upstream, turn, added, body, chat, before, label, lines):
+            yield data
+
+    async def _relay(self, upstream: httpx.Response, turn: Turn, added, body: dict, chat: bool, before: Future,
+                     label, lines: "Lines | None"):
+        """The engine's stream, event by event, as it sent it (less what the proxy added), with
+        status lines between events; the shadow is fed between events without the stream ever
+        waiting for the device."""
+        pieces: asyncio.Queue = asyncio.Queue()
+
+        async def pump():
+            try:
+                async for piece in upstream.aiter_bytes():
+                    await pieces.put(piece)
+            except httpx.HTTPError as e:
+                await pieces.put(e)
+            finally:
+                await pieces.put(None)
+
+        pumping = asyncio.ensure_future(pump())
+        buffer, boundary = b"", True
+        try:
+            while True:
+                try:
+                    piece = await asyncio.wait_for(pieces.get(), timeout=1.0 if lines is not None else None)
+                except asyncio.TimeoutError:
+                    piece = b""
+                if piece is None:
+                    break
+                if isinstance(piece, httpx.HTTPError):  # the engine broke off mid-stream: the client is told
+                    message = {"error": {"message": f"the engine's stream broke off: {type(piece).__name__}: {piece}",
+                                         "type": "upstream_error"}}
+                    yield b"data: " + json.dumps(message).encode() + b"\n\n"
+                    break
+                buffer += piece
+                *complete, buffer = buffer.split(b"\n")
+                out = []
+                for line in complete:
+                    event = _event(line)
+                    if lines is not None and event is not None and boundary:
+                        said, kind = lines.before_event(event, turn.reply, time.monotonic())
+                        out += lines.encode(await self._voice(said, turn, lines, body)) + lines.resume(kind)
+                    out.append(self._line(line, event, turn, added, body, chat))
+                    boundary = line.strip() == b""
+                    if event is not None and turn.reply.events == 1:
+                        self.service.first_token(turn.turn_id)  # at once: the share counts from here
+                if lines is not None and boundary:
+                    out += lines.encode(await self._voice(lines.due(time.monotonic()), turn, lines, body))
+                if out:
+                    yield b"".join(out)
+                self._take(turn, before)
+                await asyncio.to_thread(turn.feed, False, True)
+            if buffer:
+                yield self._line(buffer, _event(buffer), turn, added, body, chat).rstrip(b"\n")
+        finally:
+            pumping.cancel()
+            await upstream.aclose()
+            self._finish_later(turn, before, body, chat, label, lines)
+
+    async def _voice(self, said: list, turn: Turn, lines: "Lines", body: dict) -> list:
+        """The voice's phrase after each line that takes one (thinking, decided, writing), where
+        the turn's voice budget and the device allow it now; a stream never waits for more than
+        one phrase's slice."""
+        if not said or self.tokenizer is None or self.service.voice is None:
+            return said
+        for line in said:
+            if not line.takes_phrase:
+                continue
+            reply = turn.reply
+            extra = [] if turn.fed_output else self.tokenizer.encode("".join(reply.reasoning) + "".join(reply.content))
+            recent = [x.text for x in lines.status.lines if x is not line][-4:]
+            phrase = await asyncio.to_thread(self.service.voice_phrase, turn.turn_id, line.kind, extra[-2048:],
+                                             recent, request_language(body))
+            if phrase is not None:
+                line.with_phrase(phrase.text, {"said": phrase.text is not None, "raw": phrase.raw,
+                                               "reason": phrase.reason, "seconds": round(phrase.seconds, 4)})
+        return said
+
+    def _line(self, line: bytes, event: dict | None, turn: Turn, added, body: dict, chat: bool) -> bytes:
+        """One SSE line as the client gets it; the shadow reads its event on the way."""
+        if event is None:
+            return line + b"\n"
+        turn.reply.read(event, chat)
+        if not added:
+            return line + b"\n"
+        cleaned = self.dialect.clean(event, added, body)
+        if cleaned is event:
+            return line + b"\n"
+        if cleaned is None:
+            return b""  # an event the client did not ask for (its blank line stays: an empty event)
+        return b"data: " + json.dumps(cleaned, ensure_ascii=False).encode() + b"\n"
+
+    def _take(self, turn: Turn, before: Future) -> None:
+        """What the engine has shown so far (or the prompt known before it) becomes what the turn feeds."""
+        limit = self.max_prompt_tokens
+        if turn.reply.prompt_ids is not None:
+            ids = turn.reply.prompt_ids
+        elif before.done() and not before.cancelled() and before.exception() is None:
+            ids = before.result().ids
+        else:
+            ids = None
+        if ids is not None and (limit is None or len(ids) <= limit):
+            turn.take_prompt(ids)
+        if turn.reply.shown_output:
+            turn.held += turn.reply.output_ids[turn.fed_output + len(turn.held):]
+
+    def _finish_later(self, turn: Turn, before: Future, body: dict, chat: bool, label, lines) -> None:
+        self.load.end(turn.turn_id)
+        threading.Thread(target=self._finish, args=(turn, before, body, chat, label, lines), name="shadow-turn-end",
+                         daemon=True).start()
+
+    def _finish(self, turn: Turn, before: Future, body: dict, chat: bool, label, lines=None) -> None:
+        """After the response: settle the turn's ids, feed what waited, check the turn against the
+        engine, ask the upstream for a standing question's label, end the turn. Always ends it."""
+        service = self.service
+        try:
+            try:
+                prompt = before.result(timeout=120)
+            except Exception as e:  # noqa: BLE001 - a prompt that could not be had: the turn says why
+                prompt = Prompt(None, None, [f"the prompt could not be had ({type(e).__name__}: {e})"])
+            ids = self.dialect.turn_ids(turn.reply, prompt, body, chat)
+            ids.notes += turn.notes
+            if ids.prompt is not None and self.max_prompt_tokens is not None and len(ids.prompt) > self.max_prompt_tokens:
+                ids.notes.append(f"a prompt of {len(ids.prompt):,} ids, over the limit of {self.max_prompt_tokens:,}: not read")
+                ids.prompt, ids.prompt_source, ids.output, ids.output_source = None, None, [], None
+                turn.prompt_due, turn.held = None, []
+            if ids.prompt is not None and ids.prompt != (turn.fed_prompt or turn.prompt_due):
+                if turn.fed_prompt is not None:
+                    ids.notes.append("the prompt fed first was replaced")
+                turn.fed_prompt, turn.prompt_due = None, list(ids.prompt)
+            if ids.output_source == "engine":
+                turn.held += ids.output[turn.fed_output + len(turn.held):]
+            elif ids.output:
+                turn.held = list(ids.output)
+            turn.feed(wait=True, share=False)
+            said = [] if lines is None else shown(lines.status.lines, lines.status.started)
+            service.record_turn(turn.turn_id, check_turn(ids), ids, said)
+            if label is not None and service.wants_label(turn.turn_id):
+                service.upstream_label(turn.turn_id, *label())
+        except Exception:  # noqa: BLE001 - logged, and the turn still ends
+            log.exception("the shadow could not finish turn %s", turn.turn_id)
+        finally:
+            service.end_turn(turn.turn_id)
+
+
+def _event(line: bytes) -> dict | None:
+    line = line.strip()
+    if not line.startswith(b"data:"):
+        return None
+    data = line[5:].strip()
+    if data == b"[DONE]":
+        return None
+    return _json(data)
+
+
+def _json(data: bytes):
+    try:
+        event = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def label_asker(upstream: str, request_headers, body: dict, question) -> Callable[[], tuple[str | None, str | None]]:
+    """A function that asks the upstream model the standing question after the turn's messages
+    (one token, greedy) and returns (the label if the answer is one of the choices, the answer)."""
+    headers = passed_headers(request_headers)
+    request = {"messages": list(body["messages"]) + [{"role": "user", "content": question.text}],
+               "max_tokens": 1, "temperature": 0, "stream": False}
+    if "model" in body:
+        request["model"] = body["model"]
+
+    def ask() -> tuple[str | None, str | None]:
+        try:
+            r = httpx.post(upstream.rstrip("/") + "/chat/completions", json=request, headers=headers, timeout=120)
+            r.raise_for_status()
+            answer = (r.json()["choices"][0]["message"].get("content") or "").strip()
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+            log.warning("the upstream gave no label: %s", e)
+            return None, None
+        return (answer if answer in question.labels else None), answer
+
+    return ask
+
