@@ -23,8 +23,8 @@ def _http_url(ctx, param, value):
 @user_errors
 def ab(
     url: Annotated[str, typer.Option(callback=_http_url, help="The running `shadow serve` base URL (embedded or proxy), e.g. http://127.0.0.1:8000/v1.")] = "http://127.0.0.1:8000/v1",
-    prompt_tokens: Annotated[int, typer.Option(callback=bounds(ge=1), help="Prompt length in tokens (the source: 16,350).")] = 16_350,
-    output_tokens: Annotated[int, typer.Option(callback=bounds(ge=2), help="Tokens generated per run, at least 2 (the source: 346).")] = 346,
+    prompt_tokens: Annotated[int, typer.Option(callback=bounds(ge=1), help="Prompt length in tokens.")] = 16_350,
+    output_tokens: Annotated[int, typer.Option(callback=bounds(ge=2), help="Tokens generated per run, at least 2.")] = 346,
     runs: Annotated[int, typer.Option(callback=bounds(ge=1), help="Runs per arm.")] = 6,
     pause: Annotated[float, typer.Option(callback=bounds(ge=0), help="Seconds between requests.")] = 1.5,
     gate_pct: Annotated[float, typer.Option(callback=bounds(ge=0), help="The largest decode slowdown (%) that passes.")] = 3.0,

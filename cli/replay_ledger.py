@@ -24,7 +24,7 @@ FORMATS = ("auto", "mooncake", "trajectory", "ledger")
 def replay_ledger(
     inputs: Annotated[list[Path], typer.Argument(help="Trace files: a Mooncake trace (.jsonl), mini-swe-agent trajectories (.traj.json, or a folder of them), or the project's ledger (.jsonl).")],
     fmt: Annotated[str, typer.Option("--format", help="auto, mooncake, trajectory or ledger.")] = "auto",
-    read_ms_per_1k: Annotated[list[float] | None, typer.Option("--read-ms-per-1k", callback=bounds(gt=0), help="Read rate(s) in ms per 1,000 tokens (repeatable: a sweep). Default 87, the source's.")] = None,
+    read_ms_per_1k: Annotated[list[float] | None, typer.Option("--read-ms-per-1k", callback=bounds(gt=0), help="Read rate(s) in ms per 1,000 tokens (repeatable: a sweep). Default 87.")] = None,
     read_rate_json: Annotated[Path | None, typer.Option(callback=input_file, help="Also use the rate measured by `shadow read-rate --json` (its last line's ms_per_1k_tokens).")] = None,
     share: Annotated[list[float] | None, typer.Option("--share", callback=bounds(gt=0, lt=1), help="In-turn share(s) of the time since the first token (repeatable). Default 0.02.")] = None,
     grid: GridOpt = 512,

@@ -3,7 +3,7 @@
 Runs the shapes the reader meets for each named preset (random weights, fast kernels; default
 the 0.8B): grid chunks of 512, an ask over a pending tail, fork decode, and a prefill in
 2,048-row chunks (verify-exact's other grid); then writes every autotuner's choices to
-OUT/pins/<GPU>.json. Commit that file under shadow/model/pins/ to pin them. The pins already
+OUT/pins/<GPU>.json. Commit that file under shadow/model/kernels/pins/ to pin them. The pins already
 committed for this GPU are applied first (the fast kernels apply them when picked), so a new
 recording keeps their configs and adds the keys it meets: the bits of pinned shapes do not move.
 

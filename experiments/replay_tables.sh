@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The freshness tables in docs/FRESHNESS.md, from `shadow replay-ledger` runs of the read scheduler
-# (shadow/schedule.py), at the source's read rate (87 ms per 1,000) and this project's H200 rate
+# (shadow/core/schedule.py), at the source's read rate (87 ms per 1,000) and this project's H200 rate
 # (docs/results/read-rate-512-h200-r2-fixed.json: 7.36 ms per 1,000, the fla-triton kernels, revision 2).
 # Usage: bash experiments/replay_tables.sh [DATA_DIR] [STEP ...]   (DATA_DIR default ../shared/data;
 #   steps: trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes; default all).

@@ -16,12 +16,15 @@ from fastapi.responses import StreamingResponse
 
 from shadow.core.reader import open_reader
 from shadow.core.schedule import BandwidthRule
-from shadow.server.http.app import create_app
-from shadow.server.generator import Generator
-from shadow.server.service import ShadowService
 from shadow.core.store import SessionStore
-from shadow.text.tokenizer import load_tokenizer
 from shadow.offline.verify import compare_states
+from shadow.server.generator import Generator
+from shadow.server.host import Shadow
+from shadow.server.http.app import ShadowApp
+from shadow.server.service import ShadowService
+from shadow.server.settings import (EngineSettings, LineTiming, ModelSettings, ServeSettings, SessionSettings,
+                                    StatusSettings, StoreSettings)
+from shadow.text.tokenizer import load_tokenizer
 
 GRID = 128
 
@@ -37,21 +40,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def settings_for(upstream: str | None = None, disk=None, journal=None, label_from_upstream=False, prefix_match=True,
+                 require_exact=False, session_headers=None, status_channel="auto", status_timing=None,
+                 rule: BandwidthRule = BandwidthRule(), dialect: str = "auto", **more) -> ServeSettings:
+    """The settings a test's service runs with: grid GRID, no cap, and what the test names."""
+    sessions = SessionSettings(prefix_match=prefix_match, **({"headers": tuple(session_headers)} if session_headers else {}))
+    return ServeSettings(
+        model=ModelSettings("tiny", grid=GRID), store=StoreSettings(cap_gib=None, disk=disk), schedule=rule,
+        engine=EngineSettings(upstream=upstream, dialect=dialect, label_from_upstream=label_from_upstream),
+        sessions=sessions, status=StatusSettings(status_channel, timing=LineTiming(**(status_timing or {}))),
+        journal=journal, require_exact=require_exact, **more)
+
+
+def service_for(settings: ServeSettings, reader, store, weights: str = "random", **parts) -> ShadowService:
+    """A service over a shadow already loaded (`parts`: standing, voice, clock, pool_free)."""
+    return ShadowService(settings, Shadow(reader, store, weights), reader.model.config, **parts)
+
+
 @contextmanager
 def running(upstream: str | None = None, disk=None, journal=None, standing=None, label_from_upstream=False,
-            prefix_match=True, require_exact=False, **app_options):
+            prefix_match=True, require_exact=False, renderer=None, **options):
     """A real `shadow serve` app on loopback in a thread: embedded, or a proxy in front of
     `upstream`; leaving it is a planned stop (sessions parked on `disk`)."""
     loaded, reader = open_reader("tiny", grid=GRID)
     store = SessionStore(reader, loaded.weights_hash, cap_gib=None, disk=disk)
-    service = ShadowService(reader, store, BandwidthRule(), journal=journal, weights=loaded.weights_label,
-                            standing=standing, label_from_upstream=label_from_upstream,
-                            prefix_match=prefix_match, require_exact=require_exact)
-    if upstream:
-        app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream,
-                         label_from_upstream=label_from_upstream, **app_options)
-    else:
-        app = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model), **app_options)
+    settings = settings_for(upstream, disk, journal, label_from_upstream, prefix_match, require_exact, **options)
+    service = service_for(settings, reader, store, loaded.weights_label, standing=standing)
+    generator = None if upstream else Generator(loaded.model)
+    app = ShadowApp(settings, service, load_tokenizer(None), "upstream" if upstream else "tiny", generator=generator,
+                    renderer=renderer).app
     with serving(app) as client:
         yield client, service
 

@@ -475,7 +475,7 @@ def test_ab_with_the_voice_switches_shadow_and_voice_per_arm_and_back(embedded, 
     assert all(r["tokens"] == 5 for r in runs)  # status lines are never counted as tokens
     assert all(r["lines"] == 0 for r in runs if r["arm"] == "off") and doc["status_lines"]["off"] == 0
     assert all(r["share_s"] == 0 for r in runs if r["arm"] == "off")
-    assert service.enabled is True and service.voice_enabled is True  # switched back
+    assert service.shared.switch.shadow is True and service.shared.switch.voice is True  # switched back
     assert csv_path.read_text().splitlines()[0].startswith("arm,pair,ttft_s,decode_tok_s,tokens,share_s,lines,voice")
 
 
@@ -489,7 +489,7 @@ def test_ab_sets_the_switch_back_after_an_error(embedded, workdir):
     assert result.exit_code == 2, result.output
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: the server refused the request (400)") and "max_tokens" in line
-    assert service.enabled is True and service.voice_enabled is True
+    assert service.shared.switch.shadow is True and service.shared.switch.voice is True
 
 
 def test_ab_sets_the_switch_back_on_ctrl_c(embedded, tokenizer):
@@ -502,9 +502,9 @@ def test_ab_sets_the_switch_back_on_ctrl_c(embedded, tokenizer):
     seen = []
 
     def interrupt(done, total, run):
-        seen.append((run.arm, service.enabled))
+        seen.append((run.arm, service.shared.switch.shadow))
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         run_ab(base, tokenizer, 200, 3, 2, 0.0, interrupt, voice=True, restore=(True, None))
-    assert seen == [("off", False)] and service.enabled is True and service.voice_enabled is True
+    assert seen == [("off", False)] and service.shared.switch.shadow is True and service.shared.switch.voice is True

@@ -127,3 +127,9 @@ def test_no_command_imports_another():
     wrong = [f"{name} -> {dep}" for name, deps in g.items() if name.startswith("cli.") and name != "cli.main"
              for dep in deps if (dep == "cli" or dep.startswith("cli.")) and dep != "cli.common"]
     assert wrong == []
+
+
+def test_the_layer_picture_in_the_docs_is_the_codes():
+    done = subprocess.run([sys.executable, "experiments/architecture.py", "--check"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -14,15 +14,17 @@ import pytest
 
 import shadow.offline.replay
 import shadow.server.service
-from serving import GRID, assert_exact, long_text, running, serving, settled, wait_until_read
+from serving import (GRID, assert_exact, long_text, running, service_for, serving, settings_for, settled,
+                     wait_until_read)
 from shadow.core.reader import open_reader
+from shadow.core.schedule import BandwidthRule, ReadScheduler, Wait
+from shadow.core.store import SessionStore
 from shadow.offline.ledger import Request
 from shadow.offline.replay import readable, replay, time_readable
-from shadow.core.schedule import BandwidthRule, ReadScheduler, Wait
-from shadow.server.http.app import create_app
 from shadow.server.generator import Generator
+from shadow.server.host import Shadow
+from shadow.server.http.app import ShadowApp
 from shadow.server.service import ShadowService
-from shadow.core.store import SessionStore
 from shadow.text.tokenizer import load_tokenizer
 
 CHUNK_S = 0.0625  # 1/16 s: every time in the timeline below is exact in binary, so both sides add alike
@@ -96,6 +98,7 @@ class LiveDriver:
                              + [(r.end, _END, i) for i, r in enumerate(requests)])
         self.last_start = max(n for n, e in enumerate(self.events) if e[1] == _START)
         self.next_event = 0
+        self.turns: dict[int, object] = {}  # request -> its turn's record
         self.fed: dict[int, int] = {}  # request -> output ids fed
         self.owed: list[int] = []  # requests begun mid-chunk, their prompt not fed yet
         self.decoding: dict[int, Request] = {}
@@ -116,24 +119,25 @@ class LiveDriver:
         if mid_chunk:
             self.mid_chunk.append(kind)
         if kind == _START:
+            turn = self.turns[i] = service.begin_turn(r.session)
+            service.name_turn(turn, self.ids[i][0])  # its session is known at once (a request header)
             if mid_chunk:
-                service.begin_turn(i + 1, r.session)
                 self.owed.append(i)
             else:
-                service.begin_turn(i + 1, r.session, self.ids[i][0])
+                service.set_prompt(turn, self.ids[i][0])
         elif kind == _FIRST:
-            service.first_token(i + 1)
+            service.first_token(self.turns[i])
             self.fed[i] = 0
             if r.end > r.first_token:
                 self.decoding[i] = r
         else:
             self.output(i, r.output_tokens)
-            service.end_turn(i + 1)
+            service.end_turn(self.turns[i])
             self.decoding.pop(i, None)
 
     def output(self, i: int, upto: int) -> None:
         if upto > self.fed[i]:
-            self.service.add_output(i + 1, self.ids[i][1][self.fed[i]:upto])
+            self.service.add_output(self.turns[i], self.ids[i][1][self.fed[i]:upto])
             self.fed[i] = upto
 
     def round_s(self) -> float:
@@ -144,7 +148,7 @@ class LiveDriver:
         service, next_round = self.service, -math.inf
         while True:
             for i in self.owed:
-                service.set_prompt(i + 1, self.ids[i][0])
+                service.set_prompt(self.turns[i], self.ids[i][0])
             self.owed = []
             t = self.clock.t
             self.fire(t, inclusive=True)
@@ -155,7 +159,7 @@ class LiveDriver:
                 self.output(i, readable(r, t) - r.prompt_tokens)
             if self.decoding and t >= next_round:
                 turn = next(iter(self.decoding))
-                service.share_slice(turn + 1)
+                service.share_slice(self.turns[turn])
                 decision = service.reading.last
                 if not isinstance(decision, Wait):
                     self.shares.append((self.requests[turn].session, decision.session))
@@ -203,7 +207,8 @@ def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same
     loaded, reader = open_reader("tiny", grid=GRID)
     hook = ChunkCost(reader.forward, clock)
     reader.forward = hook
-    service = ShadowService(reader, SessionStore(reader, loaded.weights_hash, cap_gib=None), RULE, clock=clock)
+    service = service_for(settings_for(rule=RULE, prefix_match=False), reader,
+                          SessionStore(reader, loaded.weights_hash, cap_gib=None), clock=clock)
     try:
         assert service.reading.sched.costs.table() == {0: CHUNK_S, 8192: CHUNK_S, 32768: CHUNK_S}  # warmed at load
         clock.t = 0.0
@@ -262,11 +267,10 @@ def test_chunks_slower_than_a_burst_never_stop_the_idle_reader(tiny):
     loaded, reader = open_reader("tiny", grid=GRID)
     slow = SlowFirst(reader.forward, 0.5)
     reader.forward = slow
-    rule = BandwidthRule(burst_s=0.3)
-    service = ShadowService(reader, SessionStore(reader, loaded.weights_hash, cap_gib=None), rule,
-                            weights=loaded.weights_label)
+    settings = settings_for(rule=BandwidthRule(burst_s=0.3), prefix_match=False)
+    service = service_for(settings, reader, SessionStore(reader, loaded.weights_hash, cap_gib=None), loaded.weights_label)
     slow.device, slow.left = service.device, 3
-    app = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model))
+    app = ShadowApp(settings, service, load_tokenizer(None), "tiny", generator=Generator(loaded.model)).app
     with serving(app) as client:
         r = client.post("/v1/chat/completions", headers={"x-session-id": "slow"},
                         json={"messages": [{"role": "user", "content": long_text(3, 900)}], "max_tokens": 2})
@@ -295,12 +299,12 @@ def test_the_first_streamed_turn_after_a_start_never_waits_for_a_measuring_chunk
         slow.append(SlowFirst(reader.forward, cold_s))
         slow[0].left, slow[0].device = 1, service.device
         reader.forward = slow[0]
-        return reader, SessionStore(reader, tiny.weights_hash, cap_gib=None), "random"
+        return Shadow(reader, SessionStore(reader, tiny.weights_hash, cap_gib=None), "random")
 
-    service = ShadowService(None, None, BandwidthRule(share=0.5), load=load,
-                            config=read_config(resolve_checkpoint("tiny")))
     with running() as (engine, _):
-        app = create_app(service, load_tokenizer(None), "upstream", upstream=str(engine.base_url).rstrip("/") + "/v1")
+        settings = settings_for(str(engine.base_url).rstrip("/") + "/v1", rule=BandwidthRule(share=0.5), prefix_match=False)
+        service = ShadowService(settings, load, read_config(resolve_checkpoint("tiny")))
+        app = ShadowApp(settings, service, load_tokenizer(None), "upstream").app
         with serving(app) as proxy:
             deadline = time.time() + 60
             while not proxy.get("/v1/shadow/status").json()["ready"] and time.time() < deadline:

@@ -4,6 +4,7 @@ HTTP fuzz of every endpoint from the served OpenAPI schema (schemathesis); a bou
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -13,14 +14,12 @@ from contextlib import contextmanager
 import pytest
 from fastapi import FastAPI, Request
 
-from serving import GRID, assert_exact, long_text, serving, settled
+from serving import GRID, assert_exact, long_text, serving, service_for, settings_for, settled
 from shadow.core.reader import open_reader
-from shadow.core.schedule import BandwidthRule
-from shadow.server.http.app import create_app
-from shadow.server.generator import Generator
-from shadow.server.http.guard import Access, Limits
-from shadow.server.service import ShadowService
 from shadow.core.store import SessionStore
+from shadow.server.generator import Generator
+from shadow.server.http.app import ShadowApp
+from shadow.server.settings import Access, EngineSettings, Limits
 from shadow.text.tokenizer import load_tokenizer
 
 KEY, ADMIN = "k-3f9a", "admin-77c1"
@@ -31,14 +30,12 @@ def guarded(access=Access(KEY, ADMIN), limits=Limits(), cap_gib=None, disk=None,
             upstream_key=None):
     loaded, reader = open_reader("tiny", grid=GRID)
     store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk)
-    service = ShadowService(reader, store, BandwidthRule(), journal=journal, weights=loaded.weights_label,
-                            max_ask_tail=limits.max_ask_tail)
+    settings = settings_for(journal=journal, prefix_match=False, access=access, limits=limits)
     if upstream:
-        app = create_app(service, load_tokenizer(None), "upstream", upstream=upstream, access=access, limits=limits,
-                         upstream_key=upstream_key, dialect="vllm")
-    else:
-        app = create_app(service, load_tokenizer(None), "tiny", generator=Generator(loaded.model), access=access,
-                         limits=limits)
+        settings = dataclasses.replace(settings, engine=EngineSettings(upstream, "vllm", upstream_key=upstream_key))
+    service = service_for(settings, reader, store, loaded.weights_label)
+    generator = None if upstream else Generator(loaded.model)
+    app = ShadowApp(settings, service, load_tokenizer(None), "upstream" if upstream else "tiny", generator=generator).app
     with serving(app) as client:
         yield client, service
 
@@ -63,7 +60,7 @@ def test_keys_guard_every_endpoint(tiny):
             assert client.post(path, json=body, headers=bearer(KEY)).status_code == 401
         assert client.get("/v1/shadow/status", headers=bearer(KEY)).status_code == 401
         assert client.get("/v1/shadow/status", headers=bearer(ADMIN)).status_code == 200
-        assert service.enabled  # the refused switch changed nothing
+        assert service.shared.switch.shadow  # the refused switch changed nothing
         r = client.post("/v1/shadow/ask", headers=bearer(ADMIN), json={"session": "s", "question": "q", "choices": ["A"]})
         assert r.status_code == 200
 
@@ -121,8 +118,8 @@ def test_limits_refuse_with_the_error_shape_and_change_nothing(tiny, tmp_path):
 def test_an_ask_far_behind_answers_503_not_a_huge_fork(tiny):
     limits = Limits(max_ask_tail=GRID)
     with guarded(Access(), limits) as (client, service):
-        service.enabled = True
-        service._stop.set()  # no idle reader: the session stays behind
+        service.shared.switch.shadow = True
+        service.reading.stop_event.set()  # no idle reader: the session stays behind
         client.post("/v1/chat/completions", headers={"x-session-id": "far"},
                     json={"messages": [{"role": "user", "content": long_text(2, 800)}], "max_tokens": 1})
         settled(service)

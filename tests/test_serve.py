@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -15,12 +16,14 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from serving import GRID, answers, assert_exact, free_port, long_text, running, serving, settled, wait_until_read
+from serving import (GRID, answers, assert_exact, free_port, long_text, running, service_for, serving, settings_for,
+                     settled, wait_until_read)
 from shadow.core.reader import open_reader
-from shadow.core.schedule import BandwidthRule
-from shadow.server.http.app import create_app
-from shadow.server.service import ShadowService
 from shadow.core.store import SessionStore, check_folder
+from shadow.server.host import Shadow
+from shadow.server.http.app import ShadowApp
+from shadow.server.service import ShadowService
+from shadow.server.settings import StoreSettings
 from shadow.text.tokenizer import load_tokenizer
 
 
@@ -250,15 +253,15 @@ def test_share_slices_are_charged_to_the_turn_and_counted(tiny):
     what it used is charged to the turn and summed in the status counters."""
     loaded, reader = open_reader("tiny", grid=GRID)
     offset = [0.0]
-    service = ShadowService(reader, SessionStore(reader, loaded.weights_hash, cap_gib=None), BandwidthRule(),
-                            clock=lambda: time.monotonic() + offset[0])
-    service.begin_turn(1, "s", list(range(1000, 1000 + 8 * GRID)))
-    assert service.share_slice(1) == 0  # no first token yet: no share
-    service.first_token(1)
+    service = service_for(settings_for(prefix_match=False), reader, SessionStore(reader, loaded.weights_hash, cap_gib=None),
+                          clock=lambda: time.monotonic() + offset[0])
+    turn = service.begin_turn("s")
+    service.set_prompt(turn, list(range(1000, 1000 + 8 * GRID)))
+    assert service.share_slice(turn) == 0  # no first token yet: no share
+    service.first_token(turn)
     offset[0] += 10.0  # 10 s of decode: a budget of 0.2 s, read in slices of at most 0.15 s
-    read = service.share_slice(1)
-    read += service.share_slice(1)
-    turn = service.turns[1]
+    read = service.share_slice(turn)
+    read += service.share_slice(turn)
     counters = service.status()["counters"]
     assert read > 0 and counters["chunks_share"] == read
     assert 0 < turn.share_used == service.counters.share_s and counters["share_s"] == round(turn.share_used, 6)
@@ -347,7 +350,7 @@ def test_standing_question_is_answered_at_the_insertion_point_and_journaled(tiny
     from typer.testing import CliRunner
 
     from cli.main import app
-    from shadow.server.service import load_standing
+    from shadow.server.standing import load_standing
 
     tokenizer = load_tokenizer(None)
     spec = tmp_path / "router.json"
@@ -426,12 +429,14 @@ def test_a_late_answer_never_lands_after_a_newer_prompt(server):
     _, service = server
 
     def turns() -> None:
-        service.begin_turn(101, "late", list(range(300)))
-        service.begin_turn(102, "late", list(range(300)) + [7] * 50)  # the next turn came first
-        service.add_output(101, [9, 9, 9])  # turn 101's answer arrives after it
-        service.set_prompt(101, list(range(200)))  # and a stale prompt too
-        service.add_output(102, [5])
-        for t in (101, 102):
+        first = service.begin_turn("late")
+        service.set_prompt(first, list(range(300)))
+        second = service.begin_turn("late")
+        service.set_prompt(second, list(range(300)) + [7] * 50)  # the next turn came first
+        service.add_output(first, [9, 9, 9])  # the first turn's answer arrives after it
+        service.set_prompt(first, list(range(200)))  # and a stale prompt too
+        service.add_output(second, [5])
+        for t in (first, second):
             service.end_turn(t)
 
     service.run_request(turns)
@@ -456,8 +461,9 @@ def proxy_loading_in_background(upstream: str, load):
     --upstream` does)."""
     from shadow.model.checkpoint import read_config, resolve_checkpoint
 
-    service = ShadowService(None, None, BandwidthRule(), load=load, config=read_config(resolve_checkpoint("tiny")))
-    with serving(create_app(service, load_tokenizer(None), "upstream", upstream=upstream)) as client:
+    settings = settings_for(upstream, prefix_match=False)
+    service = ShadowService(settings, load, read_config(resolve_checkpoint("tiny")))
+    with serving(ShadowApp(settings, service, load_tokenizer(None), "upstream").app) as client:
         yield client, service
 
 
@@ -467,7 +473,7 @@ def test_a_proxy_serves_while_its_shadow_loads_then_reads_what_came_meanwhile(ti
     def slow_load():
         release.wait(30)  # the model "loads" until the test lets it finish
         _, reader = open_reader("tiny", grid=GRID)
-        return reader, SessionStore(reader, tiny.weights_hash, cap_gib=None), tiny.weights_label
+        return Shadow(reader, SessionStore(reader, tiny.weights_hash, cap_gib=None), tiny.weights_label)
 
     with running() as (engine, _):
         with proxy_loading_in_background(str(engine.base_url).rstrip("/") + "/v1", slow_load) as (proxy, service):
@@ -510,12 +516,13 @@ def test_an_idle_proxy_unloads_past_the_slack_and_the_next_turn_reads_on_exactly
 
     def load():
         _, reader = open_reader("tiny", grid=GRID)
-        return reader, SessionStore(reader, tiny.weights_hash, cap_gib=None, disk=tmp_path / "disk"), "random"
+        return Shadow(reader, SessionStore(reader, tiny.weights_hash, cap_gib=None, disk=tmp_path / "disk"), "random")
 
-    service = ShadowService(None, None, BandwidthRule(), load=load, config=read_config(resolve_checkpoint("tiny")),
-                            unload_slack_bytes=1 << 20, pool_free=lambda: free["bytes"])
     with running() as (engine, _):
-        app = create_app(service, load_tokenizer(None), "upstream", upstream=str(engine.base_url).rstrip("/") + "/v1")
+        settings = settings_for(str(engine.base_url).rstrip("/") + "/v1", prefix_match=False)
+        settings = dataclasses.replace(settings, store=StoreSettings(None, tmp_path / "disk", unload_slack_gib=1 / 1024))
+        service = ShadowService(settings, load, read_config(resolve_checkpoint("tiny")), pool_free=lambda: free["bytes"])
+        app = ShadowApp(settings, service, load_tokenizer(None), "upstream").app
         with serving(app) as proxy:
             first = [{"role": "user", "content": long_text(80, 300)}]
             _, answer = stream_chat(proxy, "u", first, max_tokens=4)
@@ -542,7 +549,7 @@ def test_the_upstream_model_labels_a_standing_question_when_no_header_does(tiny,
     """Opt-in: after a proxied turn with no label header, the engine is asked the standing question
     (one greedy token after the turn's messages); its answer is the journal's reference when it
     is one of the choices, and is kept beside it either way. A header label still wins."""
-    from shadow.server.service import load_standing
+    from shadow.server.standing import load_standing
 
     spec = tmp_path / "router.json"
     spec.write_text(json.dumps({"name": "router", "text": "Class? A code, B chat", "choices": ["A", "B"],

@@ -15,7 +15,10 @@ from fastapi import FastAPI, Request
 from serving import long_text, running, scripted_stream, serving, settled
 from shadow.text.chat_template import ChatRenderer, Template, default_hf_tokenizer
 from shadow.server.http.channels import Channel, LineWriter, choose, client_kind
-from shadow.server.http.status import EngineLoad, TurnStatus, reading_line, tool_action, waited_line, waiting_line
+from shadow.core.turns import TurnTable
+from shadow.server.http.lines import TurnStatus, reading_line, tool_action, waited_line, waiting_line
+from shadow.server.load import EngineLoad
+from shadow.server.turn import ServedTurn
 from shadow.text.framing import MARK, frame, frame_title, strip_lines, strip_request
 
 
@@ -71,14 +74,16 @@ def test_one_turn_says_nothing_for_short_work_and_each_line_at_its_moment():
 
 
 def test_a_request_behind_others_is_told_its_position():
-    load = EngineLoad(slots=1)
-    load.start(1, 0.0, 10000)
-    load.first_token(1, 10.0)  # measured: 1,000 tokens a second
-    load.end(1)
-    load.start(2, 20.0, 5000)
-    load.start(3, 21.0, 3000)
-    assert load.ahead(2, 21.0) == [] and load.ahead(3, 22.0) == [3.0]  # 2 reads first: 5 s from 20.0
-    s = TurnStatus(started=21.0, new_tokens=3000, rate=load.rate, ahead=load.ahead(3, 23.0))
+    turns = TurnTable()
+    load = EngineLoad(turns, slots=1)
+    one, two, three = (turns.add(ServedTurn(k, float(k))) for k in (1, 2, 3))
+    load.sent(one, 0.0, 10000)
+    load.first_token(one, 10.0)  # measured: 1,000 tokens a second
+    load.answered(one)
+    load.sent(two, 20.0, 5000)
+    load.sent(three, 21.0, 3000)
+    assert load.ahead(two, 21.0) == [] and load.ahead(three, 22.0) == [3.0]  # 2 reads first: 5 s from 20.0
+    s = TurnStatus(started=21.0, new_tokens=3000, rate=load.rate, ahead=load.ahead(three, 23.0))
     assert s.tick(23.0)[0].text == "waiting: another request is running, position 1, about 5 s"
 
 
@@ -102,7 +107,9 @@ def test_channels_carry_a_line_as_their_client_renders_it():
 
 
 def test_inline_lines_close_their_part_before_the_models_reasoning():
-    writer = LineWriter(Channel("inline"), TurnStatus(started=0.0, new_tokens=10, rate=1.0), EngineLoad(), 1)
+    turns = TurnTable()
+    turn = turns.add(ServedTurn(1, 0.0))
+    writer = LineWriter(Channel("inline"), TurnStatus(started=0.0, new_tokens=10, rate=1.0), EngineLoad(turns), turn)
     sent = writer.encode(writer.due(2.0))
     assert len(sent) == 2 and writer.open_part
     assert writer.encode(writer.before_delta(3.0, "reasoning")) == []

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from serving import GRID, long_text, running, scripted_stream, serving, settled
+from shadow.server.settings import VoiceSettings
 from shadow.text.tokenizer import load_tokenizer
 from shadow.voice.checks import REASONS, check, language
 from shadow.voice.voice import PhraseCost, Voice, VoiceBudget
@@ -119,9 +120,10 @@ def test_with_random_weights_the_lines_go_out_without_a_phrase(tiny, tmp_path):
     with serving(app_engine) as engine, running(upstream=str(engine.base_url).rstrip("/") + "/v1", dialect="openai",
                                                 renderer=renderer(), status_channel="reasoning", journal=journal,
                                                 status_timing={"thinking_from_s": 0.5, "thinking_every_s": 0.8,
-                                                               "quiet_s": 0.2}) as (proxy, service):
-        service.voice = Voice(service.reader, load_tokenizer(None))
-        service.voice_share = 0.9  # the test's turn is short: a share large enough to try
+                                                               "quiet_s": 0.2},
+                                                voice=VoiceSettings(share=0.9)) as (proxy, service):
+        # the test's turn is short: a share large enough to try
+        service.voicing.voice = Voice(service.reader, load_tokenizer(None))
         events = []
         with proxy.stream("POST", "/v1/chat/completions", headers={"x-session-id": "think"},
                           json={"messages": [{"role": "user", "content": long_text(2, 200)}], "stream": True}) as r:
@@ -149,9 +151,10 @@ def embedded_thinking_turn(journal, voice: type[Voice] = Voice) -> tuple[list[st
 
     qwen = ChatRenderer(read_template(shared_file("templates", "qwen3.5.jinja")), default_hf_tokenizer())
     with running(journal=journal, renderer=qwen, status_channel="reasoning",
-                 status_timing={"thinking_from_s": 0.5, "thinking_every_s": 0.8, "quiet_s": 0.2}) as (client, service):
-        service.voice = voice(service.reader, load_tokenizer(None))
-        service.voice_share = 0.9  # the test's turn is short: a share large enough to try
+                 status_timing={"thinking_from_s": 0.5, "thinking_every_s": 0.8, "quiet_s": 0.2},
+                 voice=VoiceSettings(share=0.9)) as (client, service):
+        # the test's turn is short: a share large enough to try
+        service.voicing.voice = voice(service.reader, load_tokenizer(None))
         events = []
         with client.stream("POST", "/v1/chat/completions", headers={"x-session-id": "own"},
                            json={"messages": [{"role": "user", "content": long_text(3, 200)}], "stream": True,
@@ -194,24 +197,24 @@ def test_a_phrase_that_started_between_rounds_is_kept_when_it_outlasts_the_wait(
 
     tokenizer = load_tokenizer(None)
     with running() as (_, service):
-        service.voice = SlowVoice(service.reader, tokenizer)
-        service.voice.cost = PhraseCost(0.01, 0.0)  # expected to fit the slice
-        service.device.run(lambda: service.begin_turn(1000, "slow", tokenizer.encode(long_text(6, 50))))
-        service.first_token(1000)
-        turn = service.turns[1000]
-        turn.embedded, turn.first_token = True, turn.first_token - 10.0  # 10 s into its decode: budget for a phrase
+        service.voicing.voice = SlowVoice(service.reader, tokenizer)
+        service.voicing.voice.cost = PhraseCost(0.01, 0.0)  # expected to fit the slice
+        turn = service.begin_turn("slow", embedded=True)
+        service.device.run(lambda: service.set_prompt(turn, tokenizer.encode(long_text(6, 50))))
+        service.first_token(turn)
+        turn.first_token -= 10.0  # 10 s into its decode: budget for a phrase
 
         def rounds():  # the turn's own rounds, for 1.5 s, serving phrases between them
             for _ in range(150):
-                service.serve_phrases(1000)
+                service.voicing.serve_phrases(turn)
                 time.sleep(0.01)
 
         held = service.device.submit(rounds)
         time.sleep(0.05)
-        phrase = service.voice_phrase(1000, "thinking", wait_s=0.05)
+        phrase = service.voicing.phrase(turn, "thinking", wait_s=0.05)
         held.result()
         used = turn.voice.used_s
-        service.end_turn(1000)
+        service.end_turn(turn)
     assert phrase is not None and phrase.raw == "noise" and phrase.seconds == 0.5
     assert used >= 0.5
 

@@ -1,4 +1,4 @@
-"""The read scheduler (DESIGN.md section 6): which session the shadow reads next, and how much.
+"""The read scheduler: which session the shadow reads next, and how much.
 
 `ReadScheduler` is pure: no tensors, no threads, no I/O, and every method takes `now` (seconds on
 the caller's clock). The live service and the ledger replay (`shadow/replay.py`) drive the same
@@ -6,7 +6,8 @@ object, so replayed figures describe the code that runs. It is told:
 
 - the sessions' backlogs (`update`: read position, ids known, resident or not), pending asks and
   standing questions (`question`, `answered`);
-- the engine's activity (`turn_started`, `first_token`, `turn_ended`, `waiting`);
+- the engine's activity (`turn_started`, `first_token`, `turn_ended`, `waiting`), kept in its
+  `turns` (`turns.TurnTable`, shared with whoever serves the turns);
 - what was read and how long it took (`read_done`), which feeds the per-depth cost estimates
   (`ChunkCosts`; `costs.warm` fills them before any turn);
 
@@ -61,7 +62,10 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass, fields
+
+from shadow.core.turns import Turn, TurnTable
 
 EPS = 1e-9
 
@@ -86,10 +90,6 @@ class BandwidthRule:
     def share_budget(self, first_token: float, now: float, used: float) -> float:
         """Seconds the reader may still use inside a turn whose first token came at first_token."""
         return self.share * max(0.0, now - first_token) - used
-
-    def slice_chunks(self, budget_s: float, chunk_s: float) -> int:
-        """Whole chunks in one slice: as many as the budget and the slice cap allow."""
-        return max(0, int((min(budget_s, self.slice_s) + 1e-12) // chunk_s))
 
 
 STEPS = ("question", "running", "fewest", "recent", "oldest")
@@ -227,10 +227,11 @@ class _Session:
 
 class ReadScheduler:
     """The one read scheduler (see the module docstring). Not thread-safe: a live caller holds its
-    own lock around every call. Turn ids are the caller's (any hashable)."""
+    own lock around every call. Turn ids are the caller's (any hashable); `turns` is the table of
+    turns in flight (a caller that keeps its own records there adds them before `turn_started`)."""
 
     def __init__(self, rule: BandwidthRule = BandwidthRule(), grid: int = 512, costs: ChunkCosts | None = None,
-                 priorities: Priorities = Priorities()):
+                 priorities: Priorities = Priorities(), turns: TurnTable | None = None):
         self.rule, self.grid, self.priorities = rule, grid, priorities
         self.costs = costs if costs is not None else ChunkCosts()
         self.sessions: dict[str, _Session] = {}
@@ -238,7 +239,7 @@ class ReadScheduler:
         self._heap: list[tuple[tuple, int, str]] = []  # (rank, version, name) of ready sessions
         self._versions = 0  # one counter for all sessions, so a forgotten name's entries stay stale
         self._seen = 0
-        self._turns: dict[object, tuple[str, bool]] = {}  # turn -> (session, decoding)
+        self.turns = turns if turns is not None else TurnTable()
         self._running: dict[str, int] = {}  # session -> turns in flight
         self._decoding = 0
         self._waiting = 0
@@ -322,20 +323,21 @@ class ReadScheduler:
 
     # the engine ------------------------------------------------------------------------------
 
-    def turn_started(self, turn: object, session: str | None, now: float) -> None:
+    def turn_started(self, turn: Hashable, session: str | None, now: float) -> None:
         """A request arrived for `session` (the engine is busy from now until its turn ends).
         `session` None: not known yet (a proxy finds it from the prompt's ids); `turn_session`
-        names it when it is."""
-        self._turns[turn] = (session, False)
+        names it when it is. The turn's record is the caller's if it added one to `turns`."""
+        record = self.turns.get(turn) or self.turns.add(Turn(turn, now))
+        record.session, record.first_token = None, None
         if session is not None:
-            self._run(session, now)
+            self.turn_session(turn, session, now)
         self._burst_start = None
 
-    def turn_session(self, turn: object, session: str, now: float) -> None:
+    def turn_session(self, turn: Hashable, session: str, now: float) -> None:
         """Name the session of a turn started without one (its last turn counts from now)."""
-        named, decoding = self._turns[turn]
-        if named is None:
-            self._turns[turn] = (session, decoding)
+        record = self.turns[turn]
+        if record.session is None:
+            record.session = session
             self._run(session, now)
 
     def _run(self, session: str, now: float) -> None:
@@ -347,21 +349,21 @@ class ReadScheduler:
         s.last_turn = now
         self._refresh(s, now, rerank=True)
 
-    def first_token(self, turn: object, now: float) -> None:
+    def first_token(self, turn: Hashable, now: float) -> None:
         """The turn's first output token: it decodes from now; a stretch starts if none decoded."""
-        session, decoding = self._turns[turn]
-        if decoding:
+        record = self.turns[turn]
+        if record.decoding:
             return
-        self._turns[turn] = (session, True)
+        record.first_token = now
         if self._decoding == 0:
             self.stretch_start, self.share_used = now, 0.0
         self._decoding += 1
 
-    def turn_ended(self, turn: object, now: float) -> None:
-        session, decoding = self._turns.pop(turn)
-        if session is not None:
-            self._stop_running(session, now)
-        if decoding:
+    def turn_ended(self, turn: Hashable, now: float) -> None:
+        record = self.turns.pop(turn)
+        if record.session is not None:
+            self._stop_running(record.session, now)
+        if record.decoding:
             self._decoding -= 1
             if self._decoding == 0:
                 self.stretch_start, self.share_used = None, 0.0
@@ -381,7 +383,7 @@ class ReadScheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self._turns) or self._waiting > 0
+        return bool(self.turns) or self._waiting > 0
 
     @property
     def decoding(self) -> int:

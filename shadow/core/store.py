@@ -260,9 +260,6 @@ class SessionStore:
             return []
         return own_files(self.disk)
 
-    def _files(self) -> list[Path]:
-        return [p for p, _ in self._own() if p.name.endswith(SUFFIX)]
-
     def _headers(self) -> list[tuple[Path, Header, os.stat_result]]:
         """Every session file with a valid header whose session it is named for."""
         out = []

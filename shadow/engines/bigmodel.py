@@ -37,8 +37,3 @@ def write_engine_folder(folder: Path, template: Path, preset: str = "tiny", seed
         | tokenizer_files(),
     )
     return folder
-
-
-def is_engine_folder(folder: Path) -> bool:
-    return all((Path(folder) / n).is_file() for n in ("config.json", "tokenizer.json", "chat_template.jinja",
-                                                       RANDOM_MARKER))

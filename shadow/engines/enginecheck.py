@@ -301,7 +301,3 @@ def summary(results: list[CaseResult]) -> dict:
         "template_equal": sum(r.template_equal is True for r in ok),
         "template_compared": sum(r.template_equal is not None for r in ok),
     }
-
-
-def as_rows(results: list[CaseResult]) -> list[dict]:
-    return [asdict(r) for r in results]

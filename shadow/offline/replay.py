@@ -89,18 +89,6 @@ def time_readable(r: Request, tokens: int) -> float:
     return t
 
 
-def decode_stretches(requests: Sequence[Request]) -> list[tuple[float, float]]:
-    """The union of the requests' [first_token, end) intervals, merged and sorted."""
-    spans = sorted((r.first_token, r.end) for r in requests if r.end > r.first_token)
-    merged: list[list[float]] = []
-    for a, b in spans:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
-
-
 def known_before(requests: Sequence[Request]) -> list[int | None]:
     """For each request (same order): its session's ids known at its start from the session's
     previous request (prompt and output so far), None for a session's first request."""

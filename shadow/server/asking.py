@@ -1,35 +1,33 @@
 """Asks and summaries over HTTP: a session read to its end (within the ask's time), then one fork.
 
-An ask's session comes first in the read scheduler while the ask reads it (`Reading.asking`); its
+An ask's session comes first in the read scheduler while the ask reads it (`Questions.asking`); its
 chunks are reported like every other read. The fork prefills the unread tail and the question
 above the read position and puts the state back: the session is left bit for bit as it was.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 
-from shadow.errors import ShadowInputError, ShadowUnavailable
 from shadow.core.reader import Session
-from shadow.offline.journal import Journal, ids_crc
-from shadow.server.counters import Counters
-from shadow.server.device import DeviceThread
+from shadow.errors import ShadowInputError, ShadowUnavailable
+from shadow.offline.journal import ids_crc
 from shadow.server.host import ModelHost
-from shadow.server.reading import Reading
+from shadow.server.reading import Questions, Reading
+from shadow.server.shared import Shared
 
 
 class Asking:
-    """`resolve(session, timeout_s)` waits for the model and returns the store name an ask about
-    `session` reads and what its checks say of it (`ShadowService._asked`), or raises."""
+    """`resolve(session, timeout_s)` waits for the shadow and returns the store name an ask about
+    `session` reads and what its checks say of it (`ShadowService.resolve`), or raises."""
 
-    def __init__(self, host: ModelHost, reading: Reading, device: DeviceThread, lock: threading.Lock,
-                 clock: Callable[[], float], counters: Counters, journal: Journal, vocab_size: int,
-                 resolve: Callable[[str, float], tuple[str, dict]], max_tail: int | None = None):
-        self.host, self.reading, self.device, self.lock, self.clock = host, reading, device, lock, clock
-        self.counters, self.journal, self.vocab_size, self.resolve = counters, journal, vocab_size, resolve
-        self.max_tail = max_tail  # unread ids an ask or summary may prefill in one fork
+    def __init__(self, shared: Shared, host: ModelHost, reading: Reading, questions: Questions, vocab_size: int,
+                 resolve: Callable[[str, float], tuple[str, dict]]):
+        self.host, self.reading, self.questions, self.vocab_size, self.resolve = host, reading, questions, vocab_size, resolve
+        self.device, self.lock, self.clock = shared.device, shared.lock, shared.clock
+        self.counters, self.journal = shared.counters, shared.journal
+        self.max_tail = shared.settings.limits.max_ask_tail  # unread ids an ask or summary may prefill in one fork
 
     def check_ids(self, ids: Sequence[int]) -> list[int]:
         out = [int(i) for i in ids]
@@ -54,22 +52,22 @@ class Asking:
         started = self.clock()
 
         def on_device():
-            model = self.host.ensure()  # an idle burst may have unloaded it since the wait
-            with self.reading.asking(name):
-                s, behind, read = self.reading.read_to_end(model, name, timeout_s, started)
+            shadow = self.host.ensure()  # an idle burst may have unloaded it since the wait
+            with self.questions.asking(name):
+                s, behind, read = self.reading.read_to_end(shadow, name, timeout_s, started)
                 self._check_tail(s)
-                probs = model.reader.ask(s, question, choice_ids).tolist()
+                probs = shadow.reader.ask(s, question, choice_ids).tolist()
             with self.lock:
-                self.reading.settle(model, keep=name)
-            return model, s, behind, read, probs
+                self.reading.settle(shadow, keep=name)
+            return shadow, s, behind, read, probs
 
-        model, s, behind, read, probs = self.device.run(on_device, "ask")
+        shadow, s, behind, read, probs = self.device.run(on_device, "ask")
         best = max(range(len(probs)), key=probs.__getitem__)
         answer = {
             "session": session, "read": name, "choices": list(labels), "probs": probs, "label": labels[best],
             "behind": behind, "read_chunks": read, "pending_after": len(s.ids) - s.committed,
-            "latency_ms": round((self.clock() - started) * 1000, 3), "weights": model.weights,
-            "weights_hash": model.weights_hash, "grid": model.grid, "arithmetic": model.store.identity.arithmetic,
+            "latency_ms": round((self.clock() - started) * 1000, 3), "weights": shadow.weights,
+            "weights_hash": shadow.weights_hash, "grid": shadow.grid, "arithmetic": shadow.store.identity.arithmetic,
             "insertion": len(s.ids), "prefix_crc": ids_crc(s.ids),
             "question_tokens": len(question), "question_ids": list(question), "reference": reference,
             "fresh": fresh, "time": time.time(), **exact,
@@ -87,15 +85,15 @@ class Asking:
         started = self.clock()
 
         def on_device():
-            model = self.host.ensure()
-            with self.reading.asking(name):
-                s, behind, _ = self.reading.read_to_end(model, name, timeout_s, started)
+            shadow = self.host.ensure()
+            with self.questions.asking(name):
+                s, behind, _ = self.reading.read_to_end(shadow, name, timeout_s, started)
                 self._check_tail(s)
                 decode_start = self.clock()
-                out = model.reader.decode(s, prompt, max_tokens, stop=[model.reader.model.config.eos_token_id])
-            return model, out, behind, self.clock() - decode_start
+                out = shadow.reader.decode(s, prompt, max_tokens, stop=[shadow.reader.model.config.eos_token_id])
+            return shadow, out, behind, self.clock() - decode_start
 
-        model, out, behind, decode_s = self.device.run(on_device, "ask")
-        return {"session": session, "read": name, "ids": out, "behind": behind, "weights": model.weights,
+        shadow, out, behind, decode_s = self.device.run(on_device, "ask")
+        return {"session": session, "read": name, "ids": out, "behind": behind, "weights": shadow.weights,
                 "latency_ms": round((self.clock() - started) * 1000, 3),
                 "decode_ms_per_token": round(decode_s * 1000 / max(1, len(out)), 3), **exact}

@@ -9,11 +9,12 @@ thread-safe; reading itself runs outside the lock, on the device thread):
   synchronised, each warming the cost estimate of its depth; so no chunk is ever read inside a
   stream just to measure it;
 - turns (`turn_started`, `turn_session` once a proxy finds the session, `first_token`,
-  `turn_ended`) and requests waiting for the device (`waiting`);
+  `turn_ended`; the scheduler keeps them in the service's one turn table) and requests waiting
+  for the device (`waiting`);
 - every change to a session (`sync`: after each feed, output, rollback and read, and after every
   spill and restore, which `get` and `settle` do);
-- questions: a standing question holds its session at its line (`hold`, `release`), an ask puts
-  its session first while it reads (`asking`);
+- questions (`Questions`): a standing question holds its session at its line (`hold`), an ask
+  puts its session first while it reads (`asking`);
 - the idle thread: at each poll tick, while the engine is idle and a session has a whole chunk,
   it hands the device one job per chunk, which asks `next_read(now)` right before the chunk; a
   request that comes waits for at most one chunk;
@@ -32,15 +33,15 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 from contextlib import contextmanager
 
 import torch
 
 from shadow.core.reader import Reader, Session
 from shadow.core.schedule import Read, ReadScheduler, Wait
-from shadow.server.counters import Counters
-from shadow.server.device import DeviceThread
-from shadow.server.host import Model, ModelHost
+from shadow.server.host import ModelHost, Shadow
+from shadow.server.shared import Shared
 
 log = logging.getLogger("shadow.serve")
 
@@ -79,146 +80,152 @@ def measure_chunks(reader: Reader, clock: Callable[[], float], depths: Sequence[
     return out
 
 
-class Reading:
-    """Drives `sched` for the service. `enabled()` says whether the shadow reads at all;
-    `stop_line(name, grid)` is the grid line a standing question holds a session at;
-    `after_read(model, session)` runs after a read that stopped at such a line (the question is
-    answered there); `after_round()` after each idle round (the unload check)."""
+class Answers(Protocol):
+    """Standing questions, as the reader sees them (`standing.Standing`)."""
 
-    def __init__(self, sched: ReadScheduler, host: ModelHost, device: DeviceThread, lock: threading.Lock,
-                 clock: Callable[[], float], counters: Counters, enabled: Callable[[], bool] = lambda: True,
-                 warm_depths: Sequence[int] = WARM_DEPTHS):
-        self.sched, self.host, self.device, self.lock, self.clock = sched, host, device, lock, clock
-        self.counters, self.enabled, self.warm_depths = counters, enabled, tuple(warm_depths)
-        self.stop_line: Callable[[str, int], int | None] = lambda name, grid: None
-        self.after_read: Callable[[Model, Session], None] = lambda model, session: None
-        self.after_round: Callable[[], None] = lambda: None
-        self.last: Read | Wait | None = None  # the scheduler's last answer
+    def line(self, name: str, grid: int) -> int | None:
+        """The grid line a question holds `name` at (None: none)."""
+
+    def answer_if_ready(self, shadow: Shadow, session: Session) -> None:
+        """Answer `name`'s question if the reader sits at its line."""
+
+
+class Questions:
+    """Which sessions a question waits on, told to the scheduler: a standing question holds its
+    session at its line (`hold`), an ask puts its session first while it reads (`asking`). The
+    caller holds the service's lock around `hold`; `asking` takes it itself."""
+
+    def __init__(self, sched: ReadScheduler, shared: Shared):
+        self.sched, self.shared = sched, shared
         self._holds: dict[str, int] = {}  # session -> the line a standing question holds it at
         self._asks: dict[str, int] = {}  # session -> asks reading it now
-        self._turns: set = set()
+
+    def hold(self, name: str, line: int | None) -> None:
+        """A standing question holds `name` at `line` (None: released)."""
+        if line is None:
+            self._holds.pop(name, None)
+        else:
+            self._holds[name] = line
+        self.tell(name)
+
+    @contextmanager
+    def asking(self, name: str) -> Iterator[None]:
+        """An ask's session comes first while the ask reads it."""
+        with self.shared.lock:
+            self._asks[name] = self._asks.get(name, 0) + 1
+            self.tell(name)
+        try:
+            yield
+        finally:
+            with self.shared.lock:
+                self._asks[name] -= 1
+                if not self._asks[name]:
+                    del self._asks[name]
+                self.tell(name)
+
+    def waiting(self, name: str) -> bool:
+        return name in self._holds or name in self._asks
+
+    def names(self) -> list[str]:
+        return sorted(set(self._holds) | set(self._asks))
+
+    def tell(self, name: str) -> None:
+        """Tell the scheduler whether a question waits on `name`."""
+        now = self.shared.clock()
+        if self.waiting(name):
+            self.sched.question(name, now, stop=self._holds.get(name))
+        else:
+            self.sched.answered(name, now)
+
+
+class Reading:
+    """Drives `sched` for the service: every read, the idle thread, the share between rounds, an
+    ask's reads. `answers` are the standing questions (a read stops at a question's line, and the
+    question is answered there); `after_round()` runs after each idle round (the unload check)."""
+
+    def __init__(self, shared: Shared, host: ModelHost, sched: ReadScheduler, questions: Questions,
+                 answers: Answers, after_round: Callable[[], None] = lambda: None):
+        self.shared, self.host, self.sched, self.questions = shared, host, sched, questions
+        self.answers, self.after_round = answers, after_round
+        self.device, self.lock, self.clock, self.counters = shared.device, shared.lock, shared.clock, shared.counters
+        self.warm_depths = WARM_DEPTHS
+        self.last: Read | Wait | None = None  # the scheduler's last answer
         self.stop_event = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="shadow-idle", daemon=True)
         self.state = "not started"
         self.rounds = 0
         self.last_read_at: float | None = None
 
+    def enabled(self) -> bool:
+        return self.shared.switch.shadow
+
     # load ------------------------------------------------------------------------------------
 
-    def warm(self, model: Model) -> None:
-        """At load, on the loading thread: the scheduler takes the model's grid and its chunk costs
+    def warm(self, shadow: Shadow) -> None:
+        """At load, on the loading thread: the scheduler takes the shadow's grid and its chunk costs
         measured on a scratch session (`measure_chunks`)."""
-        measured = measure_chunks(model.reader, self.clock, self.warm_depths)
+        measured = measure_chunks(shadow.reader, self.clock, self.warm_depths)
         with self.lock:
-            self.sched.grid = model.grid
+            self.sched.grid = shadow.grid
             for depth, seconds in measured:
                 self.sched.costs.warm(depth, seconds)
 
     # sessions (the caller holds the lock) ----------------------------------------------------
 
-    def sync(self, model: Model, name: str) -> None:
+    def sync(self, shadow: Shadow, name: str) -> None:
         """Tell the scheduler a session's true state: its read position and ids while resident,
         else that it is not (spilled sessions wait on disk for their next turn)."""
-        s, now = model.store.peek(name), self.clock()
+        s, now = shadow.store.peek(name), self.clock()
         told = self.sched.sessions.get(name)
         if s is not None:
             self.sched.update(name, s.committed, len(s.ids), now)
-            if told is None and (name in self._holds or name in self._asks):
-                self._question(name)
+            if told is None and self.questions.waiting(name):
+                self.questions.tell(name)
         elif told is not None and told.resident:
             self.sched.update(name, told.committed, told.known, now, resident=False)
 
-    def get(self, model: Model, name: str) -> Session:
+    def get(self, shadow: Shadow, name: str) -> Session:
         """The session, resident (restored from disk or new), told to the scheduler."""
-        session = model.store.get(name)
-        self.sync(model, name)
+        session = shadow.store.get(name)
+        self.sync(shadow, name)
         return session
 
-    def settle(self, model: Model, keep: str | None) -> None:
+    def settle(self, shadow: Shadow, keep: str | None) -> None:
         """Enforce the store's cap; the sessions it spilled are told as not resident."""
-        model.store.settle(keep=keep)
-        self.spilled(model)
+        shadow.store.settle(keep=keep)
+        self.spilled(shadow)
 
-    def spilled(self, model: Model | None) -> None:
-        """Tell the scheduler which sessions left memory (every one, with no model)."""
+    def spilled(self, shadow: Shadow | None) -> None:
+        """Tell the scheduler which sessions left memory (every one, with no shadow)."""
         now = self.clock()
         for name, told in list(self.sched.sessions.items()):
-            if told.resident and (model is None or model.store.peek(name) is None):
+            if told.resident and (shadow is None or shadow.store.peek(name) is None):
                 self.sched.update(name, told.committed, told.known, now, resident=False)
 
-    # turns (the caller holds the lock) -------------------------------------------------------
-
-    def turn_started(self, turn: object, session: str | None) -> None:
-        self._turns.add(turn)
-        self.sched.turn_started(turn, session, self.clock())
-
-    def turn_session(self, turn: object, session: str) -> None:
-        if turn in self._turns:
-            self.sched.turn_session(turn, session, self.clock())
-
-    def first_token(self, turn: object) -> None:
-        if turn in self._turns:
-            self.sched.first_token(turn, self.clock())
-
-    def turn_ended(self, turn: object) -> None:
-        if turn in self._turns:
-            self._turns.discard(turn)
-            self.sched.turn_ended(turn, self.clock())
+    # turns and requests (the caller holds the lock) -------------------------------------------
 
     def waiting(self, n: int) -> None:
         self.sched.waiting(n, self.clock())
 
-    # questions -------------------------------------------------------------------------------
-
-    def hold(self, name: str, line: int | None) -> None:
-        """A standing question holds `name` at `line` (None: released). The caller holds the lock."""
-        if line is None:
-            self._holds.pop(name, None)
-        else:
-            self._holds[name] = line
-        self._question(name)
-
-    @contextmanager
-    def asking(self, name: str) -> Iterator[None]:
-        """An ask's session comes first while the ask reads it."""
-        with self.lock:
-            self._asks[name] = self._asks.get(name, 0) + 1
-            self._question(name)
-        try:
-            yield
-        finally:
-            with self.lock:
-                self._asks[name] -= 1
-                if not self._asks[name]:
-                    del self._asks[name]
-                self._question(name)
-
-    def _question(self, name: str) -> None:
-        now = self.clock()
-        if name in self._holds or name in self._asks:
-            self.sched.question(name, now, stop=self._holds.get(name))
-        else:
-            self.sched.answered(name, now)
-
     # reading (on the device thread, without the lock) ----------------------------------------
 
-    def read(self, model: Model, session: Session, read: Read) -> tuple[int, float]:
+    def read(self, shadow: Shadow, session: Session, read: Read) -> tuple[int, float]:
         """Read `read.chunks` whole chunks of `session` (fewer at a standing question's line),
         device synchronised before and after; report `read_done` and the session's true state;
         answer a question the read reached. Returns (chunks read, their seconds)."""
-        grid = model.grid
+        grid = shadow.grid
         with self.lock:
-            line = self.stop_line(session.name, grid)
+            line = self.answers.line(session.name, grid)
         chunks = read.chunks if line is None else min(read.chunks, max(0, (line - session.committed) // grid))
-        _synchronize(model.reader)
+        _synchronize(shadow.reader)
         start = self.clock()
-        done = model.reader.advance(session, max_chunks=chunks) if chunks > 0 else 0
-        _synchronize(model.reader)
+        done = shadow.reader.advance(session, max_chunks=chunks) if chunks > 0 else 0
+        _synchronize(shadow.reader)
         end = self.clock()
         seconds = end - start
         with self.lock:
             self.sched.read_done(read, done, seconds, end)
-            self.sync(model, session.name)
+            self.sync(shadow, session.name)
             c = self.counters
             if done:
                 c.last_chunk_ms = seconds * 1000 / done
@@ -231,18 +238,18 @@ class Reading:
             else:
                 c.chunks_ask += done
         if line is not None:
-            self.after_read(model, session)
+            self.answers.answer_if_ready(shadow, session)
         return done, seconds
 
-    def _decided(self, model: Model, decision: Read | Wait) -> Session | None:
+    def _decided(self, shadow: Shadow, decision: Read | Wait) -> Session | None:
         """The session a Read names, resident (the caller holds the lock); None for a Wait, or if
         the session left memory unseen (told now)."""
         self.last = decision
         if not isinstance(decision, Read):
             return None
-        session = model.store.peek(decision.session)
+        session = shadow.store.peek(decision.session)
         if session is None:
-            self.sync(model, decision.session)
+            self.sync(shadow, decision.session)
         return session
 
     def idle_once(self, at: float | None = None) -> Read | Wait:
@@ -251,16 +258,16 @@ class Reading:
 
         def job() -> Read | Wait:
             with self.lock:
-                model = self.host.model
-                if model is None or not self.enabled():
+                shadow = self.host.shadow
+                if shadow is None or not self.enabled():
                     return Wait(math.inf)
                 decision = self.sched.next_read(self.clock() if at is None else at)
-                session = self._decided(model, decision)
+                session = self._decided(shadow, decision)
                 if session is None:
                     return decision if isinstance(decision, Wait) else Wait(self.clock())
-            self.read(model, session, decision)
+            self.read(shadow, session, decision)
             with self.lock:
-                self.settle(model, keep=decision.session)
+                self.settle(shadow, keep=decision.session)
             return decision
 
         return self.device.run(job, "reader")
@@ -270,32 +277,32 @@ class Reading:
         chunks the scheduler grants the share now, of whichever session it picks. Returns
         (chunks read, their seconds)."""
         with self.lock:
-            model = self.host.model
-            if model is None or not self.enabled() or not self.sched.busy:
+            shadow = self.host.shadow
+            if shadow is None or not self.enabled() or not self.sched.busy:
                 return 0, 0.0
             decision = self.sched.next_read(self.clock(), between_rounds=True)
-            session = self._decided(model, decision)
+            session = self._decided(shadow, decision)
         if session is None:
             return 0, 0.0
-        return self.read(model, session, decision)
+        return self.read(shadow, session, decision)
 
-    def read_to_end(self, model: Model, name: str, timeout_s: float, started: float) -> tuple[Session, int, int]:
+    def read_to_end(self, shadow: Shadow, name: str, timeout_s: float, started: float) -> tuple[Session, int, int]:
         """For an ask, on the device thread: read `name` to its last whole chunk, a chunk at a time
         (answering standing questions on the way), until timeout_s after `started`; returns
         (session, ids unread before, chunks read)."""
         with self.lock:
-            s = self.get(model, name)
+            s = self.get(shadow, name)
             behind = len(s.ids) - s.committed
         read = 0
         while self.clock() - started < timeout_s:
             with self.lock:
-                held = self.stop_line(name, model.grid) is not None
+                held = self.answers.line(name, shadow.grid) is not None
                 estimate = self.sched.costs.estimate(s.committed)
-            if self.read(model, s, Read(name, 1, "ask", s.committed, estimate))[0]:
+            if self.read(shadow, s, Read(name, 1, "ask", s.committed, estimate))[0]:
                 read += 1
                 continue
             with self.lock:
-                answered = held and self.stop_line(name, model.grid) is None
+                answered = held and self.answers.line(name, shadow.grid) is None
             if not answered:  # nothing read, nothing answered
                 break
         return s, behind, read
@@ -348,8 +355,8 @@ class Reading:
         with self.lock:
             if not self.enabled():
                 self.state = "off"
-            elif self.host.model is None:
-                self.state = "no model"
+            elif self.host.shadow is None:
+                self.state = "no shadow"
             elif self.sched.busy:
                 self.state = "engine busy"
             elif not self.sched.has_backlog():
@@ -372,7 +379,7 @@ class Reading:
             "chunk_ms_by_depth": {str(d): round(s * 1000, 3) for d, s in sched.costs.table().items()},
             "share_left_s": round(sched.share_left(now), 6), "share_used_s": round(sched.share_used, 6),
             "decoding": sched.decoding, "busy": sched.busy, "backlog": sched.has_backlog(),
-            "questions": sorted(set(self._holds) | set(self._asks)),
+            "questions": self.questions.names(),
             "last_decision": None if self.last is None else type(self.last).__name__.lower(),
         }
 

@@ -1,184 +1,117 @@
-"""The live shadow: sessions fed from served turns, read under the one read scheduler, asked over HTTP.
+"""The live shadow: turns and sessions. Each served request is one `ServedTurn` in the one turn
+table, from its first byte to its end; its prompt and output ids are fed to the session it is
+read into (named once, when its prompt ids are first known), every read is the read scheduler's
+(`reading.Reading`), and each turn's check against the engine is kept per session.
 
-`ShadowService` composes small parts, one concern each:
+The parts, one concern each, share one `Shared` (settings, device thread, lock, clock, turn table,
+counters, journal, switch):
 
-- `host.ModelHost`: the model, given at once or loaded in the background on the device thread;
-  one `Model` handle (reader and store) a job takes once; unloaded after an idle burst;
-- `reading.Reading`: drives `shadow.core.schedule.ReadScheduler` for everything the shadow reads (the
-  idle thread, the share between rounds, asks), its estimates warmed at load;
-- `standing.Standing`: standing questions, held at their line and answered there; the journal;
-- `naming.SessionNames`: which store name a prompt is read into (side branches, prefix matching);
-- `asking.Asking`: asks and summaries (a session read to its end, then one fork);
+- `host.ModelHost`: the shadow (reader and store), given at once or loaded in the background;
+- `reading.Reading` and `reading.Questions`: everything the shadow reads, the idle thread, the
+  share between rounds, the sessions a question waits on;
+- `standing.Standing`: standing questions, held at their line and answered there;
+- `naming.SessionNames`: which store name a prompt is read into;
+- `asking.Asking`: asks and summaries;
+- `voicing.Voicing`: the voice's phrases.
 
-and keeps the turns, each session's checks against the engine, the voice, and status.
 One thread owns the device (`DeviceThread`): turns (or, behind a proxy, the feeding of the
-shadow), chunks, asks, loads and spills run on it one at a time. `state_lock` guards sessions,
-turns, counters and the scheduler.
+shadow), chunks, asks, loads and spills run on it one at a time. The lock guards sessions, turns,
+counters and the scheduler.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeVar
 
+from shadow.core.reader import common_prefix
+from shadow.core.schedule import ReadScheduler
+from shadow.core.store import SessionStore
+from shadow.engines.idcheck import SessionChecks, TurnCheck, TurnIds
 from shadow.errors import ShadowInputError, ShadowNotExact
 from shadow.model.config import ModelConfig
-from shadow.core.reader import Reader, common_prefix
-from shadow.core.schedule import BandwidthRule, ReadScheduler
 from shadow.server.asking import Asking
-from shadow.server.counters import Counters
-from shadow.server.device import DeviceThread
-from shadow.server.host import Model, ModelHost
-from shadow.engines.idcheck import SessionChecks, TurnCheck, TurnIds
+from shadow.server.host import Loader, ModelHost, Shadow
+from shadow.server.load import EngineLoad
 from shadow.server.naming import SessionNames
-from shadow.server.reading import WARM_DEPTHS, Reading
-from shadow.offline.journal import Journal
-from shadow.server.standing import Pending, Standing, StandingQuestion, load_standing
-from shadow.core.store import SessionStore
-from shadow.voice.voice import Phrase, Voice, VoiceBudget
-
-__all__ = ["Counters", "Pending", "ShadowService", "StandingQuestion", "Turn", "load_standing"]
+from shadow.server.reading import Questions, Reading
+from shadow.server.settings import ServeSettings
+from shadow.server.shared import Shared
+from shadow.server.standing import Standing, StandingQuestion
+from shadow.server.turn import ServedTurn
+from shadow.server.voicing import VoiceParts, Voicing
+from shadow.voice.voice import VoiceBudget
 
 T = TypeVar("T")
 log = logging.getLogger("shadow.serve")
 
 
-@dataclass
-class Turn:
-    """One request being served: its session (the store's name: the session, or a side branch of
-    it), the name the request gave (None: found by prefix or new), when it started, when its
-    first token came."""
-
-    session: str | None
-    started: float
-    requested: str | None = None
-    prompt_len: int = 0  # ids of the prompt fed
-    output_len: int = 0  # output ids fed after it
-    first_token: float | None = None
-    share_used: float = 0.0  # seconds read in the share between this turn's rounds
-    voice: VoiceBudget = field(default_factory=VoiceBudget)
-    phrases: deque = field(default_factory=deque)  # phrase requests waiting for this turn's rounds (embedded)
-    embedded: bool = False  # the embedded engine's turn: it holds the device through its rounds
-    prompt_fed: bool = False
-    reference: str | None = None
-
-
 class ShadowService:
-    """The live shadow. With `reader` and `store` it is ready at once; with `load` instead (a
-    function returning reader, store and the weights' label) it loads on the device thread as
-    its first job after `start`, while requests pass through (proxy mode); until then nothing
-    is fed, no session is matched by prefix, and asks wait for it. Either way the read
-    scheduler's estimates are measured at load (`warm_depths`). With a loader, a disk and
-    `unload_slack_bytes`, an idle burst that leaves more than that free in the device's memory
-    pool (`pool_free`, by default CUDA's reserved minus allocated bytes) parks every session on
-    disk and drops the model; the next turn or ask loads it again and reads on from disk."""
+    """The live shadow for `settings`. `source` is the shadow (reader and store) itself, ready at
+    once, or a function that loads it on the device thread after `start`, while requests pass
+    through (proxy mode); until then nothing is fed and asks wait for it. Either way the read
+    scheduler's estimates are measured at load. With a loader, a disk and
+    `settings.store.unload_slack_gib`, an idle burst that leaves more than that free in the
+    device's memory pool (`pool_free`, by default CUDA's reserved minus allocated bytes) parks
+    every session on disk and lets the model go; the next turn or ask loads it again."""
 
-    def __init__(
-        self, reader: Reader | None, store: SessionStore | None, rule: BandwidthRule = BandwidthRule(),
-        journal: Path | None = None, weights: str = "", clock=time.monotonic,
-        standing: StandingQuestion | None = None,
-        load: Callable[[], tuple[Reader, SessionStore, str]] | None = None, config: ModelConfig | None = None,
-        unload_slack_bytes: int | None = None, pool_free: Callable[[], int] | None = None,
-        label_from_upstream: bool = False, prefix_match: bool = False, require_exact: bool = False,
-        max_branches: int = 8, max_ask_tail: int | None = None, voice_tokenizer=None, voice_share: float = 0.03,
-        voice_reader: Reader | None = None, warm_depths: Sequence[int] = WARM_DEPTHS,
-    ):
-        if (reader is None or store is None) and (load is None or config is None):
-            raise ValueError("give a reader and a store, or a function that loads them and the model's config")
-        self.config = reader.model.config if reader is not None else config
-        self.rule, self.clock = rule, clock
-        self.journal = Path(journal) if journal else None
-        self.standing = standing
-        self.enabled = True  # switched off, the shadow feeds and reads nothing (for A/B runs)
-        self.voice_tokenizer = voice_tokenizer  # with it, the voice writes phrases after status lines
-        self.voice_reader = voice_reader  # a model of its own for the voice (else the shadow's, forked)
-        self.voice_share = voice_share
-        self.voice: Voice | None = None
-        self.voice_enabled = True  # switched off (A/B runs), no phrase is written
-        self.unload_slack = unload_slack_bytes  # None: never unload
-        self.label_from_upstream = label_from_upstream  # a turn with no label header: the proxy asks the engine
-        self.require_exact = require_exact  # asks on sessions not verified against the engine answer 409
-        self.engine: dict | None = None  # proxy mode: the engine's dialect and id sources
-        # the GPU (or CPU): generator, reader, asks, loads, and any spill of a session to disk
-        self.device = DeviceThread()
-        self.state_lock = threading.Lock()  # sessions, turns, counters, the scheduler
-        self.turns: dict[int, Turn] = {}
-        self.waiting = 0
-        self.counters = Counters()
+    def __init__(self, settings: ServeSettings, source: Shadow | Loader, config: ModelConfig, *,
+                 standing: StandingQuestion | None = None, voice: VoiceParts | None = None,
+                 clock: Callable[[], float] = time.monotonic, pool_free: Callable[[], int] | None = None):
+        self.settings, self.config = settings, config
+        self.shared = shared = Shared(settings, clock)
+        self.device, self.state_lock, self.clock = shared.device, shared.lock, clock
+        self.turns, self.counters = shared.turns, shared.counters
+        self.sched = ReadScheduler(settings.schedule, settings.model.grid, turns=shared.turns)
+        self.questions = Questions(self.sched, shared)
+        self.answers = Standing(shared, standing, self.questions.hold)
+        self.host = ModelHost(shared.device, source, on_load=self._on_load)
+        self.reading = Reading(shared, self.host, self.sched, self.questions, self.answers, self._after_idle_round)
+        self.voicing = Voicing(shared, self.host, self.reading, voice)
+        self.asking = Asking(shared, self.host, self.reading, self.questions, config.vocab_size, self.resolve)
+        self.names = SessionNames(settings.sessions.prefix_match, settings.sessions.max_branches)
+        self.load = EngineLoad(shared.turns, settings.status.engine_slots)
         self.checks: dict[str, SessionChecks] = {}  # store name -> its turns' checks against the engine
         self._latest: dict[str, int] = {}  # store name -> the newest turn that fed its prompt
-        self.names = SessionNames(prefix_match, max_branches)
-        self.host = ModelHost(self.device, load, on_load=self._on_load)
-        self.reading = Reading(ReadScheduler(rule, reader.grid if reader is not None else 512), self.host,
-                               self.device, self.state_lock, clock, self.counters, lambda: self.enabled, warm_depths)
-        self.answers = Standing(standing, Journal(self.journal, self.counters.last_answers), self.counters, clock,
-                                self.state_lock, self.reading.hold, label_from_upstream)
-        self.reading.stop_line = self.answers.line
-        self.reading.after_read = self.answers.answer_if_ready
-        self.reading.after_round = self._after_idle_round
-        self.asking = Asking(self.host, self.reading, self.device, self.state_lock, clock, self.counters,
-                             self.answers.journal, self.config.vocab_size, self._asked, max_ask_tail)
+        self._next_turn = 0
+        self.waiting = 0
+        self.engine: dict | None = None  # proxy mode: the engine's dialect and id sources
+        slack = settings.store.unload_slack_gib
+        self.unload_slack = None if slack is None else int(slack * 2**30)  # None: never unload
         self._pool_free = pool_free or self.host.pool_free
-        if reader is not None and store is not None:
-            self.host.use(reader, store, weights)
+        self.host.begin()
 
-    def _on_load(self, model: Model) -> None:
-        """On the loading thread, before the model is handed out: the scheduler's estimates, the
-        voice (its cost measured on a scratch session)."""
-        self.reading.warm(model)
-        if self.voice_tokenizer is None:
-            self.voice = None
-        elif self.voice_reader is not None:  # --voice-model: its own model, reading a window of each session
-            self.voice = Voice(self.voice_reader, self.voice_tokenizer, own_model=True)
-        else:
-            self.voice = Voice(model.reader, self.voice_tokenizer)
-        if self.voice is not None:
-            try:
-                self.voice.warm()
-            except Exception:  # noqa: BLE001 - unmeasured, a phrase asks for a whole slice
-                log.exception("the voice's cost could not be measured at load; it is measured by its first phrase")
+    def _on_load(self, shadow: Shadow) -> None:
+        """On the loading thread, before the shadow is handed out: the scheduler's estimates, the voice."""
+        self.reading.warm(shadow)
+        self.voicing.on_load(shadow)
 
-    # the parts' state, as attributes ------------------------------------------------------
+    # what the parts hold, for status and tests ----------------------------------------------
 
     @property
-    def ready(self) -> threading.Event:
+    def ready(self):
         return self.host.ready
 
     @property
-    def reader(self) -> Reader | None:
-        model = self.host.model
-        return None if model is None else model.reader
+    def reader(self):
+        shadow = self.host.shadow
+        return None if shadow is None else shadow.reader
 
     @property
     def store(self) -> SessionStore | None:
-        model = self.host.model
-        return None if model is None else model.store
+        shadow = self.host.shadow
+        return None if shadow is None else shadow.store
 
     @property
-    def weights(self) -> str:
-        return self.host.weights
+    def standing(self) -> StandingQuestion | None:
+        return self.answers.question
 
     @property
-    def load_error(self) -> str | None:
-        return self.host.load_error
-
-    @property
-    def pending(self) -> dict[str, Pending]:
+    def pending(self):
         """Standing questions waiting for the reader, by session."""
         return self.answers.pending
-
-    @property
-    def _stop(self) -> threading.Event:
-        """Set, the idle reader stops (after its chunk in flight)."""
-        return self.reading.stop_event
 
     # lifecycle --------------------------------------------------------------------------
 
@@ -192,16 +125,18 @@ class ShadowService:
 
         def close() -> tuple[SessionStore | None, int, list[tuple[str, str]]]:
             with self.state_lock:
-                model = self.host.model
-                if model is None:
+                shadow = self.host.shadow
+                if shadow is None:
                     return None, 0, []
-                n = len(model.store.names()) if model.store.disk is not None else 0
-                return model.store, n, model.store.close()
+                n = len(shadow.store.names()) if shadow.store.disk is not None else 0
+                return shadow.store, n, shadow.store.close()
 
         store, held, failed = self.device.run(close, "stop")
         self.device.close()
         if store is not None and store.disk is not None:
-            log.info("stopped: %d session(s) on %s", held - len(failed), store.disk)
+            log.info("stopped: %d session(s) written to %s", held - len(failed), store.disk)
+        else:
+            log.info("stopped (no --disk: sessions are not kept)")
         for name, reason in failed:
             log.error("stopped: session %s could not be written: %s", name, reason)
 
@@ -210,9 +145,37 @@ class ShadowService:
 
     # turns ------------------------------------------------------------------------------
 
+    def begin_turn(self, requested: str | None = None, reference: str | None = None,
+                   embedded: bool = False) -> ServedTurn:
+        """A request arrives (the engine is busy: the idle window stops): its record, in the turn
+        table until `end_turn`. `requested`: the session name it gave (None: found when its
+        prompt ids are known); `reference`: its standing question's label, if sent."""
+        shadow = self.host.shadow
+        if shadow is None and self.shared.switch.shadow and self.host.load_error is None:
+            self.host.start_load()  # let go after an idle burst: it loads while the engine reads the prompt
+        with self.state_lock:
+            self._next_turn += 1
+            turn = ServedTurn(self._next_turn, self.clock(), requested=requested, reference=reference,
+                              embedded=embedded, voice=VoiceBudget(self.settings.voice.share))
+            self.turns.add(turn)
+            self.counters.requests += 1
+            self.sched.turn_started(turn.id, None, turn.started)
+        return turn
+
+    def name_turn(self, turn: ServedTurn, prompt: Sequence[int]) -> str:
+        """The store name the turn's prompt is read into, chosen once (the first time its prompt
+        ids are known: `SessionNames.choose`) and told to the scheduler."""
+        with self.state_lock:
+            if turn.session is None:
+                shadow = self.host.shadow
+                name = self.names.choose(turn.requested, prompt, None if shadow is None else shadow.store,
+                                         self.settings.model.grid if shadow is None else shadow.grid)
+                self.sched.turn_session(turn.id, name, self.clock())
+            return turn.session
+
     def run_request(self, fn: Callable[[], T]) -> T:
-        """Run a request's device work (a turn, the feeding of a proxied one) on the device; while it
-        waits it counts as waiting (the idle reader stops), and how long it waited behind the
+        """Run a request's device work (a turn, the feeding of a proxied one) on the device; while
+        it waits it counts as waiting (the idle reader stops), and how long it waited behind the
         reader is recorded."""
         with self.state_lock:
             self.waiting += 1
@@ -231,121 +194,116 @@ class ShadowService:
 
         return self.device.run(job, "turn")
 
-    def begin_turn(self, turn_id: int, session: str | None, prompt_ids: Sequence[int] | None = None,
-                   reference: str | None = None, requested: str | None = None) -> None:
-        """A request starts (the engine is busy: the idle window stops). `session` is the store name
-        when known (see `session_for`); else it is found when the prompt comes, from `requested`
-        (the name the request gave, or None). With its prompt, the prompt is fed (rolling back
-        where it differs), on the device thread. Checks ids before any change."""
-        model = self.host.model
-        ids = None if prompt_ids is None or model is None else model.reader.check_ids(prompt_ids)
-        if model is None and self.enabled and self.host.load_error is None:
-            self.host.start_load()  # let go after an idle burst: it loads while the engine reads the prompt
-        with self.state_lock:
-            self.turns[turn_id] = Turn(session, self.clock(), requested=requested, reference=reference,
-                                       voice=VoiceBudget(self.voice_share))
-            self.counters.requests += 1
-            self.reading.turn_started(turn_id, session)
-        if ids is not None:
-            self.set_prompt(turn_id, ids)
-
-    def set_prompt(self, turn_id: int, prompt_ids: Sequence[int]) -> None:
-        """Feed a turn's prompt once known (a proxy learns it from the engine), on the device
-        thread; a model an idle burst let go is loaded again first."""
-        model = self.host.loaded() if self.enabled else None
-        if model is None:  # no model (it failed to load), or switched off
+    def set_prompt(self, turn: ServedTurn, prompt_ids: Sequence[int]) -> None:
+        """On the device thread: feed the turn's prompt (rolling back where it differs from what
+        the session held); a shadow an idle burst let go is loaded again first. Ids outside the
+        vocabulary are refused (ShadowInputError) before anything changes."""
+        shadow = self.host.loaded() if self.shared.switch.shadow else None
+        if shadow is None:  # no shadow (it failed to load), or switched off
             return
-        ids = model.reader.check_ids(prompt_ids)
-        turn = self.turns[turn_id]
-        if turn.session is None:
-            name = self.session_for(turn.requested, ids)
-            with self.state_lock:
-                turn.session = name
-                self.reading.turn_session(turn_id, name)
+        ids = shadow.reader.check_ids(prompt_ids)
+        name = self.name_turn(turn, ids)
         with self.state_lock:
-            if self._latest.get(turn.session, 0) > turn_id:
+            if self._latest.get(name, 0) > turn.id:
                 return  # a newer turn of this session has fed already: this one came too late
-            self._latest[turn.session] = turn_id
-            session = self.reading.get(model, turn.session)
+            self._latest[name] = turn.id
+            session = self.reading.get(shadow, name)
             behind = len(session.ids) - session.committed
             known = len(session.ids)
-            feed = model.reader.feed_prompt(session, ids)
-            self.checks.setdefault(turn.session, SessionChecks()).replaced(
-                known if feed.first_diff is None else feed.first_diff)
+            feed = shadow.reader.feed_prompt(session, ids)
+            self.checks.setdefault(name, SessionChecks()).replaced(known if feed.first_diff is None else feed.first_diff)
             turn.prompt_fed, turn.prompt_len, turn.output_len = True, len(ids), 0
-            self.names.touch(turn.session)
-            self.reading.sync(model, turn.session)
-            self.answers.register(model, session, ids, turn.reference, behind, turn_id)
-        self.answers.answer_if_ready(model, session)
+            self.names.touch(name)
+            self.reading.sync(shadow, name)
+            self.answers.register(shadow, session, ids, turn.reference, behind, turn.id)
+        self.answers.answer_if_ready(shadow, session)
 
-    def has_prompt(self, turn_id: int) -> bool:
+    def first_token(self, turn: ServedTurn) -> None:
+        """The turn's first output token: its decode starts, and with it the share."""
         with self.state_lock:
-            return self.turns[turn_id].prompt_fed
+            if turn.id in self.turns:
+                self.sched.first_token(turn.id, self.clock())
 
-    def first_token(self, turn_id: int) -> None:
-        with self.state_lock:
-            self.turns[turn_id].first_token = self.clock()
-            self.reading.first_token(turn_id)
-
-    def add_output(self, turn_id: int, ids: Sequence[int]) -> None:
-        """Append output ids, unless a newer turn of the session has fed its prompt since (that
-        prompt holds this answer already, re-rendered)."""
-        model = self.host.model
-        if not self.enabled or model is None or not self.has_prompt(turn_id):
+    def add_output(self, turn: ServedTurn, ids: Sequence[int]) -> None:
+        """On the device thread: append output ids, unless a newer turn of the session has fed its
+        prompt since (that prompt holds this answer already, re-rendered)."""
+        shadow = self.host.shadow
+        if shadow is None or not self.shared.switch.shadow or not turn.prompt_fed:
             return
+        ids = shadow.reader.check_ids(ids)
         with self.state_lock:
-            turn = self.turns[turn_id]
-            if self._latest.get(turn.session) != turn_id:
+            if self._latest.get(turn.session) != turn.id:
                 return
-            model.reader.feed_output(self.reading.get(model, turn.session), ids)
+            shadow.reader.feed_output(self.reading.get(shadow, turn.session), ids)
             turn.output_len += len(ids)
-            self.reading.sync(model, turn.session)
+            self.reading.sync(shadow, turn.session)
 
-    def share_slice(self, turn_id: int) -> int:
+    def share_slice(self, turn: ServedTurn) -> int:
         """Between two of the engine's rounds (or streamed deltas) of this turn, on the device
         thread: the chunks the scheduler grants the engine's share now (of whichever session it
-        picks: the turn's or another), their seconds charged to the turn. Returns the chunks read."""
-        with self.state_lock:
-            turn = self.turns.get(turn_id)
-        if turn is None:
+        picks), their seconds charged to the turn. Returns the chunks read."""
+        if turn.id not in self.turns:
             return 0
         done, seconds = self.reading.share()
         with self.state_lock:
             turn.share_used += seconds
         return done
 
-    def end_turn(self, turn_id: int) -> None:
+    def feed_held(self, turn: ServedTurn, wait: bool, share: bool) -> bool:
+        """Proxy mode: hand the shadow what the turn holds for it (a prompt known and not fed, output
+        ids not fed, and between deltas a share slice). With `wait` False nothing happens while the
+        device is busy (False returns: it is still held). Ids the shadow cannot take are skipped
+        and logged."""
+        prompt, output = turn.prompt_due, list(turn.held)
+        if prompt is None and not output and not share:
+            return True
+
+        def feed() -> None:
+            try:
+                if prompt is not None:
+                    self.set_prompt(turn, prompt)
+                if output:
+                    self.add_output(turn, output)
+                if share:
+                    self.share_slice(turn)
+            except ShadowInputError as e:
+                log.warning("the shadow skipped ids of turn %s: %s", turn.id, e)
+
+        if wait:
+            self.run_request(feed)
+        elif not self.device.run_if_idle(feed, "turn")[0]:
+            return False
+        if prompt is not None:
+            turn.fed_prompt, turn.prompt_due = prompt, None
+        turn.fed_output += len(output)
+        del turn.held[:len(output)]
+        return True
+
+    def end_turn(self, turn: ServedTurn) -> None:
         """The request is over; sessions past the cap spill, on the device (a spill reads session
         tensors, which nothing may change meanwhile)."""
 
         def end() -> None:
             with self.state_lock:
-                turn = self.turns.pop(turn_id)
-                self.reading.turn_ended(turn_id)
-                model = self.host.model
-                if turn.prompt_fed and model is not None:
-                    self.reading.settle(model, keep=turn.session)
+                if turn.id not in self.turns:
+                    return
+                self.sched.turn_ended(turn.id, self.clock())
+                shadow = self.host.shadow
+                if turn.prompt_fed and shadow is not None:
+                    self.reading.settle(shadow, keep=turn.session)
 
         self.device.run(end, "end turn")
 
     # sessions -----------------------------------------------------------------------------
 
-    def session_for(self, requested: str | None, prompt: Sequence[int]) -> str:
-        """The store name a prompt is read into (`SessionNames.choose`): the named session, the
-        longest matching one (prefix matching on), a new `auto-N`, or a side branch `NAME~K`."""
-        with self.state_lock:
-            model = self.host.model
-            return self.names.choose(requested, prompt, None if model is None else model.store,
-                                     512 if model is None else model.grid)
-
     def cached_prefix(self, requested: str | None, prompt: Sequence[int]) -> int:
         """How many of a prompt's ids the session (or one of its branches) held already: what an
         engine with a prefix cache holds for it, so the rest is what it must read."""
         with self.state_lock:
-            model = self.host.model
-            if requested is None or model is None:
+            shadow = self.host.shadow
+            if requested is None or shadow is None:
                 return 0
-            held = (model.store.peek(name) for name in self.names.family(requested))
+            held = (shadow.store.peek(name) for name in self.names.family(requested))
             return max((common_prefix(s.ids, prompt) for s in held if s is not None), default=0)
 
     def main_branch(self, session: str) -> str:
@@ -357,52 +315,50 @@ class ShadowService:
 
     def known(self, session: str) -> bool:
         with self.state_lock:
-            model = self.host.model
-            return session in self.names.recent or (model is not None and session in model.store.names())
+            shadow = self.host.shadow
+            return session in self.names.recent or (shadow is not None and session in shadow.store.names())
 
     def _length(self, name: str) -> int:
         """Ids the session holds (resident, or by its file's header); the caller holds the lock."""
-        model = self.host.model
-        if model is None:
+        shadow = self.host.shadow
+        if shadow is None:
             return 0
-        s = model.store.peek(name)
+        s = shadow.store.peek(name)
         if s is not None:
             return len(s.ids)
-        row = next((r for r in model.store.status() if r.name == name), None)
+        row = next((r for r in shadow.store.status() if r.name == name), None)
         return row.committed + row.pending if row is not None else 0
 
     # each session's checks against the engine ---------------------------------------------
 
-    def record_turn(self, turn_id: int, check: TurnCheck, ids: TurnIds | None = None,
+    def record_turn(self, turn: ServedTurn, check: TurnCheck, ids: TurnIds | None = None,
                     lines: list[dict] | None = None) -> None:
         """A turn's check against the engine: counted for its session, journaled (with the status
         lines the client was shown, each with its kind and time), and a session's first mismatch
         logged once."""
         with self.state_lock:
-            turn = self.turns.get(turn_id)
-            name = (turn.session or turn.requested) if turn else None
-            name = name or "(no session)"
+            name = turn.session or turn.requested or "(no session)"
             checks = self.checks.setdefault(name, SessionChecks())
-            latest = turn is not None and turn.prompt_fed and self._latest.get(name) == turn_id
-            first = checks.add(turn_id, check, turn.prompt_len if turn else 0, turn.output_len if turn else 0, latest)
-            record = {"kind": "turn", "session": name, "turn": turn_id, **check.as_dict(),
+            latest = turn.prompt_fed and self._latest.get(name) == turn.id
+            first = checks.add(turn.id, check, turn.prompt_len, turn.output_len, latest)
+            record = {"kind": "turn", "session": name, "turn": turn.id, **check.as_dict(),
                       "prompt_ids": None if ids is None or ids.prompt is None else len(ids.prompt),
                       "output_ids": None if ids is None else len(ids.output),
                       "notes": [] if ids is None else ids.notes, "time": time.time()}
             if lines:
                 record["status_lines"] = lines
-            self.answers.journal.write(record)
+            self.shared.journal.write(record)
         if first:
             log.warning("session %s: turn %s does not match the engine (%s); the session is not exact from here on",
-                        name, turn_id, "; ".join(check.reasons))
+                        name, turn.id, "; ".join(check.reasons))
 
-    def journal_lines(self, turn_id: int, session: str, lines: list[dict]) -> None:
+    def journal_lines(self, turn: ServedTurn, lines: list[dict]) -> None:
         """The status lines a turn's client was shown, each with its kind, time and voice phrase
         (the embedded engine's turns: their check is journaled before their stream ends)."""
         if lines:
             with self.state_lock:
-                self.answers.journal.write({"kind": "status_lines", "session": session, "turn": turn_id,
-                                            "status_lines": lines, "time": time.time()})
+                self.shared.journal.write({"kind": "status_lines", "session": turn.session, "turn": turn.id,
+                                           "status_lines": lines, "time": time.time()})
 
     def exactness(self, session: str) -> dict:
         """What the session's answers say of its ids: exact (every turn verified) or why not."""
@@ -414,86 +370,27 @@ class ShadowService:
 
     # standing questions -------------------------------------------------------------------
 
-    def wants_label(self, turn_id: int) -> bool:
+    def wants_label(self, turn: ServedTurn) -> bool:
         """Whether this turn's standing question waits for a label from the upstream model."""
         with self.state_lock:
-            return self.answers.wants_label(turn_id)
+            return self.answers.wants_label(turn.id)
 
-    def upstream_label(self, turn_id: int, label: str | None, answer: str | None) -> None:
+    def upstream_label(self, turn: ServedTurn, label: str | None, answer: str | None) -> None:
         """The upstream model's answer to the turn's standing question (`label` when it is one of
         the choices, else None): it becomes the reference of the shadow's answer, which is then
         journaled (at once if the shadow answered already)."""
-        self.device.run(lambda: self.answers.attach_label(turn_id, label, answer), "label")
-
-    # the voice ---------------------------------------------------------------------------
-
-    def voice_phrase(self, turn_id: int, kind: str, extra: Sequence[int] = (), recent: Sequence[str] = (),
-                     lang: str = "en", wait_s: float = 0.3) -> Phrase | None:
-        """A voice phrase for a status line of this turn, if the turn's voice budget holds one and
-        the device can write it now: at once where the device is free (proxy mode), else between
-        two of the turn's own rounds (embedded), waiting at most `wait_s` for it to start (one
-        that started is waited for and kept: its time is spent). None: nothing tried, or the
-        voice failed (logged); it never raises, so a stream goes on without its phrase."""
-        with self.state_lock:
-            turn, voice, model = self.turns.get(turn_id), self.voice, self.host.model
-            if (voice is None or model is None or not self.enabled or not self.voice_enabled or turn is None
-                    or turn.session is None or not turn.prompt_fed):
-                return None
-            cost = voice.estimate(voice.prefill(model.store.peek(turn.session), len(extra)))
-            if not turn.voice.allows(turn.first_token, self.clock(), cost):
-                return None
-        job = lambda: self._phrase(voice, turn, kind, extra, recent, lang)  # noqa: E731
-        try:
-            ran, result = self.device.run_if_idle(job, "voice")
-            if ran:
-                return result
-            if turn.embedded:  # the turn's own rounds hold the device: it serves phrases between them
-                request = Future()
-                turn.phrases.append((job, request))
-                try:
-                    return request.result(timeout=wait_s)
-                except FutureTimeout:
-                    return None if request.cancel() else request.result()
-        except Exception:  # noqa: BLE001 - the line goes out with its facts alone
-            log.exception("turn %s: the voice failed; its %s line goes out without a phrase", turn_id, kind)
-        return None
-
-    def serve_phrases(self, turn_id: int) -> None:
-        """Between two rounds of a turn, on the device: write the phrases its stream asked for."""
-        turn = self.turns.get(turn_id)
-        while turn is not None and turn.phrases:
-            job, request = turn.phrases.popleft()
-            if request.set_running_or_notify_cancel():
-                try:
-                    request.set_result(job())
-                except Exception as e:  # noqa: BLE001 - the stream gets no phrase; the turn goes on
-                    request.set_exception(e)
-                except BaseException as e:  # the stream waiting on it is answered before this goes on
-                    request.set_exception(e)
-                    raise
-
-    def _phrase(self, voice: Voice, turn: Turn, kind: str, extra, recent, lang) -> Phrase | None:
-        model = self.host.model
-        if model is None:
-            return None
-        with self.state_lock:
-            session = self.reading.get(model, turn.session)
-        if not voice.fits(session, extra):
-            return None
-        phrase = voice.phrase(session, kind, extra, recent, lang)
-        turn.voice.used_s += phrase.seconds
-        return phrase
+        self.device.run(lambda: self.answers.attach_label(turn.id, label, answer), "label")
 
     # questions --------------------------------------------------------------------------
 
-    def _asked(self, session: str, timeout_s: float) -> tuple[str, dict]:
+    def resolve(self, session: str, timeout_s: float) -> tuple[str, dict]:
         """The store name an ask about `session` reads and its exactness (refused when required)."""
         self.host.wait_ready(timeout_s)
         if not self.known(session):
             raise ShadowInputError(f"unknown session {session!r}")
         name = self.main_branch(session)
         exact = self.exactness(name)
-        if self.require_exact and not exact["exact"]:
+        if self.settings.require_exact and not exact["exact"]:
             raise ShadowNotExact(f"session {name!r} is not exact: {exact['why_not']}")
         return name, exact
 
@@ -517,14 +414,14 @@ class ShadowService:
 
     def _unload_if_slack(self) -> None:
         """On the device, after an idle burst with nothing left to read: when more than the slack
-        sits free in the pool, park every session on disk and let the model go (DESIGN 7); the
-        next turn or ask loads it again and reads on from disk."""
-        model = self.host.model
-        if (model is None or model.store.disk is None or self.busy() or self.pending
+        sits free in the pool, park every session on disk and let the model go; the next turn or
+        ask loads it again and reads on from disk."""
+        shadow = self.host.shadow
+        if (shadow is None or shadow.store.disk is None or self.busy() or self.pending
                 or self._pool_free() <= self.unload_slack):
             return
         with self.state_lock:
-            if self.reading.sched.has_backlog() or model.store.close():  # a session not written stays: no unload
+            if self.sched.has_backlog() or shadow.store.close():  # a session not written stays: no unload
                 return
             self.reading.spilled(None)
             self.counters.unloads += 1
@@ -535,21 +432,21 @@ class ShadowService:
     def status(self) -> dict:
         with self.state_lock:
             c = self.counters
-            model = self.host.model
-            ready = model is not None
+            shadow = self.host.shadow
+            ready = shadow is not None
             sessions = []
-            for r in model.store.status() if ready else []:
-                s = model.store.peek(r.name)
+            for r in shadow.store.status() if ready else []:
+                s = shadow.store.peek(r.name)
                 sessions.append(vars(r) | {"rollbacks": None if s is None else s.rollbacks,
                                            "id_checks": self.checks.get(r.name, SessionChecks()).as_dict(
                                                r.committed + r.pending)})
             return {
-                "ready": ready, "load_error": self.load_error, "engine": self.engine,
-                "grid": model.grid if ready else None, "weights": self.weights, "enabled": self.enabled,
-                "voice": self.voice_enabled,
+                "ready": ready, "load_error": self.host.load_error, "engine": self.engine,
+                "grid": shadow.grid if ready else None, "weights": self.host.weights,
+                "enabled": self.shared.switch.shadow, "voice": self.shared.switch.voice,
                 "sessions": sessions,
                 "branches": {k: list(v) for k, v in self.names.branches.items() if v},
-                "store": model.store.totals() if ready else None,
+                "store": shadow.store.totals() if ready else None,
                 "turns_in_flight": len(self.turns), "waiting": self.waiting,
                 "counters": {
                     "requests": c.requests, "chunks_idle": c.chunks_idle, "chunks_share": c.chunks_share,

@@ -1,4 +1,4 @@
-"""Standing questions (the source's "router in shadow mode") and the service's journal.
+"""Standing questions (a router in shadow mode).
 
 A standing question is asked of the shadow at every qualifying turn's insertion point (the
 prompt's last <|im_end|>): registered when the turn's prompt is fed, it holds the session's reader
@@ -11,19 +11,16 @@ model's answer, which may come after the shadow's). Nothing of the turn changes.
 from __future__ import annotations
 
 import json
-import os
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from shadow.errors import ShadowInputError
 from shadow.core.reader import Session
-from shadow.offline.journal import Journal, ids_crc
-from shadow.server.counters import Counters
-from shadow.server.host import Model
+from shadow.offline.journal import ids_crc
+from shadow.server.host import Shadow
+from shadow.server.shared import Shared
 
 
 @dataclass(frozen=True)
@@ -45,14 +42,21 @@ def load_standing(path: Path, tokenizer) -> StandingQuestion:
     """A standing question from a JSON file {name, text, choices, min_prompt_tokens, label_header}."""
     try:
         doc = json.loads(Path(path).read_text())
+        if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list) or not isinstance(doc.get("text"), str):
+            raise ValueError("it needs an object with 'text' (a string) and 'choices' (a list)")
         labels = tuple(str(c) for c in doc["choices"])
+        if len(labels) < 2 or len(set(labels)) != len(labels) or not all(labels) or not doc["text"].strip():
+            raise ValueError("its choices must be two or more, distinct and not empty, and its text not empty")
+        choice_ids = tuple(tokenizer.single_token(c) for c in labels)
+        if len(set(choice_ids)) != len(choice_ids):
+            raise ValueError("two choices are the same token")
         return StandingQuestion(
             name=str(doc.get("name", Path(path).stem)), question_ids=tuple(tokenizer.encode(doc["text"])),
-            choice_ids=tuple(tokenizer.single_token(c) for c in labels), labels=labels,
+            choice_ids=choice_ids, labels=labels,
             min_prompt_tokens=int(doc.get("min_prompt_tokens", 8192)),
             label_header=str(doc.get("label_header", "x-shadow-label")).lower(), text=str(doc["text"]),
         )
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+    except (OSError, UnicodeDecodeError, RecursionError, KeyError, TypeError, ValueError) as e:
         raise ShadowInputError(f"{path}: not a standing question file ({type(e).__name__}: {e})") from None
 
 
@@ -74,10 +78,10 @@ class Standing:
     change of what holds a session goes to `hold(name, line)` (line None: released). Registering
     and answering run on the device thread; `lock` is the service's state lock."""
 
-    def __init__(self, question: StandingQuestion | None, journal: Journal, counters: Counters, clock,
-                 lock: threading.Lock, hold: Callable[[str, int | None], None], label_from_upstream: bool = False):
-        self.question, self.journal, self.counters, self.clock = question, journal, counters, clock
-        self.lock, self.hold, self.label_from_upstream = lock, hold, label_from_upstream
+    def __init__(self, shared: Shared, question: StandingQuestion | None, hold: Callable[[str, int | None], None]):
+        self.question, self.hold = question, hold
+        self.journal, self.counters, self.clock, self.lock = shared.journal, shared.counters, shared.clock, shared.lock
+        self.label_from_upstream = shared.settings.engine.label_from_upstream
         self.pending: dict[str, Pending] = {}
         self._awaiting_label: dict[int, dict] = {}  # turn id -> an answer waiting for its label
 
@@ -86,14 +90,14 @@ class Standing:
         p = self.pending.get(name)
         return None if p is None else p.insertion // grid * grid
 
-    def register(self, model: Model, session: Session, prompt: list[int], reference: str | None, behind: int,
+    def register(self, shadow: Shadow, session: Session, prompt: list[int], reference: str | None, behind: int,
                  turn_id: int | None = None) -> None:
         """At a turn's fed prompt (the caller holds the lock): a question at its insertion point, if
         the prompt qualifies."""
         q = self.question
         if q is None or len(prompt) < q.min_prompt_tokens:
             return
-        eos = model.reader.model.config.eos_token_id
+        eos = shadow.reader.model.config.eos_token_id
         last = max((i for i, t in enumerate(prompt) if t == eos), default=None)
         if last is None:
             return
@@ -102,32 +106,32 @@ class Standing:
         wanted = self.label_from_upstream and reference is None
         self.pending[session.name] = Pending(session.name, last + 1, reference, behind, self.clock(), turn_id, wanted,
                                              "header" if reference is not None else None)
-        self.hold(session.name, self.line(session.name, model.grid))
+        self.hold(session.name, self.line(session.name, shadow.grid))
 
     def _drop(self, name: str) -> None:
         self.pending.pop(name, None)
         self.hold(name, None)
 
-    def answer_if_ready(self, model: Model, session: Session) -> None:
+    def answer_if_ready(self, shadow: Shadow, session: Session) -> None:
         """On the device thread: answer the session's question once the reader sits at its
         insertion point's grid line (dropped if the session changed under it)."""
         with self.lock:
             p = self.pending.get(session.name)
-            line = self.line(session.name, model.grid)
+            line = self.line(session.name, shadow.grid)
             if p is None or session.committed < line:
                 return
             if session.committed > line or p.insertion > len(session.ids):
                 self._drop(session.name)  # nothing valid to ask
                 return
         q = self.question
-        probs = model.reader.ask(session, q.question_ids, q.choice_ids, end=p.insertion).tolist()
+        probs = shadow.reader.ask(session, q.question_ids, q.choice_ids, end=p.insertion).tolist()
         best = max(range(len(probs)), key=probs.__getitem__)
         record = {
             "standing": q.name, "session": session.name, "choices": list(q.labels), "probs": probs,
             "label": q.labels[best], "reference": p.reference, "reference_source": p.reference_source,
             "fresh": None, "behind": p.behind, "lag_s": round(self.clock() - p.registered, 4),
-            "weights": model.weights, "weights_hash": model.weights_hash, "grid": model.grid,
-            "arithmetic": model.store.identity.arithmetic, "insertion": p.insertion,
+            "weights": shadow.weights, "weights_hash": shadow.weights_hash, "grid": shadow.grid,
+            "arithmetic": shadow.store.identity.arithmetic, "insertion": p.insertion,
             "prefix_crc": ids_crc(session.ids[: p.insertion]), "question_tokens": len(q.question_ids),
             "question_ids": list(q.question_ids), "time": time.time(),
         }

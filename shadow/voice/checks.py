@@ -1,4 +1,4 @@
-"""The checks a voice phrase passes before it is said (seed 002, 22.2). Pure functions.
+"""The checks a voice phrase passes before it is said. Pure functions.
 
 A phrase is said only if: it is short plain words; every file name and number in it is in the
 text the small model read, and so are most of its content words; it speaks of the work, not of

@@ -1,4 +1,4 @@
-"""The voice (seed 002, 22.2): the engine writes the facts of a status line; the small model writes
+"""The voice: the engine writes the facts of a status line; the small model writes
 only a short phrase after them, from the shadow's exact state of the session: a fork (the
 session's unread tail, the newest text not yet in the session, a question), a few greedy
 tokens, the session left bit-equal. Every phrase passes `checks.check` before it is said.

@@ -1,4 +1,4 @@
-"""Where a status line goes in a streamed chat response, by client (seed 002, 22.1).
+"""Where a status line goes in a streamed chat response, by client.
 
 - `reasoning`: inside the reasoning the client renders (a `reasoning_content` delta);
 - `content`: a content delta of its own;
@@ -20,10 +20,10 @@ import json
 import time
 from dataclasses import dataclass
 
-from shadow.server.http.status import EngineLoad, Line, TurnStatus
+from shadow.server.http.lines import Line, TurnStatus
+from shadow.server.load import EngineLoad
+from shadow.server.turn import ServedTurn
 from shadow.text.framing import frame, frame_title
-
-CHANNELS = ("auto", "reasoning", "content", "inline", "off")
 
 
 def client_kind(headers) -> str:
@@ -87,14 +87,14 @@ class LineWriter:
     inline channel closes a line's reasoning part before the model's own reasoning goes on
     (`resume`)."""
 
-    def __init__(self, channel: Channel, status: TurnStatus, load: EngineLoad, turn_id: int):
-        self.channel, self.status, self.load, self.turn_id = channel, status, load, turn_id
+    def __init__(self, channel: Channel, status: TurnStatus, load: EngineLoad, turn: ServedTurn):
+        self.channel, self.status, self.load, self.turn = channel, status, load, turn
         self.like: dict | None = None  # an engine chunk: its id, created, model
         self.open_part = False  # inline: a line's reasoning part is open
 
     def refresh(self, now: float) -> None:
         self.status.rate = self.load.rate
-        self.status.ahead = self.load.ahead(self.turn_id, now)
+        self.status.ahead = self.load.ahead(self.turn, now)
 
     def due(self, now: float) -> list[Line]:
         """Lines due now (between events, and while the engine is silent)."""
@@ -105,7 +105,7 @@ class LineWriter:
         """The lines due with a delta of `kind` (reasoning, content, tool, end), to go out before it."""
         self.refresh(now)
         if kind != "end":
-            self.load.first_token(self.turn_id, now)
+            self.load.first_token(self.turn, now)
         return self.status.on_delta(now, kind, tool)
 
     def encode(self, lines: list[Line]) -> list[bytes]:

@@ -1,7 +1,8 @@
-"""The embedded engine: a Qwen3.5 checkpoint generating in-process with the project's own forward,
-one request at a time on the device thread, with the shadow reading between its rounds. Asked
-with `return_token_ids`, it returns ids the vLLM way (`prompt_token_ids` on the first chunk or
-the body, `choices[].token_ids`), so another `shadow serve` can use it as its engine. The ids it
+"""Embedded completions: OpenAI chat and completion requests answered by a Qwen3.5 checkpoint
+generating in-process with the project's own forward (`server.generator`), one request at a time
+on the device thread, with the shadow reading between its rounds. Asked with `return_token_ids`,
+it returns ids the vLLM way (`prompt_token_ids` on the first chunk or the body,
+`choices[].token_ids`), so another `shadow serve` can use it as its engine. The ids the shadow
 reads are the ids it generated from: every turn is verified."""
 
 from __future__ import annotations
@@ -15,34 +16,39 @@ import uuid
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from shadow.engines.dialects import as_carried
+from shadow.engines.idcheck import TurnIds, check_turn
+from shadow.errors import ShadowInputError
+from shadow.server.generator import Generator
+from shadow.server.http.channels import Channel, LineWriter
+from shadow.server.http.errors import error_body, error_response
+from shadow.server.http.lines import TurnStatus, said
+from shadow.server.service import ShadowService
+from shadow.server.settings import ServeSettings
+from shadow.server.turn import ServedTurn
 from shadow.text.chat import Message, render_prompt
 from shadow.text.chat_template import ChatRenderer
-from shadow.errors import ShadowInputError
-from shadow.server.http.channels import Channel, LineWriter
-from shadow.engines.dialects import as_carried
-from shadow.server.generator import Generator
-from shadow.server.http.guard import Limits
-from shadow.engines.idcheck import TurnIds, check_turn
-from shadow.server.service import ShadowService
-from shadow.server.http.status import EngineLoad, TurnStatus, said
 from shadow.text.tokenizer import Tokenizer
 from shadow.voice.checks import request_language
 
 
-class EmbeddedEngine:
-    def __init__(self, service: ShadowService, generator: Generator, tokenizer: Tokenizer, model_name: str,
-                 limits: Limits, renderer: ChatRenderer | None = None, template_kwargs: dict | None = None,
-                 timing: dict | None = None):
-        self.service, self.generator, self.tokenizer = service, generator, tokenizer
-        self.model_name, self.limits = model_name, limits
-        self.renderer, self.template_kwargs = renderer, dict(template_kwargs or {})
-        self.timing = dict(timing or {})  # TurnStatus's thresholds (tests shorten them)
-        self.eos = [generator.model.config.eos_token_id]
-        self.load = EngineLoad(1)  # one request at a time: the waiting line's queue and the reading rate
+class EmbeddedCompletions:
+    """Completions from `generator` under `model_name`; `renderer`: the chat template to render
+    chat requests with (None: the in-code one of `shadow.text.chat`)."""
 
-    def prompt_of(self, body: dict, chat: bool) -> list[int]:
-        """The prompt ids: the template (given, else the in-code one of `shadow.text.chat`) over the
-        messages, or the completion's prompt (text or ids). A ShadowInputError for anything else."""
+    def __init__(self, settings: ServeSettings, service: ShadowService, generator: Generator, tokenizer: Tokenizer,
+                 model_name: str, renderer: ChatRenderer | None = None):
+        self.service, self.generator, self.tokenizer = service, generator, tokenizer
+        self.model_name, self.limits = model_name, settings.limits
+        self.renderer, self.template_kwargs = renderer, dict(settings.engine.template_kwargs)
+        self.timing = vars(settings.status.timing)  # TurnStatus's thresholds
+        self.eos = [generator.model.config.eos_token_id]
+        self.load = service.load  # one request at a time: the waiting line's queue and the reading rate
+
+    def parse(self, body: dict, chat: bool) -> tuple[list[int], int]:
+        """The prompt ids (the template, given, else the in-code one of `shadow.text.chat`, over the
+        messages; or the completion's prompt, text or ids) and the tokens to generate. A
+        ShadowInputError for anything else, before any state changes."""
         if chat:
             if self.renderer is None:
                 ids = self.tokenizer.encode(render_prompt(parse_messages(body.get("messages"))))
@@ -61,33 +67,40 @@ class EmbeddedEngine:
                 raise ShadowInputError("'prompt' must be a non-empty string or a list of token ids")
         if len(ids) > self.limits.max_prompt_tokens:
             raise ShadowInputError(f"the prompt has {len(ids):,} tokens; at most {self.limits.max_prompt_tokens:,}")
-        return self.service.reader.check_ids(ids)
-
-    async def complete(self, body: dict, prompt: list[int], chat: bool, session: str, turn_id: int,
-                       reference: str | None, channel: Channel = Channel("off")) -> Response:
+        ids = self.service.reader.check_ids(ids)
         max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 64))
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= self.limits.max_tokens:
             raise ShadowInputError(f"'max_tokens' must be an integer from 1 to {self.limits.max_tokens}")
+        return ids, max_tokens
+
+    async def complete(self, body: dict, prompt: list[int], max_tokens: int, chat: bool, turn: ServedTurn,
+                       channel: Channel = Channel("off")) -> Response:
+        """Answer one request (`parse` gave its prompt and tokens), whose turn has begun: it is
+        named here, and its job on the device feeds the prompt, generates and ends the turn."""
+        try:
+            session = self.service.name_turn(turn, prompt)
+        except BaseException:  # no job will end it
+            await asyncio.to_thread(self.service.end_turn, turn)
+            raise
         stop_ids = [] if body.get("ignore_eos") else self.eos  # as vLLM: generate max_tokens whatever comes
         want_ids = bool(body.get("return_token_ids"))  # as vLLM: ids only when asked for
         rid, created = f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
         events: queue.Queue = queue.Queue()
-        self.load.start(turn_id, time.monotonic(), len(prompt))  # no prefix cache: it reads the whole prompt
+        self.load.sent(turn, time.monotonic(), len(prompt))  # no prefix cache: it reads the whole prompt
         lines = None
         if chat and body.get("stream") and channel.on:
             writer = LineWriter(channel, TurnStatus(time.monotonic(), new_tokens=len(prompt), **self.timing), self.load,
-                                turn_id)
+                                turn)
             writer.like = {"id": rid, "created": created, "model": self.model_name}
             lines = TokenLines(writer, prompt, self.tokenizer, self.service, request_language(body))
-        threading.Thread(target=self._serve_turn, args=(turn_id, session, prompt, max_tokens, stop_ids, events,
-                                                         reference), name="shadow-turn", daemon=True).start()
-        reply = Reply(self, rid, created, chat, want_ids, prompt)
+        threading.Thread(target=self._serve_turn, args=(turn, prompt, max_tokens, stop_ids, events),
+                         name="shadow-turn", daemon=True).start()
+        reply = Completion(self, rid, created, chat, want_ids, prompt)
         if body.get("stream"):
             def ended() -> None:
-                self.load.end(turn_id)
+                self.load.answered(turn)
                 if lines is not None:
-                    self.service.journal_lines(turn_id, session, said(lines.writer.status.lines,
-                                                                      lines.writer.status.started))
+                    self.service.journal_lines(turn, said(lines.writer.status.lines, lines.writer.status.started))
 
             return StreamingResponse(reply.sse(events, lines, ended),
                                      media_type="text/event-stream", headers={"x-shadow-session": session})
@@ -100,38 +113,39 @@ class EmbeddedEngine:
                 elif kind == "done":
                     finish = value
                 else:
-                    return JSONResponse({"error": {"message": value, "type": "server_error"}}, status_code=500)
+                    return error_response(500, value, "server_error")
         finally:
-            self.load.end(turn_id)
+            self.load.answered(turn)
         return JSONResponse(reply.whole(out, finish), headers={"x-shadow-session": session})
 
-    def _serve_turn(self, turn_id, session, prompt, max_tokens, stop_ids, events, reference) -> None:
+    def _serve_turn(self, turn: ServedTurn, prompt, max_tokens, stop_ids, events) -> None:
         """One request (on the device thread): feed the prompt, generate, and between rounds the share."""
-        self.service.run_request(lambda: self._generate(turn_id, session, prompt, max_tokens, stop_ids, events,
-                                                        reference))
+        try:
+            self.service.run_request(lambda: self._generate(turn, prompt, max_tokens, stop_ids, events))
+        except Exception as e:  # the device thread has stopped: the client is told
+            events.put(("error", f"{type(e).__name__}: {e}"))
+            self.service.end_turn(turn)
 
-    def _generate(self, turn_id, session, prompt, max_tokens, stop_ids, events, reference) -> None:
+    def _generate(self, turn: ServedTurn, prompt, max_tokens, stop_ids, events) -> None:
         service, out = self.service, []
         try:
-            service.begin_turn(turn_id, session, prompt, reference)
-            service.turns[turn_id].embedded = True  # its rounds hold the device: it serves the voice between them
+            service.set_prompt(turn, prompt)
             for token in self.generator.generate(prompt, max_tokens, stop_ids):
                 if not out:
-                    service.first_token(turn_id)
+                    service.first_token(turn)
                 out.append(token)
                 events.put(("token", token))
-                service.add_output(turn_id, [token])  # the output so far is readable in the share
-                service.share_slice(turn_id)
-                service.serve_phrases(turn_id)
+                service.add_output(turn, [token])  # the output so far is readable in the share
+                service.share_slice(turn)
+                service.voicing.serve_phrases(turn)  # its rounds hold the device: the voice is served between them
             events.put(("done", "stop" if out and out[-1] in self.eos else "length"))
             ids = TurnIds(list(prompt), "engine", list(out), "engine", prompt_tokens=len(prompt),
                           completion_tokens=len(out))
-            service.record_turn(turn_id, check_turn(ids), ids)  # its own engine: the ids are the ones read
+            service.record_turn(turn, check_turn(ids), ids)  # its own engine: the ids are the ones read
         except Exception as e:  # the client gets the error; the shadow keeps what it fed
             events.put(("error", f"{type(e).__name__}: {e}"))
         finally:
-            if turn_id in service.turns:
-                service.end_turn(turn_id)
+            service.end_turn(turn)
 
 
 THINK, END_THINK, TOOL, END_TOOL = 248068, 248069, 248058, 248059  # <think> </think> <tool_call> </tool_call>
@@ -154,7 +168,7 @@ class TokenLines:
         for line in said:
             if line.takes_phrase:
                 recent = [x.text for x in self.writer.status.lines if x is not line][-4:]
-                phrase = await asyncio.to_thread(self.service.voice_phrase, self.writer.turn_id, line.kind, (), recent,
+                phrase = await asyncio.to_thread(self.service.voicing.phrase, self.writer.turn, line.kind, (), recent,
                                                  self.lang)
                 if phrase is not None:
                     line.with_phrase(phrase.text, {"said": phrase.text is not None, "raw": phrase.raw,
@@ -183,10 +197,10 @@ class TokenLines:
         return self.writer.before_delta(now, delta), delta
 
 
-class Reply:
+class Completion:
     """One response of the embedded engine, in the OpenAI shapes (and vLLM's ids when asked)."""
 
-    def __init__(self, engine: EmbeddedEngine, rid: str, created: int, chat: bool, want_ids: bool, prompt: list[int]):
+    def __init__(self, engine: EmbeddedCompletions, rid: str, created: int, chat: bool, want_ids: bool, prompt: list[int]):
         self.engine, self.rid, self.created, self.chat = engine, rid, created, chat
         self.want_ids, self.prompt = want_ids, prompt
         self.text = TextStream(engine.tokenizer)
@@ -213,7 +227,7 @@ class Reply:
             return f"data: {json.dumps(self.chunk(value, text, None, first))}\n\n", False
         if kind == "done":
             return f"data: {json.dumps(self.chunk(None, self.text.rest(), value, first))}\n\ndata: [DONE]\n\n", True
-        return f"data: {json.dumps({'error': {'message': value, 'type': 'server_error'}})}\n\ndata: [DONE]\n\n", True
+        return f"data: {json.dumps(error_body(value, 'server_error'))}\n\ndata: [DONE]\n\n", True
 
     async def sse(self, events: queue.Queue, lines: TokenLines | None = None, ended=lambda: None):
         out: list[int] = []

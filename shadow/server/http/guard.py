@@ -1,12 +1,7 @@
-"""Who may call the service, and how much one request may ask of it.
-
-`Access`: with an API key set, every endpoint wants `Authorization: Bearer KEY` (as vLLM and
-llama.cpp's `--api-key`); the shadow's own endpoints (`/v1/shadow/*`: ask, summarize, status,
-switch) want the admin key instead when one is set. Keys are compared in constant time.
-
-`Limits`: request body size, prompt, question and instruction length, tokens to generate, the
-unread tail an ask may prefill at once, requests in flight, JSON nesting. Each refusal is a
-4xx with the error shape `{"error": {"message", "type"}}` and changes no state.
+"""Who may call the service, and how much one request may ask of it (`settings.Access` and
+`settings.Limits`): with an API key set, every endpoint wants `Authorization: Bearer KEY` (as
+vLLM and llama.cpp's `--api-key`); the shadow's own endpoints (`/v1/shadow/*`) want the admin key
+instead when one is set. Each refusal is a 4xx in the one error shape and changes no state.
 
 `Guard` is a pure ASGI middleware: it refuses before the app reads a body (413 on a declared or
 streamed body over the limit, 401 on a missing or wrong key, 429 past the requests in flight),
@@ -15,45 +10,10 @@ and reads every POST body as JSON (`curl -d` declares form encoding).
 
 from __future__ import annotations
 
-import hmac
-import json
-from dataclasses import dataclass
+from shadow.server.http.errors import error_bytes
+from shadow.server.settings import Access, Limits
 
-SHADOW_PATHS = "/v1/shadow/"
 LIMITED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/shadow/ask", "/v1/shadow/summarize")
-
-
-@dataclass(frozen=True)
-class Access:
-    api_key: str | None = None
-    admin_key: str | None = None  # the shadow's own endpoints; None: the API key guards them too
-
-    def allows(self, path: str, authorization: str | None) -> bool:
-        want = self.admin_key if (path.startswith(SHADOW_PATHS) and self.admin_key) else self.api_key
-        if want is None:
-            return True
-        given = authorization or ""
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        return hmac.compare_digest(token.strip().encode(), want.encode())
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_body_bytes: int = 32 * 2**20
-    max_prompt_tokens: int = 262_144  # a prompt the embedded engine takes / the shadow reads (proxy: it skips)
-    max_question_tokens: int = 8192
-    max_instruction_tokens: int = 4096
-    max_tokens: int = 4096  # to generate (embedded)
-    max_summary_tokens: int = 512
-    max_ask_tail: int = 16_384  # unread ids an ask or summary may prefill in one fork
-    max_concurrent: int = 64  # completion, ask and summary requests in flight
-    max_json_depth: int = 64
-
-
-def error_body(message: str, kind: str) -> bytes:
-    return json.dumps({"error": {"message": message, "type": kind}}).encode()
 
 
 def json_depth(value, limit: int) -> bool:
@@ -131,7 +91,7 @@ class Guard:
 
 
 async def _refuse(send, status: int, message: str, kind: str, extra: dict | None = None) -> None:
-    body = error_body(message, kind)
+    body = error_bytes(message, kind)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.encode(), v.encode()) for k, v in (extra or {}).items()]
     await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -20,15 +20,18 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
-from shadow.server.http.channels import Channel
 from shadow.engines.dialects import Asked, Dialect, Prompt, engine_root
 from shadow.engines.idcheck import check_turn
-from shadow.server.http.proxy_turn import Lines, Turn
+from shadow.server.http.channels import Channel
+from shadow.server.http.errors import error_event, error_response
+from shadow.server.http.lines import TurnStatus
+from shadow.server.http.lines import said as shown
+from shadow.server.http.proxy_turn import Lines, take
 from shadow.server.service import ShadowService
-from shadow.server.http.status import EngineLoad, TurnStatus
-from shadow.server.http.status import said as shown
+from shadow.server.settings import ServeSettings
+from shadow.server.turn import ServedTurn
 from shadow.voice.checks import request_language
 
 log = logging.getLogger("shadow.proxy")
@@ -52,34 +55,32 @@ def response_headers(upstream: httpx.Response, session: str | None) -> dict[str,
     return out
 
 
-def error_response(status: int, message: str, kind: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
-
-
 class Proxy:
     """The engine behind the shadow: its URL, its dialect, the HTTP clients."""
 
-    def __init__(self, upstream: str, dialect: Dialect, service: ShadowService, label_from_upstream: bool = False,
-                 timeout_s: float = 600.0, upstream_key: str | None = None, max_prompt_tokens: int | None = None,
-                 engine_slots: int = 1, tokenizer=None, timing: dict | None = None):
-        """`upstream_key`: the engine's own key, sent in place of the client's `Authorization`;
-        `max_prompt_tokens`: longer prompts pass to the engine but the shadow does not read them."""
-        self.upstream = upstream.rstrip("/")
-        self.upstream_key = upstream_key
-        self.tokenizer = tokenizer  # the shadow's: the newest text of a turn for the voice
-        self.timing = dict(timing or {})  # TurnStatus's thresholds (tests shorten them)
-        self.max_prompt_tokens = max_prompt_tokens
-        self.root = engine_root(upstream)
+    def __init__(self, settings: ServeSettings, dialect: Dialect, service: ShadowService, tokenizer=None):
+        """From `settings.engine`: the upstream URL, its own key (sent in place of the client's
+        `Authorization`), whether it is asked for standing questions' labels, the timeout; from
+        `settings.limits`: longer prompts than `max_prompt_tokens` pass to the engine, unread.
+        `tokenizer`: the shadow's (the newest text of a turn for the voice)."""
+        engine = settings.engine
+        self.upstream = engine.upstream.rstrip("/")
+        self.upstream_key = engine.upstream_key
+        self.tokenizer = tokenizer
+        self.timing = vars(settings.status.timing)  # TurnStatus's thresholds
+        self.max_prompt_tokens = settings.limits.max_prompt_tokens
+        self.root = engine_root(engine.upstream)
         self.dialect = dialect
         self.service = service
-        self.label_from_upstream = label_from_upstream
+        self.label_from_upstream = engine.label_from_upstream
+        timeout_s = engine.timeout_s
         # an idle connection is given up before the engine would close it (llama.cpp: after 5 s), so
         # a request never goes out on a connection the engine has just closed
         limits = httpx.Limits(keepalive_expiry=3.0)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
         self.sync_client = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0), limits=limits)  # /tokenize
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shadow-prompt")
-        self.load = EngineLoad(engine_slots)  # requests in flight to the engine, its prefill rate
+        self.load = service.load  # requests in flight to the engine, its prefill rate
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -97,7 +98,7 @@ class Proxy:
         """The prompt ids the dialect knows before the response, computed in a thread beside the request."""
         return self.pool.submit(self.dialect.prompt, self.sync_client, self.root, body, chat)
 
-    async def forward(self, request_headers, body: dict, chat: bool, turn_id: int, session: str | None,
+    async def forward(self, request_headers, body: dict, chat: bool, turn: ServedTurn, session: str | None,
                       before: Future, channel: Channel = Channel("off"), cached: Callable[[list[int]], int] | None = None
                       ) -> Response:
         """Forward one completion request; the turn is registered already and is ended here.
@@ -109,11 +110,10 @@ class Proxy:
         if chat and self.label_from_upstream and service.standing is not None:
             label = label_asker(self.upstream, request_headers, body, service.standing)
         asked = self.dialect.ask(body, chat)
-        turn = Turn(service, turn_id)
         lines = None
         if chat and body.get("stream") and channel.on:
-            lines = Lines(channel, TurnStatus(time.monotonic(), **self.timing), self.load, turn_id, before, cached)
-        self.load.start(turn_id, time.monotonic())
+            lines = Lines(channel, TurnStatus(time.monotonic(), **self.timing), self.load, turn, before, cached)
+        self.load.sent(turn, time.monotonic())
         url = self.upstream + ("/chat/completions" if chat else "/completions")
         sending = asyncio.ensure_future(self._send(url, asked, body, request_headers, turn))
         if lines is not None:
@@ -127,7 +127,7 @@ class Proxy:
             upstream, asked = await sending
         except httpx.HTTPError as e:
             before.cancel()
-            await self._end(turn_id)
+            await self._end(turn)
             return error_response(502, f"upstream unreachable: {type(e).__name__}: {e}", "upstream_error")
         headers = response_headers(upstream, session)
         if upstream.status_code != 200 or not body.get("stream"):
@@ -140,7 +140,7 @@ class Proxy:
                 await upstream.aclose()
             if content is None or upstream.status_code != 200:
                 before.cancel()
-                await self._end(turn_id)
+                await self._end(turn)
                 if content is None:
                     return error_response(502, broke, "upstream_error")
                 return Response(content, status_code=upstream.status_code, headers=headers)
@@ -157,7 +157,7 @@ class Proxy:
         return StreamingResponse(self._relay(upstream, turn, asked.added, body, chat, before, label, lines),
                                  status_code=200, headers=headers)
 
-    async def _send(self, url: str, asked: Asked, body: dict, request_headers, turn: Turn
+    async def _send(self, url: str, asked: Asked, body: dict, request_headers, turn: ServedTurn
                     ) -> tuple[httpx.Response, Asked]:
         """Send the request as the dialect asks it; an engine that refuses what the proxy added
         (a 400 or 422) gets the client's request as it came instead: the client's response never
@@ -181,11 +181,11 @@ class Proxy:
                                           stream=True)
         return upstream, plain
 
-    async def _end(self, turn_id: int) -> None:
-        self.load.end(turn_id)
-        await asyncio.to_thread(self.service.end_turn, turn_id)
+    async def _end(self, turn: ServedTurn) -> None:
+        self.load.answered(turn)
+        await asyncio.to_thread(self.service.end_turn, turn)
 
-    async def _relay_when_answered(self, sending: asyncio.Future, turn: Turn, added, body: dict, chat: bool,
+    async def _relay_when_answered(self, sending: asyncio.Future, turn: ServedTurn, added, body: dict, chat: bool,
                                    before: Future, label, lines: "Lines"):
         """The client's stream, opened before the engine answered: lines while it waits, then
         the engine's stream; an engine that refuses or fails ends it with an error object."""
@@ -209,14 +209,13 @@ class Proxy:
                 failure = f"the engine answered {upstream.status_code}: {content[:500]}"
         if failure is not None:
             before.cancel()
-            await self._end(turn.turn_id)
-            message = {"error": {"message": failure, "type": "upstream_error"}}
-            yield b"data: " + json.dumps(message).encode() + b"\n\ndata: [DONE]\n\n"
+            await self._end(turn)
+            yield error_event(failure, "upstream_error") + b"data: [DONE]\n\n"
             return
         async for data in self._relay(upstream, turn, added, body, chat, before, label, lines):
             yield data
 
-    async def _relay(self, upstream: httpx.Response, turn: Turn, added, body: dict, chat: bool, before: Future,
+    async def _relay(self, upstream: httpx.Response, turn: ServedTurn, added, body: dict, chat: bool, before: Future,
                      label, lines: "Lines | None"):
         """The engine's stream, event by event, as it sent it (less what the proxy added), with
         status lines between events; the shadow is fed between events without the stream ever
@@ -243,9 +242,7 @@ class Proxy:
                 if piece is None:
                     break
                 if isinstance(piece, httpx.HTTPError):  # the engine broke off mid-stream: the client is told
-                    message = {"error": {"message": f"the engine's stream broke off: {type(piece).__name__}: {piece}",
-                                         "type": "upstream_error"}}
-                    yield b"data: " + json.dumps(message).encode() + b"\n\n"
+                    yield error_event(f"the engine's stream broke off: {type(piece).__name__}: {piece}", "upstream_error")
                     break
                 buffer += piece
                 *complete, buffer = buffer.split(b"\n")
@@ -258,13 +255,13 @@ class Proxy:
                     out.append(self._line(line, event, turn, added, body, chat))
                     boundary = line.strip() == b""
                     if event is not None and turn.reply.events == 1:
-                        self.service.first_token(turn.turn_id)  # at once: the share counts from here
+                        self.service.first_token(turn)  # at once: the share counts from here
                 if lines is not None and boundary:
                     out += lines.encode(await self._voice(lines.due(time.monotonic()), turn, lines, body))
                 if out:
                     yield b"".join(out)
-                self._take(turn, before)
-                await asyncio.to_thread(turn.feed, False, True)
+                take(turn, before, self.max_prompt_tokens)
+                await asyncio.to_thread(self.service.feed_held, turn, False, True)
             if buffer:
                 yield self._line(buffer, _event(buffer), turn, added, body, chat).rstrip(b"\n")
         finally:
@@ -272,11 +269,12 @@ class Proxy:
             await upstream.aclose()
             self._finish_later(turn, before, body, chat, label, lines)
 
-    async def _voice(self, said: list, turn: Turn, lines: "Lines", body: dict) -> list:
+    async def _voice(self, said: list, turn: ServedTurn, lines: "Lines", body: dict) -> list:
         """The voice's phrase after each line that takes one (thinking, decided, writing), where
         the turn's voice budget and the device allow it now; a stream never waits for more than
         one phrase's slice."""
-        if not said or self.tokenizer is None or self.service.voice is None:
+        voicing = self.service.voicing
+        if not said or self.tokenizer is None or voicing.voice is None:
             return said
         for line in said:
             if not line.takes_phrase:
@@ -284,14 +282,14 @@ class Proxy:
             reply = turn.reply
             extra = [] if turn.fed_output else self.tokenizer.encode("".join(reply.reasoning) + "".join(reply.content))
             recent = [x.text for x in lines.status.lines if x is not line][-4:]
-            phrase = await asyncio.to_thread(self.service.voice_phrase, turn.turn_id, line.kind, extra[-2048:],
+            phrase = await asyncio.to_thread(voicing.phrase, turn, line.kind, extra[-2048:],
                                              recent, request_language(body))
             if phrase is not None:
                 line.with_phrase(phrase.text, {"said": phrase.text is not None, "raw": phrase.raw,
                                                "reason": phrase.reason, "seconds": round(phrase.seconds, 4)})
         return said
 
-    def _line(self, line: bytes, event: dict | None, turn: Turn, added, body: dict, chat: bool) -> bytes:
+    def _line(self, line: bytes, event: dict | None, turn: ServedTurn, added, body: dict, chat: bool) -> bytes:
         """One SSE line as the client gets it; the shadow reads its event on the way."""
         if event is None:
             return line + b"\n"
@@ -305,26 +303,12 @@ class Proxy:
             return b""  # an event the client did not ask for (its blank line stays: an empty event)
         return b"data: " + json.dumps(cleaned, ensure_ascii=False).encode() + b"\n"
 
-    def _take(self, turn: Turn, before: Future) -> None:
-        """What the engine has shown so far (or the prompt known before it) becomes what the turn feeds."""
-        limit = self.max_prompt_tokens
-        if turn.reply.prompt_ids is not None:
-            ids = turn.reply.prompt_ids
-        elif before.done() and not before.cancelled() and before.exception() is None:
-            ids = before.result().ids
-        else:
-            ids = None
-        if ids is not None and (limit is None or len(ids) <= limit):
-            turn.take_prompt(ids)
-        if turn.reply.shown_output:
-            turn.held += turn.reply.output_ids[turn.fed_output + len(turn.held):]
-
-    def _finish_later(self, turn: Turn, before: Future, body: dict, chat: bool, label, lines) -> None:
-        self.load.end(turn.turn_id)
+    def _finish_later(self, turn: ServedTurn, before: Future, body: dict, chat: bool, label, lines) -> None:
+        self.load.answered(turn)
         threading.Thread(target=self._finish, args=(turn, before, body, chat, label, lines), name="shadow-turn-end",
                          daemon=True).start()
 
-    def _finish(self, turn: Turn, before: Future, body: dict, chat: bool, label, lines=None) -> None:
+    def _finish(self, turn: ServedTurn, before: Future, body: dict, chat: bool, label, lines=None) -> None:
         """After the response: settle the turn's ids, feed what waited, check the turn against the
         engine, ask the upstream for a standing question's label, end the turn. Always ends it."""
         service = self.service
@@ -347,15 +331,15 @@ class Proxy:
                 turn.held += ids.output[turn.fed_output + len(turn.held):]
             elif ids.output:
                 turn.held = list(ids.output)
-            turn.feed(wait=True, share=False)
+            service.feed_held(turn, wait=True, share=False)
             said = [] if lines is None else shown(lines.status.lines, lines.status.started)
-            service.record_turn(turn.turn_id, check_turn(ids), ids, said)
-            if label is not None and service.wants_label(turn.turn_id):
-                service.upstream_label(turn.turn_id, *label())
+            service.record_turn(turn, check_turn(ids), ids, said)
+            if label is not None and service.wants_label(turn):
+                service.upstream_label(turn, *label())
         except Exception:  # noqa: BLE001 - logged, and the turn still ends
-            log.exception("the shadow could not finish turn %s", turn.turn_id)
+            log.exception("the shadow could not finish turn %s", turn.id)
         finally:
-            service.end_turn(turn.turn_id)
+            service.end_turn(turn)
 
 
 def _event(line: bytes) -> dict | None:
@@ -369,9 +353,11 @@ def _event(line: bytes) -> dict | None:
 
 
 def _json(data: bytes):
+    """A JSON object, or None for anything else: not JSON, not UTF-8, numbers past Python's digit
+    limit (ValueError), nesting past its recursion limit (RecursionError)."""
     try:
         event = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         return None
     return event if isinstance(event, dict) else None
 

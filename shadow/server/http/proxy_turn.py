@@ -1,82 +1,41 @@
-"""One proxied turn on its way: what the shadow was fed of it and what waits for the device
-(`Turn`), and its status lines, kept up to date with what the engine and the shadow know
-(`Lines`)."""
+"""A proxied turn's status lines (`Lines`), kept up to date with what the engine and the shadow
+know of its prompt; and `take`, which moves what the engine has shown of a turn so far onto the
+turn's record for the device (`ShadowService.feed_held`)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from shadow.errors import ShadowInputError
 from shadow.server.http.channels import Channel, LineWriter
-from shadow.engines.reply import Reply
-from shadow.server.service import ShadowService
-from shadow.server.http.status import EngineLoad, TurnStatus
-
-log = logging.getLogger("shadow.proxy")
+from shadow.server.http.lines import TurnStatus
+from shadow.server.load import EngineLoad
+from shadow.server.turn import ServedTurn
 
 
-class Turn:
-    """One proxied turn: what the shadow was fed so far, and what waits for the device."""
-
-    def __init__(self, service: ShadowService, turn_id: int):
-        self.service, self.turn_id = service, turn_id
-        self.reply = Reply()
-        self.fed_prompt: list[int] | None = None
-        self.prompt_due: list[int] | None = None  # known, not yet fed (the device was busy)
-        self.fed_output = 0  # output ids fed so far
-        self.held: list[int] = []  # output ids not fed yet
-        self.notes: list[str] = []  # what happened to the request on its way (for the turn's record)
-
-    def take_prompt(self, ids: list[int] | None) -> None:
-        if ids is not None and self.fed_prompt is None and self.prompt_due is None:
-            self.prompt_due = list(ids)
-
-    def feed(self, wait: bool, share: bool) -> bool:
-        """Hand the shadow what it can take now (a prompt, output ids, and between deltas a share
-        slice); with wait False nothing happens while the device is busy."""
-        prompt, output = self.prompt_due, self.held
-        # a share slice may read any session (the scheduler picks), not only this turn's
-        if prompt is None and not output and not share:
-            return True
-        if not _on_device(self.service, self.turn_id, prompt, output, share, wait):
-            return False
-        if prompt is not None:
-            self.fed_prompt, self.prompt_due = prompt, None
-        self.fed_output += len(output)
-        self.held = []
-        return True
-
-
-def _on_device(service: ShadowService, turn_id: int, prompt, output, share: bool, wait: bool) -> bool:
-    """Feed the shadow on the device thread. Ids it cannot take (outside its vocabulary) are
-    skipped and logged. With wait False and the device busy, nothing is done and False returns."""
-
-    def feed() -> None:
-        try:
-            if prompt is not None:
-                service.set_prompt(turn_id, prompt)
-            if output and service.has_prompt(turn_id):
-                service.add_output(turn_id, output)
-            if share:
-                service.share_slice(turn_id)
-        except ShadowInputError as e:
-            log.warning("the shadow skipped ids of turn %s: %s", turn_id, e)
-
-    if wait:
-        service.run_request(feed)
-        return True
-    return service.device.run_if_idle(feed, "turn")[0]
+def take(turn: ServedTurn, before: Future, max_prompt_tokens: int | None) -> None:
+    """What the engine has shown of the turn so far (or the prompt known before its response)
+    becomes what the turn holds for the device: a prompt not fed yet, output ids not fed yet."""
+    if turn.reply.prompt_ids is not None:
+        ids = turn.reply.prompt_ids
+    elif before.done() and not before.cancelled() and before.exception() is None:
+        ids = before.result().ids
+    else:
+        ids = None
+    if ids is not None and (max_prompt_tokens is None or len(ids) <= max_prompt_tokens) \
+            and turn.fed_prompt is None and turn.prompt_due is None:
+        turn.prompt_due = list(ids)
+    if turn.reply.shown_output:
+        turn.held += turn.reply.output_ids[turn.fed_output + len(turn.held):]
 
 
 class Lines(LineWriter):
     """A proxied turn's lines: the engine's events classified, and what the shadow knows of the
     prompt (the new ids the engine must read) taken in when it is known."""
 
-    def __init__(self, channel: Channel, status: TurnStatus, load: EngineLoad, turn_id: int, before: Future,
+    def __init__(self, channel: Channel, status: TurnStatus, load: EngineLoad, turn: ServedTurn, before: Future,
                  cached: Callable[[list[int]], int] | None):
-        super().__init__(channel, status, load, turn_id)
+        super().__init__(channel, status, load, turn)
         self.before, self.cached = before, cached
         self._known = False
 
@@ -86,7 +45,7 @@ class Lines(LineWriter):
             if ids is not None:
                 new = len(ids) - (self.cached(ids) if self.cached else 0)
                 self.status.new_tokens = new
-                self.load.set_new(self.turn_id, new)
+                self.load.set_new(self.turn, new)
             self._known = True
         super().refresh(now)
 

@@ -1,5 +1,5 @@
-"""Status lines: each step the server takes around a turn, as one short line of facts (seed 002,
-22.1). Pure: no I/O, no threads, the clock passed in.
+"""Status lines: each step the server takes around a turn, as one short line of facts. Pure: no
+I/O, no threads, the clock passed in.
 
     waiting: another request is running, position 1, about 40 s
     reading 20,745 tokens, about 18 s left
@@ -215,51 +215,3 @@ class TurnStatus:
                 out.append(self._say("checking", checking_line(), now))
             self._tool_since = None
         return out + self.tick(now)
-
-
-class EngineLoad:
-    """The requests in flight to one engine and its measured prefill rate, for the waiting and
-    reading lines. `slots`: how many requests the engine prefills at once (llama.cpp's `-np`;
-    large for vLLM and SGLang); a request with `slots` or more unfinished prefills before it waits.
-    The rate is an exponentially weighted mean of new ids over time to first token, from turns
-    that had nothing ahead of them."""
-
-    def __init__(self, slots: int = 1, weight: float = 0.3):
-        self.slots, self.weight = max(1, slots), weight
-        self.rate: float | None = None
-        self._turns: dict[int, list] = {}  # turn -> [started, new ids, first token, had nothing ahead]
-
-    def start(self, turn: int, now: float, new_tokens: int | None = None) -> None:
-        self._turns[turn] = [now, new_tokens, None, not self._prefilling(turn)]
-
-    def set_new(self, turn: int, new_tokens: int | None) -> None:
-        if turn in self._turns:
-            self._turns[turn][1] = new_tokens
-
-    def first_token(self, turn: int, now: float) -> None:
-        t = self._turns.get(turn)
-        if t is None or t[2] is not None:
-            return
-        t[2] = now
-        started, new, _, alone = t
-        if alone and new and now > started:
-            r = new / (now - started)
-            self.rate = r if self.rate is None else (1 - self.weight) * self.rate + self.weight * r
-
-    def end(self, turn: int) -> None:
-        self._turns.pop(turn, None)
-
-    def _prefilling(self, turn: int) -> list[int]:
-        return [k for k, t in self._turns.items() if k != turn and t[2] is None]
-
-    def ahead(self, turn: int, now: float) -> list[float]:
-        """Seconds left of each earlier prefill this one waits behind (none while a slot is free)."""
-        earlier = [k for k in self._prefilling(turn) if k < turn]
-        if len(earlier) < self.slots:
-            return []
-        out = []
-        for k in earlier:
-            started, new, _, _ = self._turns[k]
-            left = (new / self.rate - (now - started)) if (new and self.rate) else 0.0
-            out.append(max(0.0, left))
-        return out

@@ -1,0 +1,100 @@
+"""From settings to a running service: the shadow's model (at once in embedded mode, in the
+background in proxy mode), its store, the embedded generator, the big model's template and
+tokenizer, the standing question, the voice, the service and its HTTP app.
+
+`build(settings)` is what `shadow serve` runs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from fastapi import FastAPI
+
+from shadow.core.reader import Reader, check_grid, open_reader
+from shadow.core.store import SessionStore
+from shadow.engines.dialects import DIALECTS
+from shadow.model.checkpoint import RANDOM_MARKER, read_config, resolve_checkpoint
+from shadow.model.runtime import choose_kernels, load_model
+from shadow.server.generator import Generator
+from shadow.server.host import Shadow
+from shadow.server.http.app import ShadowApp
+from shadow.server.service import ShadowService
+from shadow.server.settings import ServeSettings, check
+from shadow.server.standing import load_standing
+from shadow.server.voicing import VoiceParts
+from shadow.text.chat_template import renderer_for
+from shadow.text.tokenizer import load_tokenizer
+
+log = logging.getLogger("shadow.serve")
+
+
+@dataclass
+class Built:
+    app: FastAPI
+    service: ShadowService
+    random: bool  # the shadow's weights are random: answers mean nothing, exactness and timing do
+
+
+def dtype_of(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}[name]
+
+
+def store_for(settings: ServeSettings, reader: Reader, weights_hash: str) -> SessionStore:
+    s = settings.store
+    return SessionStore(reader, weights_hash, cap_gib=s.cap_gib, disk=s.disk, disk_cap_gib=s.disk_cap_gib,
+                        model=settings.model.model)
+
+
+def build(settings: ServeSettings) -> Built:
+    """The app for `settings` (checked first), and whether the shadow's weights are random."""
+    check(settings)
+    m = settings.model
+    check_grid(m.grid)
+    folder = resolve_checkpoint(m.model)
+    config = read_config(folder)
+    choose_kernels(m.kernels, m.device, config.linear_key_head_dim)  # a bad --kernels fails here, not in the background
+    dtype = dtype_of(m.dtype)
+    voice_reader = None
+    if settings.voice.on and settings.voice.model:
+        _, voice_reader = open_reader(settings.voice.model, grid=m.grid, device=m.device, dtype=dtype,
+                                      kernels=m.kernels)
+    engine = settings.engine
+    if settings.proxy:  # requests pass through at once; the shadow loads in the background
+        tokenizer = load_tokenizer(folder)
+        renderer = renderer_for(engine.chat_template, engine.tokenizer, folder)
+        dialect = None if engine.dialect == "auto" else DIALECTS[engine.dialect](
+            renderer, template_kwargs=engine.template_kwargs, eos_id=config.eos_token_id)
+
+        def load() -> Shadow:
+            loaded, reader = open_reader(m.model, grid=m.grid, device=m.device, dtype=dtype, kernels=m.kernels)
+            store = store_for(settings, reader, loaded.weights_hash)
+            log.info("the shadow is ready: %s (%s), grid %d, %s", m.model, loaded.weights_label[:16], m.grid,
+                     store.identity.arithmetic)
+            return Shadow(reader, store, loaded.weights_label)
+
+        service = ShadowService(settings, load, config, standing=_standing(settings, tokenizer),
+                                voice=VoiceParts(tokenizer, voice_reader) if settings.voice.on else None)
+        app = ShadowApp(settings, service, tokenizer, "upstream", renderer=renderer, dialect=dialect)
+        return Built(app.app, service, (folder / RANDOM_MARKER).exists())
+    # embedded: the generator needs its model before the first request
+    loaded, reader = open_reader(m.model, grid=m.grid, device=m.device, dtype=dtype, kernels=m.kernels)
+    store = store_for(settings, reader, loaded.weights_hash)
+    tokenizer = load_tokenizer(loaded.path)
+    service = ShadowService(settings, Shadow(reader, store, loaded.weights_label), config,
+                            standing=_standing(settings, tokenizer),
+                            voice=VoiceParts(tokenizer, voice_reader) if settings.voice.on else None)
+    gen_model = loaded.model if m.generator in (None, m.model) else load_model(
+        m.generator, dtype=dtype, device=m.device, kernels=loaded.model.kernels).model
+    renderer = renderer_for(engine.chat_template, engine.tokenizer, None) if engine.chat_template else None
+    app = ShadowApp(settings, service, tokenizer, m.generator or m.model, generator=Generator.on(gen_model),
+                    renderer=renderer)
+    log.info("the shadow is ready: %s (%s), grid %d, %s", m.model, loaded.weights_label[:16], m.grid,
+             store.identity.arithmetic)
+    return Built(app.app, service, loaded.random)
+
+
+def _standing(settings: ServeSettings, tokenizer):
+    return load_standing(settings.standing_question, tokenizer) if settings.standing_question else None

@@ -1,0 +1,42 @@
+"""One served turn's record, from the request's first byte to its end: what the read scheduler
+decides by (`core.turns.Turn`: its session, its first token), what the service fed the shadow of
+it, what its voice used, what the engine showed and what waits for the device (proxy mode), and
+what the status lines need of the engine's load. It lives in the one `TurnTable` the scheduler,
+the service and the HTTP side share; it is changed under the service's lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shadow.core.turns import Turn
+from shadow.engines.reply import Reply
+from shadow.voice.voice import VoiceBudget
+
+
+@dataclass
+class ServedTurn(Turn):
+    requested: str | None = None  # the session name the request gave (None: found by prefix, or new)
+    reference: str | None = None  # the standing question's reference label, when the request sent one
+    embedded: bool = False  # the embedded generator's turn: its rounds hold the device
+    # what the shadow was fed of it
+    prompt_fed: bool = False
+    prompt_len: int = 0
+    output_len: int = 0  # output ids fed after the prompt
+    share_used: float = 0.0  # seconds read in the share between this turn's rounds
+    voice: VoiceBudget = field(default_factory=VoiceBudget)
+    phrases: deque = field(default_factory=deque)  # phrase requests waiting for the turn's rounds (embedded)
+    # the engine's load (status lines): when the engine got it, the ids it must read, its first piece
+    sent: float | None = None
+    new_tokens: int | None = None
+    engine_first: float | None = None
+    alone: bool = True  # nothing else was prefilling when it was sent (its rate is the engine's)
+    answered: bool = False  # the engine's response is over
+    # proxy mode: what the engine showed, and what the shadow has been fed or still waits for
+    reply: Reply = field(default_factory=Reply)
+    fed_prompt: list[int] | None = None
+    prompt_due: list[int] | None = None  # known, not yet fed (the device was busy)
+    fed_output: int = 0
+    held: list[int] = field(default_factory=list)  # output ids not fed yet
+    notes: list[str] = field(default_factory=list)  # what happened to the request on its way

@@ -1,0 +1,108 @@
+"""The voice in the live service: made at load (its cost measured on a scratch session), asked for
+a phrase after a status line, and run where the device allows: at once where it is free (proxy
+mode), else between two of the turn's own rounds (embedded), charged to the turn's voice budget.
+A voice that fails is logged and the line goes out with its facts alone."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from shadow.core.reader import Reader
+from shadow.server.host import ModelHost, Shadow
+from shadow.server.reading import Reading
+from shadow.server.shared import Shared
+from shadow.server.turn import ServedTurn
+from shadow.text.tokenizer import Tokenizer
+from shadow.voice.voice import Phrase, Voice
+
+log = logging.getLogger("shadow.serve")
+
+
+@dataclass(frozen=True)
+class VoiceParts:
+    """What the voice is made of: the tokenizer it writes with, and a model of its own (`reader`,
+    reading a window of each session afresh; None: it forks the shadow's own state)."""
+
+    tokenizer: Tokenizer
+    reader: Reader | None = None
+
+
+class Voicing:
+    def __init__(self, shared: Shared, host: ModelHost, reading: Reading, parts: VoiceParts | None):
+        self.shared, self.host, self.reading, self.parts = shared, host, reading, parts
+        self.voice: Voice | None = None
+
+    def on_load(self, shadow: Shadow) -> None:
+        """On the loading thread, before the shadow is handed out: the voice, its cost measured."""
+        parts = self.parts
+        if parts is None:
+            self.voice = None
+            return
+        self.voice = Voice(parts.reader, parts.tokenizer, own_model=True) if parts.reader is not None \
+            else Voice(shadow.reader, parts.tokenizer)
+        try:
+            self.voice.warm()
+        except Exception:  # noqa: BLE001 - unmeasured, a phrase asks for a whole slice
+            log.exception("the voice's cost could not be measured at load; it is measured by its first phrase")
+
+    def phrase(self, turn: ServedTurn, kind: str, extra: Sequence[int] = (), recent: Sequence[str] = (),
+               lang: str = "en", wait_s: float = 0.3) -> Phrase | None:
+        """A voice phrase for a status line of this turn, if the turn's voice budget holds one and
+        the device can write it now: at once where the device is free (proxy mode), else between
+        two of the turn's own rounds (embedded), waiting at most `wait_s` for it to start (one
+        that started is waited for and kept: its time is spent). None: nothing tried, or the
+        voice failed (logged); it never raises, so a stream goes on without its phrase."""
+        shared = self.shared
+        with shared.lock:
+            voice, shadow = self.voice, self.host.shadow
+            if (voice is None or shadow is None or not shared.switch.shadow or not shared.switch.voice
+                    or turn.session is None or not turn.prompt_fed):
+                return None
+            cost = voice.estimate(voice.prefill(shadow.store.peek(turn.session), len(extra)))
+            if not turn.voice.allows(turn.first_token, shared.clock(), cost):
+                return None
+        job = lambda: self._write(voice, turn, kind, extra, recent, lang)  # noqa: E731
+        try:
+            ran, result = shared.device.run_if_idle(job, "voice")
+            if ran:
+                return result
+            if turn.embedded:  # the turn's own rounds hold the device: it serves phrases between them
+                request = Future()
+                turn.phrases.append((job, request))
+                try:
+                    return request.result(timeout=wait_s)
+                except FutureTimeout:
+                    return None if request.cancel() else request.result()
+        except Exception:  # noqa: BLE001 - the line goes out with its facts alone
+            log.exception("turn %s: the voice failed; its %s line goes out without a phrase", turn.id, kind)
+        return None
+
+    @staticmethod
+    def serve_phrases(turn: ServedTurn) -> None:
+        """Between two rounds of a turn, on the device: write the phrases its stream asked for."""
+        while turn.phrases:
+            job, request = turn.phrases.popleft()
+            if request.set_running_or_notify_cancel():
+                try:
+                    request.set_result(job())
+                except Exception as e:  # noqa: BLE001 - the stream gets no phrase; the turn goes on
+                    request.set_exception(e)
+                except BaseException as e:  # the stream waiting on it is answered before this goes on
+                    request.set_exception(e)
+                    raise
+
+    def _write(self, voice: Voice, turn: ServedTurn, kind: str, extra, recent, lang) -> Phrase | None:
+        shadow = self.host.shadow
+        if shadow is None:
+            return None
+        with self.shared.lock:
+            session = self.reading.get(shadow, turn.session)
+        if not voice.fits(session, extra):
+            return None
+        phrase = voice.phrase(session, kind, extra, recent, lang)
+        turn.voice.used_s += phrase.seconds
+        return phrase
