@@ -28,6 +28,7 @@ def ab(
     runs: Annotated[int, typer.Option(callback=bounds(ge=1), help="Runs per arm.")] = 6,
     pause: Annotated[float, typer.Option(callback=bounds(ge=0), help="Seconds between requests.")] = 1.5,
     gate_pct: Annotated[float, typer.Option(callback=bounds(ge=0), help="The largest decode slowdown (%) that passes.")] = 3.0,
+    api_key: Annotated[str | None, typer.Option(envvar="SHADOW_API_KEY", help="The server's key (its admin key, when it has one: the switch and status want it), sent as Authorization: Bearer KEY.")] = None,
     voice: Annotated[bool, typer.Option("--voice", help="Arms 'shadow, status lines and voice off' against 'all on': the on runs send Open WebUI's chat-id header, for which serve's default --status-channel auto writes status lines (and the voice its phrases); the off runs get none. Without it the voice stays off in both arms.")] = False,
     plot: PlotOpt = None,
     csv: CsvOpt = None,
@@ -45,11 +46,14 @@ def ab(
     from shadow.text.tokenizer import load_tokenizer
 
     base = url.rstrip("/")
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        r = httpx.get(base + "/shadow/status", timeout=10)
+        r = httpx.get(base + "/shadow/status", timeout=10, headers=headers)
         status = r.json() if r.status_code == 200 else None
     except (httpx.HTTPError, ValueError) as e:
         raise ShadowInputError(f"no shadow serve at {url} ({type(e).__name__})") from None
+    if r.status_code == 401:
+        raise ShadowInputError(f"the server at {url} wants a key: --api-key KEY (or SHADOW_API_KEY; its admin key if it has one)")
     if not isinstance(status, dict) or "enabled" not in status:
         raise ShadowInputError(f"no shadow serve at {url} (GET /shadow/status answered {r.status_code})")
     restore = (bool(status["enabled"]), status.get("voice"))  # the switch as it was, set back at the end
@@ -63,14 +67,15 @@ def ab(
             bar.update(task, completed=done)
 
         results = run_ab(base, tokenizer, prompt_tokens, output_tokens, runs, pause, report, voice=voice,
-                         restore=restore)
+                         restore=restore, api_key=api_key)
     summary = summarize(results, gate_pct)
     table = Table(title=f"ab · {url} · {prompt_tokens:,} prompt tokens, {output_tokens} out · shadow weights: {status.get('weights')}")
-    for col in ("pair", "arm", "TTFT s", "decode tok/s", "tokens") + (("status lines",) if voice else ()):
+    for col in ("pair", "arm", "TTFT s", "decode tok/s", "ITL p50 ms", "p99", "max", "tokens") \
+            + (("status lines",) if voice else ()):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(str(r.pair), r.arm, f"{r.ttft_s:.3f}", f"{r.decode_tok_s:.2f}", str(r.tokens),
-                      *((str(r.lines),) if voice else ()))
+        table.add_row(str(r.pair), r.arm, f"{r.ttft_s:.3f}", f"{r.decode_tok_s:.2f}", f"{r.itl_p50_ms:.2f}",
+                      f"{r.itl_p99_ms:.2f}", f"{r.itl_max_ms:.1f}", str(r.tokens), *((str(r.lines),) if voice else ()))
     console.print(table)
     d, t = summary["decode_tok_s"], summary["ttft_s"]
     console.print(f"decode tok/s median: off {d['off']:.2f}, on {d['on']:.2f} ({summary['delta_pct']:+.2f} %); "
@@ -82,13 +87,20 @@ def ab(
         console.print(f"status lines seen: off {lines['off']}, on {lines['on']}"
                       + (" [yellow](none in the on runs: is the server's --status-channel off?)[/]" if not lines["on"] else "")
                       + (" [yellow](lines in the off runs: run serve with --status-channel auto)[/]" if lines["off"] else ""))
+    itl = summary["itl"]
+    console.print(f"inter-token latency (medians of the runs): off p50 {itl['off']['p50_ms']:.2f} ms, "
+                  f"p99 {itl['off']['p99_ms']:.2f} ms, longest {itl['off']['max_ms']:.1f} ms; on p50 "
+                  f"{itl['on']['p50_ms']:.2f} ms, p99 {itl['on']['p99_ms']:.2f} ms, longest {itl['on']['max_ms']:.1f} ms")
     if summary["share_pct"] is not None:
         console.print(f"the shadow read inside the decode for {summary['share_pct']:.2f} % of it "
-                      "(the share it was charged, median of the on runs)")
+                      "(the share it was charged, median of the on runs)"
+                      + (f"; the voice spoke for {summary['voice_pct']:.2f} %" if voice and summary["voice_pct"] is not None else ""))
     if csv:
         write_csv(csv, [dataclasses.asdict(r) for r in results])
+        console.print(f"wrote {csv}")
     if plot:
-        _plot(plot, results)
+        _plot(plot, results, f"shadow ab · {prompt_tokens:,} prompt tokens, {output_tokens} out")
+        console.print(f"wrote {plot}")
     if json_out:
         emit_json({"command": "ab", "url": url, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                    "voice": voice,
@@ -97,7 +109,7 @@ def ab(
         raise typer.Exit(1)
 
 
-def _plot(path: Path, results) -> None:
+def _plot(path: Path, results, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,6 +121,8 @@ def _plot(path: Path, results) -> None:
         ax.plot([r.pair for r in rs], [r.decode_tok_s for r in rs], marker="o", color=color, label=f"shadow {arm}")
     ax.set_xlabel("pair")
     ax.set_ylabel("decode tok/s")
+    ax.set_xticks(sorted({r.pair for r in results}))
+    ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -58,6 +58,7 @@ def serve(
     port: Annotated[int, typer.Option(envvar=_env("port"), min=1, max=65535, help="Port to listen on.", rich_help_panel=SERVICE)] = 8000,
     journal: Annotated[Path | None, typer.Option(envvar=_env("journal"), help="JSONL journal (mode 0600) of every turn's check against the engine and every question asked, with its answer, lag and backlog.", rich_help_panel=SERVICE)] = None,
     require_exact: Annotated[bool, typer.Option(envvar=_env("require_exact"), help="Asks and summaries about a session whose ids are not all verified against the engine answer 409 with the reason.", rich_help_panel=SERVICE)] = False,
+    shadow: Annotated[bool, typer.Option("--shadow/--no-shadow", envvar=_env("shadow"), help="Start with the shadow on; --no-shadow serves completions alone (e.g. an embedded engine for another serve's proxy to read), until POST /v1/shadow/switch turns it on.", rich_help_panel=SERVICE)] = True,
     standing_question: Annotated[Path | None, typer.Option(envvar=_env("standing_question"), help="A JSON file {name, text, choices, min_prompt_tokens (8192), label_header (x-shadow-label)}: asked of the shadow at every turn with at least that many prompt tokens, at the prompt's last <|im_end|>, journaled beside the turn's label header.", rich_help_panel=SERVICE)] = None,
     model: Annotated[str, typer.Option("--model", "-m", envvar=_env("model"), help="The shadow: a preset (tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b: random weights) or a Qwen3.5 checkpoint folder.", rich_help_panel=MODEL)] = "tiny",
     generator_model: Annotated[str | None, typer.Option(envvar=_env("generator_model"), help="Embedded mode: the generator's checkpoint or preset (default: the shadow's own).", rich_help_panel=MODEL)] = None,
@@ -123,7 +124,8 @@ def serve(
                       max_question_tokens=max_question_tokens, max_tokens=max_tokens, max_ask_tail=max_ask_tail,
                       max_concurrent=max_concurrent),
         access=Access(api_key, admin_key),
-        journal=journal, standing_question=standing_question, require_exact=require_exact, host=host, port=port,
+        journal=journal, standing_question=standing_question, require_exact=require_exact, shadow_on=shadow,
+        host=host, port=port,
     )
     check(settings)
     listener = _bind(host, port)  # before the model loads: a port in use fails at once

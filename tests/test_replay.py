@@ -116,9 +116,11 @@ def test_share_slices_are_capped_at_the_slice():
     one decode round (25 ms) apart."""
     reqs = [Request("a", 0.0, 0.1, 200.1, 500, 500, 8000), Request("b", 150.0, 150.2, 160.0, 60_000, 60_000, 10),
             Request("b", 170.0, 170.1, 171.0, 60_100, 90, 5)]
-    arm = replay(reqs, 10.0)  # 5.12 ms a chunk: 29 in a slice
+    arm = replay(reqs, 10.0, rule=BandwidthRule(slice_chunks=100))  # 5.12 ms a chunk: 29 in a slice
     assert arm.longest_slice_s == pytest.approx(29 * 0.00512)
     assert arm.turns[0].behind < 512 and arm.chunks_share > 117
+    one = replay(reqs, 10.0)  # by default one chunk a slice, one decode round apart
+    assert one.longest_slice_s == pytest.approx(0.00512) and one.turns[0].behind < 512
 
 
 def test_mooncake_trace_is_monotonic_in_share_and_rate():

@@ -114,7 +114,7 @@ def test_unseen_depths_interpolate_or_take_the_nearest():
 
 
 def test_a_share_slice_is_capped_at_the_slice_and_at_the_budget():
-    s = scheduler(chunk_s=0.01)
+    s = scheduler(chunk_s=0.01, slice_chunks=100)
     s.update("a", 0, 100 * G, now=0.0)
     s.turn_started("t", "a", 0.0)
     s.first_token("t", 1.0)
@@ -125,6 +125,32 @@ def test_a_share_slice_is_capped_at_the_slice_and_at_the_budget():
     d = s.next_read(100.0, between_rounds=True)  # 1.94 s pooled: one slice of 0.15 s
     assert d.chunks == 15 and d.estimate_s <= 0.15 + 1e-9
     assert s.next_read(100.0) == Wait(math.inf)  # not between rounds: nothing inside a turn
+
+
+def test_by_default_a_slice_is_one_chunk_and_asking_again_too_soon_is_skipped():
+    """One chunk a slice (no gap between two rounds longer than one chunk); the Wait between
+    rounds holds while nothing changes, so a caller may skip asking until its time."""
+    s = scheduler(chunk_s=0.01)
+    s.update("a", 0, 100 * G, now=0.0)
+    s.turn_started("t", "a", 0.0)
+    s.first_token("t", 1.0)
+    d = s.next_read(3.0, between_rounds=True)  # a budget of four chunks: one a slice
+    assert isinstance(d, Read) and d.chunks == 1
+    s.read_done(d, 1, 0.01, 3.01)
+    assert s.between_rounds_due(3.01)  # a read changed the answer: ask again
+    for t in (3.02, 3.03):
+        d = s.next_read(t, between_rounds=True)
+        assert isinstance(d, Read) and d.chunks == 1
+        s.read_done(d, 1, 0.01, t + 0.01)
+    assert isinstance(s.next_read(3.04, between_rounds=True), Read)
+    s.read_done(Read("a", 1, "share", 3 * G, 0.01), 1, 0.01, 3.05)
+    wait = s.next_read(3.05, between_rounds=True)  # four chunks read: the budget is spent
+    assert isinstance(wait, Wait) and wait.until > 3.05
+    assert not s.between_rounds_due(3.05) and not s.between_rounds_due(wait.until - 1e-6)
+    s.update("a", 4 * G, 100 * G + 7, now=3.06)  # more ids in the same whole chunk: nothing changes
+    assert not s.between_rounds_due(3.06)
+    s.update("a", 4 * G, 100 * G + G, now=3.07)  # a new whole chunk: ask again
+    assert s.between_rounds_due(3.07) and s.between_rounds_due(wait.until)
 
 
 def test_the_share_is_the_engines_not_each_turns():
@@ -226,7 +252,7 @@ def test_spilled_sessions_wait_and_updates_move_read_positions():
 
 
 def test_the_fewest_step_reads_the_session_nearest_to_fresh_first():
-    s = scheduler(chunk_s=0.001, priorities=Priorities.parse("fewest"))
+    s = scheduler(chunk_s=0.001, priorities=Priorities.parse("fewest"), slice_chunks=100)
     s.update("far", 0, 5 * G, now=0.0)
     s.update("near", 0, 2 * G, now=0.0)
     s.turn_started("t", "far", 0.0)

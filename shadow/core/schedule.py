@@ -22,10 +22,16 @@ or a `Wait` (when to look again). The rule it applies (`BandwidthRule`):
 - **Share**: while the engine decodes, between two of its rounds (`between_rounds=True`), the
   reader may use `share` of the time since the first token of the engine's current decode
   stretch (from a first token while no other turn decoded, to the moment no turn decodes), less
-  what it used, in slices of at most `slice_s` of whole chunks by their estimated costs. One
-  budget for the engine, however many turns it decodes at once. A session whose next chunk is
-  estimated above `slice_s` is not read inside a turn; with no estimate at all the share reads
-  nothing (nothing measures inside a stream).
+  what it used, in slices of at most `slice_chunks` whole chunks (one by default, so no gap
+  between two rounds is longer than one chunk) whose estimated costs fit `slice_s`. One budget
+  for the engine, however many turns it decodes at once. A session whose next chunk is estimated
+  above `slice_s` is not read inside a turn; with no estimate at all the share reads nothing
+  (nothing measures inside a stream).
+
+`changes` counts every change that can move a decision (a session's whole chunks, residency or
+rank, a turn event, a question, a read, the requests waiting); a `Wait(until)` answered between
+rounds stays the answer while `changes` is the same and the clock is before `until`, so a caller
+between every two rounds may skip asking (O(1) a round: `between_rounds_due`).
 
 Which session: among resident sessions with a whole chunk to read, by the `Priorities` steps in
 order (each switchable): a pending ask or standing question first, then sessions with a turn in
@@ -72,12 +78,14 @@ EPS = 1e-9
 
 @dataclass(frozen=True)
 class BandwidthRule:
-    """The policy: poll period, idle burst length, in-turn share and slice cap (seconds)."""
+    """The policy: poll period, idle burst length, in-turn share, the longest one slice may hold
+    the device (seconds) and the most whole chunks it reads."""
 
     poll_s: float = 0.2
     burst_s: float = 2.0
     share: float = 0.02
     slice_s: float = 0.15
+    slice_chunks: int = 1
 
     def next_poll(self, t: float) -> float:
         """The first poll tick at or after t (ticks at multiples of poll_s)."""
@@ -247,6 +255,9 @@ class ReadScheduler:
         self.share_used = 0.0  # seconds read inside the current stretch
         self._burst_start: float | None = None
         self._burst_chunks = 0
+        self.changes = 0  # bumped by every change that can move a decision
+        self.decode_s = 0.0  # seconds of decode stretches ended so far
+        self._between: tuple[int, float] | None = None  # (changes, until) of the last between-rounds Wait
 
     # the sessions ----------------------------------------------------------------------------
 
@@ -257,12 +268,17 @@ class ReadScheduler:
         if s is None:
             self._seen += 1
             s = self.sessions[name] = _Session(name, self._seen)
+            self.changes += 1
+        before = (s.committed, s.resident, self._whole(s))
         s.committed, s.known, s.resident = committed, known, resident
+        if (s.committed, s.resident, self._whole(s)) != before:
+            self.changes += 1
         self._refresh(s, now)
 
     def forget(self, name: str) -> None:
         self.sessions.pop(name, None)
         self._ready.discard(name)
+        self.changes += 1
 
     def question(self, name: str, now: float, stop: int | None = None) -> None:
         """A pending ask or standing question on `name` (read it first). `stop`: the grid line the
@@ -272,12 +288,14 @@ class ReadScheduler:
         s = self.sessions.get(name)
         if s is not None:
             s.question, s.stop = True, stop
+            self.changes += 1
             self._refresh(s, now, rerank=True)
 
     def answered(self, name: str, now: float) -> None:
         s = self.sessions.get(name)
         if s is not None:
             s.question, s.stop = False, None
+            self.changes += 1
             self._refresh(s, now, rerank=True)
 
     def has_backlog(self) -> bool:
@@ -329,6 +347,7 @@ class ReadScheduler:
         names it when it is. The turn's record is the caller's if it added one to `turns`."""
         record = self.turns.get(turn) or self.turns.add(Turn(turn, now))
         record.session, record.first_token = None, None
+        self.changes += 1
         if session is not None:
             self.turn_session(turn, session, now)
         self._burst_start = None
@@ -338,6 +357,7 @@ class ReadScheduler:
         record = self.turns[turn]
         if record.session is None:
             record.session = session
+            self.changes += 1
             self._run(session, now)
 
     def _run(self, session: str, now: float) -> None:
@@ -355,17 +375,20 @@ class ReadScheduler:
         if record.decoding:
             return
         record.first_token = now
+        self.changes += 1
         if self._decoding == 0:
             self.stretch_start, self.share_used = now, 0.0
         self._decoding += 1
 
     def turn_ended(self, turn: Hashable, now: float) -> None:
         record = self.turns.pop(turn)
+        self.changes += 1
         if record.session is not None:
             self._stop_running(record.session, now)
         if record.decoding:
             self._decoding -= 1
             if self._decoding == 0:
+                self.decode_s += max(0.0, now - self.stretch_start)
                 self.stretch_start, self.share_used = None, 0.0
 
     def _stop_running(self, session: str, now: float) -> None:
@@ -377,6 +400,8 @@ class ReadScheduler:
 
     def waiting(self, n: int, now: float) -> None:
         """Requests waiting for the engine (or, embedded, for the device) besides the turns told."""
+        if n != self._waiting:
+            self.changes += 1
         self._waiting = n
         if n:
             self._burst_start = None
@@ -388,6 +413,16 @@ class ReadScheduler:
     @property
     def decoding(self) -> int:
         return self._decoding
+
+    def decoded_s(self, now: float) -> float:
+        """Seconds the engine has decoded so far: ended stretches and the current one."""
+        return self.decode_s + (0.0 if self.stretch_start is None else max(0.0, now - self.stretch_start))
+
+    def between_rounds_due(self, now: float) -> bool:
+        """Whether `next_read(now, between_rounds=True)` could answer anything but the Wait it
+        answered last: False while nothing changed and its `until` has not come (O(1))."""
+        last = self._between
+        return last is None or last[0] != self.changes or now >= last[1]
 
     def share_left(self, now: float) -> float:
         """Seconds of share the current decode stretch holds now (0 outside a stretch)."""
@@ -437,7 +472,9 @@ class ReadScheduler:
         self._burst_start = None
         if not between_rounds or self.stretch_start is None or self.rule.share <= 0:
             return Wait(math.inf)
-        return self._share(now)
+        decision = self._share(now)
+        self._between = (self.changes, decision.until) if isinstance(decision, Wait) else None
+        return decision
 
     def _idle(self, now: float) -> Read | Wait:
         s = self._pick()
@@ -468,7 +505,7 @@ class ReadScheduler:
         budget = self.share_left(now)
         room = min(budget, self.rule.slice_s) + 1e-12
         chunks, total = 0, 0.0
-        for j in range(self._whole(s)):
+        for j in range(min(self._whole(s), max(1, self.rule.slice_chunks))):
             est = self.costs.estimate(s.committed + j * self.grid)
             if est is None or total + est > room:
                 break
@@ -484,6 +521,7 @@ class ReadScheduler:
         session's read position (unless an `update` moved it meanwhile), refreshes the cost
         estimate at that depth, and charges a share read to the stretch's budget."""
         s = self.sessions.get(read.session)
+        self.changes += 1
         if chunks > 0:
             self.costs.observe(read.depth + (chunks - 1) * self.grid // 2, seconds / chunks)
             if s is not None and s.committed == read.depth:

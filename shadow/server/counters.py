@@ -1,5 +1,5 @@
 """The live service's counters: one plain object its parts add to (under the service's lock) and
-`status` shows."""
+`status` shows; and the bookkeeping time of the rounds (`RoundTimes`)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ class Counters:
     chunks_idle: int = 0
     chunks_share: int = 0
     share_s: float = 0.0  # seconds of reading charged to shares (inside the engine's decodes)
+    voice_s: float = 0.0  # seconds of voice phrases charged to turns' voice budgets
     chunks_ask: int = 0
     max_wait_on_reader_ms: float = 0.0  # the longest a request waited behind a reader chunk
     last_chunk_ms: float = 0.0  # the last read's seconds per chunk (the estimates are the scheduler's)
@@ -23,3 +24,26 @@ class Counters:
     idle_errors: int = 0  # idle rounds that failed (the reader went on)
     idle_last_error: str | None = None
     last_answers: deque = field(default_factory=lambda: deque(maxlen=20))
+    rounds: "RoundTimes" = field(default_factory=lambda: RoundTimes())
+
+
+class RoundTimes:
+    """What the shadow's own bookkeeping costs between two rounds of the engine (or two streamed
+    deltas): the seconds of each of the last `keep` rounds, not counting the chunks read and the
+    phrases written (those are charged to the shares). `add` takes no lock (one append)."""
+
+    def __init__(self, keep: int = 4096):
+        self._last: deque[float] = deque(maxlen=keep)
+        self.rounds = 0
+
+    def add(self, seconds: float) -> None:
+        self._last.append(max(0.0, seconds))
+        self.rounds += 1
+
+    def summary(self) -> dict:
+        """p50 and p99 in microseconds over the rounds kept, and the rounds counted."""
+        last = sorted(self._last)
+        if not last:
+            return {"p50": None, "p99": None, "rounds": self.rounds}
+        pick = lambda q: round(last[min(len(last) - 1, int(q * len(last)))] * 1e6, 2)  # noqa: E731
+        return {"p50": pick(0.5), "p99": pick(0.99), "rounds": self.rounds}

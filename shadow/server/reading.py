@@ -169,6 +169,7 @@ class Reading:
             self.sched.grid = shadow.grid
             for depth, seconds in measured:
                 self.sched.costs.warm(depth, seconds)
+            self.sched.changes += 1
 
     # sessions (the caller holds the lock) ----------------------------------------------------
 
@@ -274,13 +275,17 @@ class Reading:
 
     def share(self) -> tuple[int, float]:
         """Between two rounds of the engine (or two streamed deltas), on the device thread: the
-        chunks the scheduler grants the share now, of whichever session it picks. Returns
+        chunks the scheduler grants the share now, of whichever session it picks. O(1) while the
+        scheduler's last answer between rounds still holds (`between_rounds_due`). Returns
         (chunks read, their seconds)."""
+        sched = self.sched
+        if not sched.between_rounds_due(self.clock()):  # nothing changed, and not yet due: no lock, no look
+            return 0, 0.0
         with self.lock:
             shadow = self.host.shadow
-            if shadow is None or not self.enabled() or not self.sched.busy:
+            if shadow is None or not self.enabled() or not sched.busy:
                 return 0, 0.0
-            decision = self.sched.next_read(self.clock(), between_rounds=True)
+            decision = sched.next_read(self.clock(), between_rounds=True)
             session = self._decided(shadow, decision)
         if session is None:
             return 0, 0.0
@@ -380,6 +385,7 @@ class Reading:
             "share_left_s": round(sched.share_left(now), 6), "share_used_s": round(sched.share_used, 6),
             "decoding": sched.decoding, "busy": sched.busy, "backlog": sched.has_backlog(),
             "questions": self.questions.names(),
+            "bookkeeping_us": self.counters.rounds.summary(),
             "last_decision": None if self.last is None else type(self.last).__name__.lower(),
         }
 

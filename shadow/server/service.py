@@ -226,17 +226,37 @@ class ShadowService:
 
     def add_output(self, turn: ServedTurn, ids: Sequence[int]) -> None:
         """On the device thread: append output ids, unless a newer turn of the session has fed its
-        prompt since (that prompt holds this answer already, re-rendered)."""
+        prompt since (that prompt holds this answer already, re-rendered). O(len(ids)): the
+        scheduler is told only when the session's whole chunks change (its decisions are by
+        whole chunks)."""
         shadow = self.host.shadow
         if shadow is None or not self.shared.switch.shadow or not turn.prompt_fed:
             return
-        ids = shadow.reader.check_ids(ids)
         with self.state_lock:
-            if self._latest.get(turn.session) != turn.id:
+            name = turn.session
+            if self._latest.get(name) != turn.id:
                 return
-            shadow.reader.feed_output(self.reading.get(shadow, turn.session), ids)
+            session = shadow.store.peek(name) or self.reading.get(shadow, name)  # spilled meanwhile: restored
+            before = len(session.ids) - session.committed
+            shadow.reader.feed_output(session, ids)  # checked before any change
             turn.output_len += len(ids)
-            self.reading.sync(shadow, turn.session)
+            grid = shadow.grid
+            if (len(session.ids) - session.committed) // grid != before // grid:
+                self.reading.sync(shadow, name)
+
+    def between_rounds(self, turn: ServedTurn, output_ids: Sequence[int] = ()) -> int:
+        """Between two rounds of the embedded generator, on the device thread: the new output ids
+        fed, the share's slice read, the voice's phrases written; what this costs beyond the chunks
+        and phrases (which their budgets are charged) is timed (`counters.rounds`). Returns the
+        chunks read."""
+        start, read_before, voice_before = time.perf_counter(), turn.share_used, turn.voice.used_s
+        if output_ids:
+            self.add_output(turn, output_ids)
+        done = self.share_slice(turn)
+        self.voicing.serve_phrases(turn)
+        spent = time.perf_counter() - start
+        self.counters.rounds.add(spent - (turn.share_used - read_before) - (turn.voice.used_s - voice_before))
+        return done
 
     def share_slice(self, turn: ServedTurn) -> int:
         """Between two of the engine's rounds (or streamed deltas) of this turn, on the device
@@ -257,6 +277,7 @@ class ShadowService:
         prompt, output = turn.prompt_due, list(turn.held)
         if prompt is None and not output and not share:
             return True
+        start, read_before = time.perf_counter(), turn.share_used
 
         def feed() -> None:
             try:
@@ -273,6 +294,8 @@ class ShadowService:
             self.run_request(feed)
         elif not self.device.run_if_idle(feed, "turn")[0]:
             return False
+        if share and not wait:  # between two deltas: the bookkeeping, beyond the chunks read
+            self.counters.rounds.add(time.perf_counter() - start - (turn.share_used - read_before))
         if prompt is not None:
             turn.fed_prompt, turn.prompt_due = prompt, None
         turn.fed_output += len(output)
@@ -450,7 +473,8 @@ class ShadowService:
                 "turns_in_flight": len(self.turns), "waiting": self.waiting,
                 "counters": {
                     "requests": c.requests, "chunks_idle": c.chunks_idle, "chunks_share": c.chunks_share,
-                    "share_s": round(c.share_s, 6),
+                    "share_s": round(c.share_s, 6), "voice_s": round(c.voice_s, 6),
+                    "decode_s": round(self.sched.decoded_s(self.clock()), 6),
                     "chunks_ask": c.chunks_ask, "asks": c.asks, "last_chunk_ms": round(c.last_chunk_ms, 3),
                     "standing_answered": c.standing_answered, "standing_replaced": c.standing_replaced,
                     "standing_pending": len(self.pending), "unloads": c.unloads,

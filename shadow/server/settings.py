@@ -12,7 +12,7 @@ that need no file, model or network (`check`). The CLI maps its options onto it 
       voice     VoiceSettings     the voice: on, its own model, its share
       limits    Limits            body, prompt, question and ask sizes, requests in flight
       access    Access            API and admin keys
-      journal, standing_question, require_exact, host, port
+      journal, standing_question, require_exact, shadow_on, host, port
 """
 
 from __future__ import annotations
@@ -164,6 +164,7 @@ class ServeSettings:
     journal: Path | None = None
     standing_question: Path | None = None
     require_exact: bool = False
+    shadow_on: bool = True  # off: the shadow feeds and reads nothing until switched on (`/v1/shadow/switch`)
     host: str = "127.0.0.1"
     port: int = 8000
 

@@ -35,5 +35,6 @@ class Shared:
     journal: Journal = None  # type: ignore[assignment]  (made from settings.journal when not given)
 
     def __post_init__(self) -> None:
+        self.switch.shadow = self.switch.voice = self.settings.shadow_on
         if self.journal is None:
             self.journal = Journal(self.settings.journal, self.counters.last_answers)

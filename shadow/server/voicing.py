@@ -105,4 +105,6 @@ class Voicing:
             return None
         phrase = voice.phrase(session, kind, extra, recent, lang)
         turn.voice.used_s += phrase.seconds
+        with self.shared.lock:
+            self.shared.counters.voice_s += phrase.seconds
         return phrase

@@ -2,7 +2,8 @@
 session each run (so the shadow reads the whole prompt every time), paired run by run.
 
 Decode tok/s comes from streamed token arrival times, the first token excluded; TTFT is from the
-request's send to its first token. The shadow is switched through `POST /v1/shadow/switch`
+request's send to its first token; inter-token latency (ITL) is the gap between two streamed
+token deltas' arrivals (p50, p99, the longest), what a user watching the stream sees stall. The shadow is switched through `POST /v1/shadow/switch`
 (`{"on": bool, "voice": bool}`), and switched back to where it was when the A/B ends, however it
 ends (an error, Ctrl-C).
 
@@ -45,6 +46,10 @@ class Run:
     share_s: float | None = None  # the server's reading charged to shares during the run (None: not reported)
     lines: int = 0  # status lines streamed to the client (status events and framed lines)
     voice: bool | None = None  # the voice as the server's switch said it was for this run
+    itl_p50_ms: float = 0.0  # gaps between streamed tokens' arrivals
+    itl_p99_ms: float = 0.0
+    itl_max_ms: float = 0.0
+    voice_s: float | None = None  # the server's voice phrases charged during the run
 
     @property
     def decode_s(self) -> float:
@@ -93,7 +98,10 @@ def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, ses
                 count += n
     if count < 2:
         raise RuntimeError("fewer than two tokens streamed: no decode rate")
-    return Run(arm, pair, times[0] - start, (count - 1) / (times[-1] - times[0]), count, lines=lines)
+    gaps = sorted(b - a for a, b in zip(times, times[1:])) or [0.0]
+    p = lambda q: 1000 * gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
+    return Run(arm, pair, times[0] - start, (count - 1) / (times[-1] - times[0]), count, lines=lines,
+               itl_p50_ms=p(0.5), itl_p99_ms=p(0.99), itl_max_ms=1000 * gaps[-1])
 
 
 def _refusal(status: int, body: bytes) -> Exception:
@@ -106,11 +114,14 @@ def _refusal(status: int, body: bytes) -> Exception:
     return RuntimeError(f"the server failed ({status}): {message}")
 
 
-def share_seconds(client: httpx.Client, base: str) -> float | None:
-    """The server's `share_s` counter (seconds read inside turns' shares), if it reports one."""
+def charged_seconds(client: httpx.Client, base: str) -> tuple[float | None, float | None]:
+    """The server's `share_s` and `voice_s` counters (seconds read inside turns' shares, seconds of
+    voice phrases), where it reports them."""
     r = client.get(base + "/shadow/status")
-    r.raise_for_status()
-    return r.json().get("counters", {}).get("share_s")
+    if r.status_code != 200:
+        raise _refusal(r.status_code, r.content)
+    counters = r.json().get("counters", {})
+    return counters.get("share_s"), counters.get("voice_s")
 
 
 def switch(client: httpx.Client, base: str, on: bool, voice: bool | None = None) -> dict:
@@ -124,25 +135,28 @@ def switch(client: httpx.Client, base: str, on: bool, voice: bool | None = None)
 
 
 def run_ab(base: str, tokenizer: Tokenizer, prompt_tokens: int, output_tokens: int, runs: int, pause_s: float,
-           progress=None, voice: bool = False, restore: tuple[bool, bool | None] = (True, None)) -> list[Run]:
+           progress=None, voice: bool = False, restore: tuple[bool, bool | None] = (True, None),
+           api_key: str | None = None) -> list[Run]:
     """`runs` pairs; within a pair the arms alternate (off first in even pairs, on first in odd ones).
     "off": shadow and voice off; "on": the shadow on, and with `voice` the voice and status lines on
     too. `progress(done, total, run)` is called after each run. Whatever happens, the switch is
-    set back to `restore` (on, voice) at the end, a second Ctrl-C during that held back."""
+    set back to `restore` (on, voice) at the end, a second Ctrl-C during that held back. `api_key`:
+    sent as `Authorization: Bearer KEY` (a server with keys wants it; its admin key for the switch)."""
     out = []
-    with httpx.Client(timeout=httpx.Timeout(900.0)) as client:
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    with httpx.Client(timeout=httpx.Timeout(900.0), headers=headers) as client:
         try:
             for pair in range(runs):
                 for arm in (("off", "on") if pair % 2 == 0 else ("on", "off")):
                     on = arm == "on"
                     state = switch(client, base, on, voice=on and voice)
                     tag = uuid.uuid4().hex[:12]
-                    before = share_seconds(client, base)
+                    before = charged_seconds(client, base)
                     run = stream_once(client, base, prompt_text(tokenizer, prompt_tokens, tag), output_tokens,
                                       f"ab-{tag}", arm, pair, status_lines=on and voice)
-                    after = share_seconds(client, base)
-                    share = None if before is None or after is None else after - before
-                    out.append(dataclasses.replace(run, share_s=share, voice=state.get("voice")))
+                    after = charged_seconds(client, base)
+                    share, spoken = (None if a is None or b is None else b - a for a, b in zip(before, after))
+                    out.append(dataclasses.replace(run, share_s=share, voice_s=spoken, voice=state.get("voice")))
                     if progress:
                         progress(len(out), 2 * runs, out[-1])
                     time.sleep(pause_s)
@@ -173,7 +187,9 @@ def summarize(runs: list[Run], gate_pct: float) -> dict:
     """Medians per arm, the change in decode rate (on vs off, %), paired deltas, the verdict, and
     `share_pct`: the median over "on" runs of the reading the server charged to shares, as a % of
     the run's decode time (None when the server does not report it); a slowdown beyond it is
-    cost the share does not account for; `status_lines`: the lines each arm's runs saw."""
+    cost the share does not account for; `voice_pct` the same for the voice's phrases; `itl`: per arm
+    the medians of the runs' inter-token p50 and p99 (ms) and the longest gap of any run;
+    `status_lines`: the lines each arm's runs saw."""
     arms = {a: [r for r in runs if r.arm == a] for a in ("off", "on")}
     decode = {a: statistics.median(r.decode_tok_s for r in rs) for a, rs in arms.items()}
     ttft = {a: statistics.median(r.ttft_s for r in rs) for a, rs in arms.items()}
@@ -185,7 +201,11 @@ def summarize(runs: list[Run], gate_pct: float) -> dict:
         paired.append(100 * (on.decode_tok_s - off.decode_tok_s) / off.decode_tok_s)
     delta = 100 * (decode["on"] - decode["off"]) / decode["off"]
     charged = [100 * r.share_s / r.decode_s for r in arms["on"] if r.share_s is not None]
+    spoken = [100 * r.voice_s / r.decode_s for r in arms["on"] if r.voice_s is not None]
+    itl = {a: {"p50_ms": statistics.median(r.itl_p50_ms for r in rs), "p99_ms": statistics.median(r.itl_p99_ms for r in rs),
+               "max_ms": max(r.itl_max_ms for r in rs)} for a, rs in arms.items()}
     return {"runs": len(pairs), "decode_tok_s": decode, "ttft_s": ttft, "delta_pct": delta,
             "paired_deltas_pct": paired, "share_pct": statistics.median(charged) if charged else None,
+            "voice_pct": statistics.median(spoken) if spoken else None, "itl": itl,
             "status_lines": {a: sum(r.lines for r in rs) for a, rs in arms.items()},
             "gate_pct": gate_pct, "passed": -delta <= gate_pct}

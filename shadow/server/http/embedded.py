@@ -135,9 +135,9 @@ class EmbeddedCompletions:
                     service.first_token(turn)
                 out.append(token)
                 events.put(("token", token))
-                service.add_output(turn, [token])  # the output so far is readable in the share
-                service.share_slice(turn)
-                service.voicing.serve_phrases(turn)  # its rounds hold the device: the voice is served between them
+                # between two rounds: the output so far readable in the share, the share's slice, the
+                # voice's phrases (its rounds hold the device: the voice is served between them)
+                service.between_rounds(turn, (token,))
             events.put(("done", "stop" if out and out[-1] in self.eos else "length"))
             ids = TurnIds(list(prompt), "engine", list(out), "engine", prompt_tokens=len(prompt),
                           completion_tokens=len(out))
