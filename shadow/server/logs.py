@@ -18,6 +18,7 @@ import contextvars
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -82,11 +83,22 @@ def handler(fmt: str, stream=None) -> logging.Handler:
 
 def setup(fmt: str, stream=None) -> None:
     """The process's logging for `shadow serve`: one handler on the root logger, the project's
-    loggers at INFO, everything else (uvicorn included: give it `log_config=None`) at its own
-    level through the same handler, so every line has the one format."""
+    loggers at INFO, everything else (uvicorn included: give it `log_config=None`) at WARNING
+    through the same handler; Python's warnings and a thread's uncaught exception become
+    records too, so every line on the stream has the one format."""
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler(fmt, stream))
     root.setLevel(logging.WARNING)
     logging.getLogger("shadow").setLevel(logging.INFO)
+    logging.captureWarnings(True)
+    threading.excepthook = _thread_died
+
+
+def _thread_died(args) -> None:
+    if args.exc_type is SystemExit:
+        return
+    name = args.thread.name if args.thread is not None else "?"
+    logging.getLogger("shadow").error("thread %s ended on an uncaught exception", name,
+                                      exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
