@@ -27,6 +27,7 @@ from shadow.text.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "docs" / "grafana" / "shadow-dashboard.json"
+ALERTS = ROOT / "docs" / "grafana" / "shadow-alerts.yml"
 ADMIN, API = "admin-key-1", "api-key-1"
 LABELS = {"model": "tiny", "engine": "openai"}
 # series the exporter writes only once the service counts them (see docs/SERVE.md)
@@ -52,14 +53,16 @@ def proxy_with_tiny_cap(upstream: str, tmp_path: Path, access: Access = Access()
 
 @contextmanager
 def prometheus(tmp_path: Path, target: str, token: str):
-    """Prometheus on loopback scraping `target`'s /metrics every second with `token`; a client of its API."""
+    """Prometheus on loopback scraping `target`'s /metrics every second with `token`, evaluating
+    the alerting rules of docs/grafana every second; a client of its API."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("Prometheus is not installed (Debian: apt-get install prometheus; .ci/run does)")
     port = free_port()
     config = tmp_path / "prometheus.yml"
     config.write_text(
-        "global: {scrape_interval: 1s, scrape_timeout: 1s}\n"
+        "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{ALERTS}']\n"
         "scrape_configs:\n"
         "  - job_name: shadow\n"
         "    metrics_path: /metrics\n"
@@ -176,6 +179,7 @@ def test_a_real_prometheus_finds_the_shadow_series_status_reports(tiny, tmp_path
                 assert want[("shadow:turns_total", ("result", "unverified"))] == 2
                 assert want[("shadow:status_lines_total", ("kind", "reading"))] >= 2
                 _dashboard_runs(prom, {k[0] for k in have})
+                _alerts_evaluate(prom)
 
 
 def _on_disk(service, timeout: float = 60.0) -> str:
@@ -223,6 +227,20 @@ def _dashboard_runs(prom: httpx.Client, exposed: set[str]) -> None:
         query(prom, concrete)
     bases = {n.removesuffix("_bucket") for n in exposed} | exposed | WHEN_COUNTED
     assert names <= bases, names - bases
+
+
+def _alerts_evaluate(prom: httpx.Client, timeout: float = 30.0) -> None:
+    """Every alerting rule of docs/grafana loaded and evaluated without an error; none fires on
+    this healthy service but the unverified turns' (each turn here is unverified)."""
+    deadline = time.time() + timeout
+    while True:
+        rules = [r for g in prom.get("/api/v1/rules").json()["data"]["groups"] for r in g["rules"]]
+        if rules and all(r["health"] == "ok" for r in rules) or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(rules) >= 8 and all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+    firing = {r["name"] for r in rules if r["state"] != "inactive"}
+    assert firing <= {"ShadowTurnsUnverified"}, firing
 
 
 def test_metrics_want_the_admin_key_and_each_app_has_its_own_registry(tiny, tmp_path):
