@@ -85,13 +85,14 @@ def setup(fmt: str, stream=None) -> None:
     """The process's logging for `shadow serve`: one handler on the root logger, the project's
     loggers at INFO, everything else (uvicorn included: give it `log_config=None`) at WARNING
     through the same handler; Python's warnings and a thread's uncaught exception become
-    records too, so every line on the stream has the one format."""
+    records too, so every line on the stream has the one format. A process whose logging is
+    configured already (a root logger with handlers) keeps it, as `logging.basicConfig` does."""
+    logging.getLogger("shadow").setLevel(logging.INFO)
     root = logging.getLogger()
-    for old in list(root.handlers):
-        root.removeHandler(old)
+    if root.handlers:
+        return
     root.addHandler(handler(fmt, stream))
     root.setLevel(logging.WARNING)
-    logging.getLogger("shadow").setLevel(logging.INFO)
     logging.captureWarnings(True)
     threading.excepthook = _thread_died
 

@@ -44,7 +44,7 @@ class ShadowCollector:
     def collect(self) -> Iterator[Metric]:
         service = self.service
         status = service.status()
-        held = self._held()
+        held = self._held([r["name"] for r in status["sessions"] if r["resident"]])
         self.journal.update()
         engine = status["engine"] or {}
         labels = [service.settings.model.model, "embedded" if not service.settings.proxy else
@@ -59,14 +59,14 @@ class ShadowCollector:
         self._engine(out, status)
         yield from out.families
 
-    def _held(self) -> dict:
+    def _held(self, resident: list[str]) -> dict:
         """What status does not show, read under the lock: the store's counters, every session's
-        checks, the resident sessions' rollbacks and re-reads, the asks' histograms."""
+        checks, the `resident` sessions' rollbacks and re-reads, the asks' histograms."""
         service = self.service
         with service.state_lock:
             shadow = service.host.shadow
             store = None if shadow is None else shadow.store
-            resident = [] if store is None else [s for s in (store.peek(n) for n in store.names()) if s is not None]
+            resident = [] if store is None else [s for s in map(store.peek, resident) if s is not None]
             checks = list(service.checks.values())
             return {
                 "store": None if store is None else dict(vars(store.counters), rejected=len(store.counters.rejected)),
@@ -112,8 +112,9 @@ class ShadowCollector:
         pending = [r["pending"] for r in rows]
         out.gauge("backlog_ids", "Ids known and not read yet, over every session", sum(pending))
         grid = status["grid"]
-        if grid:
-            out.gauge("sessions_behind", "Sessions with at least one whole chunk unread", sum(p >= grid for p in pending))
+        if grid:  # the idle window's work: spilled sessions wait on disk for their next turn
+            out.gauge("sessions_behind", "Resident sessions with at least one whole chunk unread",
+                      sum(r["resident"] and r["pending"] >= grid for r in rows))
         h = out.family("session_backlog_ids", "Sessions by their unread ids, now", kind=GaugeHistogramMetricFamily)
         h.add(buckets=[(_le(b), sum(p <= b for p in pending)) for b in (*BACKLOG_IDS, math.inf)], gsum_value=sum(pending))
         s = held["store"]
