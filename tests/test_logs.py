@@ -15,7 +15,9 @@ import sys
 import time
 
 import httpx
+from typer.testing import CliRunner
 
+from cli.main import app
 from scripted import TEMPLATE, quiet_engine
 from serving import free_port, serving
 from shadow.server import logs
@@ -105,3 +107,8 @@ def test_a_line_carries_the_session_and_turn_it_was_logged_under(tiny):
     assert (second["session"], second["turn"], second["message"]) == ("s1", 7, "in a thread of the request")
     assert (third["session"], third["turn"], third["level"]) == ("other", 8, "WARNING")
     assert "session" not in fourth and "ValueError: boom" in fourth["exception"] and fourth["level"] == "ERROR"
+
+
+def test_an_unknown_log_format_is_refused_before_anything_starts():
+    result = CliRunner().invoke(app, ["serve", "--log-format", "xml"])
+    assert result.exit_code == 2 and "--log-format must be one of text, json" in result.output
