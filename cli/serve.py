@@ -16,16 +16,16 @@ from cli.common import console, parse_dtype, user_errors
 from shadow.core.schedule import BandwidthRule
 from shadow.errors import ShadowInputError
 from shadow.server.settings import (
-    Access, EngineSettings, Limits, ModelSettings, ServeSettings, SessionSettings, StatusSettings, StoreSettings,
-    VoiceSettings, check,
+    Access, EngineSettings, Limits, ModelSettings, ProbeSettings, ServeSettings, SessionSettings, StatusSettings,
+    StoreSettings, VoiceSettings, check,
 )
 from shadow.text.chat_template import parse_template_kwargs
 
 log = logging.getLogger("shadow.serve")
 
-MODEL, STORE, READING, ENGINE, SESSIONS, LINES, VOICE, LIMITS, ACCESS, SERVICE = (
+MODEL, STORE, READING, ENGINE, SESSIONS, LINES, VOICE, LIMITS, ACCESS, SERVICE, OPERATIONS = (
     "The shadow's model", "Memory and disk", "When the shadow reads", "Proxy mode: the engine", "Sessions",
-    "Status lines", "The voice", "Limits", "Access", "Service")
+    "Status lines", "The voice", "Limits", "Access", "Service", "Probes, metrics and logs")
 
 
 def _load_config(ctx: typer.Context, path: Path | None) -> Path | None:
@@ -94,6 +94,10 @@ def serve(
     api_key: Annotated[str | None, typer.Option(envvar="SHADOW_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint (required to listen beyond loopback).", rich_help_panel=ACCESS)] = None,
     admin_key: Annotated[str | None, typer.Option(envvar="SHADOW_ADMIN_KEY", help="A separate key for the shadow's own endpoints (ask, summarize, status, switch).", rich_help_panel=ACCESS)] = None,
     upstream_api_key: Annotated[str | None, typer.Option(envvar="SHADOW_UPSTREAM_API_KEY", help="Proxy mode: the engine's key, sent in place of the client's Authorization.", rich_help_panel=ACCESS)] = None,
+    health_without_key: Annotated[bool, typer.Option(envvar=_env("health_without_key"), help="GET /health and /ready answer without a key (default: with an --api-key set they want it too). /metrics always wants the admin key, else the API key.", rich_help_panel=ACCESS)] = False,
+    log_format: Annotated[str, typer.Option(envvar=_env("log_format"), help="Log lines on stderr: text, or json (one object a line, with the session and turn where the line has them; uvicorn's lines too).", rich_help_panel=OPERATIONS)] = "text",
+    health_stuck_s: Annotated[float, typer.Option(envvar=_env("health_stuck_s"), min=0.0, help="GET /health answers 503 once a no-op job has waited this long for the device thread (a model load or a long generation holds it meanwhile).", rich_help_panel=OPERATIONS)] = 300.0,
+    ready_engine_timeout_s: Annotated[float, typer.Option(envvar=_env("ready_engine_timeout_s"), min=0.0, help="Proxy mode: GET /ready answers 503 when the engine's /models does not answer below 500 within this many seconds.", rich_help_panel=OPERATIONS)] = 2.0,
 ) -> None:
     """Serve OpenAI-compatible /v1/chat/completions, /v1/completions and /v1/models from an
     embedded Qwen3.5 generator (the project's own forward), with a shadow reading every session
@@ -101,13 +105,15 @@ def serve(
     mode: requests go to the engine and come back as it sent them while the shadow reads the
     engine's own ids beside it (a dialect per engine), every turn checked against the engine.
     Session identity: the x-session-id or X-OpenWebUI-Chat-Id header (else, with --prefix-match,
-    the longest matching prefix of a known session)."""
+    the longest matching prefix of a known session). GET /health and /ready are the liveness and
+    readiness probes; GET /metrics, Prometheus's."""
     import faulthandler
     import signal
 
     # every option is checked before any work: nothing is loaded, written or bound on bad input
     for name, value in (("--max-body-mb", max_body_mb), ("--cap-gib", cap_gib), ("--disk-cap-gib", disk_cap_gib),
-                        ("--share", share), ("--slice-ms", slice_ms), ("--voice-share", voice_share)):
+                        ("--share", share), ("--slice-ms", slice_ms), ("--voice-share", voice_share),
+                        ("--health-stuck-s", health_stuck_s), ("--ready-engine-timeout-s", ready_engine_timeout_s)):
         if not math.isfinite(value):
             raise ShadowInputError(f"{name} must be a finite number (got {value})")
     parse_dtype(dtype)
@@ -123,22 +129,27 @@ def serve(
         limits=Limits(max_body_bytes=int(max_body_mb * 2**20), max_prompt_tokens=max_prompt_tokens,
                       max_question_tokens=max_question_tokens, max_tokens=max_tokens, max_ask_tail=max_ask_tail,
                       max_concurrent=max_concurrent),
-        access=Access(api_key, admin_key),
+        access=Access(api_key, admin_key, health_without_key),
+        probes=ProbeSettings(stuck_s=health_stuck_s, engine_timeout_s=ready_engine_timeout_s),
         journal=journal, standing_question=standing_question, require_exact=require_exact, shadow_on=shadow,
+        log_format=log_format,
         host=host, port=port,
     )
     check(settings)
     listener = _bind(host, port)  # before the model loads: a port in use fails at once
-    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    logging.getLogger("shadow").setLevel(logging.INFO)
+    from shadow.server import logs
     from shadow.server.build import build
+
+    logs.setup(log_format)
 
     try:
         built = build(settings)
     except BaseException:
         listener.close()
         raise
-    if built.random:
+    if built.random and log_format == "json":  # stderr holds nothing but JSON lines
+        log.warning("weights are random: answers and generated text mean nothing; exactness and timing do")
+    elif built.random:
         console.print("[yellow]weights are random:[/] answers and generated text mean nothing; exactness and timing do.")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
     _run(built.app, listener, host, port)
@@ -168,7 +179,7 @@ def _run(app, listener, host: str, port: int) -> None:
             if self.started:
                 log.info("listening on http://%s:%d", host if ":" not in host else f"[{host}]", port)
 
-    server = Server(uvicorn.Config(app, log_level="warning"))
+    server = Server(uvicorn.Config(app, log_level="warning", log_config=None))  # its lines in the one format
     try:
         server.run(sockets=[listener])
     finally:

@@ -16,11 +16,14 @@ from shadow.offline.journal import ids_crc
 from shadow.server.host import ModelHost
 from shadow.server.reading import Questions, Reading
 from shadow.server.shared import Shared
+from shadow.server.timings import Histogram
 
 
 class Asking:
     """`resolve(session, timeout_s)` waits for the shadow and returns the store name an ask about
-    `session` reads and what its checks say of it (`ShadowService.resolve`), or raises."""
+    `session` reads and what its checks say of it (`ShadowService.resolve`), or raises. Each ask
+    answered is timed into `latency` (its `latency_ms`, in seconds) and `wait` (of that, the wait
+    for the device), under the lock."""
 
     def __init__(self, shared: Shared, host: ModelHost, reading: Reading, questions: Questions, vocab_size: int,
                  resolve: Callable[[str, float], tuple[str, dict]]):
@@ -28,6 +31,7 @@ class Asking:
         self.device, self.lock, self.clock = shared.device, shared.lock, shared.clock
         self.counters, self.journal = shared.counters, shared.journal
         self.max_tail = shared.settings.limits.max_ask_tail  # unread ids an ask or summary may prefill in one fork
+        self.latency, self.wait = Histogram(), Histogram()
 
     def check_ids(self, ids: Sequence[int]) -> list[int]:
         out = [int(i) for i in ids]
@@ -52,6 +56,7 @@ class Asking:
         started = self.clock()
 
         def on_device():
+            waited = self.clock() - started
             shadow = self.host.ensure()  # an idle burst may have unloaded it since the wait
             with self.questions.asking(name):
                 s, behind, read = self.reading.read_to_end(shadow, name, timeout_s, started)
@@ -59,14 +64,15 @@ class Asking:
                 probs = shadow.reader.ask(s, question, choice_ids).tolist()
             with self.lock:
                 self.reading.settle(shadow, keep=name)
-            return shadow, s, behind, read, probs
+            return shadow, s, behind, read, probs, waited
 
-        shadow, s, behind, read, probs = self.device.run(on_device, "ask")
+        shadow, s, behind, read, probs, waited = self.device.run(on_device, "ask")
+        latency = self.clock() - started
         best = max(range(len(probs)), key=probs.__getitem__)
         answer = {
             "session": session, "read": name, "choices": list(labels), "probs": probs, "label": labels[best],
             "behind": behind, "read_chunks": read, "pending_after": len(s.ids) - s.committed,
-            "latency_ms": round((self.clock() - started) * 1000, 3), "weights": shadow.weights,
+            "latency_ms": round(latency * 1000, 3), "weights": shadow.weights,
             "weights_hash": shadow.weights_hash, "grid": shadow.grid, "arithmetic": shadow.store.identity.arithmetic,
             "insertion": len(s.ids), "prefix_crc": ids_crc(s.ids),
             "question_tokens": len(question), "question_ids": list(question), "reference": reference,
@@ -74,6 +80,8 @@ class Asking:
         }
         with self.lock:
             self.counters.asks += 1
+            self.latency.observe(latency)
+            self.wait.observe(waited)
             self.journal.answer(answer)
         return answer
 

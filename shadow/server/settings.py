@@ -11,8 +11,9 @@ that need no file, model or network (`check`). The CLI maps its options onto it 
       status    StatusSettings    where status lines go, engine slots, line timing
       voice     VoiceSettings     the voice: on, its own model, its share
       limits    Limits            body, prompt, question and ask sizes, requests in flight
-      access    Access            API and admin keys
-      journal, standing_question, require_exact, shadow_on, host, port
+      access    Access            API and admin keys, probes without a key
+      probes    ProbeSettings     liveness and readiness: how long they wait
+      journal, standing_question, require_exact, shadow_on, log_format, host, port
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ SESSION_HEADERS = ("x-session-id", "x-openwebui-chat-id")
 CHANNELS = ("auto", "reasoning", "content", "inline", "off")
 ENGINES = ("vllm", "sglang", "llamacpp", "transformers", "openai")
 SHADOW_PATHS = "/v1/shadow/"
+METRICS_PATH = "/metrics"
+PROBE_PATHS = ("/health", "/ready")
+LOG_FORMATS = ("text", "json")
 
 
 @dataclass(frozen=True)
@@ -136,18 +140,36 @@ class Limits:
 @dataclass(frozen=True)
 class Access:
     """With an API key, every endpoint wants `Authorization: Bearer KEY`; the shadow's own
-    endpoints (`/v1/shadow/*`) want the admin key instead when one is set."""
+    endpoints (`/v1/shadow/*`) and `/metrics` want the admin key instead when one is set. The
+    probes (`/health`, `/ready`) want the API key like every endpoint, unless
+    `probes_without_key`."""
 
     api_key: str | None = None
     admin_key: str | None = None
+    probes_without_key: bool = False
 
     def allows(self, path: str, authorization: str | None) -> bool:
         """Whether `authorization` opens `path` (keys compared in constant time)."""
-        want = self.admin_key if (path.startswith(SHADOW_PATHS) and self.admin_key) else self.api_key
+        if self.probes_without_key and path in PROBE_PATHS:
+            return True
+        admin = path.startswith(SHADOW_PATHS) or path == METRICS_PATH
+        want = self.admin_key if (admin and self.admin_key) else self.api_key
         if want is None:
             return True
         scheme, _, token = (authorization or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), want.encode())
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """Liveness (`/health`): the device thread must run a no-op job within `stuck_s` of it being
+    handed in (each probe waits at most `wait_s` for it; a job running longer, a model load or a
+    long generation, is no failure until then). Readiness (`/ready`, proxy mode): the engine
+    must answer `GET {upstream}/models` within `engine_timeout_s`, with a status below 500."""
+
+    wait_s: float = 1.0
+    stuck_s: float = 300.0
+    engine_timeout_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -161,10 +183,12 @@ class ServeSettings:
     voice: VoiceSettings = VoiceSettings()
     limits: Limits = Limits()
     access: Access = Access()
+    probes: ProbeSettings = ProbeSettings()
     journal: Path | None = None
     standing_question: Path | None = None
     require_exact: bool = False
     shadow_on: bool = True  # off: the shadow feeds and reads nothing until switched on (`/v1/shadow/switch`)
+    log_format: str = "text"  # one of LOG_FORMATS: json is one object a line
     host: str = "127.0.0.1"
     port: int = 8000
 
@@ -186,6 +210,11 @@ def check(s: ServeSettings) -> None:
         raise ShadowInputError("--unload-slack-gib needs proxy mode (--upstream) and a --disk to park sessions on")
     if s.engine.dialect != "auto" and s.engine.dialect not in ENGINES:
         raise ShadowInputError(f"--engine must be auto or one of {', '.join(ENGINES)}")
+    if s.log_format not in LOG_FORMATS:
+        raise ShadowInputError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+    p = s.probes
+    if not all(math.isfinite(v) and v >= 0 for v in (p.wait_s, p.stuck_s, p.engine_timeout_s)):
+        raise ShadowInputError("--health-stuck-s and --ready-engine-timeout-s must be finite numbers, 0 or more")
     if s.status.channel not in CHANNELS:
         raise ShadowInputError(f"--status-channel must be one of {', '.join(CHANNELS)}")
     if s.proxy and not s.engine.upstream.startswith(("http://", "https://")):

@@ -94,7 +94,7 @@ class EngineChoice:
                               template_kwargs=self.template_kwargs)
 
     def _say(self) -> None:
-        log.warning("%s [%s]", self.dialect.describe(), self.evidence)
+        log.info("%s [%s]", self.dialect.describe(), self.evidence)
 
     def describe(self) -> dict:
         d = self.dialect

@@ -1,7 +1,8 @@
 """The HTTP service: OpenAI-compatible completions (from the embedded generator, or passed to an
 upstream engine in proxy mode), the shadow's own endpoints (`shadow_api`), and in front of all of
-them the guard (keys, body size, requests in flight). Every error a client causes is a 4xx in the
-one error shape (`errors`); 404 and 405 too."""
+them the guard (keys, body size, requests in flight); beside them the probes (`/health`, `/ready`:
+`health`) and the Prometheus metrics (`/metrics`: `shadow.server.metrics`, read at scrape time).
+Every error a client causes is a 4xx in the one error shape (`errors`); 404 and 405 too."""
 
 from __future__ import annotations
 
@@ -15,16 +16,19 @@ from fastapi.responses import Response
 
 from shadow.engines.dialects import Dialect, EngineChoice
 from shadow.errors import ShadowInputError
+from shadow.server import logs
 from shadow.server.generator import Generator
 from shadow.server.http import errors
 from shadow.server.http.channels import Channel, choose
 from shadow.server.http.embedded import EmbeddedCompletions
 from shadow.server.http.guard import Guard, json_depth, valid_session_id
+from shadow.server.http.health import Probes
 from shadow.server.http.proxy import Proxy, response_headers
 from shadow.server.http.schemas import ChatBody, CompletionBody, openapi_body
 from shadow.server.http.shadow_api import shadow_routes
+from shadow.server.metrics import Metrics
 from shadow.server.service import ShadowService
-from shadow.server.settings import ServeSettings
+from shadow.server.settings import METRICS_PATH, ServeSettings
 from shadow.text.chat_template import ChatRenderer
 from shadow.text.framing import strip_request
 from shadow.text.tokenizer import Tokenizer
@@ -63,6 +67,9 @@ class ShadowApp:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"],
                           openapi_extra=openapi_body(CompletionBody))
         app.include_router(shadow_routes(service, tokenizer, [eos_id], settings.limits))
+        app.include_router(Probes(service, lambda: self.proxy).routes())
+        self.metrics = Metrics(service)  # the app's own registry
+        app.add_api_route(METRICS_PATH, self.scrape, methods=["GET"], include_in_schema=False)
 
     @asynccontextmanager
     async def _lifespan(self, app: FastAPI):
@@ -88,6 +95,11 @@ class ShadowApp:
             return errors.error_response(502, f"upstream unreachable: {type(e).__name__}: {e}", "upstream_error")
         return Response(r.content, status_code=r.status_code, headers=response_headers(r, None))
 
+    async def scrape(self):
+        """The Prometheus metrics, read from the service now."""
+        body, content_type = await asyncio.to_thread(self.metrics.render)
+        return Response(body, media_type=content_type)
+
     async def chat(self, request: Request):
         """OpenAI chat completions: the engine's answer, passed through (proxy) or generated here."""
         return await self._complete(request, chat=True)
@@ -108,6 +120,7 @@ class ShadowApp:
         if self.embedded is not None:
             prompt, max_tokens = self.embedded.parse(body, chat)  # bad input refused before the turn begins
             turn = service.begin_turn(named, reference, embedded=True)
+            logs.bind(turn=turn.id, session=named)
             return await self.embedded.complete(body, prompt, max_tokens, chat, turn, channel)
         return await self._forward(request, body, chat, named, reference, channel)
 
@@ -124,6 +137,7 @@ class ShadowApp:
             proxy.dialect = self.engine.dialect
         before = proxy.prompt(body, chat)
         turn = service.begin_turn(named, reference)
+        logs.bind(turn=turn.id, session=named)
         try:
             if named is None and service.ready.is_set():
                 try:
@@ -133,6 +147,7 @@ class ShadowApp:
                 if ids:
                     service.name_turn(turn, ids)
             session = named or turn.session
+            logs.bind(session=session)
             cached = lambda ids: service.cached_prefix(session, ids)  # noqa: E731
             return await proxy.forward(request.headers, body, chat, turn, session, before, channel, cached)
         except BaseException:

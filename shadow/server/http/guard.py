@@ -1,7 +1,9 @@
 """Who may call the service, and how much one request may ask of it (`settings.Access` and
 `settings.Limits`): with an API key set, every endpoint wants `Authorization: Bearer KEY` (as
-vLLM and llama.cpp's `--api-key`); the shadow's own endpoints (`/v1/shadow/*`) want the admin key
-instead when one is set. Each refusal is a 4xx in the one error shape and changes no state.
+vLLM and llama.cpp's `--api-key`); the shadow's own endpoints (`/v1/shadow/*`) and `/metrics`
+want the admin key instead when one is set; the probes (`/health`, `/ready`) want the API key
+too, unless `--health-without-key`. Each refusal is a 4xx in the one error shape and changes no
+state.
 
 `Guard` is a pure ASGI middleware: it refuses before the app reads a body (413 on a declared or
 streamed body over the limit, 401 on a missing or wrong key, 429 past the requests in flight),

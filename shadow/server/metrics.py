@@ -1,0 +1,294 @@
+"""The service's Prometheus metrics: one `CollectorRegistry` per app, holding one collector that
+reads the service when scraped (`service.status()` and the objects it reads, under the service's
+lock), so no request pays for them. Every series is named `shadow:...` and labelled by `model`
+(the shadow's) and `engine` (the engine's dialect; `embedded` for the embedded generator).
+
+Counters come from the service's counters, the store's, each session's checks and the asks'
+histograms; where the service keeps a figure only in its journal (each turn's prompt and output
+checks apart, status lines, voice phrases), from the journal's new records (`journaled`), with a
+`--journal` only. A figure the service does not keep yet is left out, never made up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+from prometheus_client.core import (
+    CollectorRegistry, CounterMetricFamily, GaugeHistogramMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+
+from shadow.server.journaled import JournalCounts
+from shadow.server.service import ShadowService
+from shadow.server.timings import Histogram
+
+LABELS = ("model", "engine")
+WINDOWS = ("idle", "share", "ask")
+RESULTS = ("verified", "unverified", "mismatched")
+IDLE_STATES = ("reading", "caught up", "between bursts", "engine busy", "device busy", "no shadow", "off", "error",
+               "stopped", "dead", "not started")
+BACKLOG_IDS = (0, 512, 2048, 8192, 32768, 131072)  # a session's unread ids: the histogram's bounds
+
+
+class ShadowCollector:
+    """Reads `service` at each scrape; `journal` counts what only the journal keeps."""
+
+    def __init__(self, service: ShadowService, journal: JournalCounts):
+        self.service, self.journal = service, journal
+
+    def describe(self) -> list:
+        return []  # registering reads nothing: the series are known at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        service = self.service
+        status = service.status()
+        held = self._held([r["name"] for r in status["sessions"] if r["resident"]])
+        self.journal.update()
+        engine = status["engine"] or {}
+        labels = [service.settings.model.model, "embedded" if not service.settings.proxy else
+                  engine.get("dialect") or "unknown"]
+        out = Families(labels)
+        self._state(out, status)
+        self._store(out, status, held)
+        self._reading(out, status, service.settings.schedule.share)
+        self._checks(out, status, held)
+        self._asks(out, status, held)
+        self._journaled(out, status)
+        self._engine(out, status)
+        yield from out.families
+
+    def _held(self, resident: list[str]) -> dict:
+        """What status does not show, read under the lock: the store's counters, every session's
+        checks, the `resident` sessions' rollbacks and re-reads, the asks' histograms."""
+        service = self.service
+        with service.state_lock:
+            shadow = service.host.shadow
+            store = None if shadow is None else shadow.store
+            resident = [] if store is None else [s for s in map(store.peek, resident) if s is not None]
+            checks = list(service.checks.values())
+            return {
+                "store": None if store is None else dict(vars(store.counters), rejected=len(store.counters.rejected)),
+                "turns": {r: sum(getattr(c, r) for c in checks) for r in RESULTS},
+                "mismatched_sessions": sum(c.first_mismatch_turn is not None for c in checks),
+                "rollbacks": sum(s.rollbacks for s in resident), "ids_reread": sum(s.ids_reread for s in resident),
+                "latency": _copy(service.asking.latency), "wait": _copy(service.asking.wait),
+            }
+
+    @staticmethod
+    def _state(out: "Families", status: dict) -> None:
+        out.gauge("ready", "1 while the shadow's model is loaded", int(bool(status["ready"])))
+        out.gauge("load_failed", "1 when the shadow's last load failed", int(status["load_error"] is not None))
+        out.gauge("enabled", "1 while the shadow is switched on", int(bool(status["enabled"])))
+        out.gauge("turns_in_flight", "Requests begun and not ended", status["turns_in_flight"])
+        out.gauge("requests_waiting", "Requests waiting for the device", status["waiting"])
+        c = status["counters"]
+        out.counter("requests", "Completion requests begun", c["requests"])
+        out.counter("unloads", "Times the model was let go after an idle burst (sessions parked on disk)", c["unloads"])
+        idle = status["idle_reader"]
+        out.gauge("idle_reader_up", "1 while the idle reader's thread lives", int(bool(idle["alive"])))
+        state = out.family("idle_reader_state", "1 for the idle reader's state now", ["state"])
+        for name in (*IDLE_STATES, *([idle["state"]] if idle["state"] not in IDLE_STATES else [])):
+            state.add(name.replace(" ", "_"), value=int(name == idle["state"]))
+        out.counter("idle_reader_rounds", "Idle reader poll rounds", idle["rounds"])
+        out.counter("idle_reader_errors", "Idle rounds that failed (the reader went on)", idle["errors"])
+        if idle["last_read_s_ago"] is not None:
+            out.gauge("last_read_age_seconds", "Seconds since the shadow last read a chunk", idle["last_read_s_ago"])
+
+    @staticmethod
+    def _store(out: "Families", status: dict, held: dict) -> None:
+        totals = status["store"]
+        rows = status["sessions"]
+        if totals is not None:
+            out.gauge("sessions_resident", "Sessions held in memory", totals["resident_sessions"])
+            out.gauge("sessions_on_disk", "The store's session files on disk", totals["files"])
+            out.gauge("resident_bytes", "Bytes of the sessions held in memory", totals["resident_bytes"])
+            out.gauge("disk_bytes", "Bytes of the store's session files", totals["disk_bytes"])
+            for key, name in (("cap_bytes", "resident_cap_bytes"), ("disk_cap_bytes", "disk_cap_bytes")):
+                if totals[key] is not None:
+                    out.gauge(name, f"The store's bound on {name.split('_')[0]} bytes", totals[key])
+            out.gauge("sessions_unwritten", "Resident sessions whose last write failed", totals["unwritten_sessions"])
+        pending = [r["pending"] for r in rows]
+        out.gauge("backlog_ids", "Ids known and not read yet, over every session", sum(pending))
+        grid = status["grid"]
+        if grid:  # the idle window's work: spilled sessions wait on disk for their next turn
+            out.gauge("sessions_behind", "Resident sessions with at least one whole chunk unread",
+                      sum(r["resident"] and r["pending"] >= grid for r in rows))
+        h = out.family("session_backlog_ids", "Sessions by their unread ids, now", kind=GaugeHistogramMetricFamily)
+        h.add(buckets=[(_le(b), sum(p <= b for p in pending)) for b in (*BACKLOG_IDS, math.inf)], gsum_value=sum(pending))
+        s = held["store"]
+        if s is None:
+            return
+        for key, help_ in (("spills", "Sessions written to disk to stay under the cap"),
+                           ("restores", "Sessions read back from disk"),
+                           ("drops", "Sessions let go under the cap with no disk to write them to"),
+                           ("write_failures", "Session writes that failed (the session stayed resident)"),
+                           ("rejected", "Session files refused (moved aside; the session is read again)"),
+                           ("removed", "Session files removed by retention"),
+                           ("bytes_written", "Bytes of session files written"),
+                           ("bytes_restored", "Bytes of session files read back"),
+                           ("restore_seconds", "Seconds spent reading sessions back")):
+            out.counter({"rejected": "files_refused", "removed": "files_removed"}.get(key, key), help_, s[key])
+
+    @staticmethod
+    def _reading(out: "Families", status: dict, share: float) -> None:
+        c, r = status["counters"], status["reading"]
+        chunks = out.family("chunks_read", "Chunks the shadow read, by window", ["window"], CounterMetricFamily)
+        seconds = out.family("read_seconds", "Device-synchronised seconds of those chunks, by window (share: the "
+                             "seconds charged to the engine's decodes)", ["window"], CounterMetricFamily)
+        for window in WINDOWS:
+            chunks.add(window, value=c[f"chunks_{window}"])
+            value = c.get(f"{window}_s")
+            if value is not None:
+                seconds.add(window, value=value)
+        if c.get("decode_s") is not None:
+            out.counter("decode_seconds", "Seconds of the engine's decode stretches (the share's base)", c["decode_s"])
+        out.gauge("share_fraction", "The in-turn share the rule grants (--share)", share)
+        out.gauge("share_left_seconds", "Share the current decode stretch still holds", r["share_left_s"])
+        out.gauge("engine_busy", "1 while a turn is in flight (the idle window is closed)", int(bool(r["busy"])))
+        out.gauge("engine_decoding", "1 while a turn decodes (the share runs)", int(bool(r["decoding"])))
+        out.gauge("last_chunk_seconds", "The last read's seconds per chunk", c["last_chunk_ms"] / 1000)
+        out.gauge("max_wait_on_reader_seconds", "The longest a request waited behind a reader chunk",
+                  c["max_wait_on_reader_ms"] / 1000)
+        estimate = out.family("chunk_seconds_estimate", "The scheduler's cost of one chunk by the depth of its first "
+                              "row", ["depth"])
+        for depth, ms in r["chunk_ms_by_depth"].items():
+            estimate.add(depth, value=ms / 1000)
+        book = r.get("bookkeeping_us")
+        if isinstance(book, dict):
+            q = out.family("bookkeeping_seconds", "The rule's own time a round, by quantile", ["quantile"])
+            for key, quantile in (("p50", "0.5"), ("p99", "0.99")):
+                if book.get(key) is not None:
+                    q.add(quantile, value=book[key] / 1e6)
+            if book.get("rounds") is not None:
+                out.counter("bookkeeping_rounds", "Rounds the rule's own time was measured over", book["rounds"])
+
+    @staticmethod
+    def _checks(out: "Families", status: dict, held: dict) -> None:
+        turns = out.family("turns", "Turns checked against the engine, by result", ["result"], CounterMetricFamily)
+        for result in RESULTS:
+            turns.add(result, value=held["turns"][result])
+        out.gauge("sessions_mismatched", "Sessions with a turn that did not match the engine", held["mismatched_sessions"])
+        checks = [r["id_checks"] for r in status["sessions"]]
+        out.gauge("sessions_not_exact", "Sessions held with ids not verified against the engine",
+                  sum(not c["exact"] for c in checks))
+        out.gauge("unverified_ids", "Ids held past each session's verified prefix",
+                  sum(c["ids"] - c["verified_ids"] for c in checks))
+        out.gauge("resident_rollbacks", "Rollbacks of the sessions held in memory (a prompt that differed)",
+                  held["rollbacks"])
+        out.gauge("resident_ids_reread", "Ids the sessions held in memory read again after a rollback",
+                  held["ids_reread"])
+        c = status["counters"]
+        for key, help_ in (("rollbacks", "Rollbacks (a prompt that differed from what a session held)"),
+                           ("ids_reread", "Ids read again after a rollback")):
+            if c.get(key) is not None:
+                out.counter(key, help_, c[key])
+
+    @staticmethod
+    def _asks(out: "Families", status: dict, held: dict) -> None:
+        c = status["counters"]
+        out.counter("asks", "Asks answered", c["asks"])
+        out.counter("standing_answered", "Standing questions answered", c["standing_answered"])
+        out.counter("standing_replaced", "Standing questions a newer turn replaced before the reader reached them",
+                    c["standing_replaced"])
+        out.gauge("standing_pending", "Standing questions waiting for the reader", c["standing_pending"])
+        for key, help_ in (("latency", "Seconds from an ask's start (the shadow ready) to its answer"),
+                           ("wait", "Seconds an ask waited for the device before reading")):
+            h: Histogram = held[key]
+            family = out.family(f"ask_{key}_seconds", help_, kind=HistogramMetricFamily)
+            family.add(buckets=[(_le(b), n) for b, n in h.cumulative()], sum_value=h.sum)
+
+    def _journaled(self, out: "Families", status: dict) -> None:
+        """Turns' parts, status lines and phrases: from the service's counters where it keeps them
+        (`turn_parts` {part: {result: n}}, `status_lines` {kind: n}, `voice_said` n and
+        `voice_refused` {reason: n}), else from the journal's records (with a journal only)."""
+        c, j = status["counters"], self.journal
+        with j.lock:
+            checks, lines, phrases = dict(j.checks), dict(j.lines), dict(j.phrases)
+        kept = j.path is not None
+        if isinstance(c.get("turn_parts"), dict):
+            checks, kept = {(p, r): n for p, by in c["turn_parts"].items() for r, n in by.items()}, True
+        if kept:
+            parts = out.family("turn_parts", "Turns' prompt and output checks apart, by result", ["part", "result"],
+                               CounterMetricFamily)
+            for part in ("prompt", "output"):
+                for result in RESULTS:
+                    parts.add(part, result, value=checks.get((part, result), 0))
+        kept = j.path is not None
+        if isinstance(c.get("status_lines"), dict):
+            lines, kept = c["status_lines"], True
+        if kept:
+            shown = out.family("status_lines", "Status lines clients were shown, by kind", ["kind"],
+                               CounterMetricFamily)
+            for kind, n in sorted(lines.items()):
+                shown.add(str(kind), value=n)
+        kept = j.path is not None
+        if isinstance(c.get("voice_refused"), dict) and c.get("voice_said") is not None:
+            phrases = {("said", ""): c["voice_said"], **{("refused", str(r)): n for r, n in c["voice_refused"].items()}}
+            kept = True
+        if kept:
+            said = out.family("voice_phrases", "Voice phrases written, said or refused by reason", ["result", "reason"],
+                              CounterMetricFamily)
+            for (result, reason), n in sorted(phrases.items()):
+                said.add(result, reason, value=n)
+
+    @staticmethod
+    def _engine(out: "Families", status: dict) -> None:
+        errors = status["counters"].get("upstream_errors")
+        if isinstance(errors, dict):
+            family = out.family("upstream_errors", "Engine requests that failed, by kind", ["kind"], CounterMetricFamily)
+            for kind, n in sorted(errors.items()):
+                family.add(str(kind), value=n)
+
+
+class Families:
+    """The families of one scrape, each labelled by model and engine first."""
+
+    def __init__(self, labels: list[str]):
+        self.labels = labels
+        self.families: list[Metric] = []
+
+    def family(self, name: str, help_: str, extra: list[str] = (), kind=GaugeMetricFamily) -> "Family":
+        metric = kind(f"shadow:{name}", help_, labels=[*LABELS, *extra])
+        self.families.append(metric)
+        return Family(metric, self.labels)
+
+    def gauge(self, name: str, help_: str, value: float) -> None:
+        self.family(name, help_).add(value=value)
+
+    def counter(self, name: str, help_: str, value: float) -> None:
+        self.family(name, help_, kind=CounterMetricFamily).add(value=value)
+
+
+class Family:
+    def __init__(self, metric: Metric, labels: list[str]):
+        self.metric, self.labels = metric, labels
+
+    def add(self, *extra: str, **value) -> None:
+        self.metric.add_metric([*self.labels, *extra], **value)
+
+
+def _le(bound: float) -> str:
+    return "+Inf" if bound == math.inf else repr(float(bound))
+
+
+def _copy(h: Histogram) -> Histogram:
+    out = Histogram(h.bounds)
+    out.counts, out.sum, out.count = list(h.counts), h.sum, h.count
+    return out
+
+
+class Metrics:
+    """The app's registry (its own, never the process's global one) and its exposition."""
+
+    def __init__(self, service: ShadowService):
+        self.journal = JournalCounts(service.settings.journal)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ShadowCollector(service, self.journal))
+
+    def render(self) -> tuple[bytes, str]:
+        """The exposition in Prometheus's text format (0.0.4, which every scraper reads; this
+        client's OpenMetrics writer would turn the names' colons into underscores) and its
+        content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4
