@@ -46,11 +46,11 @@ for step in "$@"; do
            cp /tmp/proxy/ab.json "$OUT/ab-proxy.json"; cp /tmp/proxy/ab.csv "$OUT/ab-proxy.csv"; cp /tmp/proxy/proxy-status.json "$OUT/" ;;
     sanity) timeout 200 shadow verify-exact --model qwen3.5-0.8b --device cuda --against-grid 0 --json 2>&1 | tail -c 600 ;;
     abvoice) for m in ${SHADOWS:-qwen3.5-0.8b qwen3.5-2b}; do
-               MODEL=$m GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-4096} RUNS=${RUNS:-2} \
+               MODEL=$m GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-4096} RUNS=${RUNS:-2} NO_EVAL=1 \
                  TEMPLATE=.carry/qwen3.5.jinja VOICE=1 AB_TIMEOUT=240 timeout 280 bash experiments/serve_demo.sh \
                  "/tmp/abvoice-$m" 2>&1 | tail -6; tail -n 5 "/tmp/abvoice-$m/ab.log"; cp "/tmp/abvoice-$m/ab.json" "$OUT/abvoice-$m.json"
                cp "/tmp/abvoice-$m/ab.csv" "$OUT/abvoice-$m.csv"; cp "/tmp/abvoice-$m/journal.jsonl" "$OUT/abvoice-$m-journal.jsonl"
-               grep -h status_lines "$OUT/abvoice-$m-journal.jsonl" | cut -c1-600; done ;;
+               cp "/tmp/abvoice-$m/status.json" "$OUT/abvoice-$m-status.json"; done ;;
     generator) timeout 400 python3 experiments/generator_speed.py --model qwen3.5-4b --device cuda 2>&1 \
                  | tee "$OUT/generator-speed.txt" | tail -6 ;;
     sweep) timeout 200 python3 experiments/tile_sweep.py 2>&1 | tee "$OUT/tile-sweep.txt" ;;

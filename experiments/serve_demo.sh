@@ -35,7 +35,9 @@ if [ "${status:-0}" = 124 ]; then  # timed out: every thread's stack of the serv
 fi
 tail -n 1 "$out/ab.txt" > "$out/ab.json"
 if [ -n "${NO_EVAL:-}" ]; then  # the A/B alone
-  kill -TERM $server; wait $server || true; tail -n 4 "$out/ab.txt" | cut -c1-600; exit 0
+  curl -s "http://127.0.0.1:$port/v1/shadow/status" > "$out/status.json" || true
+  kill -TERM $server; wait $server || true; cp "$work/journal.jsonl" "$out/journal.jsonl" 2>/dev/null || true
+  tail -n 4 "$out/ab.txt" | cut -c1-600; exit 0
 fi
 # labelled asks: a reference label per session (random labels: the mechanics, not the router)
 python3 - "$port" <<'PY'

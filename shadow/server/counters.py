@@ -14,7 +14,17 @@ class Counters:
     chunks_share: int = 0
     share_s: float = 0.0  # seconds of reading charged to shares (inside the engine's decodes)
     voice_s: float = 0.0  # seconds of voice phrases charged to turns' voice budgets
+    idle_s: float = 0.0  # seconds read in the idle window
+    ask_s: float = 0.0  # seconds read for asks
     chunks_ask: int = 0
+    rollbacks: int = 0  # prompts that went back to a checkpoint (or the start), every session
+    ids_reread: int = 0  # ids those rollbacks read again
+    upstream_errors: dict = field(default_factory=dict)  # kind -> count (proxy mode)
+    turn_parts: dict = field(default_factory=lambda: {p: {"verified": 0, "unverified": 0, "mismatched": 0}
+                                                      for p in ("prompt", "output")})
+    status_lines: dict = field(default_factory=dict)  # kind -> lines shown
+    voice_said: int = 0
+    voice_refused: dict = field(default_factory=dict)  # reason -> phrases written and not said
     max_wait_on_reader_ms: float = 0.0  # the longest a request waited behind a reader chunk
     last_chunk_ms: float = 0.0  # the last read's seconds per chunk (the estimates are the scheduler's)
     asks: int = 0

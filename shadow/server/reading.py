@@ -233,11 +233,13 @@ class Reading:
                 self.last_read_at = end
             if read.window == "idle":
                 c.chunks_idle += done
+                c.idle_s += seconds
             elif read.window == "share":
                 c.chunks_share += done
                 c.share_s += seconds
             else:
                 c.chunks_ask += done
+                c.ask_s += seconds
         if line is not None:
             self.answers.answer_if_ready(shadow, session)
         return done, seconds

@@ -211,6 +211,9 @@ class ShadowService:
             behind = len(session.ids) - session.committed
             known = len(session.ids)
             feed = shadow.reader.feed_prompt(session, ids)
+            if feed.rolled_back_to is not None:
+                self.counters.rollbacks += 1
+                self.counters.ids_reread += feed.reread
             self.checks.setdefault(name, SessionChecks()).replaced(known if feed.first_diff is None else feed.first_diff)
             turn.prompt_fed, turn.prompt_len, turn.output_len = True, len(ids), 0
             self.names.touch(name)
@@ -288,7 +291,8 @@ class ShadowService:
                 if share:
                     self.share_slice(turn)
             except ShadowInputError as e:
-                log.warning("the shadow skipped ids of turn %s: %s", turn.id, e)
+                log.warning("the shadow skipped ids of turn %s: %s", turn.id, e,
+                            extra={"session": turn.session, "turn": turn.id})
 
         if wait:
             self.run_request(feed)
@@ -364,6 +368,10 @@ class ShadowService:
             checks = self.checks.setdefault(name, SessionChecks())
             latest = turn.prompt_fed and self._latest.get(name) == turn.id
             first = checks.add(turn.id, check, turn.prompt_len, turn.output_len, latest)
+            parts = self.counters.turn_parts
+            for part, verified in (("prompt", check.prompt_verified), ("output", check.output_verified)):
+                parts[part][{True: "verified", False: "mismatched", None: "unverified"}[verified]] += 1
+            self._count_lines(lines or [])
             record = {"kind": "turn", "session": name, "turn": turn.id, **check.as_dict(),
                       "prompt_ids": None if ids is None or ids.prompt is None else len(ids.prompt),
                       "output_ids": None if ids is None else len(ids.output),
@@ -373,13 +381,27 @@ class ShadowService:
             self.shared.journal.write(record)
         if first:
             log.warning("session %s: turn %s does not match the engine (%s); the session is not exact from here on",
-                        name, turn.id, "; ".join(check.reasons))
+                        name, turn.id, "; ".join(check.reasons), extra={"session": name, "turn": turn.id})
+
+    def _count_lines(self, lines: list[dict]) -> None:
+        """Count the status lines a client was shown and the voice's phrases (the caller holds the lock)."""
+        c = self.counters
+        for line in lines:
+            c.status_lines[line["kind"]] = c.status_lines.get(line["kind"], 0) + 1
+            phrase = line.get("phrase")
+            if phrase:
+                if phrase.get("said"):
+                    c.voice_said += 1
+                else:
+                    reason = phrase.get("reason") or "unknown"
+                    c.voice_refused[reason] = c.voice_refused.get(reason, 0) + 1
 
     def journal_lines(self, turn: ServedTurn, lines: list[dict]) -> None:
         """The status lines a turn's client was shown, each with its kind, time and voice phrase
         (the embedded engine's turns: their check is journaled before their stream ends)."""
         if lines:
             with self.state_lock:
+                self._count_lines(lines)
                 self.shared.journal.write({"kind": "status_lines", "session": turn.session, "turn": turn.id,
                                            "status_lines": lines, "time": time.time()})
 
@@ -476,6 +498,12 @@ class ShadowService:
                     "share_s": round(c.share_s, 6), "voice_s": round(c.voice_s, 6),
                     "decode_s": round(self.sched.decoded_s(self.clock()), 6),
                     "chunks_ask": c.chunks_ask, "asks": c.asks, "last_chunk_ms": round(c.last_chunk_ms, 3),
+                    "idle_s": round(c.idle_s, 6), "ask_s": round(c.ask_s, 6),
+                    "rollbacks": c.rollbacks, "ids_reread": c.ids_reread,
+                    "upstream_errors": dict(c.upstream_errors),
+                    "turn_parts": {p: dict(v) for p, v in c.turn_parts.items()},
+                    "status_lines": dict(c.status_lines), "voice_said": c.voice_said,
+                    "voice_refused": dict(c.voice_refused),
                     "standing_answered": c.standing_answered, "standing_replaced": c.standing_replaced,
                     "standing_pending": len(self.pending), "unloads": c.unloads,
                     "max_wait_on_reader_ms": round(c.max_wait_on_reader_ms, 3),

@@ -12,6 +12,7 @@ ends (in a `finally`) whatever happens to the stream.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import threading
@@ -127,6 +128,7 @@ class Proxy:
             upstream, asked = await sending
         except httpx.HTTPError as e:
             before.cancel()
+            self._count("unreachable")
             await self._end(turn)
             return error_response(502, f"upstream unreachable: {type(e).__name__}: {e}", "upstream_error")
         headers = response_headers(upstream, session)
@@ -139,6 +141,7 @@ class Proxy:
             finally:
                 await upstream.aclose()
             if content is None or upstream.status_code != 200:
+                self._count("broke_off" if content is None else f"status_{upstream.status_code // 100}xx")
                 before.cancel()
                 await self._end(turn)
                 if content is None:
@@ -171,8 +174,9 @@ class Proxy:
                                               stream=True)
         if upstream.status_code not in (400, 422) or not asked.added:
             return upstream, asked
-        refusal = (await upstream.aread()).decode("utf-8", "replace")[:300]
+        refusal = _error_summary(upstream.status_code, await upstream.aread())
         await upstream.aclose()
+        self._count("refused_added_fields")
         log.warning("the engine refused the fields the proxy adds (%s): %s; sent as the client sent it",
                     ", ".join(sorted(asked.added)), refusal)
         turn.notes.append(f"the engine refused {', '.join(sorted(asked.added))}: sent as the client sent it")
@@ -180,6 +184,12 @@ class Proxy:
         upstream = await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
                                           stream=True)
         return upstream, plain
+
+    def _count(self, kind: str) -> None:
+        """One more upstream error of `kind` (unreachable, status_4xx, status_5xx, broke_off, refused_added_fields)."""
+        c = self.service.counters
+        with self.service.state_lock:
+            c.upstream_errors[kind] = c.upstream_errors.get(kind, 0) + 1
 
     async def _end(self, turn: ServedTurn) -> None:
         self.load.answered(turn)
@@ -199,8 +209,10 @@ class Proxy:
             added = asked.added
         except httpx.HTTPError as e:
             failure = f"upstream unreachable: {type(e).__name__}: {e}"
+            self._count("unreachable")
         else:
             if upstream.status_code != 200:
+                self._count(f"status_{upstream.status_code // 100}xx")
                 try:
                     content = (await upstream.aread()).decode("utf-8", "replace")
                 except httpx.HTTPError:
@@ -242,6 +254,7 @@ class Proxy:
                 if piece is None:
                     break
                 if isinstance(piece, httpx.HTTPError):  # the engine broke off mid-stream: the client is told
+                    self._count("broke_off")
                     yield error_event(f"the engine's stream broke off: {type(piece).__name__}: {piece}", "upstream_error")
                     break
                 buffer += piece
@@ -305,8 +318,9 @@ class Proxy:
 
     def _finish_later(self, turn: ServedTurn, before: Future, body: dict, chat: bool, label, lines) -> None:
         self.load.answered(turn)
-        threading.Thread(target=self._finish, args=(turn, before, body, chat, label, lines), name="shadow-turn-end",
-                         daemon=True).start()
+        context = contextvars.copy_context()  # the request's log fields follow the turn
+        threading.Thread(target=context.run, args=(self._finish, turn, before, body, chat, label, lines),
+                         name="shadow-turn-end", daemon=True).start()
 
     def _finish(self, turn: ServedTurn, before: Future, body: dict, chat: bool, label, lines=None) -> None:
         """After the response: settle the turn's ids, feed what waited, check the turn against the
@@ -337,9 +351,21 @@ class Proxy:
             if label is not None and service.wants_label(turn):
                 service.upstream_label(turn, *label())
         except Exception:  # noqa: BLE001 - logged, and the turn still ends
-            log.exception("the shadow could not finish turn %s", turn.id)
+            log.exception("the shadow could not finish turn %s", turn.id, extra={"session": turn.session, "turn": turn.id})
         finally:
             service.end_turn(turn)
+
+
+def _error_summary(status: int, body: bytes) -> str:
+    """An engine's refusal for the log: its status and its error's type and message, never its
+    body (an engine may echo the request, prompt included)."""
+    event = _json(body)
+    error = event.get("error") if isinstance(event, dict) else None
+    if isinstance(error, dict):
+        return f"{status} {str(error.get('type', ''))[:60]}: {str(error.get('message', ''))[:120]}"
+    if isinstance(event, dict) and isinstance(event.get("detail"), str):
+        return f"{status}: {event['detail'][:120]}"
+    return f"{status} (an error body of {len(body)} bytes)"
 
 
 def _event(line: bytes) -> dict | None:
