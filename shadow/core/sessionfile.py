@@ -73,10 +73,11 @@ def file_bytes(session: Session) -> int:
 
 
 def write_session(path: Path, session: Session, identity: Identity, last_use: float, model: str = "", *,
-                  key: bytes | None = None, block_bytes: int = BLOCK_BYTES, direct: bool | None = None,
+                  key: bytes | None = None, block_bytes: int | None = None, direct: bool | None = None,
                   workers: int | None = None) -> int:
     """Write atomically (temporary file, fsync, rename, fsync of the folder), mode 0600, its
-    keyed digest made with `key` (None: zeros); returns the bytes written. Raises OSError when
+    keyed digest made with `key` (None: zeros), digested in blocks of `block_bytes` (None: this
+    module's BLOCK_BYTES); returns the bytes written. Raises OSError when
     the disk refuses (the old file, if any, is left as it was)."""
     last_use = float(last_use) if math.isfinite(last_use) and last_use >= 0 else 0.0
     meta = {
@@ -86,7 +87,7 @@ def write_session(path: Path, session: Session, identity: Identity, last_use: fl
         "checkpoints": json.dumps([c.position for c in session.checkpoints]), "marks": json.dumps(session.marks),
     }
     sources = session_tensors(session)
-    lay = layout({k: (v.dtype, tuple(v.shape)) for k, v in sources.items()}, meta, block_bytes)
+    lay = layout({k: (v.dtype, tuple(v.shape)) for k, v in sources.items()}, meta, block_bytes or BLOCK_BYTES)
     return _write_atomic(Path(path), lay, _Tiles(lay.spans, sources), key, DIRECT if direct is None else direct, workers)
 
 

@@ -267,7 +267,7 @@ class SessionStore:
         reread = self.reread_s(session.committed) if self.reread_s is not None else None
         restore = self.restore_rate.seconds(file_bytes(session))
         if reread is None or restore is None:
-            missing = " and ".join(w for w, v in (("re-read", reread), ("restore", restore)) if v is None)
+            missing = " or ".join(w for w, v in (("re-read", reread), ("restore", restore)) if v is None)
             return "spill", f"spilled (no {missing} estimate)"
         costs = f"restore ~{restore:.3f} s, re-read of {session.committed} tokens ~{reread:.3f} s"
         if restore > reread:
