@@ -5,7 +5,8 @@ blocks and their tensors: a copy to or from the device per block, from pinned ho
 without waiting (a CUDA event tells the pool when a block's buffer is free again).
 
 - Buffers are page-aligned host memory, pinned when a CUDA device is involved, a ring of
-  `2 * workers` blocks reused as they free: memory in use stays bounded whatever the file's size.
+  `workers + SPARE` blocks reused as they free: memory in use stays bounded whatever the file's
+  size (about 128 MiB with 8 MiB blocks and 12 threads).
 - O_DIRECT (the page cache bypassed) where the file system takes it and the offsets allow
   (data starting at a multiple of `ALIGN`, blocks of a multiple of `ALIGN`); a file system that
   refuses it is read and written through the page cache instead, with the same bytes.
@@ -30,7 +31,8 @@ import torch
 
 ALIGN = 4096  # offsets, lengths and buffers of O_DIRECT I/O are multiples of this
 O_DIRECT = getattr(os, "O_DIRECT", 0)
-MAX_WORKERS = 8
+MAX_WORKERS = 12
+SPARE = 4  # buffers beyond one a thread: blocks whose copies are still in flight
 
 
 class ShortRead(Exception):
@@ -60,7 +62,9 @@ class Buffers:
     (uint8) and `views[i]` (a memoryview of the same bytes, for os and hashlib)."""
 
     def __init__(self, count: int, size: int, pinned: bool):
-        base = torch.empty(count * size + ALIGN, dtype=torch.uint8, pin_memory=pinned)
+        base = torch.empty(count * size, dtype=torch.uint8, pin_memory=pinned)  # pinned memory is page-aligned
+        if base.data_ptr() % ALIGN:
+            base = torch.empty(count * size + ALIGN, dtype=torch.uint8, pin_memory=pinned)
         skip = -base.data_ptr() % ALIGN
         self._base = base  # keeps the memory alive
         self.tensors = [base[skip + i * size : skip + (i + 1) * size] for i in range(count)]
@@ -150,7 +154,7 @@ def read_blocks(
         return
     count = -(-total // block)
     workers = workers or default_workers()
-    slots = min(count, 2 * workers)
+    slots = min(count, workers + SPARE)
     buffers = Buffers(slots, block, pinned)
     if direct and start % ALIGN == 0 and block % ALIGN == 0:
         set_direct(fd, True)
@@ -189,7 +193,7 @@ def write_blocks(
         return []
     count = -(-total // block)
     workers = workers or default_workers()
-    slots = min(count, 2 * workers)
+    slots = min(count, workers + SPARE)
     buffers = Buffers(slots, block, pinned)
     if direct and start % ALIGN == 0 and block % ALIGN == 0:
         set_direct(fd, True)
