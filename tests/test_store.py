@@ -465,3 +465,21 @@ def test_measure_restore_times_a_scratch_session_and_leaves_nothing(reader, tmp_
     assert rate > 0 and store.restore_rate.gib_per_s == pytest.approx(rate)
     assert list(tmp_path.iterdir()) == [] and store.counters.restores == 0
     assert SessionStore(reader, "h", cap_gib=0).measure_restore() is None  # no disk: nothing to measure
+
+
+def test_store_command_checks_files_against_the_store_key(tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    reader = Reader(tiny.model, GRID)
+    store = SessionStore(reader, tiny.weights_hash, cap_gib=None, disk=tmp_path, key="k1")
+    fed(store, reader, "a")
+    assert store.close() == []
+    runner = CliRunner()
+    for args, env, code in (([], {}, 0), (["--store-key", "k1"], {}, 0), (["--store-key", "k2"], {}, 1),
+                            ([], {"SHADOW_STORE_KEY": "k2"}, 1), (["--model", "tiny", "--grid", str(GRID), "--store-key", "k1"], {}, 0)):
+        result = runner.invoke(app, ["store", str(tmp_path), "--json", *args], env=env)
+        assert result.exit_code == code, (args, env, result.output)
+        if code:
+            assert "keyed digest mismatch" in json.loads(result.output.strip().splitlines()[-1])["files"][0]["reason"]
