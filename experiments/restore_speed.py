@@ -14,7 +14,8 @@ pinned copies), `format3-buffered` (the same through the page cache), `format2` 
 build's writer and reader, frozen in experiments/format2_sessionfile.py). Then the same session's
 ids read again from the start on the same device (`--reread-runs`, median; one chunk first to
 warm graphs and caches), unless `--no-reread`; `--reread-tokens N` reads only the first N (the
-0.8B shape on a CPU cannot read 58k tokens in minutes).
+0.8B shape on a CPU cannot read 58k tokens in minutes). `where_the_time_goes`: a format-3
+restore's parts, each timed alone (`phases`).
 
     python3 experiments/restore_speed.py --device cuda --runs 5
     python3 experiments/restore_speed.py --device cpu --runs 5 --reread-tokens 1024
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 import format2_sessionfile as format2
-from shadow.core import blockio
+from shadow.core import blockio, sessionfile
 from shadow.core.reader import open_reader
 from shadow.core.sessionfile import BLOCK_BYTES
 from shadow.core.store import SessionStore, session_bytes
@@ -84,6 +85,7 @@ def main() -> None:
             if still is not None:
                 cached.append(still)
 
+    where = phases(session, reader, loaded.weights_hash, folder, cuda)
     reread = None if args.no_reread else reread_times(reader, session.ids, args.reread_tokens or len(session.ids),
                                                       args.reread_runs, cuda)
     headline = arms[0]
@@ -104,6 +106,7 @@ def main() -> None:
         "spill_gib_per_s": round(file_bytes / 2**30 / statistics.median(times[headline]["spill"]), 2),
         "runs": [round(t, 4) for t in times[headline]["restore"]], "bit_equal": True,
         "arms": {arm: arm_summary(times[arm], sizes[arm]) for arm in arms},
+        "where_the_time_goes": where,
     }
     if reread is not None:
         tokens_read, runs = reread
@@ -173,6 +176,41 @@ def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bo
     if store.counters.restores != 1:
         raise SystemExit(f"{arm}: the session was not restored ({store.counters.rejected})")
     return spill_s, restore_s, store.counters.bytes_written, still, back
+
+
+def phases(session, reader, weights_hash: str, folder: Path, cuda: bool) -> dict:
+    """Where a format-3 restore's time goes, each part timed alone on the session's file (page
+    cache dropped before each read): the blocks read (O_DIRECT where it works) and nothing else;
+    read and hashed on the pool; the fresh state's allocation for the committed length; one core's
+    SHA-256 over bytes in memory (what a single digest over the whole file, format 2, runs at)."""
+    store = SessionStore(reader, weights_hash, cap_gib=0, disk=folder)
+    store._resident[session.name] = session
+    store.settle()
+    path = store.path_of(session.name)
+    header = sessionfile.read_fields(path)
+    total = path.stat().st_size - header.start
+    out = {}
+    for name, check in (("read_s", lambda i, v: None), ("read_and_digest_s", lambda i, v: blockio.sha256(v))):
+        drop_cache(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            start = time.perf_counter()
+            blockio.read_blocks(fd, header.start, total, header.block_bytes, check, lambda i, b, v: None, pinned=cuda)
+            out[name] = round(time.perf_counter() - start, 4)
+        finally:
+            os.close(fd)
+    sync(cuda)
+    start = time.perf_counter()
+    state = reader.model.new_state()
+    sessionfile._targets(header, state)
+    sync(cuda)
+    out["allocate_state_s"] = round(time.perf_counter() - start, 4)
+    del state
+    block = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8).numpy()
+    start = time.perf_counter()
+    blockio.sha256(memoryview(block))
+    out["sha256_one_core_gib_per_s"] = round(0.25 / (time.perf_counter() - start), 2)
+    return out
 
 
 def _arithmetic(reader) -> str:
