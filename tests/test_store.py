@@ -477,8 +477,9 @@ def test_store_command_checks_files_against_the_store_key(tiny, tmp_path):
     fed(store, reader, "a")
     assert store.close() == []
     runner = CliRunner()
-    for args, env, code in (([], {}, 0), (["--store-key", "k1"], {}, 0), (["--store-key", "k2"], {}, 1),
-                            ([], {"SHADOW_STORE_KEY": "k2"}, 1), (["--model", "tiny", "--grid", str(GRID), "--store-key", "k1"], {}, 0)):
+    cases = [([], {}, 0), (["--store-key", "k1"], {}, 0), (["--store-key", "k2"], {}, 1),
+             ([], {"SHADOW_STORE_KEY": "k2"}, 1), (["--model", "tiny", "--grid", str(GRID), "--store-key", "k1"], {}, 0)]
+    for args, env, code in cases:
         result = runner.invoke(app, ["store", str(tmp_path), "--json", *args], env=env)
         assert result.exit_code == code, (args, env, result.output)
         if code:

@@ -376,7 +376,8 @@ class SessionStore:
         scratch = self.reader.new_session(MEASURE_NAME)
         state = scratch.state
         per_row = max(1, _state_bytes(state, 1) - _state_bytes(state, 0))
-        rows = max(self.reader.grid, int(gib * GIB - _state_bytes(state, 0)) // per_row // self.reader.grid * self.reader.grid)
+        grid = self.reader.grid
+        rows = max(grid, int(gib * GIB - _state_bytes(state, 0)) // per_row // grid * grid)
         for layer in state.attention:
             layer.reserve(rows)
         state.length = rows
