@@ -451,7 +451,9 @@ def test_the_reread_estimate_sums_the_schedulers_chunk_costs_by_depth(reader, tm
     assert reread(0) == 0.0
     # chunks at depths 0, 64 (0.01 each), 128, 192 (interpolated: 0.02 each), 256, 320 (0.03 each)
     assert reread(384) == pytest.approx(2 * 0.01 + 2 * 0.02 + 2 * 0.03)
-    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path, reread_s=reread)
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
+    store.estimate_reread(costs.estimate, GRID)  # the server's one line, at load
+    assert store.reread_s(384) == reread(384)
     store.restore_rate.warm(1e-9)  # restores crawl: every session is cheaper to read again
     fed(store, reader, "a")
     fed(store, reader, "b", seed=2)

@@ -260,6 +260,11 @@ class SessionStore:
         assert self.disk is not None
         return self.disk / session_file_name(name)
 
+    def estimate_reread(self, chunk_s: Callable[[int], float | None], grid: int) -> None:
+        """Take `reread_s` from a per-depth chunk cost (the scheduler's `ChunkCosts.estimate`), as
+        `reread_estimate` makes it."""
+        self.reread_s = reread_estimate(chunk_s, grid)
+
     def choice(self, session: Session) -> tuple[str, str]:
         """("spill" or "drop", why) for a session leaving memory with a disk: dropped when its
         restore (its file's bytes at the measured restore rate) would take longer than reading its
