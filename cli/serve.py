@@ -70,6 +70,7 @@ def serve(
     disk: Annotated[Path | None, typer.Option(envvar=_env("disk"), help="Folder where sessions past the cap (and all, at a planned stop) are written.", rich_help_panel=STORE)] = None,
     disk_cap_gib: Annotated[float, typer.Option(envvar=_env("disk_cap_gib"), min=0.001, help="Bound on the store's own files in --disk, GiB (oldest removed first).", rich_help_panel=STORE)] = 64.0,
     unload_slack_gib: Annotated[float | None, typer.Option(envvar=_env("unload_slack_gib"), min=0.0, help="Proxy mode, with --disk: after an idle burst that leaves more than this many GiB free in the shadow's CUDA memory pool, park every session on disk and unload the model (2 is a good value). Default: never.", rich_help_panel=STORE)] = None,
+    store_key: Annotated[str | None, typer.Option(envvar="SHADOW_STORE_KEY", help="A secret for the session files in --disk: each carries a keyed digest (HMAC-SHA256) made with it, and a file without that digest (planted by someone without the key) is refused.", rich_help_panel=STORE)] = None,
     share: Annotated[float, typer.Option(envvar=_env("share"), help="In-turn share of the time since the first token the shadow may read (0.02 is 2 %).", rich_help_panel=READING)] = 0.02,
     slice_ms: Annotated[float, typer.Option(envvar=_env("slice_ms"), min=0.001, help="The longest a share slice may hold the device between two rounds, ms (whole chunks by their estimated cost).", rich_help_panel=READING)] = 150.0,
     upstream: Annotated[str | None, typer.Option(envvar=_env("upstream"), help="Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1). Without it: embedded mode.", rich_help_panel=ENGINE)] = None,
@@ -119,7 +120,7 @@ def serve(
     parse_dtype(dtype)
     settings = ServeSettings(
         model=ModelSettings(model, generator_model, grid, device, dtype, kernels),
-        store=StoreSettings(cap_gib, disk, disk_cap_gib, unload_slack_gib),
+        store=StoreSettings(cap_gib, disk, disk_cap_gib, unload_slack_gib, store_key),
         schedule=BandwidthRule(share=share, slice_s=slice_ms / 1000),
         engine=EngineSettings(upstream, engine, chat_template, tokenizer_path, parse_template_kwargs(chat_template_kwargs),
                               upstream_api_key, label_from_upstream),

@@ -19,6 +19,7 @@ def store(
     folder: Annotated[Path, typer.Argument(help="A store folder (verify-exact --disk, serve's disk).")],
     model: Annotated[str | None, typer.Option("--model", "-m", callback=model_name, help="Read every file in full against this model (weights hash, shapes, checksums); without it only headers are checked.")] = None,
     grid: GridOpt = 512,
+    store_key: Annotated[str | None, typer.Option(envvar="SHADOW_STORE_KEY", help="The store's key (serve's --store-key): only files whose keyed digest was made with it are valid.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """List each session file: session, tokens, bytes, age, and whether it is valid or why not.
@@ -32,7 +33,7 @@ def store(
     if model:
         loaded, reader = open_reader(model, grid=grid)
         weights = loaded.weights_hash
-    rows = check_folder(folder, reader, weights)
+    rows = check_folder(folder, reader, weights, key=store_key)
     table = Table(title=f"store {folder}" + (f" · checked against {model}, grid {grid}" if model else " · headers only"))
     for col in ("file", "session", "tokens", "MiB", "age", "valid"):
         table.add_column(col, justify="left" if col in ("file", "session", "valid") else "right")

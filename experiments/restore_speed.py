@@ -1,88 +1,329 @@
-"""Restore speed of one spilled session: a 58,278-token session of the 0.8B shape (about 0.9 GiB:
-KV rows up to 57,856, GDN state, six checkpoints), written through the store and read back onto
-the model's device. The state is random (speed does not depend on values); the restore is checked
-bit for bit. The file was just written, so it is read from the page cache: this times decoding,
-the SHA-256 of every byte and the copy to the device, not the disk. With `--compare-whole-read`
-the runs alternate with the reference way of reading: the whole file first, its digest after
-(overlapped only with the copy to the device), against the digest of each 32 MiB block as it is
-read (`shadow.core.sessionfile.READ_BLOCK`).
+"""Spill and restore speed of one session, against reading it again from its ids.
 
-    python3 experiments/restore_speed.py [--device cuda] [--runs 3] [--folder /tmp/restore] [--compare-whole-read]
+A 58,278-token session of the 0.8B shape by default (KV rows up to 57,856, GDN state, six
+checkpoints: a 0.79 GiB file, 0.88 GiB resident), its state random (speed does not depend on
+values; the weights are random too), spilled through the store and restored onto the model's
+device, `--runs` times; every restore is checked bit for bit against the state that was spilled
+(every tensor, the ids, every checkpoint). The page cache is out of every restore: each written
+file (fsynced) is dropped from it with posix_fadvise(POSIX_FADV_DONTNEED) before it is read, and
+the share of its pages still cached is measured (mincore) and reported; format-3 reads also use
+O_DIRECT where the folder's file system takes it (`direct_io`), which bypasses the cache anyway.
+
+Arms, interleaved run by run: `format3` (this build: blocks verified as they are read, O_DIRECT,
+pinned copies), `format3-buffered` (the same through the page cache), `format2` (the earlier
+build's writer and reader, frozen in experiments/format2_sessionfile.py). Then the same session's
+ids read again from the start on the same device (`--reread-runs`, median; one chunk first to
+warm graphs and caches), unless `--no-reread`; `--reread-tokens N` reads only the first N (the
+0.8B shape on a CPU cannot read 58k tokens in minutes). `where_the_time_goes`: a format-3
+restore's parts, each timed alone (`phases`).
+
+    python3 experiments/restore_speed.py --device cuda --runs 5
+    python3 experiments/restore_speed.py --device cpu --runs 5 --reread-tokens 1024
+    python3 experiments/restore_speed.py --device cpu --preset tiny --tokens 20000 --runs 1
 Last stdout line: one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import mmap
+import os
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
-import shadow.core.sessionfile as sessionfile
+import format2_sessionfile as format2
+from shadow.core import blockio, sessionfile
 from shadow.core.reader import open_reader
+from shadow.core.sessionfile import BLOCK_BYTES
 from shadow.core.store import SessionStore, session_bytes
 
-TOKENS = 58_278
+ARMS = ("format3", "format3-buffered", "format2")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--preset", default="qwen3.5-0.8b")
+    ap.add_argument("--tokens", type=int, default=58_278)
+    ap.add_argument("--checkpoints", type=int, default=6)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
+    ap.add_argument("--compare-whole-read", action="store_true", help="kept for older scripts: format2 is an arm by default")
+    ap.add_argument("--reread-runs", type=int, default=3)
+    ap.add_argument("--reread-tokens", type=int, default=None, help="read only this many ids again (default: all)")
+    ap.add_argument("--no-reread", action="store_true")
     ap.add_argument("--folder", default="/tmp/shadow-restore")
-    ap.add_argument("--compare-whole-read", action="store_true",
-                    help="alternate each run with the whole-file read (digest after the read)")
     args = ap.parse_args()
-    loaded, reader = open_reader("qwen3.5-0.8b", device=args.device)
+    arms = [a for a in args.arms.split(",") if a]
+    if unknown := set(arms) - set(ARMS):
+        raise SystemExit(f"unknown arms {sorted(unknown)}")
+    folder = Path(args.folder)
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)  # as the store makes its folder
+    cuda = args.device.startswith("cuda")
+
+    loaded, reader = open_reader(args.preset, device=args.device)
+    session = random_session(reader, args.tokens, args.checkpoints)
+    before = snapshot(session)
+    committed = session.committed
+
+    times: dict[str, dict[str, list[float]]] = {a: {"spill": [], "restore": []} for a in arms}
+    sizes: dict[str, int] = {}
+    cached: list[float] = []
+    for run in range(args.runs):
+        for arm in arms if run % 2 == 0 else arms[::-1]:
+            spill_s, restore_s, nbytes, still, session = one_run(arm, session, reader, loaded.weights_hash, folder, cuda)
+            if not same(before, session):
+                raise SystemExit(f"run {run} ({arm}): the restored state is not bit-equal")
+            times[arm]["spill"].append(spill_s)
+            times[arm]["restore"].append(restore_s)
+            sizes[arm] = nbytes
+            if still is not None:
+                cached.append(still)
+
+    where = phases(session, reader, loaded.weights_hash, folder, cuda)
+    reread = None if args.no_reread else reread_times(reader, session.ids, args.reread_tokens or len(session.ids),
+                                                      args.reread_runs, cuda)
+    headline = arms[0]
+    file_bytes = sizes[headline]
+    restore_s = statistics.median(times[headline]["restore"])
+    out = {
+        "experiment": "restore-speed", "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "model": args.preset, "weights": "random", "state": "random", "tokens": args.tokens, "committed": committed,
+        "checkpoints": args.checkpoints, "file_bytes": file_bytes, "file_gib": round(file_bytes / 2**30, 3),
+        "resident_gib": round(session_bytes(session) / 2**30, 3), "block_bytes": BLOCK_BYTES,
+        "workers": blockio.default_workers(), "folder": str(folder), "filesystem": filesystem(folder),
+        "direct_io": blockio.direct_supported(folder),
+        "page_cache": "posix_fadvise(POSIX_FADV_DONTNEED) after each write's fsync; O_DIRECT reads where direct_io",
+        "page_cache_resident_max": round(max(cached), 4) if cached else None,
+        "gds": dict(zip(("available", "why"), blockio.gds_status())),
+        "restore_s": round(restore_s, 4), "restore_gib_per_s": round(file_bytes / 2**30 / restore_s, 2),
+        "spill_s": round(statistics.median(times[headline]["spill"]), 4),
+        "spill_gib_per_s": round(file_bytes / 2**30 / statistics.median(times[headline]["spill"]), 2),
+        "runs": [round(t, 4) for t in times[headline]["restore"]], "bit_equal": True,
+        "arms": {arm: arm_summary(times[arm], sizes[arm]) for arm in arms},
+        "where_the_time_goes": where,
+    }
+    if reread is not None:
+        tokens_read, runs = reread
+        out |= {"reread_tokens": tokens_read, "reread_s": round(statistics.median(runs), 4),
+                "reread_runs": [round(t, 4) for t in runs]}
+        if tokens_read == len(session.ids):
+            out |= choice(reader, loaded.weights_hash, session, file_bytes / restore_s, statistics.median(runs))
+    print(json.dumps(out))
+
+
+def random_session(reader, tokens: int, checkpoints: int):
+    """A session of `tokens` random ids whose state is random at the last grid line below them,
+    with `checkpoints` checkpoints (random GDN state) on grid lines below it."""
     gen = torch.Generator().manual_seed(0)
-    session = reader.new_session("restore-58k")
-    session.ids = torch.randint(0, 248044, (TOKENS,), generator=gen).tolist()
-    committed = TOKENS // reader.grid * reader.grid
-    for layer in session.state.attention:
+    session = reader.new_session("restore-speed")
+    session.ids = torch.randint(0, reader.model.config.vocab_size, (tokens,), generator=gen).tolist()
+    committed = tokens // reader.grid * reader.grid
+    state = session.state
+    for layer in state.attention:
         layer.reserve(committed)
-        layer.k[:, :committed] = torch.randn(layer.k[:, :committed].shape, generator=gen).to(layer.k)
-        layer.v[:, :committed] = torch.randn(layer.v[:, :committed].shape, generator=gen).to(layer.v)
-    for layer in session.state.delta:
+        for t in (layer.k, layer.v):
+            t[:, :committed] = torch.randn(t[:, :committed].shape, generator=gen).to(t)
+    for layer in state.delta:
         layer.conv.copy_(torch.randn(layer.conv.shape, generator=gen))
         layer.recurrent.copy_(torch.randn(layer.recurrent.shape, generator=gen))
-    session.state.length = committed
-    session.checkpoints = [session.state.snapshot() for _ in range(6)]
-    for i, snap in enumerate(session.checkpoints):
-        snap.position = (i + 1) * 8192
-    before = {k: v.clone() for k, v in session.state.tensors().items()}
+    state.length = committed
+    count = min(checkpoints, reader.max_checkpoints, committed // reader.grid)
+    for p in sorted({committed * (j + 1) // count // reader.grid * reader.grid for j in range(count)} - {0}):
+        snap = state.snapshot()
+        snap.conv.copy_(torch.randn(snap.conv.shape, generator=gen))
+        snap.position = p
+        session.checkpoints.append(snap)
+    return session
 
-    blocks = sessionfile.READ_BLOCK
-    arms = ["whole", "blocks"] if args.compare_whole_read else ["blocks"]
-    times: dict[str, list[float]] = {arm: [] for arm in arms}
-    written = 0
-    for run in range(args.runs * len(arms)):
-        arm = arms[run % len(arms)] if run // len(arms) % 2 == 0 else arms[::-1][run % len(arms)]  # ABBA
-        sessionfile.READ_BLOCK = blocks if arm == "blocks" else 1 << 62
-        store = SessionStore(reader, loaded.weights_hash, cap_gib=0, disk=args.folder)
-        store._resident[session.name] = session
-        store.settle()  # spill
-        written = store.counters.bytes_written
+
+def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bool):
+    """Spill `session` and restore it by `arm`'s way: (spill s, restore s, file bytes, share of the
+    file's pages cached before the restore, the restored session)."""
+    if arm == "format2":
+        identity = format2.Identity(weights_hash, reader.grid, _arithmetic(reader))
+        path = folder / format2.session_file_name(session.name)
+        sync(cuda)
         start = time.perf_counter()
-        back = store.get(session.name)
-        if args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-        times[arm].append(time.perf_counter() - start)
-        session = back
-        if not all(torch.equal(before[k], v) for k, v in session.state.tensors().items()):
-            raise SystemExit(f"run {run} ({arm}): the restored state is not bit-equal")
-    exact = True
-    seconds = statistics.median(times["blocks"])
-    print(json.dumps({
-        "experiment": "restore-speed", "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-        "model": "qwen3.5-0.8b", "tokens": TOKENS, "committed": committed, "file_bytes": written,
-        "file_gib": round(written / 2**30, 3), "resident_gib": round(session_bytes(session) / 2**30, 3),
-        "restore_s": round(seconds, 3), "restore_gib_per_s": round(written / 2**30 / seconds, 2),
-        "runs": [round(t, 3) for t in times["blocks"]], "bit_equal": exact,
-        "read_block_bytes": blocks,
-    } | ({"whole_read_s": round(statistics.median(times["whole"]), 3),
-          "whole_read_runs": [round(t, 3) for t in times["whole"]]} if "whole" in times else {})))
+        nbytes = format2.write_session(path, session, identity, time.time())
+        spill_s = time.perf_counter() - start
+        del session
+        still = drop_cache(path)
+        start = time.perf_counter()
+        back = format2.read_session(path, identity, reader.model.new_state(), reader.max_checkpoints)
+        sync(cuda)
+        return spill_s, time.perf_counter() - start, nbytes, still, back
+    store = SessionStore(reader, weights_hash, cap_gib=0, disk=folder, direct=arm == "format3")
+    store._resident[session.name] = session  # the experiment's session, as if it had been read
+    sync(cuda)
+    start = time.perf_counter()
+    store.settle()
+    spill_s = time.perf_counter() - start
+    if store.counters.spills != 1:
+        raise SystemExit(f"{arm}: the session was not spilled ({store.totals()['last_error']})")
+    del session
+    path = store.path_of("restore-speed")
+    still = drop_cache(path)
+    start = time.perf_counter()
+    back = store.get("restore-speed")
+    sync(cuda)
+    restore_s = time.perf_counter() - start
+    if store.counters.restores != 1:
+        raise SystemExit(f"{arm}: the session was not restored ({store.counters.rejected})")
+    return spill_s, restore_s, store.counters.bytes_written, still, back
+
+
+def phases(session, reader, weights_hash: str, folder: Path, cuda: bool) -> dict:
+    """Where a format-3 restore's time goes, each part timed alone on the session's file (page
+    cache dropped before each read): the blocks read (O_DIRECT where it works) and nothing else;
+    read and hashed on the pool; the fresh state's allocation for the committed length; one core's
+    SHA-256 over bytes in memory (what a single digest over the whole file, format 2, runs at)."""
+    store = SessionStore(reader, weights_hash, cap_gib=0, disk=folder)
+    store._resident[session.name] = session
+    store.settle()
+    path = store.path_of(session.name)
+    header = sessionfile.read_fields(path)
+    total = path.stat().st_size - header.start
+    out = {}
+    for name, check in (("read_s", lambda i, v: None), ("read_and_digest_s", lambda i, v: blockio.sha256(v))):
+        drop_cache(path)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            start = time.perf_counter()
+            blockio.read_blocks(fd, header.start, total, header.block_bytes, check, lambda i, b, v: None, pinned=cuda)
+            out[name] = round(time.perf_counter() - start, 4)
+        finally:
+            os.close(fd)
+    sync(cuda)
+    start = time.perf_counter()
+    state = reader.model.new_state()
+    sessionfile._targets(header, state)
+    sync(cuda)
+    out["allocate_state_s"] = round(time.perf_counter() - start, 4)
+    del state
+    block = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8).numpy()
+    start = time.perf_counter()
+    blockio.sha256(memoryview(block))
+    out["sha256_one_core_gib_per_s"] = round(0.25 / (time.perf_counter() - start), 2)
+    return out
+
+
+def _arithmetic(reader) -> str:
+    from shadow.model.runtime import arithmetic
+
+    return arithmetic(reader.model)
+
+
+def snapshot(session) -> dict:
+    out = {k: v.clone() for k, v in session.state.tensors().items()}
+    out["ids"] = torch.tensor(session.ids)
+    for j, c in enumerate(session.checkpoints):
+        out[f"checkpoint.{j}"] = (c.position, c.conv.clone(), c.recurrent.clone())
+    return out
+
+
+def same(before: dict, session) -> bool:
+    now = snapshot(session)
+    if now.keys() != before.keys():
+        return False
+    for key, want in before.items():
+        got = now[key]
+        if isinstance(want, tuple):
+            if want[0] != got[0] or not all(torch.equal(a, b) for a, b in zip(want[1:], got[1:])):
+                return False
+        elif not (want.dtype == got.dtype and torch.equal(want, got)):
+            return False
+    return True
+
+
+def reread_times(reader, ids: list[int], tokens: int, runs: int, cuda: bool) -> tuple[int, list[float]]:
+    """Seconds to read the first `tokens` ids again from the start (whole grid chunks), `runs` times."""
+    warm = reader.new_session("warm")
+    reader.feed_prompt(warm, ids[: reader.grid])
+    reader.advance(warm)
+    out = []
+    for _ in range(runs):
+        s = reader.new_session("reread")
+        sync(cuda)
+        start = time.perf_counter()
+        reader.feed_prompt(s, ids[:tokens])
+        reader.advance(s)
+        sync(cuda)
+        out.append(time.perf_counter() - start)
+        del s
+    return tokens, out
+
+
+def choice(reader, weights_hash: str, session, bytes_per_s: float, reread_s: float) -> dict:
+    """What the store would do with this session, given the two measured costs."""
+    store = SessionStore(reader, weights_hash, cap_gib=None, reread_s=lambda committed: reread_s)
+    store.restore_rate.warm(bytes_per_s / 2**30)
+    how, why = store.choice(session)
+    return {"store_choice": how, "store_choice_why": why}
+
+
+def arm_summary(t: dict[str, list[float]], nbytes: int) -> dict:
+    restore, spill = statistics.median(t["restore"]), statistics.median(t["spill"])
+    return {"file_bytes": nbytes, "restore_s": round(restore, 4), "restore_gib_per_s": round(nbytes / 2**30 / restore, 2),
+            "restore_runs": [round(x, 4) for x in t["restore"]], "spill_s": round(spill, 4),
+            "spill_gib_per_s": round(nbytes / 2**30 / spill, 2), "spill_runs": [round(x, 4) for x in t["spill"]]}
+
+
+def sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def drop_cache(path: Path) -> float | None:
+    """Drop a written, fsynced file from the page cache; the share of its pages still cached."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return cached_share(path)
+
+
+def cached_share(path: Path) -> float | None:
+    """The share of a file's pages in the page cache (mincore on a mapping that faults nothing in)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0.0
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        try:
+            pages = -(-size // mmap.PAGESIZE)
+            vec = (ctypes.c_ubyte * pages)()
+            buf = (ctypes.c_char * size).from_buffer(mapped)
+            try:
+                if libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec) != 0:
+                    return None
+            finally:
+                del buf
+            return sum(v & 1 for v in vec) / pages
+        finally:
+            mapped.close()
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def filesystem(folder: Path) -> str | None:
+    """The type of the file system `folder` is on (from /proc/mounts), where known."""
+    try:
+        mounts = [line.split()[1:3] for line in Path("/proc/mounts").read_text().splitlines()]
+    except OSError:
+        return None
+    real = str(folder.resolve())
+    best = max((m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=None)
+    return best[1] if best else None
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """Session files under attack: every header bit flipped, fields forged with valid digests, garbage
-metadata, junk in the folder, a full disk, a failing planned stop, writers killed mid-spill.
-Nothing wrong is ever served, no session is lost, and no request or status call raises."""
+metadata, junk in the folder, a full disk, a failing planned stop, writers killed mid-spill,
+files planted by someone without the store's key. Nothing wrong is ever served, no session is
+lost, and no request or status call raises."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import hmac
 import json
 import math
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -19,6 +22,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import shadow.core.blockio as blockio
 import shadow.core.sessionfile as sessionfile
 import shadow.core.store as store_module
 from shadow.core.reader import Reader
@@ -28,6 +32,8 @@ from shadow.core.store import SessionStore, check_folder
 
 GRID = 64
 DTYPE_NAMES = {torch.int64: "I64", torch.float32: "F32", torch.int32: "I32", torch.float64: "F64"}
+BLOCK = 16 << 10  # the files here are digested in blocks this small, so a tiny session's file has several
+KEY = b"the store's key"
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -67,14 +73,28 @@ def assert_same(a: dict, b: dict) -> None:
             assert a[key] == b[key], key
 
 
+def written(reader, folder: Path, key: bytes | None = None) -> tuple[bytes, dict, str]:
+    """One real session file (tiny, 340 ids, a checkpoint, a pending tail) in blocks of BLOCK: its
+    bytes, fingerprint and name."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sessionfile, "BLOCK_BYTES", BLOCK)
+        store = SessionStore(reader, "h", cap_gib=None, disk=folder, model="tiny", key=key)
+        session = fed(store, reader, "a")
+        assert store.close() == []
+    return store.path_of("a").read_bytes(), fingerprint(session), store.path_of("a").name
+
+
 @pytest.fixture(scope="module")
 def original(reader, tmp_path_factory):
-    """One real session file (tiny, 340 ids, a checkpoint, a pending tail): its bytes and fingerprint."""
-    folder = tmp_path_factory.mktemp("original")
-    store = SessionStore(reader, "h", cap_gib=None, disk=folder, model="tiny")
-    session = fed(store, reader, "a")
-    assert store.close() == []
-    return store.path_of("a").read_bytes(), fingerprint(session), store.path_of("a").name
+    data, want, name = written(reader, tmp_path_factory.mktemp("original"))
+    assert len(split(data)[0]["blocks_sha256"]) // 64 > 4  # several blocks
+    return data, want, name
+
+
+@pytest.fixture(scope="module")
+def keyed(reader, tmp_path_factory):
+    """The same session's file written by a store with KEY."""
+    return written(reader, tmp_path_factory.mktemp("keyed"), KEY)
 
 
 def place(folder: Path, data: bytes, name: str) -> Path:
@@ -83,8 +103,9 @@ def place(folder: Path, data: bytes, name: str) -> Path:
     return path
 
 
-def load(path: Path, reader: Reader):
-    return read_session(path, Identity("h", GRID, arithmetic(reader.model)), reader.model.new_state())
+def load(path: Path, reader: Reader, key: bytes | None = None, **kwargs):
+    return read_session(path, Identity("h", GRID, arithmetic(reader.model)), reader.model.new_state(), key=key,
+                        **kwargs)
 
 
 # every header bit ------------------------------------------------------------------------------
@@ -186,19 +207,43 @@ def split(data: bytes) -> tuple[dict, dict, bytes]:
     return header.pop("__metadata__"), header, data[8 + n :]
 
 
-def sign(meta: dict, entries: dict, body: bytes, data_sha256: str | None = None) -> bytes:
-    """A file with these fields whose digests are valid, computed here from the format's
-    definition: sha256 of the tensor bytes (unless given), sha256 of length and header with its
-    own digest as zeros."""
-    meta = {**meta, "data_sha256": data_sha256 or hashlib.sha256(body).hexdigest(), "header_sha256": "0" * 64}
-    return sign_text(json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode(), body)
+ZEROS = b"0" * 64
 
 
-def sign_text(text: bytes, body: bytes) -> bytes:
+def sign(meta: dict, entries: dict, body: bytes, blocks: str | None = None, key: bytes | None = None) -> bytes:
+    """A format-3 file with these fields whose digests are valid, computed here from the format's
+    definition: the SHA-256 of each block of `block_bytes` of the tensor bytes (unless given), the
+    keyed digest with `key` (zeros without), the SHA-256 of length and header with its own digest
+    as zeros."""
+    block = int(meta.get("block_bytes", BLOCK))
+    step = block if block > 0 else len(body) + 1
+    digests = "".join(hashlib.sha256(body[i : i + step]).hexdigest() for i in range(0, len(body), step))
+    meta = {**meta, "block_bytes": str(block), "blocks_sha256": digests if blocks is None else blocks,
+            "header_hmac": meta.get("header_hmac", "0" * 64), "header_sha256": "0" * 64}
+    return sign_text(json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode(), body, key)
+
+
+def sign_text(text: bytes, body: bytes, key: bytes | None = None) -> bytes:
+    """Length, header padded so the data starts at a multiple of 4096, its digests, the body."""
+    text += b" " * (-(8 + len(text)) % 4096)
+    prefix = len(text).to_bytes(8, "little")
+    if key is not None:
+        keyed = hmac.new(key, hashlib.sha256(prefix + text).digest(), "sha256").hexdigest().encode()
+        text = text.replace(b'"header_hmac":"' + ZEROS, b'"header_hmac":"' + keyed)
+    digest = hashlib.sha256(prefix + text).hexdigest().encode()
+    return prefix + text.replace(b'"header_sha256":"' + ZEROS, b'"header_sha256":"' + digest) + body
+
+
+def sign_format_2(meta: dict, entries: dict, body: bytes) -> bytes:
+    """A format-2 file (the earlier version's): one SHA-256 over the tensor bytes, the header padded
+    to 8 bytes, no block digests, no keyed digest."""
+    meta = {k: v for k, v in meta.items() if k not in ("block_bytes", "blocks_sha256", "header_hmac")}
+    meta |= {"version": "2", "data_sha256": hashlib.sha256(body).hexdigest(), "header_sha256": "0" * 64}
+    text = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     prefix = len(text).to_bytes(8, "little")
     digest = hashlib.sha256(prefix + text).hexdigest().encode()
-    return prefix + text.replace(b'"header_sha256":"' + b"0" * 64, b'"header_sha256":"' + digest) + body
+    return prefix + text.replace(b'"header_sha256":"' + ZEROS, b'"header_sha256":"' + digest) + body
 
 
 def rebuild(meta: dict, tensors: dict[str, torch.Tensor]) -> bytes:
@@ -231,7 +276,7 @@ def forge_meta(**fields):
         meta.update({k: v for k, v in fields.items() if v is not None})
         for k in [k for k, v in fields.items() if v is None]:
             meta.pop(k)
-        return sign(meta, entries, body, fields.get("data_sha256"))
+        return sign(meta, entries, body, fields.get("blocks_sha256"))
     return forge
 
 
@@ -282,14 +327,19 @@ def _overlap(data, tmp_path):
 
 def _repeated_key(data, tmp_path):
     meta, entries, body = split(data)
-    meta = {**meta, "data_sha256": hashlib.sha256(body).hexdigest(), "header_sha256": "0" * 64}
-    text = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
+    signed = split(sign(meta, entries, body))[0] | {"header_sha256": "0" * 64}  # the block digests filled in
+    text = json.dumps({"__metadata__": signed, **entries}, separators=(",", ":")).encode()
     return sign_text(text.replace(b'"model":"tiny"', b'"model":"tiny","model":"big!"', 1), body)
+
+
+def _blocks_of_another_size(data, tmp_path):
+    meta, entries, body = split(data)
+    return sign(meta | {"block_bytes": str(2 * BLOCK)}, entries, body, blocks=meta["blocks_sha256"])
 
 
 def _version_1(data, tmp_path):
     meta, entries, body = split(data)
-    meta = {k: v for k, v in meta.items() if not k.endswith("sha256")} | {"version": "1"}
+    meta = {k: v for k, v in meta.items() if not k.endswith(("sha256", "hmac", "block_bytes"))} | {"version": "1"}
     text = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return len(text).to_bytes(8, "little") + text + body
@@ -314,7 +364,10 @@ FORGED = {
     "missing-tensor": (forge_tensor(_missing_tensor), "missing"),
     "offsets-overlap": (_overlap, "overlap or leave a gap"),
     "repeated-key": (_repeated_key, "repeats a key"),
-    "format-version-1": (_version_1, "format version '1', this build reads 2"),
+    "format-version-1": (_version_1, "format version '1', this build reads 2 and 3"),
+    "block-digests-one-short": (lambda d, t: forge_meta(blocks_sha256=split(d)[0]["blocks_sha256"][64:])(d, t),
+                                "block digests for"),
+    "block-digests-of-another-size": (_blocks_of_another_size, "block digests for"),
     "another-format": (forge_meta(format="other"), "not a shadow session file"),
 }
 
@@ -338,7 +391,12 @@ GARBAGE = {  # metadata values, each signed: digests valid, the value refused
     "last-use-nan": dict(last_use="nan"),
     "last-use-infinite": dict(last_use="inf"),
     "last-use-text": dict(last_use="yesterday"),
-    "data-digest-not-hex": dict(data_sha256="z" * 64),
+    "data-digest-of-format-2": dict(data_sha256="0" * 64),
+    "block-digests-not-hex": dict(blocks_sha256="z" * 64 * 13),
+    "block-bytes-unaligned": dict(block_bytes="5000"),
+    "block-bytes-zero": dict(block_bytes="0"),
+    "block-bytes-huge": dict(block_bytes=str(1 << 40)),
+    "keyed-digest-not-hex": dict(header_hmac="z" * 64),
 }
 
 
@@ -403,6 +461,164 @@ def test_files_stay_plain_safetensors_and_ids_read_verified(original, tmp_path):
     place(tmp_path, data[:-1] + bytes([data[-1] ^ 1]), name)
     with pytest.raises(SessionFileError, match="data digest"):
         read_ids(path)
+
+
+def test_flips_at_every_block_of_the_data_are_refused_before_the_block_is_used(original, reader, tmp_path):
+    """A byte changed in any block, the first and last bytes of each included: refused with the
+    block named."""
+    data, _, name = original
+    meta, _, body = split(data)
+    start, count = len(data) - len(body), len(meta["blocks_sha256"]) // 64
+    path = tmp_path / name
+    for k in range(count):
+        for at in {start + k * BLOCK, start + min(len(body), (k + 1) * BLOCK) - 1}:
+            path.write_bytes(data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :])
+            with pytest.raises(SessionFileError, match=f"data digest mismatch \\(block {k + 1} of {count}"):
+                load(path, reader)
+
+
+def test_a_file_torn_mid_write_is_never_served(original, reader, tmp_path):
+    """What a writer killed mid-write could leave, were it ever renamed into place: blocks up to
+    some point written and the rest missing (zeros, or cut), or everything but the header (the
+    header is written last). Each is refused."""
+    data, _, name = original
+    meta, _, body = split(data)
+    start = len(data) - len(body)
+    path = tmp_path / name
+    cuts = sorted({start + k * BLOCK + d for k in range(-(-len(body) // BLOCK)) for d in (0, 1, BLOCK // 2)} - {len(data)})
+    for at in [a for a in cuts if a < len(data)]:
+        for torn in (data[:at] + bytes(len(data) - at), data[:at]):
+            if torn == data:
+                continue
+            path.write_bytes(torn)
+            with pytest.raises(SessionFileError, match="data digest mismatch|truncated|tensors hold"):
+                load(path, reader)
+    path.write_bytes(bytes(start) + data[start:])
+    with pytest.raises(SessionFileError, match="not safetensors"):
+        load(path, reader)
+
+
+def test_format_2_files_of_the_earlier_version_still_restore_bit_equal(original, reader, tmp_path, monkeypatch):
+    """A file as the earlier version wrote it (one digest over the data) restores bit for bit,
+    read in several blocks; a changed byte is refused; a store with a key refuses it."""
+    monkeypatch.setattr(sessionfile, "BLOCK_BYTES", BLOCK)
+    data, want, name = original
+    meta, entries, body = split(data)
+    old = sign_format_2(meta, entries, body)
+    path = place(tmp_path, old, name)
+    assert read_fields(path).version == 2
+    assert_same(fingerprint(load(path, reader)), want)
+    assert read_ids(path) == ("a", want["ids"].tolist())
+    store = SessionStore(reader, "h", cap_gib=None, disk=tmp_path)
+    assert_same(fingerprint(store.get("a")), want)
+    assert store.counters.restores == 1 and not store.counters.rejected
+    path = place(tmp_path, old[:-5] + bytes([old[-5] ^ 1]) + old[-4:], name)
+    with pytest.raises(SessionFileError, match="data digest mismatch"):
+        load(path, reader)
+    path = place(tmp_path, old, name)
+    with pytest.raises(SessionFileError, match="format version 2 has no keyed digest"):
+        load(path, reader, KEY)
+
+
+# files planted by someone without the key -----------------------------------------------------
+
+
+def _nan_in_v(t, meta):
+    t["layers.3.v"][0, 5, 0] = float("nan")
+
+
+def _ids_changed_under_the_state(t, meta):
+    t["ids"][7] = (t["ids"][7] + 1) % 248044
+
+
+def _counters_changed(t, meta):
+    meta.update(rollbacks="7", ids_reread="99")
+
+
+PLANTED = {"nan-in-v": _nan_in_v, "ids-changed": _ids_changed_under_the_state, "counters-changed": _counters_changed}
+
+
+@pytest.mark.parametrize("kind", list(PLANTED))
+def test_a_planted_file_is_refused_with_the_key_and_accepted_without(keyed, reader, tmp_path, kind):
+    """Edited content with every plain digest valid (the keyed one kept, or zeroed): a reader
+    without a key accepts it, as it must (the plain digests protect against damage, not against
+    forgery); a reader with the key refuses it, and so does a store with the key."""
+    data, want, name = keyed
+    path = place(tmp_path, forge_tensor(PLANTED[kind])(data, tmp_path), name)
+    got = load(path, reader)  # no key: every digest matches, the planted state is read
+    if kind == "nan-in-v":
+        assert torch.isnan(got.state.tensors()["layers.3.v"]).any()
+    elif kind == "ids-changed":
+        assert got.ids[7] != want["ids"][7].item()
+    else:
+        assert (got.rollbacks, got.ids_reread) == (7, 99)
+    with pytest.raises(SessionFileError, match="keyed digest mismatch"):
+        load(path, reader, KEY)
+    meta, entries, body = split(path.read_bytes())
+    unkeyed = place(tmp_path, sign(meta | {"header_hmac": "0" * 64}, entries, body, meta["blocks_sha256"]), name)
+    load(unkeyed, reader)
+    with pytest.raises(SessionFileError, match="written without a key"):
+        load(unkeyed, reader, KEY)
+    store = SessionStore(reader, "h", cap_gib=None, disk=tmp_path, key=KEY)
+    assert store.status() == [] and store.names() == []  # listings skip it
+    assert not check_folder(tmp_path, key=KEY)[0].valid and check_folder(tmp_path)[0].valid
+    s = store.get("a")
+    assert s.committed == 0 and s.ids == [] and "written without a key" in store.counters.rejected[0][1]
+
+
+def test_keyed_files_restore_with_their_key_only(keyed, original, reader, tmp_path):
+    """A store's keyed file restores bit for bit with its key (and, unkeyed, is still read: the
+    plain digests are all valid); another key, or a key against an unkeyed file, is refused. The
+    signer here makes, from the format's definition, the digest the store makes."""
+    data, want, name = keyed
+    path = place(tmp_path, data, name)
+    assert_same(fingerprint(load(path, reader, KEY)), want)
+    assert_same(fingerprint(load(path, reader)), want)
+    with pytest.raises(SessionFileError, match="keyed digest mismatch"):
+        load(path, reader, b"another key")
+    meta, entries, body = split(data)
+    assert sign(meta | {"header_hmac": "0" * 64}, entries, body, key=KEY) == data
+    place(tmp_path, original[0], name)
+    with pytest.raises(SessionFileError, match="written without a key"):
+        load(path, reader, KEY)
+    store = SessionStore(reader, "h", cap_gib=None, disk=tmp_path, key=KEY)
+    s = store.get("a")
+    assert s.committed == 0 and len(store.counters.rejected) == 1
+
+
+# file modes -------------------------------------------------------------------------------------
+
+
+def test_files_are_0600_and_a_folder_the_store_creates_0700(reader, tmp_path, monkeypatch, caplog):
+    old = os.umask(0o022)
+    try:
+        folder = tmp_path / "made" / "store"
+        store = SessionStore(reader, "h", cap_gib=0, disk=folder)
+        modes = []
+        real = blockio.pwrite_all
+
+        def watched(fd, view, offset):
+            modes.append(stat.S_IMODE(os.fstat(fd).st_mode))  # the temporary file, while it is written
+            real(fd, view, offset)
+
+        monkeypatch.setattr(blockio, "pwrite_all", watched)
+        fed(store, reader, "a")
+        fed(store, reader, "b", seed=3)
+        store.settle(keep="b")
+        assert store.close() == []
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    files = list(folder.iterdir())
+    assert len(files) == 2 and all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in files)
+    assert modes and set(modes) == {0o600}
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    os.chmod(shared, 0o755)
+    with caplog.at_level("WARNING", logger="shadow.core.store"):
+        SessionStore(reader, "h", cap_gib=0, disk=shared)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o755  # a folder it did not make keeps its mode
+    assert any("open to others" in r.getMessage() for r in caplog.records)
 
 
 # the folder -----------------------------------------------------------------------------------
@@ -472,18 +688,14 @@ def test_a_models_weights_older_than_48_hours_survive_retention(reader, tmp_path
 
 
 def fill_disk_after(limit: int):
-    """A write function that writes `limit` bytes of a file, then fails as a full disk does."""
-    def write_all(fd, pieces):
-        left = limit
-        for piece in pieces:
-            view = memoryview(piece)[:left]
-            while view:
-                view = view[os.write(fd, view):]
-            left -= len(memoryview(piece)[:left])
-            if left <= 0:
-                break
+    """A block write that writes at most `limit` bytes of what it is given, then fails as a full
+    disk does."""
+    real = blockio.pwrite_all
+
+    def pwrite_all(fd, view, offset):
+        real(fd, view[:limit], offset)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    return write_all
+    return pwrite_all
 
 
 def test_disk_full_keeps_the_session_resident_and_counted_then_a_later_settle_writes_it(reader, tmp_path, monkeypatch):
@@ -499,7 +711,7 @@ def test_disk_full_keeps_the_session_resident_and_counted_then_a_later_settle_wr
     old_file = store.path_of("a").read_bytes()
     store.settle(keep="a")  # b goes out
     store.get("b")
-    monkeypatch.setattr(sessionfile, "_write_all", fill_disk_after(50_000))
+    monkeypatch.setattr(blockio, "pwrite_all", fill_disk_after(50_000))
     store.settle(keep="b")
     assert store.peek("a") is a  # never left memory
     assert store.counters.write_failures == 1 and store.counters.drops == 0
@@ -553,6 +765,8 @@ import sys, torch
 from shadow.model import load_model
 from shadow.core.reader import Reader
 from shadow.core.store import SessionStore
+import shadow.core.sessionfile as sessionfile
+sessionfile.BLOCK_BYTES = 1 << 20  # ten blocks a file, several in flight when the kill lands
 reader = Reader(load_model("tiny").model, 64)
 store = SessionStore(reader, "h", cap_gib=0, disk=sys.argv[1])
 gen = torch.Generator().manual_seed(0)
@@ -608,5 +822,6 @@ def test_sizes_of_a_real_file_are_what_the_header_says(original):
     spans = sorted((e["data_offsets"][0], e["data_offsets"][1], e["dtype"]) for e in entries.values())
     assert spans[0][0] == 0 and spans[-1][1] == len(body)
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-    assert spans[0][2] == "I64" and (8 + int.from_bytes(data[:8], "little")) % 8 == 0
-    assert meta["version"] == "2" and math.prod(entries["ids"]["shape"]) == 340
+    assert spans[0][2] == "I64" and (8 + int.from_bytes(data[:8], "little")) % 4096 == 0
+    assert meta["version"] == "3" and math.prod(entries["ids"]["shape"]) == 340
+    assert len(meta["blocks_sha256"]) == 64 * -(-len(body) // int(meta["block_bytes"]))

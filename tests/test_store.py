@@ -14,9 +14,10 @@ import torch
 from safetensors import safe_open
 from test_sessionfile_attacks import rebuild, split
 
+import shadow.core.sessionfile as sessionfile
 from shadow.model import load_model
 from shadow.core.reader import Reader
-from shadow.core.sessionfile import read_header
+from shadow.core.sessionfile import read_header, read_session, write_session
 from shadow.core.store import SessionStore, check_folder, session_bytes
 
 GRID = 64
@@ -339,3 +340,149 @@ def test_disk_cap_none_keeps_every_file_and_totals_report_failures(reader, tmp_p
     t = store.totals()
     assert t["files"] == 2 and t["disk_cap_bytes"] is None and store.counters.removed == 0
     assert (t["write_failures"], t["unwritten_sessions"], t["last_error"]) == (0, 0, None)
+
+
+# the I/O: blocks, O_DIRECT or the page cache, threads ------------------------------------------
+
+
+@pytest.mark.parametrize("direct,workers,block", [(True, None, 4096), (False, 1, 16 << 10), (True, 3, 8 << 20)])
+def test_write_and_read_are_bit_exact_whatever_the_blocks_and_threads(reader, tmp_path, monkeypatch, direct, workers, block):
+    monkeypatch.setattr(sessionfile, "BLOCK_BYTES", block)
+    store = SessionStore(reader, "h", cap_gib=None, disk=tmp_path)
+    s = fed(store, reader, "a", n=1200)
+    identity = store.identity
+    path = tmp_path / "a.safetensors"
+    written = write_session(path, s, identity, 5.0, direct=direct, workers=workers)
+    assert written == path.stat().st_size and sessionfile.read_fields(path).block_bytes == block
+    back = read_session(path, identity, reader.model.new_state(), direct=direct, workers=workers)
+    assert_same(fingerprint(s), fingerprint(back))
+
+
+def test_a_state_of_several_kv_heads_goes_to_and_from_its_own_buffers_bit_for_bit(tmp_path, monkeypatch):
+    """The 0.8B shape (KV of two heads, cut to the valid rows: one piece per head, not one copy of
+    the whole tensor), random values, read back into a fresh state's own tensors in small blocks."""
+    from dataclasses import replace
+
+    from shadow.core.reader import Session
+    from shadow.model.config import PRESETS
+    from shadow.model.state import ModelState
+
+    monkeypatch.setattr(sessionfile, "BLOCK_BYTES", 1 << 20)
+    config = replace(PRESETS["qwen3.5-0.8b"], num_hidden_layers=8, layer_types=())
+    gen = torch.Generator().manual_seed(3)
+    state = ModelState(config, torch.bfloat16)
+    for layer in state.attention:
+        layer.reserve(192)
+        layer.k.copy_(torch.randn(layer.k.shape, generator=gen))
+        layer.v.copy_(torch.randn(layer.v.shape, generator=gen))
+    for layer in state.delta:
+        layer.conv.copy_(torch.randn(layer.conv.shape, generator=gen))
+        layer.recurrent.copy_(torch.randn(layer.recurrent.shape, generator=gen))
+    state.length = 192
+    assert not state.tensors()["layers.3.k"].is_contiguous()
+    snap = state.snapshot()
+    snap.position = 128
+    s = Session("big", state, ids=ids(200, 1), checkpoints=[snap], marks=[])
+    identity = sessionfile.Identity("h", 64, "x")
+    write_session(tmp_path / "s.safetensors", s, identity, 0.0)
+    fresh = ModelState(config, torch.bfloat16)
+    back = read_session(tmp_path / "s.safetensors", identity, fresh)
+    assert back.state is fresh and back.ids == s.ids
+    assert_same(fingerprint(s), fingerprint(back))
+    with safe_open(str(tmp_path / "s.safetensors"), framework="pt") as f:  # still a plain safetensors file
+        assert torch.equal(f.get_tensor("layers.3.v"), state.tensors()["layers.3.v"])
+
+
+# spill or drop ----------------------------------------------------------------------------------
+
+
+def test_a_session_cheaper_to_reread_is_dropped_and_its_older_file_removed(reader, tmp_path):
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
+    a = fed(store, reader, "a", n=600)
+    fed(store, reader, "b", seed=2)
+    store.settle(keep="b")  # no estimate of either cost: spilled, as without one
+    assert store.counters.spills == 1 and store.path_of("a").exists()
+    assert next(r for r in store.status() if r.name == "a").left_memory == "spilled (no re-read or restore estimate)"
+    a = store.get("a")  # its restore measures the store's restore rate
+    assert store.restore_rate.gib_per_s > 0
+    reader.feed_output(a, ids(100, 3))
+    reader.advance(a)
+    store.reread_s = lambda committed: 1e-12 * committed  # reading it again costs next to nothing
+    store.settle(keep="b")
+    assert store.peek("a") is None and not store.path_of("a").exists()  # not spilled; the old file gone
+    assert (store.counters.drops, store.counters.drops_cheaper_to_reread, store.counters.spills) == (1, 1, 1)
+    why = store.totals()["recent_drops"]["a"]
+    assert why.startswith("dropped: cheaper to re-read") and f"re-read of {a.committed} tokens" in why
+    assert store.totals()["drops_cheaper_to_reread"] == 1
+    assert "a" not in store.names()
+    again = store.get("a")
+    assert again.committed == 0 and again.ids == []  # read again from its ids by whoever feeds it next
+
+
+def test_a_session_cheaper_to_restore_is_spilled_and_says_why(reader, tmp_path):
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path, reread_s=lambda committed: 1e3 * committed)
+    store.restore_rate.warm(1.0)
+    before = fingerprint(fed(store, reader, "a"))
+    fed(store, reader, "b", seed=2)
+    store.settle(keep="b")
+    row = next(r for r in store.status() if r.name == "a")
+    assert not row.resident and row.left_memory.startswith("spilled: cheaper to restore")
+    assert store.counters.drops == 0
+    assert_same(before, fingerprint(store.get("a")))
+
+
+def test_without_a_restore_rate_or_a_reread_estimate_the_store_spills(reader, tmp_path):
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path, reread_s=lambda committed: None)
+    store.restore_rate.warm(1.0)
+    assert store.choice(fed(store, reader, "a")) == ("spill", "spilled (no re-read estimate)")
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path, reread_s=lambda committed: 0.0)
+    assert store.choice(fed(store, reader, "a")) == ("spill", "spilled (no restore estimate)")
+
+
+def test_the_reread_estimate_sums_the_schedulers_chunk_costs_by_depth(reader, tmp_path):
+    from shadow.core.schedule import ChunkCosts
+    from shadow.core.store import reread_estimate
+
+    costs = ChunkCosts(bucket_tokens=128)
+    reread = reread_estimate(costs.estimate, GRID)
+    assert reread(640) is None  # nothing measured yet
+    costs.warm(0, 0.01)
+    costs.warm(256, 0.03)
+    assert reread(0) == 0.0
+    # chunks at depths 0, 64 (0.01 each), 128, 192 (interpolated: 0.02 each), 256, 320 (0.03 each)
+    assert reread(384) == pytest.approx(2 * 0.01 + 2 * 0.02 + 2 * 0.03)
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
+    store.estimate_reread(costs.estimate, GRID)  # the server's one line, at load
+    assert store.reread_s(384) == reread(384)
+    store.restore_rate.warm(1e-9)  # restores crawl: every session is cheaper to read again
+    fed(store, reader, "a")
+    fed(store, reader, "b", seed=2)
+    store.settle(keep="b")
+    assert store.counters.drops_cheaper_to_reread == 1
+
+
+def test_measure_restore_times_a_scratch_session_and_leaves_nothing(reader, tmp_path):
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
+    rate = store.measure_restore(gib=0.002)
+    assert rate > 0 and store.restore_rate.gib_per_s == pytest.approx(rate)
+    assert list(tmp_path.iterdir()) == [] and store.counters.restores == 0
+    assert SessionStore(reader, "h", cap_gib=0).measure_restore() is None  # no disk: nothing to measure
+
+
+def test_store_command_checks_files_against_the_store_key(tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    reader = Reader(tiny.model, GRID)
+    store = SessionStore(reader, tiny.weights_hash, cap_gib=None, disk=tmp_path, key="k1")
+    fed(store, reader, "a")
+    assert store.close() == []
+    runner = CliRunner()
+    cases = [([], {}, 0), (["--store-key", "k1"], {}, 0), (["--store-key", "k2"], {}, 1),
+             ([], {"SHADOW_STORE_KEY": "k2"}, 1), (["--model", "tiny", "--grid", str(GRID), "--store-key", "k1"], {}, 0)]
+    for args, env, code in cases:
+        result = runner.invoke(app, ["store", str(tmp_path), "--json", *args], env=env)
+        assert result.exit_code == code, (args, env, result.output)
+        if code:
+            assert "keyed digest mismatch" in json.loads(result.output.strip().splitlines()[-1])["files"][0]["reason"]

@@ -1,20 +1,23 @@
-"""One session in one safetensors file: its ids (pending tail included), KV rows up to the
-committed length, GDN conv and recurrent state, checkpoints, and metadata.
+"""One session in one file: its ids (pending tail included), KV rows up to the committed length,
+GDN conv and recurrent state, checkpoints, and metadata. The bytes are `sessionformat`'s (a plain
+safetensors file; format 3 written, formats 2 and 3 read); the I/O is `blockio`'s.
 
-Layout (a plain safetensors file): an 8-byte little-endian header length N, N bytes of JSON
-header (the metadata first, then each tensor's dtype, shape and offsets; padded with spaces to a
-multiple of 8), then the tensors' bytes back to back, 8-byte types first so every tensor is
-aligned. Every byte is covered by SHA-256: `data_sha256` over the tensor bytes, `header_sha256`
-over the length and the header with its own 64 hex digits read as zeros. A listing checks the
-header without reading the tensors. A restore checks the header and every field's type and range
-(positions on the grid, shapes and dtypes those of the model's state at the committed length,
-counters non-negative integers) before it reads the tensors, and the data digest and the ids
-(within the model's vocabulary) before it returns anything.
-Anything else is refused with a `SessionFileError` that says why: nothing wrong is ever served,
-and nothing else is raised for a bad file.
+A restore reads the header first: its digest verified, every field validated (positions on the
+grid, counters non-negative integers), its keyed digest checked when the reader has a key, and
+every tensor's name, dtype and shape those of the model's state at the committed length. Then
+the data, in blocks: a format-3 block is checked against its digest (in the verified header) on a
+pool thread as soon as it is read, and only then copied, from pinned memory and without waiting,
+straight into the fresh state's own tensors (no second copy). So nothing unverified reaches the
+state, and the ids are checked against the model's vocabulary before anything is returned.
+A format-2 file has one digest over all its data: its blocks are copied as they are read and the
+digest is checked at the end; on a mismatch it raises, and the state it was reading into (a
+fresh one, the caller's) is never returned. Anything wrong raises a `SessionFileError` that says
+why, and nothing else is raised for a bad file.
 
-Writes are atomic: a temporary file in the same folder, fsync, rename, fsync of the folder, so a
-killed writer leaves the old file or the new one.
+A write takes the tensors from the state in blocks (each copied into a pinned block, hashed and
+written by the pool, O_DIRECT where the file system takes it), then writes the header with the
+block digests at the start, fsyncs, renames, and fsyncs the folder: a killed writer leaves the old
+file or the new one. Files are created mode 0600.
 """
 
 from __future__ import annotations
@@ -24,90 +27,58 @@ import hashlib
 import json
 import math
 import os
-import queue
-import re
 import secrets
 import stat
-import threading
-from collections.abc import Callable
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from shadow.core import blockio
 from shadow.core.reader import MAX_CHECKPOINTS, Session
+from shadow.core.sessionformat import (  # noqa: F401 - the file's names, offered from here
+    BLOCK_BYTES, DATA_MISMATCH, FORMAT, MARKER, MAX_HEADER, VERSION, Header, Identity, Layout, SessionFileError,
+    Span, check_identity, header_bytes, header_length, layout, parse,
+)
 from shadow.model.state import DeltaSnapshot, ModelState
 
-FORMAT = "shadow-session"
-VERSION = 2
 SUFFIX = ".safetensors"
-MARKER = b'"format":"shadow-session"'  # in the header of every session file, of any version
-MAX_HEADER = 1 << 24
-DTYPES = {  # what a header may name (the model decides what fits)
-    "I64": torch.int64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64,
-    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
-_DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-_SLOT = b'"header_sha256":"'
-_ZEROS = b"0" * 64
-_HEX64 = re.compile(r"[0-9a-f]{64}")
-_COUNT = re.compile(r"0|[1-9][0-9]{0,17}")
-KEYS = frozenset({
-    "format", "version", "name", "model", "weights_hash", "grid", "arithmetic", "committed", "tokens",
-    "last_use", "rollbacks", "ids_reread", "checkpoints", "marks", "data_sha256", "header_sha256",
-})
+FILE_MODE = 0o600
+DIRECT = True  # O_DIRECT where the file system takes it (False: through the page cache)
 
 
-class SessionFileError(Exception):
-    """A session file that must not be served; the message says why."""
-
-
-@dataclass(frozen=True)
-class Identity:
-    """What a file must match to be read: the weights, the grid, and the arithmetic (kernel set
-    and dtype: a state computed by other kernels would not continue bit for bit)."""
-
-    weights_hash: str
-    grid: int
-    arithmetic: str = ""
-
-
-@dataclass(frozen=True)
-class Header:
-    """A file's metadata, its digest verified and every field validated; `meta` is the raw text."""
-
-    name: str
-    model: str
-    weights_hash: str
-    grid: int
-    arithmetic: str
-    committed: int
-    tokens: int
-    last_use: float
-    rollbacks: int
-    ids_reread: int
-    checkpoints: tuple[int, ...]
-    marks: tuple[int, ...]
-    meta: dict[str, str]
+def session_file_name(name: str) -> str:
+    """The file a session `name` is kept in: sha256(name)[:32] + SUFFIX."""
+    return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32] + SUFFIX
 
 
 def session_tensors(session: Session) -> dict[str, torch.Tensor]:
-    """Every tensor a file holds, on the CPU, contiguous, each its own copy (a state's GDN tensors
-    are views of one arena): the ids, then the state's and its checkpoints' tensors as the state
-    names them (`ModelState.tensors`, `snapshot_tensors`)."""
+    """Every tensor a file holds, by name: the ids (a CPU int64 tensor), then the state's and its
+    checkpoints' tensors as the state names them (`ModelState.tensors`, `snapshot_tensors`), as
+    views of the session's own memory (no copy)."""
     out = {"ids": torch.tensor(session.ids, dtype=torch.int64)}
     out.update(session.state.tensors())
     out.update(session.state.snapshot_tensors(session.checkpoints))
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in out.items()}
+    return out
+
+
+def file_bytes(session: Session) -> int:
+    """About the size of the file `session` would be written to (the header taken as one block
+    of alignment): what a restore of it would read."""
+    return (8 * len(session.ids) + session.state.nbytes() + sum(c.nbytes() for c in session.checkpoints)
+            + blockio.ALIGN)
 
 
 # writing --------------------------------------------------------------------------------------
 
 
-def write_session(path: Path, session: Session, identity: Identity, last_use: float, model: str = "") -> int:
-    """Write atomically (temporary file, fsync, rename, fsync of the folder); returns the bytes
-    written. Raises OSError when the disk refuses (the old file, if any, is left as it was)."""
+def write_session(path: Path, session: Session, identity: Identity, last_use: float, model: str = "", *,
+                  key: bytes | None = None, block_bytes: int | None = None, direct: bool | None = None,
+                  workers: int | None = None) -> int:
+    """Write atomically (temporary file, fsync, rename, fsync of the folder), mode 0600, its
+    keyed digest made with `key` (None: zeros), digested in blocks of `block_bytes` (None: this
+    module's BLOCK_BYTES); returns the bytes written. Raises OSError when
+    the disk refuses (the old file, if any, is left as it was)."""
     last_use = float(last_use) if math.isfinite(last_use) and last_use >= 0 else 0.0
     meta = {
         "name": session.name, "model": model, "weights_hash": identity.weights_hash, "grid": str(identity.grid),
@@ -115,67 +86,28 @@ def write_session(path: Path, session: Session, identity: Identity, last_use: fl
         "last_use": repr(last_use), "rollbacks": str(session.rollbacks), "ids_reread": str(session.ids_reread),
         "checkpoints": json.dumps([c.position for c in session.checkpoints]), "marks": json.dumps(session.marks),
     }
-    return _write_atomic(Path(path), Encoded(session_tensors(session), meta))
+    sources = session_tensors(session)
+    lay = layout({k: (v.dtype, tuple(v.shape)) for k, v in sources.items()}, meta, block_bytes or BLOCK_BYTES)
+    return _write_atomic(Path(path), lay, _Tiles(lay.spans, sources), key, DIRECT if direct is None else direct, workers)
 
 
-class Encoded:
-    """A file's pieces: `views`, each tensor's bytes (8-byte types first, so each is aligned), and
-    `header(data_sha256)`, the length and header with both digests. The header's length does not
-    depend on the digests, so the tensors can be written (and hashed) before it."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor], meta: dict[str, str]):
-        order = sorted(tensors, key=lambda k: -tensors[k].element_size())  # stable
-        self.views = [_raw(tensors[k]) for k in order]
-        entries, offset = {}, 0
-        for name, view in zip(order, self.views):
-            t = tensors[name]
-            entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(view)]}
-            offset += len(view)
-        meta = {"format": FORMAT, "version": str(VERSION), **meta, "data_sha256": _ZEROS.decode(), "header_sha256": _ZEROS.decode()}
-        text = json.dumps({"__metadata__": meta, **entries}, separators=(",", ":"), ensure_ascii=True).encode()
-        self._text = text + b" " * (-len(text) % 8)
-        self.data_bytes = offset
-
-    @property
-    def header_bytes(self) -> int:
-        return 8 + len(self._text)
-
-    def header(self, data_sha256: str) -> bytes:
-        text = self._text.replace(b'"data_sha256":"' + _ZEROS, b'"data_sha256":"' + data_sha256.encode(), 1)
-        prefix = len(text).to_bytes(8, "little")
-        slot = text.index(_SLOT) + len(_SLOT)
-        digest = hashlib.sha256(prefix + text).hexdigest().encode()
-        return prefix + text[:slot] + digest + text[slot + 64 :]
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _write_all(fd: int, pieces: list[memoryview | bytes]) -> None:
-    """Write every piece to `fd` at its current offset (os.write may write less than asked)."""
-    for piece in pieces:
-        view = memoryview(piece)
-        while view:
-            view = view[os.write(fd, view):]
-
-
-def _write_atomic(path: Path, encoded: Encoded) -> int:
-    """The tensors first (hashed in a thread while they are written), then the header at the start."""
+def _write_atomic(path: Path, lay: Layout, tiles: _Tiles, key: bytes | None, direct: bool, workers: int | None) -> int:
+    """The data first, in blocks (hashed and written by the pool), then the header with the
+    blocks' digests at the start; fsync, rename, fsync of the folder."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     try:
         try:
-            data = hashlib.sha256()
-            hasher = threading.Thread(target=lambda: [data.update(v) for v in encoded.views], daemon=True)
-            hasher.start()
-            try:
-                os.lseek(fd, encoded.header_bytes, os.SEEK_SET)
-                _write_all(fd, encoded.views)
-            finally:
-                hasher.join()
-            os.lseek(fd, 0, os.SEEK_SET)
-            _write_all(fd, [encoded.header(data.hexdigest())])
+            os.fchmod(fd, FILE_MODE)  # whatever the umask
+
+            def fill(i: int, block: torch.Tensor):
+                lo = i * lay.block_bytes
+                return tiles.move(lo, lo + block.numel(), block, into_block=True)
+
+            digests = blockio.write_blocks(fd, lay.start, lay.data_bytes, lay.block_bytes, fill,
+                                           pinned=tiles.cuda is not None, workers=workers, direct=direct)
+            blockio.pwrite_all(fd, memoryview(header_bytes(lay, digests, key)), 0)
+            os.ftruncate(fd, lay.start + lay.data_bytes)  # a last block written padded to alignment
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -185,7 +117,7 @@ def _write_atomic(path: Path, encoded: Encoded) -> int:
             tmp.unlink()
         raise
     _fsync_dir(path.parent)
-    return encoded.header_bytes + encoded.data_bytes
+    return lay.start + lay.data_bytes
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -204,132 +136,164 @@ def _fsync_dir(folder: Path) -> None:
 # reading --------------------------------------------------------------------------------------
 
 
-def read_header(path: Path) -> dict[str, str]:
-    """The file's metadata, its header digest verified and every field validated (the tensors are
-    not read); SessionFileError when it must not be used."""
-    return read_fields(path).meta
+def read_header(path: Path, key: bytes | None = None) -> dict[str, str]:
+    """The file's metadata, its header digest verified (and its keyed digest, with a key) and every
+    field validated (the tensors are not read); SessionFileError when it must not be used."""
+    return read_fields(path, key).meta
 
 
-def read_fields(path: Path) -> Header:
+def read_fields(path: Path, key: bytes | None = None) -> Header:
     """The file's header, verified and validated, typed; the tensors are not read."""
     with _opened(path) as (fd, size):
-        return _header_of(fd, size)[0]
+        return _header_of(fd, size, key)[0]
 
 
-def check_identity(meta: dict[str, str] | Header, identity: Identity) -> None:
-    """SessionFileError unless the file was written by the same weights, grid and arithmetic."""
-    meta = meta.meta if isinstance(meta, Header) else meta
-    if meta.get("weights_hash") != identity.weights_hash:
-        raise SessionFileError(f"another model (weights {str(meta.get('weights_hash', '?'))[:12]}…)")
-    if meta.get("grid") != str(identity.grid):
-        raise SessionFileError(f"another grid ({meta.get('grid')}, this reader uses {identity.grid})")
-    if meta.get("arithmetic", "") != identity.arithmetic:
-        raise SessionFileError(f"other kernels ({meta.get('arithmetic')!r}, this reader computes with {identity.arithmetic!r})")
-
-
-def read_ids(path: Path) -> tuple[str, list[int]]:
+def read_ids(path: Path, key: bytes | None = None) -> tuple[str, list[int]]:
     """A file's session name and ids, every byte verified (no model needed)."""
-    sha = hashlib.sha256()
     with _opened(path) as (fd, size):
-        header, spans, n = _header_of(fd, size)
+        header, spans = _header_of(fd, size, key)
         _ids_span(header, spans)
-        tensors = _data(fd, size, n, spans, sha.update)
-    if sha.hexdigest() != header.meta["data_sha256"]:
-        raise SessionFileError(DATA_MISMATCH)
-    return header.name, _id_values(tensors["ids"], None)
+        ids = torch.empty(header.tokens, dtype=torch.int64)
+        _read_data(fd, header, _Tiles(spans, {"ids": ids}), DIRECT, None)
+    return header.name, _id_values(ids, None)
 
 
-def read_session(path: Path, identity: Identity, model_state: ModelState, max_checkpoints: int = MAX_CHECKPOINTS) -> Session:
-    """Load a session into `model_state` (a fresh state of the reader's model, on its device).
-    The header is verified and every field validated against the model before the tensors are
-    read; the data digest is computed (in a thread) block by block as the bytes are read and while
-    they are copied into the fresh state, and checked before any id is read or the session
-    returned: on a mismatch nothing is returned (the caller discards the state)."""
-    digest = _Digest()
-    try:
-        with _opened(path) as (fd, size):
-            header, spans, n = _header_of(fd, size)
-            check_identity(header, identity)
-            _fit(header, spans, model_state, max_checkpoints)
-            tensors = _data(fd, size, n, spans, digest.add)
-        checkpoints = _fill(header, tensors, model_state)
-    finally:
-        got = digest.hexdigest()
-    if got != header.meta["data_sha256"]:
-        raise SessionFileError(DATA_MISMATCH)
-    ids = _id_values(tensors["ids"], model_state.config.vocab_size)
+def read_session(path: Path, identity: Identity, model_state: ModelState, max_checkpoints: int = MAX_CHECKPOINTS, *,
+                 key: bytes | None = None, direct: bool | None = None, workers: int | None = None) -> Session:
+    """Load a session into `model_state` (a fresh state of the reader's model, on its device): the
+    header verified and validated against the model first, then the data read in blocks straight
+    into the state's own tensors, each format-3 block verified before it is copied (a format-2
+    file's one digest checked at the end). On any failure it raises SessionFileError and the state
+    is left half-filled: the caller discards it."""
+    with _opened(path) as (fd, size):
+        header, spans = _header_of(fd, size, key)
+        check_identity(header, identity)
+        _fit(header, spans, model_state, max_checkpoints)
+        try:
+            ids = torch.empty(header.tokens, dtype=torch.int64)
+            targets, checkpoints = _targets(header, model_state)
+        except (RuntimeError, MemoryError):
+            raise SessionFileError(f"too large to read into memory ({size} bytes)") from None
+        _read_data(fd, header, _Tiles(spans, {"ids": ids, **targets}), DIRECT if direct is None else direct, workers)
     return Session(
-        name=header.name, state=model_state, ids=ids, checkpoints=checkpoints, marks=list(header.marks),
-        rollbacks=header.rollbacks, ids_reread=header.ids_reread,
+        name=header.name, state=model_state, ids=_id_values(ids, model_state.config.vocab_size),
+        checkpoints=checkpoints, marks=list(header.marks), rollbacks=header.rollbacks, ids_reread=header.ids_reread,
     )
 
 
-DATA_MISMATCH = "data digest mismatch (a tensor's bytes changed since the file was written)"
-
-
-def _header_of(fd: int, size: int) -> tuple[Header, dict[str, tuple], int]:
-    """The verified, validated header, each tensor's (dtype, shape, begin, end), the header length."""
+def _header_of(fd: int, size: int, key: bytes | None) -> tuple[Header, dict[str, Span]]:
+    """The verified, validated header and each tensor's (dtype, shape, begin, end)."""
     prefix = _pread(fd, 8, 0)
-    n = _header_length(prefix, size)
-    header, spans = _parse(prefix, _pread(fd, n, 8), size)
-    return header, spans, n
+    n = header_length(prefix, size)
+    return parse(prefix, _pread(fd, n, 8), size, key)
 
 
-READ_BLOCK = 32 << 20  # bytes read (and handed to the digest) at a time
+def _read_data(fd: int, header: Header, tiles: _Tiles, direct: bool, workers: int | None) -> None:
+    """Read the data into `tiles`, every byte verified: format 3 block by block before each copy,
+    format 2 as a whole at the end (raising after the copies)."""
+    total = tiles.data_bytes
+    pinned = tiles.cuda is not None
 
+    def deliver(i: int, block: torch.Tensor, view: memoryview, size: int):
+        lo = i * size
+        return tiles.move(lo, lo + len(view), block, into_block=False)
 
-class _Digest:
-    """SHA-256 of the blocks given to `add`, in order, computed on a thread of its own while more
-    are read (hashlib lets go of the GIL). `hexdigest` waits for every block; a failure in the
-    thread gives a digest that matches nothing."""
-
-    def __init__(self):
-        self._sha, self._blocks, self._failed = hashlib.sha256(), queue.SimpleQueue(), False
-        self._thread = threading.Thread(target=self._run, name="session-digest", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            while (block := self._blocks.get()) is not None:
-                self._sha.update(block)
-        except Exception:  # noqa: BLE001 - reported as a mismatch by hexdigest
-            self._failed = True
-            while self._blocks.get() is not None:
-                pass
-
-    def add(self, block: memoryview) -> None:
-        self._blocks.put(block)
-
-    def hexdigest(self) -> str:
-        self._blocks.put(None)
-        self._thread.join()
-        return "failed" if self._failed else self._sha.hexdigest()
-
-
-def _data(fd: int, size: int, n: int, spans: dict[str, tuple],
-          on_block: Callable[[memoryview], None] = lambda block: None) -> dict[str, torch.Tensor]:
-    """The tensors (views of one buffer in memory), not yet verified: each block of their bytes
-    goes to `on_block` as it is read, and the caller checks `data_sha256` over them before it
-    uses a value."""
     try:
-        buf = torch.empty(size - 8 - n, dtype=torch.uint8)  # not zero-filled: every byte is read into it
-    except (RuntimeError, MemoryError):
-        raise SessionFileError(f"too large to read ({size} bytes)") from None
-    view = memoryview(buf.numpy())
-    got = 0
-    while got < len(view):
-        step = os.preadv(fd, [view[got:got + READ_BLOCK]], 8 + n + got)
-        if step == 0:
-            raise SessionFileError(f"truncated while reading ({8 + n + got} of {size} bytes)")
-        on_block(view[got:got + step])
-        got += step
-    tensors = {}
-    for name, (dtype, shape, begin, end) in spans.items():
-        t = buf[begin:end]
-        if t.data_ptr() % dtype.itemsize:
-            t = t.clone()
-        tensors[name] = t.view(dtype).reshape(shape)
-    return tensors
+        if header.version >= 3:
+            count, size = len(header.blocks), header.block_bytes
+
+            def check(i: int, view: memoryview) -> None:
+                if blockio.sha256(view) != header.blocks[i]:
+                    raise SessionFileError(f"{DATA_MISMATCH} (block {i + 1} of {count} changed since the file was written)")
+
+            blockio.read_blocks(fd, header.start, total, size, check, lambda i, b, v: deliver(i, b, v, size),
+                                pinned=pinned, workers=workers, direct=direct)
+        else:
+            sha = hashlib.sha256()
+
+            def hashed(i: int, block: torch.Tensor, view: memoryview):
+                sha.update(view)
+                return deliver(i, block, view, BLOCK_BYTES)
+
+            blockio.read_blocks(fd, header.start, total, BLOCK_BYTES, lambda i, v: None, hashed,
+                                pinned=pinned, workers=workers, direct=False)
+            if sha.hexdigest() != header.data_sha256:
+                raise SessionFileError(f"{DATA_MISMATCH} (a tensor's bytes changed since the file was written)")
+    except blockio.ShortRead as e:
+        raise SessionFileError(f"truncated while reading ({e.offset} of {header.start + total} bytes)") from None
+
+
+class _Tiles:
+    """Where each byte of a file's data comes from or goes to: contiguous uint8 pieces of tensors
+    (a KV tensor cut to its valid rows is one piece per head), by their offset in the data. A
+    tensor not given (`read_ids` wants only the ids) is read and verified but copied nowhere."""
+
+    def __init__(self, spans: dict[str, Span], tensors: dict[str, torch.Tensor]):
+        pieces = []
+        for name, (_, _, begin, end) in spans.items():
+            if name not in tensors:
+                continue
+            at = begin
+            for piece in _pieces(tensors[name]):
+                pieces.append((at, at + piece.numel(), piece))
+                at += piece.numel()
+            if at != end:
+                raise RuntimeError(f"{name} holds {at - begin} bytes, its span {end - begin}")
+        self.pieces = sorted(pieces, key=lambda p: p[0])
+        self.data_bytes = max((e for _, _, b, e in spans.values()), default=0)
+        self.cuda = next((p.device for _, _, p in self.pieces if p.is_cuda), None)
+        self._next = 0
+
+    def move(self, lo: int, hi: int, block: torch.Tensor, into_block: bool):
+        """Copy data bytes [lo, hi) between `block` and their tensors (blocks come in order);
+        returns a CUDA event recorded after the copies when any was to or from the device."""
+        j = self._next
+        while j < len(self.pieces) and self.pieces[j][1] <= lo:
+            j += 1
+        self._next = j
+        device = False
+        while j < len(self.pieces) and self.pieces[j][0] < hi:
+            begin, end, piece = self.pieces[j]
+            a, z = max(lo, begin), min(hi, end)
+            if into_block:
+                block[a - lo : z - lo].copy_(piece[a - begin : z - begin], non_blocking=True)
+            else:
+                piece[a - begin : z - begin].copy_(block[a - lo : z - lo], non_blocking=True)
+            device = device or piece.is_cuda
+            j += 1
+        if not device:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.cuda))
+        return event
+
+
+def _pieces(t: torch.Tensor) -> list[torch.Tensor]:
+    """`t`'s bytes in row-major order as contiguous uint8 views of its own memory."""
+    if t.numel() == 0:
+        return []
+    if t.is_contiguous():
+        return [t.reshape(-1).view(torch.uint8)]
+    return [p for sub in t.unbind(0) for p in _pieces(sub)]
+
+
+def _targets(header: Header, state: ModelState) -> tuple[dict[str, torch.Tensor], list[DeltaSnapshot]]:
+    """The fresh state made ready for the committed length (its KV buffers hold the rows, its
+    checkpoints allocated), and its own tensors by the names a file uses: what the data is read
+    straight into. The names, dtypes and shapes are checked against the state's `expected`."""
+    for layer in state.attention:
+        layer.reserve(header.committed)
+    state.length = header.committed
+    checkpoints = []
+    for position in header.checkpoints:
+        snap = state.snapshot()
+        snap.position = position
+        checkpoints.append(snap)
+    out = state.tensors() | state.snapshot_tensors(checkpoints)
+    want = state.expected(header.committed) | state.expected_snapshots(len(checkpoints))
+    if {k: (v.dtype, tuple(v.shape)) for k, v in out.items()} != want:
+        raise RuntimeError("the state's tensors differ from its expected layout")
+    return out, checkpoints
 
 
 class _opened:
@@ -373,140 +337,10 @@ def _pread(fd: int, n: int, offset: int) -> bytes:
     return out
 
 
-def _header_length(prefix: bytes, size: int) -> int:
-    if size < 8:
-        raise SessionFileError(f"truncated ({size} bytes)")
-    n = int.from_bytes(prefix, "little")
-    if not 2 <= n <= min(MAX_HEADER, size - 8):
-        raise SessionFileError(f"truncated or not safetensors (header length {n}, file {size} bytes)")
-    return n
-
-
-def _parse(prefix: bytes, raw: bytes, size: int) -> tuple[Header, dict[str, tuple]]:
-    """Verify the header digest, then parse and validate every field; (header, tensor spans)."""
-    if raw.count(_SLOT) != 1:
-        raise SessionFileError(_undigested(raw))
-    slot = raw.index(_SLOT) + len(_SLOT)
-    digest = hashlib.sha256(prefix + raw[:slot] + _ZEROS + raw[slot + 64 :]).hexdigest().encode()
-    if raw[slot : slot + 64] != digest:
-        raise SessionFileError("header digest mismatch (the header changed since the file was written)")
-    try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique)
-        if not isinstance(obj, dict):
-            raise SessionFileError("header is not a JSON object")
-        meta = obj.pop("__metadata__", None)
-        if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-            raise SessionFileError("metadata missing or not text")
-        if meta.get("format") != FORMAT:
-            raise SessionFileError(f"not a shadow session file (format {meta.get('format')!r})")
-        if meta.get("version") != str(VERSION):
-            raise SessionFileError(f"format version {meta.get('version')!r}, this build reads {VERSION}")
-        if set(meta) != KEYS:
-            raise SessionFileError(f"metadata fields differ (missing {sorted(KEYS - set(meta))}, unknown {sorted(set(meta) - KEYS)[:5]})")
-        header = _fields(meta)
-        spans = _spans(obj, size - 8 - len(raw))
-    except SessionFileError:
-        raise
-    except Exception as e:  # JSON or text that no check foresaw: refused all the same
-        raise SessionFileError(f"unreadable header ({type(e).__name__}: {str(e)[:120]})") from None
-    return header, spans
-
-
-def _undigested(raw: bytes) -> str:
-    """Why a header without exactly one digest is refused: an older build's file, another format, or damage."""
-    try:
-        meta = json.loads(raw.decode("utf-8")).get("__metadata__") or {}
-        fmt, version = meta.get("format"), meta.get("version")
-    except Exception:
-        return "unreadable header (no digest, not JSON)"
-    if fmt != FORMAT:
-        return f"not a shadow session file (format {fmt!r})"
-    if version != str(VERSION):
-        return f"format version {version!r}, this build reads {VERSION}"
-    return "header digest missing"
-
-
-def _unique(pairs: list[tuple[str, object]]) -> dict:
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        raise SessionFileError("header repeats a key")
-    return out
-
-
-def _count(meta: dict[str, str], key: str) -> int:
-    value = meta[key]
-    if not _COUNT.fullmatch(value):
-        raise SessionFileError(f"{key} is {value[:40]!r}, not a non-negative integer")
-    return int(value)
-
-
-def _positions(meta: dict[str, str], key: str, grid: int, lo: int, hi: int) -> tuple[int, ...]:
-    """A JSON list of rising grid lines in (lo, hi]."""
-    value = json.loads(meta[key])
-    if not isinstance(value, list) or not all(type(p) is int for p in value):
-        raise SessionFileError(f"{key} is {meta[key][:40]!r}, not a list of integers")
-    if any(p % grid or not lo < p <= hi for p in value) or any(a >= b for a, b in zip(value, value[1:])):
-        raise SessionFileError(f"{key} {value[:8]} are not rising grid lines in ({lo}, {hi}] (grid {grid})")
-    return tuple(value)
-
-
-def _fields(meta: dict[str, str]) -> Header:
-    grid = _count(meta, "grid")
-    committed, tokens = _count(meta, "committed"), _count(meta, "tokens")
-    if grid == 0 or committed % grid:
-        raise SessionFileError(f"committed length {committed} is off the grid ({grid})")
-    if committed > tokens:
-        raise SessionFileError(f"committed length {committed} exceeds the {tokens} ids held")
-    try:
-        last_use = float(meta["last_use"])
-    except ValueError:
-        raise SessionFileError(f"last_use is {meta['last_use'][:40]!r}, not a number") from None
-    if not math.isfinite(last_use) or last_use < 0:
-        raise SessionFileError(f"last_use is {last_use}")
-    for key in ("data_sha256", "header_sha256"):
-        if not _HEX64.fullmatch(meta[key]):
-            raise SessionFileError(f"{key} is not a SHA-256 digest")
-    return Header(
-        name=meta["name"], model=meta["model"], weights_hash=meta["weights_hash"], grid=grid,
-        arithmetic=meta["arithmetic"], committed=committed, tokens=tokens, last_use=last_use,
-        rollbacks=_count(meta, "rollbacks"), ids_reread=_count(meta, "ids_reread"),
-        checkpoints=_positions(meta, "checkpoints", grid, 0, committed),
-        marks=_positions(meta, "marks", grid, committed, tokens), meta=dict(meta),
-    )
-
-
-def _spans(entries: dict, data_bytes: int) -> dict[str, tuple]:
-    """Each tensor's (dtype, shape, begin, end), checked: known dtype, sizes that match the
-    offsets, offsets that tile the data exactly."""
-    spans = {}
-    for name, e in entries.items():
-        if not isinstance(e, dict) or set(e) != {"dtype", "shape", "data_offsets"}:
-            raise SessionFileError(f"tensor entry {name[:40]!r} is malformed")
-        dtype, shape, offsets = DTYPES.get(e["dtype"]), e["shape"], e["data_offsets"]
-        if dtype is None:
-            raise SessionFileError(f"{name[:40]} has dtype {str(e['dtype'])[:10]!r}")
-        if not isinstance(shape, list) or len(shape) > 8 or not all(type(d) is int and d >= 0 for d in shape):
-            raise SessionFileError(f"{name[:40]} has shape {str(shape)[:40]}")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
-            raise SessionFileError(f"{name[:40]} has offsets {str(offsets)[:40]}")
-        if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
-            raise SessionFileError(f"{name[:40]}: offsets {offsets} do not hold shape {shape} of {e['dtype']}")
-        spans[name] = (dtype, tuple(shape), *offsets)
-    end = 0
-    for _, _, begin, stop in sorted(spans.values(), key=lambda s: (s[2], s[3])):
-        if begin != end:
-            raise SessionFileError("tensor offsets overlap or leave a gap")
-        end = stop
-    if end != data_bytes:
-        what = "truncated" if data_bytes < end else "bytes past the tensors"
-        raise SessionFileError(f"{what} (tensors hold {end} bytes, the file {data_bytes} after its header)")
-    return spans
-
-
 # validation against the model ------------------------------------------------------------------
 
 
-def _ids_span(header: Header, spans: dict[str, tuple]) -> None:
+def _ids_span(header: Header, spans: dict[str, Span]) -> None:
     """The ids must be int64 [tokens]."""
     dtype, shape = spans["ids"][:2] if "ids" in spans else (None, None)
     if dtype != torch.int64 or shape != (header.tokens,):
@@ -521,9 +355,9 @@ def _id_values(ids: torch.Tensor, vocab: int | None) -> list[int]:
     return ids.tolist()
 
 
-def _fit(header: Header, spans: dict[str, tuple], state: ModelState, max_checkpoints: int) -> None:
+def _fit(header: Header, spans: dict[str, Span], state: ModelState, max_checkpoints: int) -> None:
     """Check every tensor's name, dtype and shape against a fresh state of the model at the
-    committed length (the ids' values are checked once the data digest is)."""
+    committed length (the ids' values are checked once their bytes are verified)."""
     if len(header.checkpoints) > max_checkpoints:
         raise SessionFileError(f"{len(header.checkpoints)} checkpoints, this reader keeps {max_checkpoints}")
     _ids_span(header, spans)
@@ -537,14 +371,3 @@ def _fit(header: Header, spans: dict[str, tuple], state: ModelState, max_checkpo
         if got_dtype != dtype or tuple(got_shape) != shape:
             raise SessionFileError(f"{name} is {str(got_dtype).removeprefix('torch.')} {list(got_shape)}, "
                                    f"this model needs {str(dtype).removeprefix('torch.')} {list(shape)}")
-
-
-def _fill(header: Header, tensors: dict[str, torch.Tensor], state: ModelState) -> list[DeltaSnapshot]:
-    """Copy the tensors into the fresh state; returns the checkpoints."""
-    state.load(tensors, header.committed)
-    return state.load_snapshots(tensors, list(header.checkpoints))
-
-
-def session_file_name(name: str) -> str:
-    """The file a session `name` is kept in: sha256(name)[:32] + SUFFIX."""
-    return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:32] + SUFFIX

@@ -5,6 +5,9 @@ to disk, one file each (`sessionfile`), and come back bit for bit when asked for
 memory only once its file is written and fsynced: a write that fails (disk full, I/O error) keeps
 it resident, over the cap if it must, counts it, and a later settle tries again. Without a disk
 folder sessions past the cap are dropped and read again from the start by whoever feeds them next.
+With both costs known (`reread_s`, the caller's estimate of reading N committed tokens again, and
+the store's own measured restore rate), a session whose restore would take longer than reading
+it again is dropped rather than spilled; status says which was done and why.
 
 The folder may hold anything else: the store touches only its own files (named
 `<32 hex>.safetensors`, with the session marker in their header), never follows a symbolic link,
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import re
 import stat
@@ -25,15 +29,18 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from shadow.errors import ShadowInputError
 from shadow.model.runtime import arithmetic
+from shadow.core import blockio
 from shadow.core.reader import Reader, Session
 from shadow.core.sessionfile import (
-    MARKER, MAX_HEADER, SUFFIX, Header, Identity, SessionFileError, read_fields, read_session,
+    MARKER, MAX_HEADER, SUFFIX, Header, Identity, SessionFileError, file_bytes, read_fields, read_session,
     session_file_name, write_session,
 )
+from shadow.core.sessionformat import key_bytes
 
 log = logging.getLogger("shadow.core.store")
 GIB = 1 << 30
@@ -43,6 +50,9 @@ OWN_TMP = re.compile(r"\.[0-9a-f]{32}" + re.escape(SUFFIX) + r"\.(\d+)(?:\.[0-9a
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 RETRY_S = 10.0  # a failed spill is not tried again sooner (by the store's clock): a settle follows every chunk
 STALE_TMP_S = 3600.0  # a temporary file this old is a killed writer's, whatever its pid
+FOLDER_MODE = 0o700
+RECENT_DROPS = 64  # dropped sessions whose reason totals() keeps
+MEASURE_NAME = "shadow restore measurement"  # no client can name a session so (a space)
 
 
 @dataclass
@@ -57,16 +67,19 @@ class SessionRow:
     resident: bool
     last_use: float
     write_error: str | None = None  # why its last write failed (it stays resident until one succeeds)
+    left_memory: str | None = None  # on disk: why this store spilled it rather than drop it
 
 
 @dataclass
 class StoreCounters:
     spills: int = 0
     restores: int = 0
-    drops: int = 0
+    drops: int = 0  # every session that left memory unwritten (no disk, or cheaper to re-read)
+    drops_cheaper_to_reread: int = 0  # of those, the ones a disk could have kept
     bytes_written: int = 0
     bytes_restored: int = 0
     restore_seconds: float = 0.0
+    spill_seconds: float = 0.0
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
     removed: int = 0  # files removed by retention
     write_failures: int = 0  # writes that failed; each session stayed resident
@@ -75,6 +88,54 @@ class StoreCounters:
     @property
     def restore_gib_per_s(self) -> float | None:
         return self.bytes_restored / GIB / self.restore_seconds if self.restore_seconds else None
+
+    @property
+    def spill_gib_per_s(self) -> float | None:
+        return self.bytes_written / GIB / self.spill_seconds if self.spill_seconds else None
+
+
+class RestoreRate:
+    """The store's restore speed, bytes per second: sums of bytes and seconds of its restores
+    (each restore weighs by its size), older ones decayed by `decay` at each new one, so the rate
+    follows the machine; `warm` sets it outright (a measurement). None until it has one."""
+
+    def __init__(self, decay: float = 0.7):
+        self.decay = decay
+        self._bytes = self._seconds = 0.0
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0 and nbytes > 0:
+            self._bytes = self._bytes * self.decay + nbytes
+            self._seconds = self._seconds * self.decay + seconds
+
+    def warm(self, gib_per_s: float) -> None:
+        if gib_per_s > 0:
+            self._bytes, self._seconds = gib_per_s * GIB, 1.0
+
+    @property
+    def gib_per_s(self) -> float | None:
+        return self._bytes / GIB / self._seconds if self._seconds else None
+
+    def seconds(self, nbytes: int) -> float | None:
+        """The estimated seconds to restore a file of `nbytes`."""
+        return nbytes * self._seconds / self._bytes if self._bytes else None
+
+
+def reread_estimate(chunk_s: Callable[[int], float | None], grid: int) -> Callable[[int], float | None]:
+    """`reread_s` from a per-depth chunk cost (`ChunkCosts.estimate`: seconds of one chunk whose
+    first row sits at a depth): reading N committed tokens again is the sum of its N / grid
+    chunks' estimates; None while a chunk has none."""
+
+    def reread_s(committed: int) -> float | None:
+        total = 0.0
+        for depth in range(0, committed, grid):
+            est = chunk_s(depth)
+            if est is None:
+                return None
+            total += est
+        return total
+
+    return reread_s
 
 
 def session_bytes(session: Session) -> int:
@@ -89,10 +150,15 @@ class SessionStore:
     def __init__(
         self, reader: Reader, weights_hash: str, *, cap_gib: float | None = 4.0, disk: Path | None = None,
         disk_cap_gib: float | None = 64.0, max_age_s: float = 48 * 3600, model: str = "",
-        clock: Callable[[], float] = time.time, retry_s: float = RETRY_S,
+        clock: Callable[[], float] = time.time, retry_s: float = RETRY_S, key: str | bytes | None = None,
+        reread_s: Callable[[int], float | None] | None = None, direct: bool = True,
     ):
         """`disk_cap_gib` bounds the store's own files in `disk` (None: no bound); a session whose
-        spill failed is tried again at the first settle `retry_s` or more later."""
+        spill failed is tried again at the first settle `retry_s` or more later. With `key`, files
+        carry a keyed digest made with it and only files with that digest are read. `reread_s`
+        (settable later): the estimated seconds of reading a session of N committed tokens again
+        (None: no estimate); with it and a measured restore rate, a session whose restore would be
+        slower is dropped, not spilled. `direct`: O_DIRECT file I/O where the file system takes it."""
         self.reader = reader
         self.identity = Identity(weights_hash, reader.grid, arithmetic(reader.model))
         self.cap = None if cap_gib is None else int(cap_gib * GIB)  # None: no cap
@@ -108,12 +174,28 @@ class SessionStore:
         self._retry_at: dict[str, float] = {}  # when a failed spill may be tried again
         self.retry_s = retry_s
         self._refused: set[tuple[str, int, int, int]] = set()  # refused files that could not be moved aside
+        try:
+            self.key = key_bytes(key)
+        except ValueError as e:
+            raise ShadowInputError(str(e)) from None
+        self.reread_s = reread_s
+        self.restore_rate = RestoreRate()
+        self.direct = direct
+        self._spilled_why: dict[str, str] = {}  # sessions on disk: why they were spilled, not dropped
+        self.recent_drops: OrderedDict[str, str] = OrderedDict()  # dropped sessions: why (the last RECENT_DROPS)
         if self.disk:
-            try:
-                self.disk.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ShadowInputError(f"cannot use {self.disk} as the store's folder ({e.strerror or e})") from None
+            _make_folder(self.disk)
             self.sweep()
+
+    @cached_property
+    def gds(self) -> tuple[bool, str]:
+        """(whether GPUDirect Storage could run here, why or why not); restores do not use it (the
+        digest is computed on the host, so the bytes cross to it either way)."""
+        return blockio.gds_status()
+
+    @property
+    def gds_available(self) -> bool:
+        return self.gds[0]
 
     # sessions ---------------------------------------------------------------------------
 
@@ -178,29 +260,73 @@ class SessionStore:
         assert self.disk is not None
         return self.disk / session_file_name(name)
 
+    def estimate_reread(self, chunk_s: Callable[[int], float | None], grid: int) -> None:
+        """Take `reread_s` from a per-depth chunk cost (the scheduler's `ChunkCosts.estimate`), as
+        `reread_estimate` makes it."""
+        self.reread_s = reread_estimate(chunk_s, grid)
+
+    def choice(self, session: Session) -> tuple[str, str]:
+        """("spill" or "drop", why) for a session leaving memory with a disk: dropped when its
+        restore (its file's bytes at the measured restore rate) would take longer than reading its
+        committed tokens again (`reread_s`); spilled otherwise, and whenever a cost is unknown."""
+        reread = self.reread_s(session.committed) if self.reread_s is not None else None
+        restore = self.restore_rate.seconds(file_bytes(session))
+        if reread is None or restore is None:
+            missing = " or ".join(w for w, v in (("re-read", reread), ("restore", restore)) if v is None)
+            return "spill", f"spilled (no {missing} estimate)"
+        costs = f"restore ~{restore:.3f} s, re-read of {session.committed} tokens ~{reread:.3f} s"
+        if restore > reread:
+            return "drop", f"dropped: cheaper to re-read ({costs})"
+        return "spill", f"spilled: cheaper to restore ({costs})"
+
     def _evict(self, name: str) -> int | None:
-        """Spill (or drop) `name`; None when it left memory, else the failed write's errno (0 if none)."""
+        """Spill or drop `name`; None when it left memory, else the failed write's errno (0 if none)."""
         session = self._resident[name]
-        if self.disk:
-            error = self._write(session)
-            if error is not None:
-                return error
-            self.counters.spills += 1
-        else:
+        if not self.disk:
             self.counters.drops += 1
+        else:
+            how, why = self.choice(session)
+            if how == "drop":
+                self._drop_file(name, why)
+            else:
+                error = self._write(session)
+                if error is not None:
+                    return error
+                self.counters.spills += 1
+                self._spilled_why[name] = why
         del self._resident[name]
         self._last_use.pop(name, None)
         if self.disk:
             self.sweep(protect=self.path_of(name))
         return None
 
+    def _drop_file(self, name: str, why: str) -> None:
+        """Drop `name` rather than spill it: counted, its reason kept, an older file of it removed
+        (it would come back older than the session that left)."""
+        self.counters.drops += 1
+        self.counters.drops_cheaper_to_reread += 1
+        self.recent_drops.pop(name, None)
+        self.recent_drops[name] = why
+        while len(self.recent_drops) > RECENT_DROPS:
+            self.recent_drops.popitem(last=False)
+        self._spilled_why.pop(name, None)
+        path = self.path_of(name)
+        try:
+            regular = stat.S_ISREG(path.lstat().st_mode)
+        except OSError:
+            regular = False
+        if regular:
+            self._remove(path)
+        log.info("session %r %s", name, why)
+
     def _write(self, session: Session) -> int | None:
         """Write `session`'s file; None when written and fsynced, else the errno (0 if none),
         counted and kept as the store's last error."""
+        start = time.perf_counter()
         try:
             written = write_session(
                 self.path_of(session.name), session, self.identity,
-                self._last_use.get(session.name, self.clock()), self.model,
+                self._last_use.get(session.name, self.clock()), self.model, key=self.key, direct=self.direct,
             )
         except Exception as e:
             reason = f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
@@ -213,6 +339,7 @@ class SessionStore:
         self._unwritten.pop(session.name, None)
         self._retry_at.pop(session.name, None)
         self.counters.bytes_written += written
+        self.counters.spill_seconds += time.perf_counter() - start
         return None
 
     def _restore(self, name: str) -> Session | None:
@@ -228,20 +355,56 @@ class SessionStore:
             return None  # a link or folder at its name is not the store's; a refused file is not read twice
         start = time.perf_counter()
         try:
-            session = read_session(path, self.identity, self.reader.model.new_state(), self.reader.max_checkpoints)
+            session = read_session(path, self.identity, self.reader.model.new_state(), self.reader.max_checkpoints,
+                                   key=self.key, direct=self.direct)
             if session.name != name:
                 raise SessionFileError(f"holds session {session.name!r}, not {name!r}")
         except SessionFileError as e:
             self._reject(path, key, str(e))
             return None
-        if self.reader.model.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize()
-        self.counters.restore_seconds += time.perf_counter() - start
+        _synchronize(self.reader)
+        seconds = time.perf_counter() - start
+        self.counters.restore_seconds += seconds
         self.counters.bytes_restored += st.st_size
         self.counters.restores += 1
+        self.restore_rate.observe(st.st_size, seconds)
+        self._spilled_why.pop(name, None)
         return session
+
+    def measure_restore(self, gib: float = 0.25) -> float | None:
+        """Measure the restore rate here (GiB/s) and take it as the store's estimate: a scratch
+        session of about `gib` GiB of state is written to the folder, dropped from the page cache,
+        read back onto the model's device, and removed. None without a disk or when the folder
+        refuses (logged)."""
+        if not self.disk:
+            return None
+        scratch = self.reader.new_session(MEASURE_NAME)
+        state = scratch.state
+        per_row = max(1, _state_bytes(state, 1) - _state_bytes(state, 0))
+        grid = self.reader.grid
+        rows = max(grid, int(gib * GIB - _state_bytes(state, 0)) // per_row // grid * grid)
+        for layer in state.attention:
+            layer.reserve(rows)
+        state.length = rows
+        scratch.ids = [0] * rows
+        path = self.path_of(MEASURE_NAME)
+        try:
+            written = write_session(path, scratch, self.identity, 0.0, self.model, key=self.key, direct=self.direct)
+            del scratch, state
+            _drop_cached(path)
+            start = time.perf_counter()
+            read_session(path, self.identity, self.reader.model.new_state(), self.reader.max_checkpoints,
+                         key=self.key, direct=self.direct)
+            _synchronize(self.reader)
+            seconds = time.perf_counter() - start
+        except (OSError, SessionFileError) as e:
+            log.warning("restore rate not measured in %s: %s", self.disk, e)
+            return None
+        finally:
+            self._remove(path)
+        rate = written / GIB / seconds
+        self.restore_rate.warm(rate)
+        return rate
 
     def _reject(self, path: Path, key: tuple[str, int, int, int], reason: str) -> None:
         """Report a bad file once and move it aside; the session will be read again from its ids."""
@@ -267,7 +430,7 @@ class SessionStore:
             if not path.name.endswith(SUFFIX):
                 continue
             try:
-                header = read_fields(path)
+                header = read_fields(path, self.key)
             except SessionFileError:
                 continue
             if session_file_name(header.name) == path.name:
@@ -329,6 +492,10 @@ class SessionStore:
             "resident_sessions": len(self._resident), "files": len(files),
             "write_failures": self.counters.write_failures, "unwritten_sessions": len(self._unwritten),
             "files_refused": len(self.counters.rejected), "last_error": self.counters.last_error,
+            "keyed": self.key is not None, "drops": self.counters.drops,
+            "drops_cheaper_to_reread": self.counters.drops_cheaper_to_reread,
+            "restore_estimate_gib_per_s": self.restore_rate.gib_per_s, "reread_estimate": self.reread_s is not None,
+            "recent_drops": dict(self.recent_drops),
         }
 
     def status(self) -> list[SessionRow]:
@@ -343,8 +510,55 @@ class SessionStore:
             if h.name not in seen:
                 seen.add(h.name)
                 rows.append(SessionRow(h.name, h.committed, h.tokens - h.committed, st.st_size,
-                                       len(h.checkpoints), False, h.last_use))
+                                       len(h.checkpoints), False, h.last_use, None, self._spilled_why.get(h.name)))
         return sorted(rows, key=lambda r: r.name)
+
+
+def _make_folder(folder: Path) -> None:
+    """The store's folder, created mode 0700 (its parents as the umask makes them); a folder that
+    is already there keeps its mode, and one others can enter is logged."""
+    try:
+        folder.mkdir(parents=True, exist_ok=False, mode=FOLDER_MODE)
+        os.chmod(folder, FOLDER_MODE)  # whatever the umask
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise ShadowInputError(f"cannot use {folder} as the store's folder ({e.strerror or e})") from None
+    try:
+        st = os.stat(folder)
+    except OSError as e:
+        raise ShadowInputError(f"cannot use {folder} as the store's folder ({e.strerror or e})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ShadowInputError(f"cannot use {folder} as the store's folder (not a folder)")
+    if st.st_mode & 0o077:
+        log.warning("the store's folder %s is open to others (mode %o): session files hold every session's "
+                    "ids and state; chmod 700 it", folder, stat.S_IMODE(st.st_mode))
+
+
+def _synchronize(reader: Reader) -> None:
+    if reader.model.device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(reader.model.device)
+
+
+def _state_bytes(state, rows: int) -> int:
+    """Bytes of a state's tensors at `rows` valid rows (`ModelState.expected`)."""
+    return sum(dtype.itemsize * math.prod(shape) for dtype, shape in state.expected(rows).values())
+
+
+def _drop_cached(path: Path) -> None:
+    """Ask the kernel to drop a written (and fsynced) file's pages from the page cache."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
+    finally:
+        os.close(fd)
 
 
 def own_files(folder: Path) -> list[tuple[Path, os.stat_result]]:
@@ -415,12 +629,17 @@ class FileRow:
 
 
 def check_folder(folder: Path, reader: Reader | None = None, weights_hash: str | None = None,
-                 now: float | None = None) -> list[FileRow]:
+                 now: float | None = None, key: str | bytes | None = None) -> list[FileRow]:
     """Check every session file in a store folder (its own names only: links, folders and other
     files are not listed). With a reader and weights hash each file is read in full (identity,
-    shapes, every byte); without, its header is verified and validated. Raises ShadowInputError
-    only when the folder itself cannot be listed."""
+    shapes, every byte); without, its header is verified and validated. With a key, only files
+    whose keyed digest was made with it are valid. Raises ShadowInputError only when the folder
+    itself cannot be listed (or the key is empty)."""
     now = time.time() if now is None else now
+    try:
+        key = key_bytes(key)
+    except ValueError as e:
+        raise ShadowInputError(str(e)) from None
     try:
         os.listdir(folder)
     except OSError as e:
@@ -433,12 +652,12 @@ def check_folder(folder: Path, reader: Reader | None = None, weights_hash: str |
         try:
             if path.name.endswith(REJECTED):
                 raise SessionFileError("rejected earlier")
-            header = read_fields(path)
+            header = read_fields(path, key)
             if session_file_name(header.name) != path.name:
                 raise SessionFileError(f"file name does not match its session {header.name!r}")
             if reader is not None and weights_hash is not None:
                 identity = Identity(weights_hash, reader.grid, arithmetic(reader.model))
-                read_session(path, identity, reader.model.new_state(), reader.max_checkpoints)
+                read_session(path, identity, reader.model.new_state(), reader.max_checkpoints, key=key)
             valid, reason = True, "ok" if reader is not None else "header ok"
         except SessionFileError as e:
             valid, reason = False, str(e)

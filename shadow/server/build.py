@@ -45,7 +45,7 @@ def dtype_of(name: str):
 def store_for(settings: ServeSettings, reader: Reader, weights_hash: str) -> SessionStore:
     s = settings.store
     return SessionStore(reader, weights_hash, cap_gib=s.cap_gib, disk=s.disk, disk_cap_gib=s.disk_cap_gib,
-                        model=settings.model.model)
+                        model=settings.model.model, key=s.key)
 
 
 def build(settings: ServeSettings) -> Built:

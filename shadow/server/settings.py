@@ -52,12 +52,14 @@ class ModelSettings:
 @dataclass(frozen=True)
 class StoreSettings:
     """Resident cap (GiB; None: no cap), the folder sessions past it go to, the bound on that
-    folder, and (proxy mode, with a disk) the free pool memory past which an idle shadow unloads."""
+    folder, (proxy mode, with a disk) the free pool memory past which an idle shadow unloads, and
+    the key of the session files' keyed digest (None: none)."""
 
     cap_gib: float | None = 4.0
     disk: Path | None = None
     disk_cap_gib: float = 64.0
     unload_slack_gib: float | None = None
+    key: str | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
