@@ -1,1 +1,1 @@
-"""The exactness core: grid reading of sessions (`reader`), the read scheduler (`schedule`), the turns in flight (`turns`), the session store and its files (`store`, `sessionfile`). No HTTP, no threads of its own but the file digest's."""
+"""The exactness core: grid reading of sessions (`reader`), the read scheduler (`schedule`), the turns in flight (`turns`), the session store and its files (`store`, `sessionfile`). No HTTP, and no threads of its own but the session files' block I/O pool."""

@@ -170,6 +170,8 @@ class Reading:
             for depth, seconds in measured:
                 self.sched.costs.warm(depth, seconds)
             self.sched.changes += 1
+            # the store drops a session that is cheaper to read again than to restore
+            shadow.store.estimate_reread(self.sched.costs.estimate, shadow.grid)
 
     # sessions (the caller holds the lock) ----------------------------------------------------
 

@@ -202,6 +202,8 @@ class ServeSettings:
 def check(s: ServeSettings) -> None:
     """ShadowInputError for settings that cannot work together or are out of range; checks no file
     but those whose kind is wrong (a --disk that is a file, a --journal in no folder)."""
+    if s.store.key is not None and not s.store.key:
+        raise ShadowInputError("--store-key is empty (give a key, or leave it out for no keyed digest)")
     if not 0 < s.schedule.share < 1:
         raise ShadowInputError("--share must be between 0 and 1 (a fraction: 0.02 is 2 %)")
     if not (math.isfinite(s.schedule.slice_s) and s.schedule.slice_s > 0):
