@@ -508,3 +508,21 @@ def test_ab_sets_the_switch_back_on_ctrl_c(embedded, tokenizer):
     with pytest.raises(KeyboardInterrupt):
         run_ab(base, tokenizer, 200, 3, 2, 0.0, interrupt, voice=True, restore=(True, None))
     assert seen == [("off", False)] and service.shared.switch.shadow is True and service.shared.switch.voice is True
+
+
+def test_doctor_says_ok_on_the_cpu(workdir):
+    """The install check: packages, vocabulary, cache, device, kernels, and a short exactness run
+    (two turns with a rollback and an ask, bit-equal to a fresh prefill)."""
+    result = CliRunner().invoke(app, ["doctor", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = last_json(result.output)
+    assert doc["ok"] is True
+    checks = {c["name"]: c for c in doc["checks"]}
+    assert checks["exactness"]["ok"] is True and "bit-equal" in checks["exactness"]["detail"]
+    assert checks["vocabulary"]["ok"] is True and checks["device"]["ok"] is True
+
+
+def test_the_cpu_thread_default_is_one_on_small_machines():
+    from cli.main import default_threads
+
+    assert default_threads(1) == 1 and default_threads(2) == 1 and default_threads(16) == 8 and default_threads(6) == 3
