@@ -286,8 +286,12 @@ class SessionStore:
             self.counters.drops += 1
         else:
             how, why = self.choice(session)
-            if how == "drop":
-                self._drop_file(name, why)
+            if how == "drop":  # its state is dropped, its ids kept: a file of them at committed 0
+                error = self._write(Session(name, self.reader.model.new_state(), ids=list(session.ids),
+                                            rollbacks=session.rollbacks, ids_reread=session.ids_reread))
+                if error is not None:
+                    return error
+                self._dropped(name, why)
             else:
                 error = self._write(session)
                 if error is not None:
@@ -300,9 +304,9 @@ class SessionStore:
             self.sweep(protect=self.path_of(name))
         return None
 
-    def _drop_file(self, name: str, why: str) -> None:
-        """Drop `name` rather than spill it: counted, its reason kept, an older file of it removed
-        (it would come back older than the session that left)."""
+    def _dropped(self, name: str, why: str) -> None:
+        """`name`'s state was dropped rather than spilled (its ids are on disk, at committed 0: the
+        next turn reads it again from the start): counted, its reason kept."""
         self.counters.drops += 1
         self.counters.drops_cheaper_to_reread += 1
         self.recent_drops.pop(name, None)
@@ -310,14 +314,7 @@ class SessionStore:
         while len(self.recent_drops) > RECENT_DROPS:
             self.recent_drops.popitem(last=False)
         self._spilled_why.pop(name, None)
-        path = self.path_of(name)
-        try:
-            regular = stat.S_ISREG(path.lstat().st_mode)
-        except OSError:
-            regular = False
-        if regular:
-            self._remove(path)
-        log.info("session %r %s", name, why)
+        log.info("session %r %s; its ids are kept", name, why)
 
     def _write(self, session: Session) -> int | None:
         """Write `session`'s file; None when written and fsynced, else the errno (0 if none),

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shadow.model.qwen35 import blocks
 from shadow.model.rope import rope_tables
 from shadow.model.state import DeltaState
 
@@ -143,21 +144,29 @@ class FusedSteps:
         self._normed = (x, following, normed)
         return x
 
-    def gdn(self, i: int, x: torch.Tensor, state: DeltaState) -> torch.Tensor:
-        c, w, t = self.c, self.layers[i], x.shape[0]
+    def gdn(self, i: int, x: torch.Tensor, states: list[DeltaState]) -> torch.Tensor:
+        """x [B*T, hidden]: B sessions' rows stacked; the conv and the gated delta rule run per
+        session on its own state (replaced in place), everything else on the stacked rows."""
+        c, w = self.c, self.layers[i]
         proj = F.linear(self._norm(x, w.input_norm), w.in_proj)
         hv = c.linear_num_value_heads
-        q, k, v, z, b, a, conv = self.one_launch.conv_split(proj, state.conv, w.conv_weight, self.key_dim, c.value_dim, hv)
-        out, recurrent = self.kernels.gdn_gated(
-            q.view(t, c.linear_num_key_heads, c.linear_key_head_dim),
-            k.view(t, c.linear_num_key_heads, c.linear_key_head_dim),
-            v.view(t, hv, c.linear_value_head_dim), a, b, w.a_log, w.dt_bias, state.recurrent,
-        )
-        state.conv.copy_(conv)
-        state.recurrent.copy_(recurrent)
-        z = z.reshape(t, hv, c.linear_value_head_dim)
-        out = self.kernels.gated_norm(out.to(x.dtype), z, w.norm_weight, c.rms_norm_eps)
-        return self._residual_and_mlp(i, x, F.linear(out.reshape(t, c.value_dim), w.out_proj))
+        outs = []
+        for proj_b, state in zip(blocks(proj, len(states)), states):
+            t = proj_b.shape[0]
+            q, k, v, z, b, a, conv = self.one_launch.conv_split(proj_b, state.conv, w.conv_weight, self.key_dim,
+                                                                c.value_dim, hv)
+            out, recurrent = self.kernels.gdn_gated(
+                q.view(t, c.linear_num_key_heads, c.linear_key_head_dim),
+                k.view(t, c.linear_num_key_heads, c.linear_key_head_dim),
+                v.view(t, hv, c.linear_value_head_dim), a, b, w.a_log, w.dt_bias, state.recurrent,
+            )
+            state.conv.copy_(conv)
+            state.recurrent.copy_(recurrent)
+            # normed per session, on its output as the rule left it (see `GatedDeltaNet.forward`)
+            outs.append(self.kernels.gated_norm(out.to(x.dtype), z.reshape(t, hv, c.linear_value_head_dim),
+                                                w.norm_weight, c.rms_norm_eps))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self._residual_and_mlp(i, x, F.linear(out.reshape(x.shape[0], c.value_dim), w.out_proj))
 
     def attention_in(self, i: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
         c, w, t = self.c, self.layers[i], x.shape[0]

@@ -100,7 +100,7 @@ class PiecewiseForward:
             first = bounds[piece - 1] + 1
         last = bounds[piece] if piece < len(bounds) else len(self.model.layers)
         for i in range(first, last):
-            x = steps.gdn(i, x, plan.arena.layers[self._delta_index[i]])
+            x = steps.gdn(i, x, [plan.arena.layers[self._delta_index[i]]])
         if piece < len(bounds):
             plan.handoff[piece] = (*steps.attention_in(last, x, plan.rope), x)
         else:

@@ -2,7 +2,10 @@
 
 Parameter names follow the Hugging Face text model (`embed_tokens`, `layers.N.linear_attn.*`,
 `layers.N.self_attn.*`, `layers.N.mlp.*`, `norm`, `lm_head`), so a checkpoint loads with
-`load_state_dict` once its prefix is stripped. No batch dimension: one session, T new rows.
+`load_state_dict` once its prefix is stripped. No batch dimension: the rows of one session, or of
+several sessions' chunks stacked (`forward_batch`: B chunks of T rows each, B states), for which
+every row-wise step (projections, norms, MLPs) runs on the stacked rows and every step with state
+(the GDN conv and recurrence, attention over the session's own rows) runs per session.
 """
 
 from __future__ import annotations
@@ -57,22 +60,32 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight = nn.Parameter(torch.ones(c.linear_value_head_dim))
         self.out_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, state: DeltaState, kernels: Kernels) -> torch.Tensor:
-        c, t = self.c, x.shape[0]
-        mixed, conv = kernels.conv(self.in_proj_qkv(x), state.conv, self.conv1d.weight.squeeze(1))
-        key_dim = c.linear_num_key_heads * c.linear_key_head_dim
-        q, k, v = mixed.split([key_dim, key_dim, c.value_dim], dim=-1)
-        q = q.reshape(t, c.linear_num_key_heads, c.linear_key_head_dim)
-        k = k.reshape(t, c.linear_num_key_heads, c.linear_key_head_dim)
-        v = v.reshape(t, c.linear_num_value_heads, c.linear_value_head_dim)
+    def forward(self, x: torch.Tensor, states: list[DeltaState], kernels: Kernels) -> torch.Tensor:
+        """x [B*T, hidden]: B sessions' rows stacked, `states` theirs in order; each session's conv
+        and recurrence run on its own rows from its own state (replaced in place)."""
+        c, n = self.c, x.shape[0]
+        qkv = self.in_proj_qkv(x)
         beta = self.in_proj_b(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        out, recurrent = kernels.gdn(q, k, v, g, beta, state.recurrent)
-        state.conv.copy_(conv)
-        state.recurrent.copy_(recurrent)
-        z = self.in_proj_z(x).reshape(t, c.linear_num_value_heads, c.linear_value_head_dim)
-        out = kernels.gated_norm(out.to(x.dtype), z, self.norm.weight, c.rms_norm_eps)
-        return self.out_proj(out.reshape(t, c.value_dim))
+        z = self.in_proj_z(x).reshape(n, c.linear_num_value_heads, c.linear_value_head_dim)
+        key_dim = c.linear_num_key_heads * c.linear_key_head_dim
+        outs = []
+        # the gated norm runs on each session's own output as the recurrence left it (a strided
+        # view: a norm's reduction over a strided row is summed in another order than over a
+        # contiguous one, so the stacked rows would not give the bits one session's rows give)
+        for (qkv_b, g_b, beta_b, z_b), state in zip(zip(*(blocks(t, len(states)) for t in (qkv, g, beta, z))), states):
+            mixed, conv = kernels.conv(qkv_b, state.conv, self.conv1d.weight.squeeze(1))
+            t = mixed.shape[0]
+            q, k, v = mixed.split([key_dim, key_dim, c.value_dim], dim=-1)
+            q = q.reshape(t, c.linear_num_key_heads, c.linear_key_head_dim)
+            k = k.reshape(t, c.linear_num_key_heads, c.linear_key_head_dim)
+            v = v.reshape(t, c.linear_num_value_heads, c.linear_value_head_dim)
+            out, recurrent = kernels.gdn(q, k, v, g_b, beta_b, state.recurrent)
+            state.conv.copy_(conv)
+            state.recurrent.copy_(recurrent)
+            outs.append(kernels.gated_norm(out.to(x.dtype), z_b, self.norm.weight, c.rms_norm_eps))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        return self.out_proj(out.reshape(n, c.value_dim))
 
 
 class Attention(nn.Module):
@@ -100,6 +113,11 @@ class Attention(nn.Module):
         return self.o_proj(attended.reshape(gate.shape) * torch.sigmoid(gate))
 
 
+def blocks(x: torch.Tensor, b: int, dim: int = 0) -> list[torch.Tensor]:
+    """`x` cut along `dim` into `b` equal blocks of rows (one session's each); [x] itself for one."""
+    return [x] if b == 1 else list(x.chunk(b, dim=dim))
+
+
 def attend(
     state: AttentionState, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernels: Kernels,
@@ -109,6 +127,16 @@ def attend(
     state.write(start, k, v)
     end = start + q.shape[1]
     return kernels.attention(q, state.k[:, :end], state.v[:, :end], q.shape[-1] ** -0.5)
+
+
+def attend_each(states: list[AttentionState], starts: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kernels: Kernels) -> torch.Tensor:
+    """`attend` for B sessions' stacked rows (q [Hq, B*T, D], k, v [Hkv, B*T, D]), each on its own
+    buffer; the attended rows [B*T, Hq, D] stacked in the same order."""
+    if len(states) == 1:
+        return attend(states[0], starts[0], q, k, v, kernels)
+    parts = zip(blocks(q, len(states), 1), blocks(k, len(states), 1), blocks(v, len(states), 1))
+    return torch.cat([attend(s, start, q_b, k_b, v_b, kernels) for s, start, (q_b, k_b, v_b) in zip(states, starts, parts)])
 
 
 class Layer(nn.Module):
@@ -139,10 +167,11 @@ class ModuleSteps:
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(self.model.config, positions, self.model.dtype)
 
-    def gdn(self, i: int, x: torch.Tensor, state: DeltaState) -> torch.Tensor:
-        """Layer i (a GDN layer) whole: x [T, hidden] -> x; replaces its conv and recurrent state."""
+    def gdn(self, i: int, x: torch.Tensor, states: list[DeltaState]) -> torch.Tensor:
+        """Layer i (a GDN layer) whole: x [B*T, hidden] -> x (B sessions' rows, `states` theirs);
+        replaces each one's conv and recurrent state."""
         layer = self.model.layers[i]
-        x = x + layer.linear_attn(layer.input_layernorm(x), state, self.model.kernels)
+        x = x + layer.linear_attn(layer.input_layernorm(x), states, self.model.kernels)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def attention_in(self, i: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
@@ -197,16 +226,32 @@ class Qwen35(nn.Module):
 
         Writes KV rows and replaces the GDN state in place; state.length grows by T.
         """
-        steps, start = self.steps, state.length
+        return self.forward_batch(ids, [state])
+
+    @torch.no_grad()
+    def forward_batch(self, ids: torch.Tensor, states: list[ModelState]) -> torch.Tensor:
+        """B sessions' next T ids each, stacked (ids [B*T], `states` in the same order), read at
+        each one's own rows state.length .. +T: the final-norm hidden rows [B*T, hidden], stacked.
+        Each state comes out as `forward` of its own ids alone would leave it, as long as every
+        row-wise kernel gives a row the same bits with B*T rows as with T (the kernel sets are
+        tested so at the shapes they run)."""
+        steps, b = self.steps, len(states)
+        t = ids.shape[0] // b
+        if t * b != ids.shape[0]:
+            raise ValueError(f"{ids.shape[0]} ids do not split into {b} chunks of one length")
+        starts = [s.length for s in states]
         x = steps.embed(ids)
-        rope = steps.rope(torch.arange(start, start + ids.shape[0], device=ids.device))
-        for i, (layer, layer_state) in enumerate(zip(self.layers, state.layers)):
+        positions = [torch.arange(start, start + t, device=ids.device) for start in starts]
+        rope = steps.rope(positions[0] if b == 1 else torch.cat(positions))
+        for i, layer in enumerate(self.layers):
+            layer_states = [s.layers[i] for s in states]
             if layer.kind == "full_attention":
                 q, k, v, gate = steps.attention_in(i, x, rope)
-                x = steps.attention_out(i, x, attend(layer_state, start, q, k, v, self.kernels), gate)
+                x = steps.attention_out(i, x, attend_each(layer_states, starts, q, k, v, self.kernels), gate)
             else:
-                x = steps.gdn(i, x, layer_state)
-        state.length = start + ids.shape[0]
+                x = steps.gdn(i, x, layer_states)
+        for s, start in zip(states, starts):
+            s.length = start + t
         return steps.final(x)
 
     @torch.no_grad()

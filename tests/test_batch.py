@@ -1,0 +1,67 @@
+"""Batched reads: several sessions' next chunks in one forward (their rows stacked for every
+row-wise step, each session's conv, recurrence and attention on its own state), and each session's
+state after it bit-equal to reading its chunk alone, at mixed depths, with the reference kernels
+and with the fused steps (their PyTorch twins, off CUDA). tests/test_gpu.py checks the CUDA sets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from shadow.core.reader import Reader
+from shadow.model.kernels.reference import REFERENCE
+from shadow.model.runtime import load_model
+from shadow.offline.verify import compare_states
+
+GRID = 512
+FUSED_REFERENCE = dataclasses.replace(REFERENCE, name="reference-fused", fused=True)
+
+
+@pytest.fixture(scope="module", params=[REFERENCE, FUSED_REFERENCE], ids=["reference", "fused"])
+def reader(request, shadow_cache):
+    return Reader(load_model("tiny", kernels=request.param).model, GRID)
+
+
+def pairs(reader: Reader, b: int, seed: int) -> tuple[list, list]:
+    """Two copies of `b` sessions at mixed depths (0 to 3 chunks read), each with a chunk to read."""
+    g = torch.Generator().manual_seed(seed)
+    alone, batched = [], []
+    for k in range(b):
+        ids = torch.randint(1000, 200000, ((k % 4 + 1) * GRID + 37,), generator=g).tolist()
+        for group in (alone, batched):
+            s = reader.new_session(f"s{k}")
+            reader.feed_prompt(s, ids)
+            while s.committed + 2 * GRID <= len(s.ids):
+                reader.advance(s, max_chunks=1)
+            group.append(s)
+    return alone, batched
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, 8])
+def test_a_batched_read_is_bit_equal_to_reading_each_chunk_alone(reader, b):
+    alone, batched = pairs(reader, b, seed=b)
+    for s in alone:
+        assert reader.advance(s, max_chunks=1) == 1
+    assert reader.advance_batch(batched) == b
+    depths = set()
+    for x, y in zip(alone, batched):
+        compared, mismatched, _ = compare_states(x.state, y.state)
+        assert compared > 0 and mismatched == [] and x.committed == y.committed
+        assert [c.position for c in x.checkpoints] == [c.position for c in y.checkpoints]
+        assert all(torch.equal(c.recurrent, d.recurrent) and torch.equal(c.conv, d.conv)
+                   for c, d in zip(x.checkpoints, y.checkpoints))
+        depths.add(x.committed - GRID)
+    assert b < 3 or len(depths) >= 3  # mixed depths
+
+
+def test_a_batch_is_refused_when_a_session_has_no_whole_chunk_or_comes_twice(reader):
+    alone, _ = pairs(reader, 2, seed=5)
+    with pytest.raises(ValueError, match="twice"):
+        reader.advance_batch([alone[0], alone[0]])
+    short = reader.new_session("short")
+    reader.feed_prompt(short, list(range(1000, 1100)))
+    with pytest.raises(ValueError, match="no whole chunk"):
+        reader.advance_batch([alone[0], short])
+    assert alone[0].committed % GRID == 0 and short.committed == 0  # nothing read
