@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests sweep convsweep pins profile rate512 verify rate attention generator genprofile
-#     timeline abdefault abzero proxy restore voice abvoice
+#     timeline abdefault abzero proxy restore voice abvoice doctor verifyspill batchrate
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -24,8 +24,17 @@ ab_run() {  # the embedded 4B engine with its 0.8B shadow, `shadow ab` over HTTP
 for step in "$@"; do
   echo "== $step"
   case $step in
-    tests) timeout 280 python3 -m pytest -q -rfEx --durations=5 tests/test_gpu.py tests/test_piecewise.py tests/test_fused.py \
-             > "$OUT/gpu-tests.txt" 2>&1; echo "pytest exit $?" >> "$OUT/gpu-tests.txt"; tail -22 "$OUT/gpu-tests.txt" ;;
+    tests) start=$(date +%s); timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rfExs --durations=10 tests/test_gpu.py \
+             tests/test_piecewise.py tests/test_fused.py tests/test_batch.py > "$OUT/gpu-tests.txt" 2>&1
+           echo "pytest exit $? after $(( $(date +%s) - start )) s" >> "$OUT/gpu-tests.txt"; tail -30 "$OUT/gpu-tests.txt" ;;
+    doctor) start=$(date +%s); timeout 120 shadow doctor --device cuda --json > "$OUT/doctor-h200.txt" 2>&1
+            echo "doctor exit $? after $(( $(date +%s) - start )) s" >> "$OUT/doctor-h200.txt"; tail -c 1500 "$OUT/doctor-h200.txt" ;;
+    verifyspill) timeout 240 shadow verify-exact --model qwen3.5-0.8b --device cuda --grid 512 --against-grid 0 --cap-gib 1.8 \
+                   --disk /var/tmp/shadow-verify-spill --conversation $D/django__django-16950.traj.json \
+                   --conversation $D/pytest-dev__pytest-6197.traj.json --json > "$OUT/verify-exact-h200-spill.txt" 2>&1
+                 tail -c 700 "$OUT/verify-exact-h200-spill.txt" ;;
+    batchrate) timeout 200 python3 experiments/batch_rate.py --model qwen3.5-0.8b --device cuda --depth 16384 --batches 1,2,4,8 \
+                 --repeats 5 2>&1 | tee "$OUT/batch-rate-h200.txt" | tail -6 ;;
     profile) timeout 300 python3 experiments/profile_chunk.py 2>&1 | tee "$OUT/profile.txt" | tail -45 ;;
     rate512) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,16384,65536 --repeats 5 --also-kernels fla-fused \
                --json 2>&1 | tee "$OUT/read-rate-512.txt" | tail -12 ;;
@@ -63,7 +72,8 @@ for step in "$@"; do
              timeout 250 shadow voice-replay --model $m --device cuda --conversation $D/django__django-16950.traj.json \
                --conversation $D/pytest-dev__pytest-6197.traj.json --max-turns 40 --csv "$OUT/voice-replay-$m.csv" --json \
                > "$OUT/voice-replay-$m.txt" 2>&1; tail -n 12 "$OUT/voice-replay-$m.txt"; done ;;
-    restore) timeout 300 python3 experiments/restore_speed.py --device cuda --runs 5 --compare-whole-read 2>&1 | tail -3 | tee "$OUT/restore-h200.txt" ;;
+    restore) timeout 240 python3 experiments/restore_speed.py --device cuda --runs 5 --folder /var/tmp/shadow-restore \
+               > "$OUT/restore-h200.txt" 2>&1; tail -c 2500 "$OUT/restore-h200.txt" ;;
     *) echo "unknown step $step" ;;
   esac
 done

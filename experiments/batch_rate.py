@@ -1,0 +1,74 @@
+"""Tokens read per GPU-second by batch size: B sessions at the same context depth, their next chunks
+read one session at a time (the graphed reader) or all in one batched forward (`advance_batch`),
+device synchronised, median of `--repeats`. The sessions' rows are zeros at the depth (a chunk's
+cost depends on its depth and shape, not on the values). Last stdout line: one JSON object.
+
+    python3 experiments/batch_rate.py --model qwen3.5-0.8b --device cuda --depth 16384 --batches 1,2,4,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from shadow.core.reader import open_reader
+
+
+def sessions_at(reader, depth: int, n: int) -> list:
+    out = []
+    for k in range(n):
+        s = reader.new_session(f"b{k}")
+        for layer in s.state.attention:
+            layer.reserve(depth + reader.grid)
+        s.state.length = depth
+        s.ids = [1000 + k] * (depth + reader.grid)
+        out.append(s)
+    return out
+
+
+def timed(fn, sessions, depth: int, repeats: int, device: str) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first is a warm-up
+        for s in sessions:
+            s.state.length = depth
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn(sessions)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--depth", type=int, default=16384)
+    parser.add_argument("--batches", default="1,2,4,8")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    loaded, reader = open_reader(args.model, grid=512, device=args.device)
+    rows = []
+    for b in (int(x) for x in args.batches.split(",")):
+        ss = sessions_at(reader, args.depth, b)
+        one = timed(lambda group: [reader.advance(s, max_chunks=1) for s in group], ss, args.depth, args.repeats,
+                    args.device)
+        many = timed(reader.advance_batch, ss, args.depth, args.repeats, args.device)
+        rows.append({"batch": b, "alone_ms": round(1000 * one, 3), "batched_ms": round(1000 * many, 3),
+                     "alone_tok_s": round(b * reader.grid / one), "batched_tok_s": round(b * reader.grid / many),
+                     "speedup": round(one / many, 3)})
+        print(f"B={b}: alone {1000 * one:.2f} ms ({b * reader.grid / one:,.0f} tok/s), batched {1000 * many:.2f} ms "
+              f"({b * reader.grid / many:,.0f} tok/s), x{one / many:.2f}", flush=True)
+        del ss
+    print(json.dumps({"model": args.model, "device": args.device, "depth": args.depth,
+                      "kernels": loaded.model.kernels.name, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
