@@ -65,3 +65,18 @@ def test_a_batch_is_refused_when_a_session_has_no_whole_chunk_or_comes_twice(rea
     with pytest.raises(ValueError, match="no whole chunk"):
         reader.advance_batch([alone[0], short])
     assert alone[0].committed % GRID == 0 and short.committed == 0  # nothing read
+
+
+def test_batched_pieces_equal_the_batched_forward_bit_for_bit(reader):
+    """The piecewise forward (graphs off here: the same pieces a GPU captures) on a batch of
+    chunks gives the bits of the plain batched forward, and of each chunk read alone."""
+    from shadow.model.piecewise import PiecewiseForward
+
+    pieces = Reader(reader.model, GRID, forward=PiecewiseForward(reader.model, sizes={GRID}, graphs=False, batches={3}))
+    alone, batched = pairs(pieces, 3, seed=11)
+    for s in alone:
+        reader.advance(s, max_chunks=1)
+    pieces.advance_batch(batched)
+    for x, y in zip(alone, batched):
+        _, mismatched, _ = compare_states(x.state, y.state)
+        assert mismatched == [] and x.committed == y.committed

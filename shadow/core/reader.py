@@ -16,7 +16,7 @@ import torch
 from shadow.errors import ShadowInputError
 from shadow.model.checkpoint import LoadedModel
 from shadow.model.qwen35 import Qwen35
-from shadow.model.runtime import FORK_SIZES, forward_for, load_model
+from shadow.model.runtime import BATCHES, FORK_SIZES, forward_for, load_model
 from shadow.model.state import DeltaSnapshot, ModelState
 
 MAX_CHECKPOINTS = 6
@@ -151,7 +151,8 @@ class Reader:
         if len(sessions) <= 1:
             return sum(self.advance(s, max_chunks=1) for s in sessions)
         ids = [i for s in sessions for i in s.ids[s.committed : s.committed + self.grid]]
-        self.model.forward_batch(self._ids(ids), [s.state for s in sessions])
+        forward_batch = getattr(self.forward, "forward_batch", None) or self.model.forward_batch
+        forward_batch(self._ids(ids), [s.state for s in sessions])
         for s in sessions:
             if s.marks and s.marks[0] == s.committed:
                 s.marks.pop(0)
@@ -269,7 +270,7 @@ def open_reader(
 def reader_for(loaded: LoadedModel, grid: int, graphs: bool = True) -> Reader:
     """A Reader on `loaded` for `grid`, graphed for the grid and the fork sizes on a GPU."""
     check_grid(grid)
-    return Reader(loaded.model, grid, forward=forward_for(loaded.model, {grid, *FORK_SIZES}, graphs))
+    return Reader(loaded.model, grid, forward=forward_for(loaded.model, {grid, *FORK_SIZES}, graphs, BATCHES))
 
 
 def check_grid(grid: int) -> int:

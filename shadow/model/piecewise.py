@@ -8,6 +8,10 @@ buffers. The GDN state is copied into the static buffers before a call and back 
 
 The arithmetic is the model's own (the same steps as `Qwen35.forward`, `model.steps`), so with
 graphs off the pieces give the same bits as the plain forward; tests check that on the CPU.
+
+Several sessions' chunks read at once (`forward_batch`, B chunks of T rows) run the same pieces on
+their stacked rows, one arena a session, and each session's attention on its own buffer between
+the pieces; a (B, T) in `batches` x `sizes` gets graphs of its own.
 """
 
 from __future__ import annotations
@@ -16,70 +20,86 @@ from collections.abc import Iterable
 
 import torch
 
-from shadow.model.qwen35 import Qwen35, attend
+from shadow.model.qwen35 import Qwen35, attend_each
 from shadow.model.state import DeltaArena, ModelState
 
 
 class _Plan:
-    """Static buffers (and graphs, once captured) for one row count T."""
+    """Static buffers (and graphs, once captured) for B sessions' chunks of T rows each."""
 
-    def __init__(self, model: Qwen35, t: int):
+    def __init__(self, model: Qwen35, t: int, b: int = 1):
         c, dev, dtype = model.config, model.device, model.dtype
-        self.t = t
-        self.ids = torch.zeros(t, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(t, dtype=torch.long, device=dev)
+        self.t, self.b = t, b
+        self.ids = torch.zeros(b * t, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(b * t, dtype=torch.long, device=dev)
         # what piece p hands on, set by the piece: q, k, v (read by the attention after it), the
         # gate and x (read by piece p + 1); under a graph these are tensors of its pool that every
         # replay rewrites in place, so each piece keeps its own. `out`: the last piece's rows.
         self.handoff: dict[int, tuple[torch.Tensor, ...]] = {}
         self.out: torch.Tensor | None = None
-        self.attended = torch.zeros(t, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
+        self.attended = torch.zeros(b * t, c.num_attention_heads, c.head_dim, dtype=dtype, device=dev)
         self.rope: tuple[torch.Tensor, ...] | None = None  # the chunk's rope tables, set by piece 0
-        self.arena = DeltaArena(c, dtype, dev)
+        self.arenas = [DeltaArena(c, dtype, dev) for _ in range(b)]  # one a session, in batch order
         self.graphs: list[torch.cuda.CUDAGraph] | None = None
 
 
 class PiecewiseForward:
     """Callable like the model: `(ids [T], state) -> hidden [T, hidden]`, advancing the state.
 
-    Row counts in `sizes` get CUDA graphs (captured on first use, when `graphs` is on); other
-    row counts run the same pieces eagerly.
+    Row counts in `sizes` get CUDA graphs (captured on first use, when `graphs` is on), and so do
+    batches of `batches` sessions of such chunks (`forward_batch`); others run the same pieces
+    eagerly.
     """
 
-    def __init__(self, model: Qwen35, sizes: Iterable[int] = (), graphs: bool | None = None):
+    def __init__(self, model: Qwen35, sizes: Iterable[int] = (), graphs: bool | None = None,
+                 batches: Iterable[int] = ()):
         self.model = model
         self.sizes = set(sizes)
+        self.batches = {1, *batches}
         self.graphs = model.device.type == "cuda" if graphs is None else graphs
         self.attention_layers = model.config.attention_layers
         self._delta_index = {layer: j for j, layer in enumerate(model.config.linear_layers)}
-        self._plans: dict[int, _Plan] = {}
+        self._plans: dict[tuple[int, int], _Plan] = {}
         self._pool = None
 
     @torch.no_grad()
     def __call__(self, ids: torch.Tensor, state: ModelState) -> torch.Tensor:
-        t, start = ids.shape[0], state.length
-        plan = self._plan(t)
+        return self.forward_batch(ids, [state])
+
+    @torch.no_grad()
+    def forward_batch(self, ids: torch.Tensor, states: list[ModelState]) -> torch.Tensor:
+        """`Qwen35.forward_batch`'s contract: B sessions' next T ids each, stacked, in `states`' order."""
+        b = len(states)
+        t = ids.shape[0] // b
+        starts = [s.length for s in states]
+        plan = self._plan(t, b)
         plan.ids.copy_(ids, non_blocking=True)
-        torch.arange(start, start + t, out=plan.positions)
-        plan.arena.copy_(state.arena)
+        if b == 1:
+            torch.arange(starts[0], starts[0] + t, out=plan.positions)
+        else:
+            for j, start in enumerate(starts):
+                torch.arange(start, start + t, out=plan.positions[j * t : (j + 1) * t])
+        for arena, state in zip(plan.arenas, states):
+            arena.copy_(state.arena)
         for piece in range(len(self.attention_layers) + 1):
             if plan.graphs is not None:
                 plan.graphs[piece].replay()
             else:
                 self._piece(plan, piece)
             if piece < len(self.attention_layers):
-                kv = state.layers[self.attention_layers[piece]]
+                layer = self.attention_layers[piece]
                 q, k, v = plan.handoff[piece][:3]
-                plan.attended.copy_(attend(kv, start, q, k, v, self.model.kernels))
-        state.arena.copy_(plan.arena)
-        state.length = start + t
+                plan.attended.copy_(attend_each([s.layers[layer] for s in states], starts, q, k, v, self.model.kernels))
+        for arena, state, start in zip(plan.arenas, states, starts):
+            state.arena.copy_(arena)
+            state.length = start + t
         return plan.out.clone()
 
-    def _plan(self, t: int) -> _Plan:
-        plan = self._plans.get(t)
+    def _plan(self, t: int, b: int = 1) -> _Plan:
+        plan = self._plans.get((b, t))
         if plan is None:
-            plan = self._plans[t] = _Plan(self.model, t)
-            if self.graphs and t in self.sizes:
+            plan = self._plans[(b, t)] = _Plan(self.model, t, b)
+            if self.graphs and t in self.sizes and b in self.batches:
                 self._capture(plan)
         return plan
 
@@ -100,7 +120,8 @@ class PiecewiseForward:
             first = bounds[piece - 1] + 1
         last = bounds[piece] if piece < len(bounds) else len(self.model.layers)
         for i in range(first, last):
-            x = steps.gdn(i, x, [plan.arena.layers[self._delta_index[i]]])
+            j = self._delta_index[i]
+            x = steps.gdn(i, x, [arena.layers[j] for arena in plan.arenas])
         if piece < len(bounds):
             plan.handoff[piece] = (*steps.attention_in(last, x, plan.rope), x)
         else:

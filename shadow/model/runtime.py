@@ -17,6 +17,7 @@ from shadow.model.kernels.reference import REFERENCE, Kernels
 from shadow.model.qwen35 import ModuleSteps, Qwen35
 
 FORK_SIZES = (1, 64, 128, 256, 512)  # graphed row counts for fork pieces and decode steps
+BATCHES = (2, 4, 8)  # graphed batches of chunks read at once (`Reader.advance_batch`)
 KERNEL_NAMES = ("auto", "reference", "fast", "fla-triton", "fla-fused", "fla")  # what choose_kernels takes
 MIN_FAST_HEAD_DIM = 64  # fla 0.6.0 at the tiny preset's 16-dim GDN heads was off by ~12% on the H200
 
@@ -99,14 +100,15 @@ def load_model(name: str, *, dtype: torch.dtype | None = None, device: str = "cp
     return LoadedModel(model, folder, weights_hash, (folder / RANDOM_MARKER).exists())
 
 
-def forward_for(model: Qwen35, sizes: Iterable[int], graphs: bool = True):
+def forward_for(model: Qwen35, sizes: Iterable[int], graphs: bool = True, batches: Iterable[int] = ()):
     """What runs the model on a state: on a GPU, the forward split at its attention layers with a
-    CUDA graph per row count in `sizes` (`PiecewiseForward`); elsewhere the plain forward."""
+    CUDA graph per row count in `sizes`, and per batch of such chunks in `batches`
+    (`PiecewiseForward`); elsewhere the plain forward."""
     if model.device.type != "cuda" or not graphs:
         return model
     from shadow.model.piecewise import PiecewiseForward
 
-    return PiecewiseForward(model, sizes=set(sizes))
+    return PiecewiseForward(model, sizes=set(sizes), batches=set(batches))
 
 
 def arithmetic(model: Qwen35) -> str:
