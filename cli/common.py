@@ -102,10 +102,14 @@ def grid_size(ctx, param, value):
 
 def model_name(ctx, param, value):
     """A preset or a Qwen3.5 checkpoint folder with a config.json (each of a repeated option)."""
+    from shadow.model.checkpoint import preset_folder, preset_written
     from shadow.model.config import PRESETS
 
     for v in _each(value):
         if v in PRESETS:
+            if not preset_written(v):  # said before the wait it causes
+                errors.print(f"first use of the {v!r} preset: its random-weight checkpoint is written to "
+                             f"{preset_folder(v)} (once)", markup=False)
             continue
         folder = Path(v)
         if not folder.is_dir():

@@ -526,3 +526,15 @@ def test_the_cpu_thread_default_is_one_on_small_machines():
     from cli.main import default_threads
 
     assert default_threads(1) == 1 and default_threads(2) == 1 and default_threads(16) == 8 and default_threads(6) == 3
+
+
+def test_the_first_use_of_a_preset_says_it_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("SHADOW_CACHE", str(tmp_path / "cache"))
+    talk = tmp_path / "talk.jsonl"
+    talk.write_text('{"role": "user", "content": "hello there"}\n{"role": "assistant", "content": "hi"}\n')
+    args = ["verify-exact", "--model", "tiny", "--grid", "64", "--against-grid", "0", "--conversation", str(talk)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "first use of the 'tiny' preset" in result.output  # said on stderr before the checkpoint is written
+    again = CliRunner().invoke(app, args)
+    assert again.exit_code == 0 and "first use" not in again.output

@@ -47,10 +47,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SHADOW_CACHE", Path.home() / ".cache" / "shadow"))
 
 
+def preset_folder(name: str, seed: int = 0) -> Path:
+    """Where a preset's random checkpoint lives in the cache (written there on first use)."""
+    return cache_dir() / "checkpoints" / f"{name}-random-seed{seed}"
+
+
+def preset_written(name: str, seed: int = 0) -> bool:
+    """Whether a preset's random checkpoint is in the cache already."""
+    return (preset_folder(name, seed) / RANDOM_MARKER).exists()
+
+
 def resolve_checkpoint(name: str, seed: int = 0) -> Path:
     """A preset name gives its random folder in the cache (written on first use); else a folder path."""
     if name in PRESETS:
-        folder = cache_dir() / "checkpoints" / f"{name}-random-seed{seed}"
+        folder = preset_folder(name, seed)
         if not (folder / RANDOM_MARKER).exists():
             dtype = torch.float32 if name == "tiny" else torch.bfloat16
             write_random_checkpoint(folder, PRESETS[name], seed=seed, dtype=dtype, preset=name)
