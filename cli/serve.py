@@ -73,6 +73,7 @@ def serve(
     store_key: Annotated[str | None, typer.Option(envvar="SHADOW_STORE_KEY", help="A secret for the session files in --disk: each carries a keyed digest (HMAC-SHA256) made with it, and a file without that digest (planted by someone without the key) is refused.", rich_help_panel=STORE)] = None,
     share: Annotated[float, typer.Option(envvar=_env("share"), help="In-turn share of the time since the first token the shadow may read (0.02 is 2 %).", rich_help_panel=READING)] = 0.02,
     slice_ms: Annotated[float, typer.Option(envvar=_env("slice_ms"), min=0.001, help="The longest a share slice may hold the device between two rounds, ms (whole chunks by their estimated cost).", rich_help_panel=READING)] = 150.0,
+    batch: Annotated[int, typer.Option(envvar=_env("batch"), min=1, max=8, help="Sessions whose next chunks one read may take together (2, 4 or 8: one forward, each session's state bit-equal to reading its chunk alone; 1: one session a read). On the H200 8 sessions at 16k read 12 % more tokens a second than one at a time.", rich_help_panel=READING)] = 1,
     upstream: Annotated[str | None, typer.Option(envvar=_env("upstream"), help="Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1). Without it: embedded mode.", rich_help_panel=ENGINE)] = None,
     engine: Annotated[str, typer.Option(envvar=_env("engine"), help="The engine's dialect (where the ids it read and wrote come from): vllm, sglang, llamacpp, transformers, openai; auto probes the engine.", rich_help_panel=ENGINE)] = "auto",
     chat_template: Annotated[Path | None, typer.Option(envvar=_env("chat_template"), help="The big model's chat template: a .jinja file, a tokenizer_config.json, or its checkpoint folder (default: the --tokenizer folder's, else the shadow checkpoint's).", rich_help_panel=ENGINE)] = None,
@@ -121,7 +122,7 @@ def serve(
     settings = ServeSettings(
         model=ModelSettings(model, generator_model, grid, device, dtype, kernels),
         store=StoreSettings(cap_gib, disk, disk_cap_gib, unload_slack_gib, store_key),
-        schedule=BandwidthRule(share=share, slice_s=slice_ms / 1000),
+        schedule=BandwidthRule(share=share, slice_s=slice_ms / 1000, batch=batch),
         engine=EngineSettings(upstream, engine, chat_template, tokenizer_path, parse_template_kwargs(chat_template_kwargs),
                               upstream_api_key, label_from_upstream),
         sessions=SessionSettings(tuple(h.strip() for h in session_headers.split(",") if h.strip()), prefix_match),

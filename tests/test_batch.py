@@ -80,3 +80,28 @@ def test_batched_pieces_equal_the_batched_forward_bit_for_bit(reader):
     for x, y in zip(alone, batched):
         _, mismatched, _ = compare_states(x.state, y.state)
         assert mismatched == [] and x.committed == y.committed
+
+
+def test_the_live_idle_reader_reads_batches_and_every_session_stays_exact(shadow_cache):
+    """A service whose rule batches up to 4 sessions: requests to four sessions, then the idle
+    window reads their backlogs in batched reads; every session bit-equal to a fresh prefill."""
+    from serving import assert_exact, long_text, running, wait_until_read
+
+    from shadow.core.schedule import BandwidthRule
+
+    with running(rule=BandwidthRule(batch=4, batch_s=10.0)) as (client, service):
+        service.reading.stop_event.set()  # the idle thread waits: the backlogs pile up first
+        names = [f"b{k}" for k in range(4)]
+        for k, name in enumerate(names):
+            r = client.post("/v1/chat/completions", headers={"x-session-id": name},
+                            json={"messages": [{"role": "user", "content": long_text(30 + k, 500)}], "max_tokens": 2})
+            assert r.status_code == 200
+        rule = service.sched.rule
+        for _ in range(100):  # the idle window's looks, each at a poll tick (a burst begins there)
+            if not service.sched.has_backlog():
+                break
+            service.reading.idle_once(rule.next_poll(service.clock()))
+        wait_until_read(service, names)
+        assert service.sched.batch_costs  # batched reads were made (their costs learned by size)
+        for name in names:
+            assert_exact(service, name)

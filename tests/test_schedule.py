@@ -266,3 +266,24 @@ def test_the_fewest_step_reads_the_session_nearest_to_fresh_first():
     assert reads[:2] == [("near", 2), ("near", 1)] and reads[2][0] == "far"
     assert Priorities.parse("question,running,fewest,recent,oldest").label == "question,running,fewest,recent,oldest"
     assert Priorities().label == "all" and not Priorities().fewest
+
+
+def test_batches_take_the_next_sessions_in_rank_order_within_the_bound():
+    """With `batch`, an idle read names more sessions, one chunk each, in batches of 2, 4, ...,
+    while the batch's estimate stays within `batch_s`; a batch's reported seconds move every
+    session on and teach the batch size's own estimate."""
+    s = scheduler(chunk_s=0.004, batch=8, batch_s=0.0125)
+    for k in range(5):
+        s.update(f"s{k}", 0, 3 * G, now=float(k))
+    read = s.next_read(10.0)
+    assert isinstance(read, Read) and read.chunks == 1 and read.batch == 2  # three chunks fit 12.5 ms: a batch of 2
+    assert [name for name, _ in read.others] == ["s1"] and read.estimate_s == pytest.approx(0.008)
+    s.read_done(read, 2, 0.005, 10.005)  # faster than two singles: the batch size's estimate learns it
+    assert s.sessions["s0"].committed == G and s.sessions["s1"].committed == G
+    assert s.batch_estimate([G, G]) == pytest.approx(0.005)
+    read = s.next_read(10.005)
+    assert read.batch == 2 and {n for n, _ in read.others} | {read.session} <= {f"s{k}" for k in range(5)}
+    one = scheduler(chunk_s=0.004)
+    one.update("a", 0, 3 * G, now=0.0)
+    one.update("b", 0, 3 * G, now=0.0)
+    assert one.next_read(1.0).others == ()  # batch 1 (the default): one session a read

@@ -33,6 +33,15 @@ rank, a turn event, a question, a read, the requests waiting); a `Wait(until)` a
 rounds stays the answer while `changes` is the same and the clock is before `until`, so a caller
 between every two rounds may skip asking (O(1) a round: `between_rounds_due`).
 
+**Batches** (`BandwidthRule.batch` > 1; off by default): a one-chunk `Read` may name more sessions
+(`others`), the next ones in rank order, one chunk each, all read in one forward (in batches
+of 2, 4, 8 ... sessions, up to `batch`: the sizes a reader has CUDA graphs for)
+(`Reader.advance_batch`): in the idle window while the batch's estimated seconds stay within
+`batch_s` (the first chunk is read whatever its cost; a request that comes waits for one read), and
+in a share slice while they fit the slice and the budget. A batch's cost is estimated per batch
+size (`batch_costs`, learned from its reads); a size never read is estimated as that many single
+chunks.
+
 Which session: among resident sessions with a whole chunk to read, by the `Priorities` steps in
 order (each switchable): a pending ask or standing question first, then sessions with a turn in
 flight, then by recency of their last turn start, then the oldest backlog (the longest since it
@@ -86,6 +95,8 @@ class BandwidthRule:
     share: float = 0.02
     slice_s: float = 0.15
     slice_chunks: int = 1
+    batch: int = 1  # sessions whose next chunks one read may take (1: no batches)
+    batch_s: float = 0.010  # the longest an idle window's batched read may be estimated to take
 
     def next_poll(self, t: float) -> float:
         """The first poll tick at or after t (ticks at multiples of poll_s)."""
@@ -200,13 +211,20 @@ class ChunkCosts:
 @dataclass(frozen=True)
 class Read:
     """Read `chunks` whole chunks of `session` now, from read position `depth`; `window` is 'idle',
-    'share' or 'ask'; `estimate_s` the chunks' estimated seconds (None: no estimate)."""
+    'share' or 'ask'; `estimate_s` the chunks' estimated seconds (None: no estimate). `others`:
+    more sessions, (name, read position), one chunk each, read in the same forward as
+    `session`'s one chunk (a batch; `chunks` is 1 then)."""
 
     session: str
     chunks: int
     window: str
     depth: int
     estimate_s: float | None
+    others: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def batch(self) -> int:
+        return 1 + len(self.others)
 
 
 @dataclass(frozen=True)
@@ -242,6 +260,7 @@ class ReadScheduler:
                  priorities: Priorities = Priorities(), turns: TurnTable | None = None):
         self.rule, self.grid, self.priorities = rule, grid, priorities
         self.costs = costs if costs is not None else ChunkCosts()
+        self.batch_costs: dict[int, ChunkCosts] = {}  # batch size -> seconds of a batched read by depth
         self.sessions: dict[str, _Session] = {}
         self._ready: set[str] = set()  # resident sessions with a whole chunk to read
         self._heap: list[tuple[tuple, int, str]] = []  # (rank, version, name) of ready sessions
@@ -445,21 +464,57 @@ class ReadScheduler:
 
     def _pick(self, fits=None) -> _Session | None:
         """The first ready session in rank order (that `fits`, when given)."""
-        heap, skipped, found = self._heap, [], None
-        while heap:
-            entry = heap[0]
+        found = self._ranked(1, fits)
+        return found[0] if found else None
+
+    def _ranked(self, n: int, fits=None) -> list[_Session]:
+        """The first `n` ready sessions in rank order (that `fits`, when given); the heap is left
+        as it was (less stale entries)."""
+        heap, taken, found = self._heap, [], []
+        while heap and len(found) < n:
+            entry = heapq.heappop(heap)
             if not self._current(entry):
-                heapq.heappop(heap)
                 continue
+            taken.append(entry)
             s = self.sessions[entry[2]]
-            if fits is not None and not fits(s):
-                skipped.append(heapq.heappop(heap))
-                continue
-            found = s
-            break
-        for entry in skipped:
+            if fits is None or fits(s):
+                found.append(s)
+        for entry in taken:
             heapq.heappush(heap, entry)
         return found
+
+    def batch_estimate(self, depths: list[int]) -> float | None:
+        """Estimated seconds of one read of one chunk at each of `depths`, together: the batch size's
+        own estimate at the deepest, else that many single chunks."""
+        if len(depths) == 1:
+            return self.costs.estimate(depths[0])
+        own = self.batch_costs.get(len(depths))
+        est = own.estimate(max(depths)) if own is not None else None
+        if est is not None:
+            return est
+        singles = [self.costs.estimate(d) for d in depths]
+        return None if any(x is None for x in singles) else sum(singles)
+
+    def _batch(self, first: _Session, limit_s: float, fits=None) -> tuple[tuple[tuple[str, int], ...], float | None]:
+        """More sessions to read with `first`'s chunk, one chunk each, the next in rank order, while
+        the batch's estimate stays within `limit_s`: (others, the batch's estimate)."""
+        est = self.batch_estimate([first.committed])
+        if self.rule.batch <= 1:
+            return (), est
+        picked: list[_Session] = []
+        for s in self._ranked(self.rule.batch, fits):
+            if s is first or len(picked) + 1 >= self.rule.batch:
+                continue
+            total = self.batch_estimate([first.committed, *(x.committed for x in picked), s.committed])
+            if total is None or total > limit_s + 1e-12:
+                break
+            picked.append(s)
+            est = total
+        size = 1 << (len(picked) + 1).bit_length() - 1  # batches of 2, 4, 8, ... (the sizes a reader graphs)
+        if size != len(picked) + 1:
+            picked = picked[: size - 1]
+            est = self.batch_estimate([first.committed, *(x.committed for x in picked)])
+        return tuple((s.name, s.committed) for s in picked), est
 
     def next_read(self, now: float, between_rounds: bool = False) -> Read | Wait:
         """What to read now. Idle engine: one chunk of the first session in priority order, inside
@@ -490,7 +545,8 @@ class ReadScheduler:
             if tick > now + EPS:
                 return Wait(tick)
             self._burst_start, self._burst_chunks = now, 0  # a burst's first chunk is read whatever its cost
-        return Read(s.name, 1, "idle", s.committed, est)
+        others, batch_est = self._batch(s, self.rule.batch_s)
+        return Read(s.name, 1, "idle", s.committed, batch_est if others else est, others)
 
     def _share(self, now: float) -> Read | Wait:
         cap = self.rule.slice_s + 1e-12
@@ -510,6 +566,10 @@ class ReadScheduler:
             if est is None or total + est > room:
                 break
             chunks, total = chunks + 1, total + est
+        if chunks == 1 and self.rule.batch > 1:
+            others, batch_est = self._batch(s, room, fits)
+            if others:
+                return Read(s.name, 1, "share", s.committed, batch_est, others)
         if chunks:
             return Read(s.name, chunks, "share", s.committed, total)
         first = self.costs.estimate(s.committed)
@@ -522,7 +582,18 @@ class ReadScheduler:
         estimate at that depth, and charges a share read to the stretch's budget."""
         s = self.sessions.get(read.session)
         self.changes += 1
-        if chunks > 0:
+        if chunks > 0 and read.others:  # a batch: one chunk of each session, read together
+            costs = self.batch_costs.setdefault(read.batch, ChunkCosts(self.costs.bucket_tokens))
+            costs.observe(max(read.depth, *(d for _, d in read.others)), seconds)
+            for name, depth in read.others:
+                other = self.sessions.get(name)
+                if other is not None:
+                    if other.committed == depth:
+                        other.committed += self.grid
+                    self._refresh(other, now)
+            if s is not None and s.committed == read.depth:
+                s.committed += self.grid
+        elif chunks > 0:
             self.costs.observe(read.depth + (chunks - 1) * self.grid // 2, seconds / chunks)
             if s is not None and s.committed == read.depth:
                 s.committed += chunks * self.grid

@@ -29,6 +29,7 @@ next round goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -213,22 +214,33 @@ class Reading:
     # reading (on the device thread, without the lock) ----------------------------------------
 
     def read(self, shadow: Shadow, session: Session, read: Read) -> tuple[int, float]:
-        """Read `read.chunks` whole chunks of `session` (fewer at a standing question's line),
-        device synchronised before and after; report `read_done` and the session's true state;
-        answer a question the read reached. Returns (chunks read, their seconds)."""
+        """Read `read.chunks` whole chunks of `session` (fewer at a standing question's line), or,
+        for a batch, one chunk of it and of each of `read.others` still resident at their read
+        positions, in one forward; device synchronised before and after; report `read_done` and
+        the sessions' true state; answer a question a read reached. Returns (chunks read, seconds)."""
         grid = shadow.grid
         with self.lock:
-            line = self.answers.line(session.name, grid)
+            batch = [session, *self._batched(shadow, read)]
+            if len(batch) - 1 != len(read.others):
+                read = dataclasses.replace(read, others=tuple((s.name, s.committed) for s in batch[1:]))
+            lines = [self.answers.line(s.name, grid) for s in batch]
+        line = lines[0]
         chunks = read.chunks if line is None else min(read.chunks, max(0, (line - session.committed) // grid))
         _synchronize(shadow.reader)
         start = self.clock()
-        done = shadow.reader.advance(session, max_chunks=chunks) if chunks > 0 else 0
+        if chunks <= 0:
+            done = 0
+        elif read.others:
+            done = shadow.reader.advance_batch(batch)
+        else:
+            done = shadow.reader.advance(session, max_chunks=chunks)
         _synchronize(shadow.reader)
         end = self.clock()
         seconds = end - start
         with self.lock:
             self.sched.read_done(read, done, seconds, end)
-            self.sync(shadow, session.name)
+            for s in batch:
+                self.sync(shadow, s.name)
             c = self.counters
             if done:
                 c.last_chunk_ms = seconds * 1000 / done
@@ -242,9 +254,22 @@ class Reading:
             else:
                 c.chunks_ask += done
                 c.ask_s += seconds
-        if line is not None:
-            self.answers.answer_if_ready(shadow, session)
+        for s, held in zip(batch, lines):
+            if held is not None:
+                self.answers.answer_if_ready(shadow, s)
         return done, seconds
+
+    def _batched(self, shadow: Shadow, read: Read) -> list[Session]:
+        """The sessions of `read.others` still resident at their read positions with a whole chunk
+        to read, short of a standing question's line (the caller holds the lock)."""
+        out = []
+        for name, depth in read.others:
+            s = shadow.store.peek(name)
+            line = self.answers.line(name, shadow.grid)
+            if s is not None and s.committed == depth and depth + shadow.grid <= len(s.ids) \
+                    and (line is None or depth + shadow.grid <= line):
+                out.append(s)
+        return out
 
     def _decided(self, shadow: Shadow, decision: Read | Wait) -> Session | None:
         """The session a Read names, resident (the caller holds the lock); None for a Wait, or if
