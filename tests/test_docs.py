@@ -46,7 +46,7 @@ def test_every_option_the_docs_name_exists():
                 missing.append(f"{doc.name}: {flag}")
     # options of other programs the docs quote (pip, llama-server, vllm, ...) are named in code blocks
     # with their program; what is left must be this CLI's
-    allowed = {"--index-url", "--jinja", "--model-path", "--help", "--ctx-size", "--served-model-name",
+    allowed = {"--index-url", "--local-dir", "--jinja", "--model-path", "--help", "--ctx-size", "--served-model-name",
                "--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser", "--parallel", "--metrics"}
     assert [m for m in missing if m.split(": ")[1] not in allowed] == []
 
