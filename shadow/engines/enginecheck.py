@@ -2,7 +2,8 @@
 `shadow check-engine` runs): plain chat, multi-turn with reasoning, tools with a tool call and
 its result, streamed and not, a long prompt, and a plain completion. For every request: where
 the dialect takes the prompt and output ids from, whether they equal the engine's where the
-engine shows them, and whether their counts equal the engine's `usage`.
+engine shows them, whether their counts equal the engine's `usage`, and each part's state
+(verified, unverified, mismatched, or not read: an output the engine shows no ids for).
 
 The requests go to the engine directly (no shadow), with the fields the dialect adds, exactly as
 the proxy sends them.
@@ -17,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 
 from shadow.engines.dialects import Dialect, engine_root
-from shadow.engines.idcheck import check_turn, first_difference
+from shadow.engines.idcheck import PART_STATES, check_turn, first_difference
 from shadow.engines.reply import Reply
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -46,7 +47,9 @@ class CaseResult:
     prompt_equal: bool | None = None  # equal to the engine's own ids, where it showed them
     template_equal: bool | None = None  # the big model's template gives the same ids (where both exist)
     output_equal: bool | None = None
-    verified: bool | None = None
+    verified: bool | None = None  # both parts verified (False: either mismatched)
+    prompt_check: str | None = None  # idcheck.PART_STATES: verified, unverified, mismatched, not_read
+    output_check: str | None = None
     reasons: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -259,6 +262,7 @@ def run_request(client: httpx.Client, upstream: str, dialect: Dialect, endpoint:
     if shown is not None and ids.output_source and ids.output_skipped is None:
         result.output_equal = ids.output[: len(shown)] == shown
     result.verified = check.verified
+    result.prompt_check, result.output_check = check.prompt_check, check.output_check
     result.reasons += list(check.reasons) + ids.notes
     if dialect.renderer is not None and reply.prompt_ids is not None:
         rendered = dialect.render(body, chat)
@@ -290,12 +294,16 @@ def check_engine(upstream: str, dialect: Dialect, max_tokens: int = 16, model: s
 
 
 def summary(results: list[CaseResult]) -> dict:
+    """Requests answered; verified (prompt and output both), mismatched (either), unverified (the
+    rest); and the prompts and outputs apart, by state (`not_read`: the shadow would read none of it)."""
     n = len(results)
     ok = [r for r in results if r.status == 200]
     return {
         "requests": n, "answered": len(ok),
         "verified": sum(r.verified is True for r in ok), "mismatched": sum(r.verified is False for r in ok),
         "unverified": sum(r.verified is None for r in ok),
+        "prompts": {state: sum(r.prompt_check == state for r in ok) for state in PART_STATES},
+        "outputs": {state: sum(r.output_check == state for r in ok) for state in PART_STATES},
         "prompt_count_equal": sum(r.prompt_ids is not None and r.prompt_ids == r.usage_prompt for r in ok),
         "output_count_equal": sum(r.output_ids is not None and r.output_ids == r.usage_completion for r in ok),
         "template_equal": sum(r.template_equal is True for r in ok),
