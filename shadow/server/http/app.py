@@ -119,9 +119,15 @@ class ShadowApp:
         service = self.service
         if self.embedded is not None:
             prompt, max_tokens = self.embedded.parse(body, chat)  # bad input refused before the turn begins
+            if self.embedded.full():  # the queue is bounded: a client tries again
+                limit = self.settings.limits.max_queued
+                refusal = errors.error_response(429, f"{limit} requests are generating or waiting; try again",
+                                                "rate_limit_error")
+                refusal.headers["retry-after"] = "1"
+                return refusal
             turn = service.begin_turn(named, reference, embedded=True)
             logs.bind(turn=turn.id, session=named)
-            return await self.embedded.complete(body, prompt, max_tokens, chat, turn, channel)
+            return await self.embedded.complete(body, prompt, max_tokens, chat, turn, channel, request.is_disconnected)
         return await self._forward(request, body, chat, named, reference, channel)
 
     async def _forward(self, request: Request, body: dict, chat: bool, named: str | None, reference: str | None,
