@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from shadow.engines import jsonlimits
 from shadow.engines.dialects import Dialect, engine_root
 from shadow.engines.idcheck import PART_STATES, check_turn, first_difference
 from shadow.engines.reply import Reply
@@ -198,14 +199,17 @@ def play_sessions(client: httpx.Client, script: dict[str, list[tuple[list[dict],
                     for line in r.iter_lines():
                         if line.startswith("data:") and line[5:].strip() != "[DONE]":
                             try:
-                                reply.read(json.loads(line[5:]), chat=True)
-                            except json.JSONDecodeError:
+                                reply.read(jsonlimits.loads(line[5:]), chat=True)
+                            except jsonlimits.JSONLimitError:
                                 reply.malformed += 1
             else:
                 r = client.post("/v1/chat/completions", headers={"x-session-id": name}, json=body)
                 status = r.status_code
                 if status == 200:
-                    reply.read(r.json(), chat=True)
+                    try:
+                        reply.read(jsonlimits.loads(r.content), chat=True)
+                    except jsonlimits.JSONLimitError:
+                        reply.malformed += 1
             previous = reply
             yield name, body, reply, status
 
@@ -232,8 +236,8 @@ def run_request(client: httpx.Client, upstream: str, dialect: Dialect, endpoint:
                     for line in r.iter_lines():
                         if line.startswith("data:") and line[5:].strip() != "[DONE]":
                             try:
-                                reply.read(json.loads(line[5:]), chat)
-                            except json.JSONDecodeError:
+                                reply.read(jsonlimits.loads(line[5:]), chat)
+                            except jsonlimits.JSONLimitError:
                                 reply.malformed += 1
                 else:
                     r.read()
@@ -242,7 +246,7 @@ def run_request(client: httpx.Client, upstream: str, dialect: Dialect, endpoint:
             r = client.post(url, json=asked.body, headers=headers)
             result.status = r.status_code
             if r.status_code == 200:
-                reply.read(r.json(), chat)
+                reply.read(jsonlimits.loads(r.content), chat)  # a body past the limits: the reason below
             else:
                 result.reasons.append(f"HTTP {r.status_code}: {r.text[:200]}")
     except (httpx.HTTPError, ValueError) as e:
