@@ -394,10 +394,10 @@ class ShadowService:
             return "the shadow is switched off"
         if self.host.shadow is None:
             return "the shadow is not loaded" + (f" ({self.host.load_error})" if self.host.load_error else "")
+        if turn.session is not None and self._latest.get(turn.session, turn.id) != turn.id:
+            return "a newer turn of the session was read first"
         if turn.cancelled:
             return "the request was cancelled"
-        if turn.prompt_fed and self._latest.get(turn.session) != turn.id:
-            return "a newer turn of the session was read first"
         return "the shadow could not take its ids (logged)"
 
     def _count_lines(self, lines: list[dict]) -> None:

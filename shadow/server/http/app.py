@@ -127,7 +127,13 @@ class ShadowApp:
                 return refusal
             turn = service.begin_turn(named, reference, embedded=True)
             logs.bind(turn=turn.id, session=named)
-            return await self.embedded.complete(body, prompt, max_tokens, chat, turn, channel, request.is_disconnected)
+            try:
+                return await self.embedded.complete(body, prompt, max_tokens, chat, turn, channel,
+                                                    request.is_disconnected)
+            except BaseException:  # its generation (if it started) stops; the turn ends either way
+                turn.cancelled = True
+                await asyncio.to_thread(service.end_turn, turn)
+                raise
         return await self._forward(request, body, chat, named, reference, channel)
 
     async def _forward(self, request: Request, body: dict, chat: bool, named: str | None, reference: str | None,

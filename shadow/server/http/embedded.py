@@ -95,11 +95,7 @@ class EmbeddedCompletions:
         """Answer one request (`parse` gave its prompt and tokens), whose turn has begun: it is
         named here, and its `Generation` feeds the prompt, generates and ends the turn.
         `disconnected()`: whether the client of a whole (not streamed) response has gone."""
-        try:
-            session = self.service.name_turn(turn, prompt)
-        except BaseException:  # no job will end it
-            await asyncio.to_thread(self.service.end_turn, turn)
-            raise
+        session = self.service.name_turn(turn, prompt)  # (what raises here or below ends the turn: the app's)
         stop_ids = [] if body.get("ignore_eos") else self.eos  # as vLLM: generate max_tokens whatever comes
         want_ids = bool(body.get("return_token_ids"))  # as vLLM: ids only when asked for
         rid, created = f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
