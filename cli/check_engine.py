@@ -8,7 +8,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from cli.common import CsvOpt, JsonOpt, console, emit_json, readable_path, template_kwargs, tokenizer_path, user_errors, write_csv
+from cli.common import (
+    CsvOpt, JsonOpt, console, emit_json, readable_path, template_kwargs, tokenizer_path, user_errors, write_csv,
+)
 from shadow.errors import ShadowInputError
 
 QWEN_END = 248046  # <|im_end|>: the end token of the Qwen chat models, when no tokenizer says otherwise
@@ -82,8 +84,8 @@ def check_engine(
                   f"{totals['mismatched']} mismatched, {totals['unverified']} not verified")
     for part in ("prompts", "outputs"):
         by = totals[part]
-        console.print(f"{part}: {by['verified']} verified, {by['unverified']} unverified, {by['mismatched']} mismatched, "
-                      f"{by['not_read']} not read")
+        console.print(f"{part}: {by['verified']} verified, {by['unverified']} unverified, "
+                      f"{by['mismatched']} mismatched, {by['not_read']} not read")
     if csv:
         write_csv(csv, [vars(r) | {"reasons": "; ".join(r.reasons)} for r in results])
     if json_out:

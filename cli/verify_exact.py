@@ -49,7 +49,8 @@ def verify_exact(
     from shadow.offline.verify import KINDS, verify
 
     check_kernels(kernels, device)
-    conversations = [user_text_file(p, load_conversation) for p in conversation] if conversation else [sample_conversation(seed)]
+    conversations = ([user_text_file(p, load_conversation) for p in conversation] if conversation
+                     else [sample_conversation(seed)])
     started = time.perf_counter()
     loaded, reader = open_reader(
         model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels, seed=seed

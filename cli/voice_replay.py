@@ -40,7 +40,8 @@ def voice_replay(
     from shadow.text.tokenizer import load_tokenizer
     from shadow.voice.replay import voice_replay as run
 
-    conversations = [user_text_file(p, load_conversation) for p in conversation] if conversation else [sample_conversation(seed)]
+    conversations = ([user_text_file(p, load_conversation) for p in conversation] if conversation
+                     else [sample_conversation(seed)])
     loaded, reader = open_reader(model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels, seed=seed)
     tokenizer = load_tokenizer(loaded.path)
     with Progress(TextColumn("voice"), BarColumn(), TextColumn("{task.completed} phrases"), TimeElapsedColumn(),

@@ -119,7 +119,7 @@ def wanted(status: dict, store_counters: dict, journal: Path) -> dict[tuple, flo
     turns = [r for r in records if r.get("kind") == "turn"]
     out = {
         ("shadow:ready",): 1.0, ("shadow:requests_total",): c["requests"], ("shadow:asks_total",): c["asks"],
-        ("shadow:turns_in_flight",): status["turns_in_flight"],
+        ("shadow:turns_in_flight",): status["turns_in_flight"], ("shadow:turns_overdue",): len(status["overdue_turns"]),
         ("shadow:sessions_resident",): totals["resident_sessions"], ("shadow:sessions_on_disk",): totals["files"],
         ("shadow:resident_bytes",): totals["resident_bytes"], ("shadow:disk_bytes",): totals["disk_bytes"],
         ("shadow:write_failures_total",): totals["write_failures"],

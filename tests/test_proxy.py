@@ -313,7 +313,7 @@ def text_only_engine(renderer: ChatRenderer, seen: list[dict]) -> FastAPI:
                                  "message": {"role": "assistant", "content": content}}]}
 
         async def events():
-            yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}) + "\n\n"
+            yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}) + "\n\n"
             yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": content}}]}) + "\n\n"
             yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
                                          "x_generated_ids": generated}) + "\n\n"
@@ -368,7 +368,8 @@ def test_an_output_whose_text_retokenises_to_the_same_count_and_other_ids_is_nev
                                                         "choices": ["A", "B"]}).json()
             assert answer["exact"] is True and answer["id_checks"]["outputs"]["not_read"] == 1
             # the next turn: the reply as the client sends it back, read as the engine's template renders it
-            history2 = history + [{"role": "assistant", "content": " Pago is here"}, {"role": "user", "content": "And?"}]
+            history2 = history + [{"role": "assistant", "content": " Pago is here"},
+                                  {"role": "user", "content": "And?"}]
             proxy.post("/v1/chat/completions", json={"messages": history2}, headers={"x-session-id": "pago"})
             settled(service)
             with service.state_lock:

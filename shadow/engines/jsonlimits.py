@@ -54,7 +54,7 @@ def loads(data: bytes | str, max_depth: int = MAX_DEPTH, max_digits: int = MAX_D
         raise JSONLimitError(f"nests deeper than {max_depth} levels") from None
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, not UTF-8
         raise JSONLimitError(f"not valid JSON: {e}") from None
-    brackets = data.count(b"[" if isinstance(data, bytes) else "[") + data.count(b"{" if isinstance(data, bytes) else "{")
-    if brackets > max_depth and not json_depth(value, max_depth):
+    square, curly = (b"[", b"{") if isinstance(data, bytes) else ("[", "{")
+    if data.count(square) + data.count(curly) > max_depth and not json_depth(value, max_depth):
         raise JSONLimitError(f"nests deeper than {max_depth} levels")
     return value

@@ -84,6 +84,8 @@ class ShadowCollector:
         out.gauge("enabled", "1 while the shadow is switched on", int(bool(status["enabled"])))
         out.gauge("turns_in_flight", "Requests begun and not ended", status["turns_in_flight"])
         out.gauge("requests_waiting", "Requests waiting for the device", status["waiting"])
+        out.gauge("turns_overdue", "Turns in flight longer than the engine's timeout (the watchdog)",
+                  len(status["overdue_turns"]))
         c = status["counters"]
         out.counter("requests", "Completion requests begun", c["requests"])
         out.counter("unloads", "Times the model was let go after an idle burst (sessions parked on disk)", c["unloads"])

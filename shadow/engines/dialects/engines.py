@@ -110,7 +110,8 @@ class LlamaCpp(Dialect):
 
 class Transformers(Dialect):
     """Hugging Face `transformers serve`: it refuses unknown fields, gives no logprobs (so its
-    outputs are not read: text is never re-tokenised into ids), always ends a stream with `usage`, and hands its template the messages after its own conversion
+    outputs are not read: text is never re-tokenised into ids), always ends a stream with
+    `usage`, and hands its template the messages after its own conversion
     (tool-call arguments parsed from JSON, content dropped where tool calls are, content parts
     joined with spaces, other fields such as `reasoning_content` dropped)."""
 

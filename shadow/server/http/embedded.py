@@ -170,7 +170,7 @@ class Generation:
                 return
             while not self.service.run_request(self._slice):
                 pass
-        except Exception as e:  # noqa: BLE001 - the device thread has stopped, or the generator failed: the client is told
+        except Exception as e:  # noqa: BLE001 - the device has stopped, or the generator failed: the client is told
             self.events.put(("error", f"{type(e).__name__}: {e}"))
         finally:
             self.over = True
