@@ -147,7 +147,8 @@ class EmbeddedCompletions:
 class Generation:
     """One request's generation: a slot among the engine's `slots`, then slices on the device
     thread until it is over; its turn is recorded and ended whatever happens (`serve`'s
-    `finally`). Per round it adds two attribute reads and a clock read to what the round did."""
+    `finally`). Per round it adds two attribute reads to what the round did (and a clock read
+    while another job waits)."""
 
     def __init__(self, engine: EmbeddedCompletions, turn: ServedTurn, prompt: list[int], max_tokens: int,
                  stop_ids: list[int], events: queue.Queue):
