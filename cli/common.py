@@ -81,7 +81,11 @@ def bounds(ge: float | None = None, gt: float | None = None, le: float | None = 
         for v in _each(value):
             if zero and v == 0:
                 continue
-            if not math.isfinite(v) or (ge is not None and v < ge) or (gt is not None and v <= gt) \
+            try:
+                finite = math.isfinite(v)
+            except OverflowError:  # an int past any float: out of every bound
+                refuse(param, f"{rule} (got a number of {len(str(v))} digits)")
+            if not finite or (ge is not None and v < ge) or (gt is not None and v <= gt) \
                     or (le is not None and v > le) or (lt is not None and v >= lt):
                 refuse(param, f"{rule} (got {v:g})")
         return value
@@ -174,6 +178,38 @@ def input_file(ctx, param, value):
             refuse(param, f"{path}: no such file")
         if not os.access(path, os.R_OK):
             refuse(param, f"{path}: not readable")
+    return value
+
+
+SEED_MAX = 2**63 - 1  # torch's generators take a signed 64-bit seed
+seed_bounds = bounds(ge=0, le=SEED_MAX, says="must be an integer from 0 to 2**63 - 1")
+
+
+def tokenizer_path(ctx, param, value):
+    """A tokenizer: a readable `tokenizer.json` file, or a folder holding a readable one."""
+    if value is None:
+        return value
+    path = Path(value)
+    target = path / "tokenizer.json" if path.is_dir() else path
+    if not path.exists():
+        refuse(param, f"{path}: no such file or folder")
+    if not target.is_file():
+        refuse(param, f"{path}: the folder has no tokenizer.json")
+    if not os.access(target, os.R_OK):
+        refuse(param, f"{target}: not readable")
+    return value
+
+
+def readable_path(ctx, param, value):
+    """An existing, readable file or folder (a chat template: a .jinja file, a JSON file, or a
+    folder holding one; what it holds is checked where it is read)."""
+    if value is None:
+        return value
+    path = Path(value)
+    if not path.exists():
+        refuse(param, f"{path}: no such file or folder")
+    if not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+        refuse(param, f"{path}: not readable")
     return value
 
 
@@ -303,11 +339,34 @@ class ShadowGroup(TyperGroup):
 
 
 def user_text_file(path: Path, read: Callable):
-    """`read(path)`, a file that is not UTF-8 text refused as bad input naming the file."""
+    """`read(path)`, bad content refused as bad input naming the file: not UTF-8 text, JSON
+    nested past Python's recursion limit, a number of thousands of digits (Python's int limit),
+    JSON the reader did not catch."""
     try:
         return read(path)
+    except ShadowInputError:
+        raise
     except UnicodeDecodeError:
         raise ShadowInputError(f"{path}: not UTF-8 text") from None
+    except RecursionError:
+        raise ShadowInputError(f"{path}: nests too deeply to read") from None
+    except ValueError as e:
+        if isinstance(e, json.JSONDecodeError) or "integer string conversion" in str(e):
+            raise ShadowInputError(f"{path}: not readable JSON ({e})") from None
+        raise
+
+
+def template_kwargs(text: str | None) -> dict:
+    """--chat-template-kwargs as a JSON object ({} for none); bad input otherwise (not JSON, nested
+    past Python's recursion limit, a number of thousands of digits)."""
+    from shadow.text.chat_template import parse_template_kwargs
+
+    try:
+        return parse_template_kwargs(text)
+    except ShadowInputError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise ShadowInputError(f"--chat-template-kwargs is not readable JSON ({type(e).__name__})") from None
 
 
 def parse_dtype(name: str):

@@ -18,6 +18,7 @@ from cli.common import (
 from shadow.errors import ShadowInputError
 
 FORMATS = ("auto", "mooncake", "trajectory", "ledger")
+MAX_PACK = 10_000  # active sessions --pack may ask for (the set is repeated to reach it: copies grow with it)
 
 
 @user_errors
@@ -30,7 +31,7 @@ def replay_ledger(
     grid: GridOpt = 512,
     engines: Annotated[int, typer.Option(callback=bounds(ge=1, says="is at least 1"), help="Engines in the fleet, each with its own idle time, share and shadow.")] = 1,
     route: Annotated[str, typer.Option(help="How requests reach engines: affinity (a session stays where its first request went, the engine with the fewest requests in flight), hash (of the session name; stays) or round-robin (request by request).")] = "affinity",
-    pack_to: Annotated[float | None, typer.Option("--pack", callback=bounds(gt=0, says="needs a positive number of active sessions"), help="Shift sessions' start times so that this many are active at once on average (repeating the set where shifting alone cannot). Not for Mooncake traces (their times come from the service model).")] = None,
+    pack_to: Annotated[float | None, typer.Option("--pack", callback=bounds(gt=0, le=MAX_PACK, says=f"needs a positive number of active sessions, at most {MAX_PACK:,}"), help="Shift sessions' start times so that this many are active at once on average (repeating the set where shifting alone cannot; at most 10,000). Not for Mooncake traces (their times come from the service model).")] = None,
     priorities: Annotated[list[str] | None, typer.Option("--priorities", help="The scheduler's order steps: all, none, or some of question,running,recent,oldest joined by commas (repeatable: arms side by side on the same timelines). Default all.")] = None,
     solve_share: Annotated[float | None, typer.Option("--solve-share", callback=bounds(gt=0, le=100, says="is a percentage in (0, 100]"), help="Also find the smallest share giving this percentage of fresh turn starts (bisection), for each read rate and priority set.")] = None,
     prefill_tok_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Service model, for traces without first-token and end times: prefill tokens per second.")] = 20_000.0,
@@ -214,7 +215,7 @@ def _detect(path: Path) -> str:
         first = next((line for line in f if line.strip()), "")
     try:
         row = json.loads(first)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, a number of thousands of digits, nesting past the limit
         raise ShadowInputError(f"{path}:1: not JSON; cannot tell the format (give --format)") from None
     if isinstance(row, dict) and "hash_ids" in row:
         return "mooncake"
@@ -227,7 +228,7 @@ def _rate_from(path: Path) -> float:
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         rate = float(json.loads(lines[-1])["ms_per_1k_tokens"])
-    except (OSError, IndexError, KeyError, ValueError, TypeError) as e:
+    except (OSError, IndexError, KeyError, ValueError, TypeError, RecursionError) as e:
         raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__})") from None
     if not math.isfinite(rate) or rate <= 0:
         raise ShadowInputError(f"{path}: its ms_per_1k_tokens is not a positive number ({rate})")

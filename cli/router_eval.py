@@ -11,7 +11,7 @@ from rich.table import Table
 
 from cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, check_kernels, console, emit_json, input_file, input_folder,
-    model_name, parse_dtype, progress, refuse, user_errors, write_csv,
+    model_name, parse_dtype, progress, refuse, user_errors, user_text_file, write_csv,
 )
 from shadow.errors import ShadowInputError
 
@@ -47,13 +47,13 @@ device, dtype and kernels, which the journal records as its arithmetic)."""
     from shadow.text.tokenizer import load_tokenizer
 
     check_kernels(kernels, device)
-    entries, unlabelled = read_journal(journal)
+    entries, unlabelled = user_text_file(journal, read_journal)
     grids = {e.grid for e in entries}
     if len(grids) != 1:
         raise ShadowInputError(f"the journal mixes grids {sorted(grids)}")
     if not sessions.is_dir():
         raise ShadowInputError(f"no session folder {sessions}")
-    questions = [load_question(q) for q in (question or ["journal"])]
+    questions = [user_text_file(q, load_question) for q in (question or ["journal"])]
     ids = session_ids(sessions, {e.session for e in entries})
     scores = []
     with progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()) as bar:

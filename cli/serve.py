@@ -12,14 +12,16 @@ from typing import Annotated
 
 import typer
 
-from cli.common import console, parse_dtype, user_errors
+from cli.common import (
+    console, device_name, dtype_name, grid_size, input_file, kernels_name, model_name, parse_dtype, readable_path,
+    template_kwargs, tokenizer_path, user_errors,
+)
 from shadow.core.schedule import BandwidthRule
 from shadow.errors import ShadowInputError
 from shadow.server.settings import (
     Access, EngineSettings, Limits, ModelSettings, ProbeSettings, ServeSettings, SessionSettings, StatusSettings,
     StoreSettings, VoiceSettings, check,
 )
-from shadow.text.chat_template import parse_template_kwargs
 
 log = logging.getLogger("shadow.serve")
 
@@ -37,8 +39,8 @@ def _load_config(ctx: typer.Context, path: Path | None) -> Path | None:
 
     try:
         values = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise typer.BadParameter(f"cannot read {path} as TOML: {type(e).__name__}: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
+        raise typer.BadParameter(f"cannot read {path} as TOML: {type(e).__name__}: {str(e)[:200]}") from None
     known = {p.name for p in ctx.command.params}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -59,13 +61,13 @@ def serve(
     journal: Annotated[Path | None, typer.Option(envvar=_env("journal"), help="JSONL journal (mode 0600) of every turn's check against the engine and every question asked, with its answer, lag and backlog.", rich_help_panel=SERVICE)] = None,
     require_exact: Annotated[bool, typer.Option(envvar=_env("require_exact"), help="Asks and summaries about a session whose ids are not all verified against the engine answer 409 with the reason.", rich_help_panel=SERVICE)] = False,
     shadow: Annotated[bool, typer.Option("--shadow/--no-shadow", envvar=_env("shadow"), help="Start with the shadow on; --no-shadow serves completions alone (e.g. an embedded engine for another serve's proxy to read), until POST /v1/shadow/switch turns it on.", rich_help_panel=SERVICE)] = True,
-    standing_question: Annotated[Path | None, typer.Option(envvar=_env("standing_question"), help="A JSON file {name, text, choices, min_prompt_tokens (8192), label_header (x-shadow-label)}: asked of the shadow at every turn with at least that many prompt tokens, at the prompt's last <|im_end|>, journaled beside the turn's label header.", rich_help_panel=SERVICE)] = None,
-    model: Annotated[str, typer.Option("--model", "-m", envvar=_env("model"), help="The shadow: a preset (tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b: random weights) or a Qwen3.5 checkpoint folder.", rich_help_panel=MODEL)] = "tiny",
-    generator_model: Annotated[str | None, typer.Option(envvar=_env("generator_model"), help="Embedded mode: the generator's checkpoint or preset (default: the shadow's own).", rich_help_panel=MODEL)] = None,
-    grid: Annotated[int, typer.Option(envvar=_env("grid"), help="Grid G: rows per chunk (a positive multiple of 64).", rich_help_panel=MODEL)] = 512,
-    device: Annotated[str, typer.Option(envvar=_env("device"), help="torch device: cpu, cuda, cuda:1 ...", rich_help_panel=MODEL)] = "cpu",
-    dtype: Annotated[str, typer.Option(envvar=_env("dtype"), help="Model dtype: auto, float32, bfloat16.", rich_help_panel=MODEL)] = "auto",
-    kernels: Annotated[str, typer.Option(envvar=_env("kernels"), help="Kernels: auto, reference, fast (fla-triton), fla-fused, fla.", rich_help_panel=MODEL)] = "auto",
+    standing_question: Annotated[Path | None, typer.Option(envvar=_env("standing_question"), callback=input_file, help="A JSON file {name, text, choices, min_prompt_tokens (8192), label_header (x-shadow-label)}: asked of the shadow at every turn with at least that many prompt tokens, at the prompt's last <|im_end|>, journaled beside the turn's label header.", rich_help_panel=SERVICE)] = None,
+    model: Annotated[str, typer.Option("--model", "-m", envvar=_env("model"), callback=model_name, help="The shadow: a preset (tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b: random weights) or a Qwen3.5 checkpoint folder.", rich_help_panel=MODEL)] = "tiny",
+    generator_model: Annotated[str | None, typer.Option(envvar=_env("generator_model"), callback=model_name, help="Embedded mode: the generator's checkpoint or preset (default: the shadow's own).", rich_help_panel=MODEL)] = None,
+    grid: Annotated[int, typer.Option(envvar=_env("grid"), callback=grid_size, help="Grid G: rows per chunk (a positive multiple of 64).", rich_help_panel=MODEL)] = 512,
+    device: Annotated[str, typer.Option(envvar=_env("device"), callback=device_name, help="torch device: cpu, cuda, cuda:1 ... (checked before anything loads).", rich_help_panel=MODEL)] = "cpu",
+    dtype: Annotated[str, typer.Option(envvar=_env("dtype"), callback=dtype_name, help="Model dtype: auto, float32, bfloat16.", rich_help_panel=MODEL)] = "auto",
+    kernels: Annotated[str, typer.Option(envvar=_env("kernels"), callback=kernels_name, help="Kernels: auto, reference, fast (fla-triton), fla-fused, fla.", rich_help_panel=MODEL)] = "auto",
     cap_gib: Annotated[float, typer.Option(envvar=_env("cap_gib"), min=0.001, help="Resident cap for shadow sessions, GiB.", rich_help_panel=STORE)] = 4.0,
     disk: Annotated[Path | None, typer.Option(envvar=_env("disk"), help="Folder where sessions past the cap (and all, at a planned stop) are written.", rich_help_panel=STORE)] = None,
     disk_cap_gib: Annotated[float, typer.Option(envvar=_env("disk_cap_gib"), min=0.001, help="Bound on the store's own files in --disk, GiB (oldest removed first).", rich_help_panel=STORE)] = 64.0,
@@ -76,8 +78,8 @@ def serve(
     batch: Annotated[int, typer.Option(envvar=_env("batch"), min=1, max=8, help="Sessions whose next chunks one read may take together (2, 4 or 8: one forward, each session's state bit-equal to reading its chunk alone; 1: one session a read). On the H200 8 sessions at 16k read 12 % more tokens a second than one at a time.", rich_help_panel=READING)] = 1,
     upstream: Annotated[str | None, typer.Option(envvar=_env("upstream"), help="Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1). Without it: embedded mode.", rich_help_panel=ENGINE)] = None,
     engine: Annotated[str, typer.Option(envvar=_env("engine"), help="The engine's dialect (where the ids it read and wrote come from): vllm, sglang, llamacpp, transformers, openai; auto probes the engine.", rich_help_panel=ENGINE)] = "auto",
-    chat_template: Annotated[Path | None, typer.Option(envvar=_env("chat_template"), help="The big model's chat template: a .jinja file, a tokenizer_config.json, or its checkpoint folder (default: the --tokenizer folder's, else the shadow checkpoint's).", rich_help_panel=ENGINE)] = None,
-    tokenizer_path: Annotated[Path | None, typer.Option("--tokenizer", envvar=_env("tokenizer"), help="The big model's tokenizer: a folder with tokenizer.json, or the file (default: the template's folder, else the real Qwen3.5 vocabulary).", rich_help_panel=ENGINE)] = None,
+    chat_template: Annotated[Path | None, typer.Option(envvar=_env("chat_template"), callback=readable_path, help="The big model's chat template: a .jinja file, a tokenizer_config.json, or its checkpoint folder (default: the --tokenizer folder's, else the shadow checkpoint's).", rich_help_panel=ENGINE)] = None,
+    tokenizer_path: Annotated[Path | None, typer.Option("--tokenizer", envvar=_env("tokenizer"), callback=tokenizer_path, help="The big model's tokenizer: a folder with tokenizer.json, or the file (default: the template's folder, else the real Qwen3.5 vocabulary). Embedded mode: with --chat-template only.", rich_help_panel=ENGINE)] = None,
     chat_template_kwargs: Annotated[str | None, typer.Option(envvar=_env("chat_template_kwargs"), help="JSON object of template kwargs the engine applies by default (e.g. '{\"enable_thinking\": false}'); a request's own win.", rich_help_panel=ENGINE)] = None,
     label_from_upstream: Annotated[bool, typer.Option(envvar=_env("label_from_upstream"), help="With --standing-question: after a turn with no label header, ask the engine the standing question (one greedy token) and journal its answer as the reference label.", rich_help_panel=ENGINE)] = False,
     session_headers: Annotated[str, typer.Option(envvar=_env("session_headers"), help="Request headers that name a session, first match wins (comma-separated).", rich_help_panel=SESSIONS)] = "x-session-id,x-openwebui-chat-id",
@@ -85,7 +87,7 @@ def serve(
     status_channel: Annotated[str, typer.Option(envvar=_env("status_channel"), help="Where status lines (waiting, reading N tokens, thinking, writing a file) go in streamed chat: auto (Open WebUI: status events, then reasoning; opencode: inline; other clients: none), reasoning, content, inline, off.", rich_help_panel=LINES)] = "auto",
     engine_slots: Annotated[int, typer.Option(envvar=_env("engine_slots"), min=1, help="Requests the engine prefills at once (llama.cpp's -np; high for vLLM and SGLang): a request waits behind that many.", rich_help_panel=LINES)] = 1,
     voice: Annotated[bool, typer.Option(envvar=_env("voice"), help="The voice: a short phrase from the shadow's state after a thinking, decided or writing line, said only if it passes its checks (with random weights none does).", rich_help_panel=VOICE)] = True,
-    voice_model: Annotated[str | None, typer.Option(envvar=_env("voice_model"), help="A checkpoint (or preset) of its own for the voice, e.g. a real Qwen3.5-2B folder: it reads each session's newest 2,048 ids afresh (default: the voice forks the shadow's own state).", rich_help_panel=VOICE)] = None,
+    voice_model: Annotated[str | None, typer.Option(envvar=_env("voice_model"), callback=model_name, help="A checkpoint (or preset) of its own for the voice, e.g. a real Qwen3.5-2B folder: it reads each session's newest 2,048 ids afresh (default: the voice forks the shadow's own state).", rich_help_panel=VOICE)] = None,
     voice_share: Annotated[float, typer.Option(envvar=_env("voice_share"), min=0.0, max=0.5, help="The voice's share of the time since a turn's first token (one phrase a slice of at most 150 ms).", rich_help_panel=VOICE)] = 0.03,
     max_body_mb: Annotated[float, typer.Option(envvar=_env("max_body_mb"), min=0.001, help="Largest request body, MiB (413 beyond).", rich_help_panel=LIMITS)] = 32.0,
     max_prompt_tokens: Annotated[int, typer.Option(envvar=_env("max_prompt_tokens"), min=1, help="Longest prompt the embedded generator takes (400 beyond) or the shadow reads (proxy: longer prompts pass, unread).", rich_help_panel=LIMITS)] = 262_144,
@@ -93,6 +95,8 @@ def serve(
     max_tokens: Annotated[int, typer.Option(envvar=_env("max_tokens"), min=1, help="Most tokens the embedded generator writes for one request.", rich_help_panel=LIMITS)] = 4096,
     max_ask_tail: Annotated[int, typer.Option(envvar=_env("max_ask_tail"), min=1, help="Most unread ids an ask or summary may prefill in one fork; a session further behind answers 503 (ask again with a longer timeout_s).", rich_help_panel=LIMITS)] = 16384,
     max_concurrent: Annotated[int, typer.Option(envvar=_env("max_concurrent"), min=1, help="Completion, ask and summary requests in flight (429 beyond).", rich_help_panel=LIMITS)] = 64,
+    max_queued: Annotated[int, typer.Option(envvar=_env("max_queued"), min=1, help="Embedded mode: requests generating or waiting for the generator (429 beyond).", rich_help_panel=LIMITS)] = 16,
+    max_generating: Annotated[int, typer.Option(envvar=_env("max_generating"), min=1, help="Embedded mode: generations that hold their state at once, taking turns on the device (a short request is served between a long prefill's chunks); the others wait in arrival order.", rich_help_panel=LIMITS)] = 2,
     api_key: Annotated[str | None, typer.Option(envvar="SHADOW_API_KEY", help="Require 'Authorization: Bearer KEY' on every endpoint (required to listen beyond loopback).", rich_help_panel=ACCESS)] = None,
     admin_key: Annotated[str | None, typer.Option(envvar="SHADOW_ADMIN_KEY", help="A separate key for the shadow's own endpoints (ask, summarize, status, switch).", rich_help_panel=ACCESS)] = None,
     upstream_api_key: Annotated[str | None, typer.Option(envvar="SHADOW_UPSTREAM_API_KEY", help="Proxy mode: the engine's key, sent in place of the client's Authorization.", rich_help_panel=ACCESS)] = None,
@@ -123,14 +127,14 @@ def serve(
         model=ModelSettings(model, generator_model, grid, device, dtype, kernels),
         store=StoreSettings(cap_gib, disk, disk_cap_gib, unload_slack_gib, store_key),
         schedule=BandwidthRule(share=share, slice_s=slice_ms / 1000, batch=batch),
-        engine=EngineSettings(upstream, engine, chat_template, tokenizer_path, parse_template_kwargs(chat_template_kwargs),
+        engine=EngineSettings(upstream, engine, chat_template, tokenizer_path, template_kwargs(chat_template_kwargs),
                               upstream_api_key, label_from_upstream),
         sessions=SessionSettings(tuple(h.strip() for h in session_headers.split(",") if h.strip()), prefix_match),
         status=StatusSettings(status_channel, engine_slots),
         voice=VoiceSettings(voice, voice_model, voice_share),
         limits=Limits(max_body_bytes=int(max_body_mb * 2**20), max_prompt_tokens=max_prompt_tokens,
                       max_question_tokens=max_question_tokens, max_tokens=max_tokens, max_ask_tail=max_ask_tail,
-                      max_concurrent=max_concurrent),
+                      max_concurrent=max_concurrent, max_queued=max_queued, max_generating=max_generating),
         access=Access(api_key, admin_key, health_without_key),
         probes=ProbeSettings(stuck_s=health_stuck_s, engine_timeout_s=ready_engine_timeout_s),
         journal=journal, standing_question=standing_question, require_exact=require_exact, shadow_on=shadow,
@@ -138,6 +142,8 @@ def serve(
         host=host, port=port,
     )
     check(settings)
+    if standing_question is not None:  # its choices single, distinct tokens of the shadow's vocabulary
+        _check_standing(standing_question, model)
     listener = _bind(host, port)  # before the model loads: a port in use fails at once
     from shadow.server import logs
     from shadow.server.build import build
@@ -155,6 +161,16 @@ def serve(
         console.print("[yellow]weights are random:[/] answers and generated text mean nothing; exactness and timing do.")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
     _run(built.app, listener, host, port)
+
+
+def _check_standing(path: Path, model: str) -> None:
+    """The standing question as serve will read it, with the shadow's tokenizer, before any work
+    (a checkpoint folder's own tokenizer.json, else the Qwen3.5 vocabulary the presets use)."""
+    from shadow.server.standing import load_standing
+    from shadow.text.tokenizer import load_tokenizer
+
+    folder = Path(model)
+    load_standing(path, load_tokenizer(folder if folder.is_dir() else None))
 
 
 def _bind(host: str, port: int):

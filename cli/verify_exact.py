@@ -13,7 +13,8 @@ from rich.table import Table
 
 from cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, bounds, check_kernels, console, emit_json,
-    folder_to_write, grid_size, input_file, parse_dtype, progress, user_errors, write_csv,
+    folder_to_write, grid_size, input_file, parse_dtype, progress, seed_bounds, user_errors, user_text_file,
+    write_csv,
 )
 from shadow.model import runtime
 
@@ -30,7 +31,7 @@ def verify_exact(
     cap_gib: Annotated[float | None, typer.Option(callback=bounds(ge=0), help="Resident cap in GiB; past it the least recently used sessions are spilled to --disk (or dropped and read again). Default: no cap.")] = None,
     disk: Annotated[Path | None, typer.Option(callback=folder_to_write, help="Folder for spilled sessions (one safetensors file each).")] = None,
     disk_cap_gib: Annotated[float, typer.Option(callback=bounds(gt=0), help="Disk cap in GiB; the oldest files past it are removed.")] = 64.0,
-    seed: Annotated[int, typer.Option(callback=bounds(ge=0), help="Seed of the random preset weights and of the sample session.")] = 0,
+    seed: Annotated[int, typer.Option(callback=seed_bounds, help="Seed of the random preset weights and of the sample session (0 to 2**63 - 1).")] = 0,
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -48,7 +49,8 @@ def verify_exact(
     from shadow.offline.verify import KINDS, verify
 
     check_kernels(kernels, device)
-    conversations = [load_conversation(p) for p in conversation] if conversation else [sample_conversation(seed)]
+    conversations = ([user_text_file(p, load_conversation) for p in conversation] if conversation
+                     else [sample_conversation(seed)])
     started = time.perf_counter()
     loaded, reader = open_reader(
         model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels, seed=seed

@@ -10,14 +10,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from cli.common import (
-    CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, console, emit_json, errors, parse_dtype,
-    user_errors, write_csv,
+    CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, console, emit_json, errors, input_file,
+    parse_dtype, seed_bounds, user_errors, user_text_file, write_csv,
 )
 
 
 @user_errors
 def voice_replay(
-    conversation: Annotated[list[Path] | None, typer.Option("--conversation", "-c", help="A conversation file (mini-swe-agent .traj.json, SWE-agent .traj, or the project's .jsonl); repeatable. Default: the built-in seeded sample session.")] = None,
+    conversation: Annotated[list[Path] | None, typer.Option("--conversation", "-c", callback=input_file, help="A conversation file (mini-swe-agent .traj.json, SWE-agent .traj, or the project's .jsonl); repeatable. Default: the built-in seeded sample session.")] = None,
     model: ModelOpt = "tiny",
     grid: GridOpt = 512,
     device: DeviceOpt = "cpu",
@@ -25,7 +25,7 @@ def voice_replay(
     kernels: KernelsOpt = "auto",
     max_turns: Annotated[int | None, typer.Option(min=1, help="Turns of each conversation to replay (default: all).")] = None,
     min_reasoning_tokens: Annotated[int, typer.Option(min=1, help="A turn's reasoning must have this many ids for the voice to speak about it.")] = 32,
-    seed: Annotated[int, typer.Option(help="Seed of the random preset weights and of the sample session.")] = 0,
+    seed: Annotated[int, typer.Option(callback=seed_bounds, help="Seed of the random preset weights and of the sample session (0 to 2**63 - 1).")] = 0,
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -40,7 +40,8 @@ def voice_replay(
     from shadow.text.tokenizer import load_tokenizer
     from shadow.voice.replay import voice_replay as run
 
-    conversations = [load_conversation(p) for p in conversation] if conversation else [sample_conversation(seed)]
+    conversations = ([user_text_file(p, load_conversation) for p in conversation] if conversation
+                     else [sample_conversation(seed)])
     loaded, reader = open_reader(model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels, seed=seed)
     tokenizer = load_tokenizer(loaded.path)
     with Progress(TextColumn("voice"), BarColumn(), TextColumn("{task.completed} phrases"), TimeElapsedColumn(),

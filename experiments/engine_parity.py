@@ -1,8 +1,8 @@
 """Id parity of a shadow beside a real engine: play the conformance session script (5 sessions,
 31 chat turns: plain, reasoning, tools and tool results, content parts, template kwargs;
 streamed and not) through a running `shadow serve` proxy, then count from its journal and
-status how many turns' prompt and output ids were verified against the engine, how many outputs
-were not read, and whether every session is exact. The figures of docs/SERVE.md's engine table.
+status each turn's prompt and output apart by state (verified, unverified, mismatched, not read),
+the turns verified (both parts), and whether every session is exact. The figures of docs/SERVE.md's engine table.
 
 Usage: python experiments/engine_parity.py SHADOW_URL JOURNAL [--model NAME] [--max-tokens 8] [--out FILE.json]
 (SHADOW_URL: the proxy's root, e.g. http://127.0.0.1:8000; JOURNAL: its --journal file)
@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from shadow.engines.enginecheck import play_sessions, session_script
+from shadow.engines.idcheck import PART_STATES
 
 
 def main() -> None:
@@ -45,10 +46,8 @@ def main() -> None:
     sessions = [s for s in status["sessions"] if s["name"] in names]
     out = {
         "engine": status["engine"], "turns_sent": sent, "turns_checked": len(turns),
-        "prompt_verified": sum(t["prompt_verified"] is True for t in turns),
-        "prompt_mismatched": sum(t["prompt_verified"] is False for t in turns),
-        "output_verified": sum(t["output_verified"] is True for t in turns),
-        "output_not_read": sum(any(r.startswith("output not read") for r in t["reasons"]) for t in turns),
+        "prompts": {state: sum(t["prompt_check"] == state for t in turns) for state in PART_STATES},
+        "outputs": {state: sum(t["output_check"] == state for t in turns) for state in PART_STATES},
         "turns_verified": sum(t["verified"] is True for t in turns),
         "turns_mismatched": sum(t["verified"] is False for t in turns),
         "turns_unverified": sum(t["verified"] is None for t in turns),

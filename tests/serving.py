@@ -42,12 +42,14 @@ def free_port() -> int:
 
 def settings_for(upstream: str | None = None, disk=None, journal=None, label_from_upstream=False, prefix_match=True,
                  require_exact=False, session_headers=None, status_channel="auto", status_timing=None,
-                 rule: BandwidthRule = BandwidthRule(), dialect: str = "auto", **more) -> ServeSettings:
+                 rule: BandwidthRule = BandwidthRule(), dialect: str = "auto", engine_timeout_s: float = 600.0,
+                 **more) -> ServeSettings:
     """The settings a test's service runs with: grid GRID, no cap, and what the test names."""
     sessions = SessionSettings(prefix_match=prefix_match, **({"headers": tuple(session_headers)} if session_headers else {}))
     return ServeSettings(
         model=ModelSettings("tiny", grid=GRID), store=StoreSettings(cap_gib=None, disk=disk), schedule=rule,
-        engine=EngineSettings(upstream=upstream, dialect=dialect, label_from_upstream=label_from_upstream),
+        engine=EngineSettings(upstream=upstream, dialect=dialect, label_from_upstream=label_from_upstream,
+                              timeout_s=engine_timeout_s),
         sessions=sessions, status=StatusSettings(status_channel, timing=LineTiming(**(status_timing or {}))),
         journal=journal, require_exact=require_exact, **more)
 
@@ -59,9 +61,10 @@ def service_for(settings: ServeSettings, reader, store, weights: str = "random",
 
 @contextmanager
 def running(upstream: str | None = None, disk=None, journal=None, standing=None, label_from_upstream=False,
-            prefix_match=True, require_exact=False, renderer=None, **options):
+            prefix_match=True, require_exact=False, renderer=None, wrap=None, **options):
     """A real `shadow serve` app on loopback in a thread: embedded, or a proxy in front of
-    `upstream`; leaving it is a planned stop (sessions parked on `disk`)."""
+    `upstream` (`wrap`: an ASGI middleware around it); leaving it is a planned stop (sessions
+    parked on `disk`)."""
     loaded, reader = open_reader("tiny", grid=GRID)
     store = SessionStore(reader, loaded.weights_hash, cap_gib=None, disk=disk)
     settings = settings_for(upstream, disk, journal, label_from_upstream, prefix_match, require_exact, **options)
@@ -69,7 +72,7 @@ def running(upstream: str | None = None, disk=None, journal=None, standing=None,
     generator = None if upstream else Generator(loaded.model)
     app = ShadowApp(settings, service, load_tokenizer(None), "upstream" if upstream else "tiny", generator=generator,
                     renderer=renderer).app
-    with serving(app) as client:
+    with serving(app if wrap is None else wrap(app)) as client:
         yield client, service
 
 

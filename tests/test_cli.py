@@ -370,6 +370,100 @@ def test_router_eval_refuses_bad_input(workdir, args, message):
     refused(["router-eval", *args], workdir, message)
 
 
+# input the checks had not seen: files nested 100,000 deep or with a number of 5,000 digits,
+# numbers past any bound, options that were accepted and ignored
+
+DEEP = "[" * 100_000 + "]" * 100_000
+HUGE = "9" * 5000
+
+
+@pytest.fixture()
+def bad_files(workdir):
+    """Conversation, journal, ledger and question files nested 100,000 deep or holding a number of
+    5,000 digits; a ledger of three sessions; a standing question whose choices repeat; a TOML
+    config nested 5,000 deep; a folder holding no tokenizer.json."""
+    (workdir / "deep.traj.json").write_text('{"messages": ' + DEEP + "}")
+    (workdir / "huge.traj.json").write_text('{"messages": [{"role": "user", "content": "x", "n": ' + HUGE + "}]}")
+    (workdir / "deep.jsonl").write_text(DEEP + "\n")
+    (workdir / "huge.jsonl").write_text('{"session": "a", "n": ' + HUGE + "}\n")
+    (workdir / "deep-q.json").write_text('{"text": "A?", "choices": ' + DEEP + "}")
+    rows = [{"session": s, "start": i * 10.0, "first_token": i * 10 + 1.0, "end": i * 10 + 5.0, "prompt_tokens": 600,
+             "new_prompt_tokens": 600, "output_tokens": 10} for i, s in enumerate("abc")]
+    (workdir / "three.ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (workdir / "repeated.json").write_text(json.dumps({"name": "r", "text": "A or B?", "choices": ["A", "A"]}))
+    (workdir / "deep.toml").write_text("a = " + "[" * 5000 + "1" + "]" * 5000 + "\n")
+    (workdir / "notok").mkdir()
+    return workdir
+
+
+@pytest.mark.parametrize("args, message", [
+    (["verify-exact", "-c", "deep.traj.json"], "deep.traj.json: nests too deeply"),
+    (["verify-exact", "-c", "huge.traj.json"], "huge.traj.json: not readable JSON"),
+    (["voice-replay", "-c", "deep.traj.json"], "deep.traj.json: nests too deeply"),
+    (["voice-replay", "-c", "huge.traj.json"], "huge.traj.json: not readable JSON"),
+    (["replay-ledger", "deep.jsonl"], "deep.jsonl:1: not JSON"),
+    (["replay-ledger", "huge.jsonl"], "huge.jsonl:1: not JSON"),
+    (["replay-ledger", "deep.jsonl", "--format", "ledger"], "deep.jsonl: nests too deeply"),
+    (["replay-ledger", "huge.jsonl", "--format", "mooncake"], "huge.jsonl"),
+    (["replay-ledger", "deep.traj.json", "--format", "trajectory"], "deep.traj.json"),
+    (["router-eval", "--journal", "deep.jsonl", "--sessions", "folder"], "deep.jsonl: nests too deeply"),
+    (["router-eval", "--journal", "huge.jsonl", "--sessions", "folder"], "huge.jsonl"),
+    (["verify-exact", "--seed", "99999999999999999999999"], "--seed must be an integer from 0 to 2**63 - 1"),
+    (["verify-exact", "--seed", "1" + "0" * 400], "--seed must be an integer from 0 to 2**63 - 1"),
+    (["voice-replay", "--seed", "99999999999999999999999"], "--seed must be an integer from 0 to 2**63 - 1"),
+    (["replay-ledger", "three.ledger.jsonl", "--pack", "1e308"],
+     "--pack needs a positive number of active sessions, at most 10,000"),
+    (["replay-ledger", "three.ledger.jsonl", "--pack", "inf"], "--pack needs a positive number"),
+    (["serve", "--max-body-mb", "inf"], "--max-body-mb must be a finite number"),
+    (["serve", "--standing-question", "repeated.json"], "repeated.json: not a standing question file"),
+    (["serve", "--session-headers", ""], "--session-headers names no header"),
+    (["serve", "--session-headers", " , "], "--session-headers names no header"),
+    (["serve", "--tokenizer", "notok"], "--tokenizer notok: the folder has no tokenizer.json"),
+    (["serve", "--tokenizer", "nowhere"], "--tokenizer nowhere: no such file or folder"),
+    (["serve", "--upstream", "http://127.0.0.1:9/v1", "--tokenizer", "notok"], "the folder has no tokenizer.json"),
+    (["serve", "--tokenizer", "binary.dat"], "--tokenizer in embedded mode needs --chat-template"),
+    (["serve", "--chat-template", "nowhere.jinja"], "--chat-template nowhere.jinja: no such file or folder"),
+    (["serve", "--chat-template-kwargs", DEEP], "--chat-template-kwargs is not readable JSON"),
+    (["serve", "--max-generating", "3", "--max-queued", "2"],
+     "--max-generating must be at least 1 and at most --max-queued"),
+    (["serve", "--generator-model", "qwen9"], "--generator-model 'qwen9': no checkpoint folder or preset"),
+    (["serve", "--voice-model", "folder"], "folder: the checkpoint folder has no config.json"),
+    (["serve", "--grid", "100"], "--grid must be a positive multiple of 64 (got 100)"),
+    (["serve", "--dtype", "int7"], "unknown dtype 'int7'"),
+    (["serve", "--device", "gpu"], "--device 'gpu': not a device"),
+    (["check-engine", "http://127.0.0.1:9/v1", "--tokenizer", "notok"], "the folder has no tokenizer.json"),
+    (["check-engine", "http://127.0.0.1:9/v1", "--chat-template-kwargs", DEEP],
+     "--chat-template-kwargs is not readable"),
+], ids=["deep-conversation", "huge-conversation", "deep-voice-conversation", "huge-voice-conversation",
+        "deep-ledger-detect", "huge-ledger-detect", "deep-ledger", "huge-mooncake", "deep-trajectory",
+        "deep-journal", "huge-journal", "huge-seed", "seed-past-any-float", "huge-voice-seed", "pack-1e308",
+        "pack-inf", "max-body-inf", "repeated-choices", "empty-session-headers", "blank-session-headers",
+        "tokenizer-folder-without-one", "missing-tokenizer", "proxy-tokenizer-folder-without-one",
+        "embedded-tokenizer-alone", "missing-template", "deep-template-kwargs", "generating-past-queued",
+        "unknown-generator", "voice-model-without-config", "serve-bad-grid", "serve-bad-dtype",
+        "serve-unknown-device", "check-engine-tokenizer", "check-engine-deep-kwargs"])
+def test_input_the_checks_had_not_seen_exits_2_before_any_work(bad_files, args, message):
+    refused(args, bad_files, message)
+
+
+def test_serve_refuses_a_deep_config_on_one_line(bad_files):
+    refused(["serve", "--config", "deep.toml"], bad_files, "cannot read deep.toml as TOML", cli=one_line_app())
+
+
+def test_router_eval_refuses_a_deep_question_file(bad_files):
+    (bad_files / "afile").write_text(json.dumps({"session": "s", "insertion": 1, "question_ids": [1], "choices": ["A"],
+                                                 "probs": [1.0], "reference": "A", "weights_hash": "x",
+                                                 "grid": 512}) + "\n")
+    refused(["router-eval", "--journal", "afile", "--sessions", "folder", "--question", "deep-q.json"], bad_files,
+            "deep-q.json")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+def test_serve_on_cuda_without_cuda_is_refused_before_loading(bad_files):
+    refused(["serve", "--device", "cuda"], bad_files, "--device cuda: CUDA is not available here")
+    refused(["serve", "--upstream", "http://127.0.0.1:9/v1", "--device", "cuda:0"], bad_files, "CUDA is not available")
+
+
 def test_serve_refuses_a_binary_config_on_one_line(workdir):
     refused(["serve", "--config", "binary.dat"], workdir, "cannot read binary.dat as TOML", cli=one_line_app())
 

@@ -41,7 +41,9 @@ def test_thirty_one_turns_through_the_proxy_read_llama_servers_ids(engine, tmp_p
     """5 sessions, 31 turns (plain, reasoning, tools and tool results, content parts, template
     kwargs; streamed and not) through `shadow serve` in front of `llama-server`: the dialect is
     found by probing; every prompt is the engine's; outputs are read where their ids are the
-    engine's and its count, never otherwise; each final state is bit-equal to a fresh prefill."""
+    engine's (the ids beside its logprobs) and its count, never otherwise (never from text); a
+    turn is verified exactly when its output was read and verified; each final state is bit-equal
+    to a fresh prefill."""
     journal = tmp_path / "journal.jsonl"
     turns, equal = 0, 0
     last_body: dict[str, dict] = {}
@@ -64,10 +66,14 @@ def test_thirty_one_turns_through_the_proxy_read_llama_servers_ids(engine, tmp_p
     assert status["engine"]["dialect"] == "llamacpp", status["engine"]
     records = [r for r in map(json.loads, journal.read_text().splitlines()) if r.get("kind") == "turn"]
     assert turns >= 30 and len(records) == turns and equal == turns
-    assert all(r["prompt_verified"] and r["ids_source"]["prompt"] == "engine-tokenize" for r in records)
-    assert all(r["verified"] is True for r in records), [r for r in records if r["verified"] is not True]
-    whole = [r for r in records if r["output_verified"]]
+    assert all(r["prompt_check"] == "verified" and r["ids_source"]["prompt"] == "engine-tokenize" for r in records)
+    assert all(r["output_check"] in ("verified", "not_read") for r in records), records
+    assert all((r["verified"] is True) == (r["output_check"] == "verified") for r in records)
+    assert all(r["ids_source"]["output"] in ("logprobs", None) for r in records)  # never re-tokenised text
+    whole = [r for r in records if r["output_check"] == "verified"]
     assert whole, records  # whole responses: their output ids are the engine's, end token and all
+    parts = status["counters"]["turn_parts"]
+    assert parts["output"]["verified"] + parts["output"]["not_read"] == turns
     sessions = {s["name"]: s for s in status["sessions"]}
     assert all(sessions[n]["id_checks"]["exact"] for n in last_body)
 
@@ -81,6 +87,9 @@ def test_check_engine_against_llama_server(engine):
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output.strip().splitlines()[-1])
     assert doc["dialect"] == "llamacpp" and doc["summary"]["mismatched"] == 0
-    rows = doc["requests"]
+    summary, rows = doc["summary"], doc["requests"]
+    assert summary["prompts"]["verified"] == summary["answered"]
+    assert summary["outputs"]["verified"] + summary["outputs"]["not_read"] == summary["answered"]
+    assert summary["verified"] == summary["outputs"]["verified"]  # a request is verified only with its output
     assert all(row["prompt_source"] == "engine-tokenize" and row["prompt_ids"] == row["usage_prompt"] for row in rows)
     assert any(row["output_ids"] == row["usage_completion"] for row in rows if not row["streamed"])

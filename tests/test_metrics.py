@@ -119,7 +119,7 @@ def wanted(status: dict, store_counters: dict, journal: Path) -> dict[tuple, flo
     turns = [r for r in records if r.get("kind") == "turn"]
     out = {
         ("shadow:ready",): 1.0, ("shadow:requests_total",): c["requests"], ("shadow:asks_total",): c["asks"],
-        ("shadow:turns_in_flight",): status["turns_in_flight"],
+        ("shadow:turns_in_flight",): status["turns_in_flight"], ("shadow:turns_overdue",): len(status["overdue_turns"]),
         ("shadow:sessions_resident",): totals["resident_sessions"], ("shadow:sessions_on_disk",): totals["files"],
         ("shadow:resident_bytes",): totals["resident_bytes"], ("shadow:disk_bytes",): totals["disk_bytes"],
         ("shadow:write_failures_total",): totals["write_failures"],
@@ -141,9 +141,10 @@ def wanted(status: dict, store_counters: dict, journal: Path) -> dict[tuple, flo
     for result in ("verified", "unverified", "mismatched"):
         out[("shadow:turns_total", ("result", result))] = sum(x[f"turns_{result}"] for x in checks)
     for part in ("prompt", "output"):
-        for result, value in (("verified", True), ("mismatched", False), ("unverified", None)):
+        for result in ("verified", "unverified", "mismatched", "not_read"):
             out[("shadow:turn_parts_total", ("part", part), ("result", result))] = sum(
-                t[f"{part}_verified"] is value for t in turns)
+                t[f"{part}_check"] == result for t in turns)
+            assert c["turn_parts"][part][result] == sum(t[f"{part}_check"] == result for t in turns)
     for kind in set(lines):
         out[("shadow:status_lines_total", ("kind", kind))] = lines.count(kind)
     return {k: float(v) for k, v in out.items()}
@@ -155,7 +156,8 @@ def differences(have: dict, want: dict) -> dict:
 
 def test_a_real_prometheus_finds_the_shadow_series_status_reports(tiny, tmp_path):
     """A scripted session through a proxy: two sessions (one spills under the tiny cap), each turn
-    unverified (the engine shows no ids and no usage), status lines, an ask that restores the
+    unverified (the engine shows no ids and no usage: each prompt read and unverified, each output
+    not read), status lines, an ask that restores the
     spilled one; Prometheus's series then hold the values status reports, and every query of
     the Grafana dashboard runs."""
     with serving(quiet_engine()) as engine:
@@ -178,6 +180,8 @@ def test_a_real_prometheus_finds_the_shadow_series_status_reports(tiny, tmp_path
                 assert not differences(have, want), differences(have, want)
                 assert want[("shadow:spills_total",)] >= 1 and want[("shadow:restores_total",)] >= 1
                 assert want[("shadow:turns_total", ("result", "unverified"))] == 2
+                assert want[("shadow:turn_parts_total", ("part", "output"), ("result", "not_read"))] == 2
+                assert want[("shadow:turn_parts_total", ("part", "prompt"), ("result", "unverified"))] == 2
                 assert want[("shadow:status_lines_total", ("kind", "reading"))] >= 2
                 _dashboard_runs(prom, {k[0] for k in have})
                 _alerts_evaluate(prom)
@@ -284,3 +288,10 @@ def test_the_journal_counts_parts_lines_and_phrases_appended_since_start(tmp_pat
         f.write(half[10:] + "\n")
     counts.update()
     assert counts.checks["prompt", "mismatched"] == 1 and counts.checks["output", "mismatched"] == 1
+    # records of this version say each part's state, not_read included
+    with open(path, "a") as f:
+        f.write(json.dumps({"kind": "turn", "prompt_check": "verified", "output_check": "not_read",
+                            "prompt_verified": True, "output_verified": None}) + "\n")
+    counts.update()
+    assert counts.checks["prompt", "verified"] == 2 and counts.checks["output", "not_read"] == 1
+    assert counts.checks["output", "unverified"] == 1  # the earlier record's null stays unverified

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serving import running, serving, settled
 from shadow.text.chat_template import ChatRenderer, Template, default_hf_tokenizer
@@ -21,7 +21,8 @@ END = 248046
 
 def scripted_engine(seen: list[dict], mode: dict) -> FastAPI:
     """An OpenAI-compatible engine whose behaviour `mode` sets: `usage` (bool), `broken` (stop the
-    stream after two chunks by closing the connection), `junk` (events the shadow cannot read)."""
+    stream after two chunks by closing the connection), `junk` (events the shadow cannot read),
+    `delay_s` (seconds before it answers)."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -33,6 +34,10 @@ def scripted_engine(seen: list[dict], mode: dict) -> FastAPI:
         raw = await request.body()
         body = json.loads(raw)
         seen.append({"headers": dict(request.headers), "body": body})
+        if mode.get("delay_s"):  # the engine keeps the request waiting before it answers
+            import asyncio
+
+            await asyncio.sleep(mode["delay_s"])
         headers = {"x-request-id": "req-42", "cache-control": "no-store", "x-engine": "scripted"}
         if mode.get("refuse_logprobs") and "logprobs" in body:
             return JSONResponse({"error": {"message": "logprobs is not supported", "type": "invalid_request_error"}},
@@ -272,3 +277,316 @@ def test_an_engine_that_refuses_what_the_proxy_adds_gets_the_clients_request(scr
     settled(service)
     checks = service.checks["refused"]  # the scripted engine's usage is not this template's count: flagged
     assert checks.verified + checks.unverified + checks.mismatched == 1
+
+
+# an output is read only as the engine's own ids ---------------------------------------------
+
+def trimming_renderer() -> ChatRenderer:
+    """A template that writes each message's content trimmed, as many real templates do: the
+    reply " Pago is here" comes back as "Pago is here", whose first id is another token."""
+    template = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | trim }}<|im_end|>\n{% endfor %}"
+                "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return ChatRenderer(Template(template, "trim.jinja"), default_hf_tokenizer())
+
+
+def text_only_engine(renderer: ChatRenderer, seen: list[dict]) -> FastAPI:
+    """An engine like `transformers serve`: text and `usage` only, no ids, no logprobs. It
+    "generated" " Pago is here" and the end token; the ids it generated are shown beside, in a
+    field no dialect reads (`x_generated_ids`), so the test knows them."""
+    app = FastAPI()
+    tok = renderer.tokenizer
+    content = " Pago is here"
+    generated = tok.encode(content, add_special_tokens=False) + [END]
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        seen.append(body)
+        usage = {"prompt_tokens": len(renderer.prompt_ids(body["messages"])), "completion_tokens": len(generated)}
+        if not body.get("stream"):
+            return {"id": "c", "object": "chat.completion", "x_generated_ids": generated, "usage": usage,
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": content}}]}
+
+        async def events():
+            yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}) + "\n\n"
+            yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": content}}]}) + "\n\n"
+            yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                                         "x_generated_ids": generated}) + "\n\n"
+            yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_output_whose_text_retokenises_to_the_same_count_and_other_ids_is_never_read(tiny, tmp_path, stream):
+    """The case seen in front of `transformers serve`: the engine generated " Pago" (one id), the
+    reply's text as the template writes it back starts "Pago" (another id), and the counts agree.
+    An equal count is not equal ids: the output is not read, the turn is not verified (its
+    output `not_read`, everywhere it is counted), no wrong id is in the session, and the next
+    prompt brings the reply as the engine itself reads it."""
+    r = trimming_renderer()
+    generated = r.tokenizer.encode(" Pago is here", add_special_tokens=False) + [END]
+    history = [{"role": "user", "content": "Who is there?"}]
+    rewritten = r.encode(r.reply_text(history, {"role": "assistant", "content": " Pago is here"}, end="<|im_end|>"))
+    assert len(rewritten) == len(generated) and rewritten != generated  # the trap: same count, other ids
+    journal, seen = tmp_path / "journal.jsonl", []
+    with serving(text_only_engine(r, seen)) as engine:
+        url = str(engine.base_url).rstrip("/") + "/v1"
+        with running(upstream=url, dialect="transformers", renderer=r, journal=journal) as (proxy, service):
+            body = {"messages": history, "stream": stream}
+            if stream:
+                with proxy.stream("POST", "/v1/chat/completions", json=body, headers={"x-session-id": "pago"}) as resp:
+                    text = resp.read().decode()
+                assert "x_generated_ids" in text  # the client gets what the engine sent
+            else:
+                resp = proxy.post("/v1/chat/completions", json=body, headers={"x-session-id": "pago"})
+                assert resp.json()["x_generated_ids"] == generated
+            settled(service)
+            prompt = r.prompt_ids(history)
+            with service.state_lock:
+                held = list(service.store.get("pago").ids)
+            assert held == prompt  # the prompt, and no id of the reply: neither 79389 ("Pago") nor any other
+            record = [x for x in map(json.loads, journal.read_text().splitlines()) if x.get("kind") == "turn"][-1]
+            assert record["verified"] is not True and record["output_check"] == "not_read"
+            assert record["prompt_check"] == "verified" and record["output_verified"] is None
+            assert any("not re-tokenised" in x for x in record["reasons"])
+            status = proxy.get("/v1/shadow/status").json()
+            assert status["counters"]["turn_parts"]["output"] == {"verified": 0, "unverified": 0, "mismatched": 0,
+                                                                  "not_read": 1}
+            checks = next(s for s in status["sessions"] if s["name"] == "pago")["id_checks"]
+            assert checks["turns_verified"] == 0 and checks["outputs"]["not_read"] == 1
+            assert checks["prompts"]["verified"] == 1 and checks["exact"] is True  # every id it holds is verified
+            answer = proxy.post("/v1/shadow/ask", json={"session": "pago", "question": "A or B?",
+                                                        "choices": ["A", "B"]}).json()
+            assert answer["exact"] is True and answer["id_checks"]["outputs"]["not_read"] == 1
+            # the next turn: the reply as the client sends it back, read as the engine's template renders it
+            history2 = history + [{"role": "assistant", "content": " Pago is here"},
+                                  {"role": "user", "content": "And?"}]
+            proxy.post("/v1/chat/completions", json={"messages": history2}, headers={"x-session-id": "pago"})
+            settled(service)
+            with service.state_lock:
+                held = list(service.store.get("pago").ids)
+            assert held == r.prompt_ids(history2) and 79389 in held and 233154 not in held  # what the engine read
+
+
+# a bad engine and bad clients: numbers of thousands of digits, nesting 100,000 deep -----------
+
+HUGE = b"9" * 5000
+DEEP = b"[" * 100_000 + b"]" * 100_000
+WHOLE_BODIES = {
+    "digits": b'{"id": "c", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, '
+              b'"finish_reason": "stop"}], "usage": {"prompt_tokens": ' + HUGE + b', "completion_tokens": 2}}',
+    "deep": b'{"id": "c", "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, '
+            b'"finish_reason": "stop", "x": ' + DEEP + b'}]}',
+    "float": b'{"id": "c", "choices": [], "x": 0.' + HUGE + b'}',
+}
+
+
+def bad_engine() -> FastAPI:
+    """An engine that sends what no engine should: the body `WHOLE_BODIES[mode]` whole, or as one
+    event between good ones in a stream (the mode is the request's `model`)."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = json.loads(await request.body())
+        bad = WHOLE_BODIES[body["model"]]
+        if not body.get("stream"):
+            return Response(bad, media_type="application/json")
+
+        async def events():
+            yield b'data: {"choices": [{"index": 0, "delta": {"role": "assistant", "content": "o"}}]}\n\n'
+            yield b"data: " + bad + b"\n\n"
+            yield b'data: {"choices": [{"index": 0, "delta": {"content": "k"}, "finish_reason": "stop"}]}\n\n'
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.mark.parametrize("mode", sorted(WHOLE_BODIES))
+def test_a_bad_engine_body_reaches_the_client_as_sent_and_every_turn_ends(tiny, mode):
+    with serving(bad_engine()) as engine:
+        url = str(engine.base_url).rstrip("/") + "/v1"
+        with running(upstream=url, dialect="openai", renderer=renderer()) as (proxy, service):
+            body = {"model": mode, "messages": [{"role": "user", "content": "hi"}]}
+            r = proxy.post("/v1/chat/completions", json=body, headers={"x-session-id": f"whole-{mode}"})
+            assert r.status_code == 200 and r.content == WHOLE_BODIES[mode]  # the engine's bytes, unread
+            with proxy.stream("POST", "/v1/chat/completions", json=body | {"stream": True},
+                              headers={"x-session-id": f"stream-{mode}"}) as s:
+                text = s.read()
+            assert s.status_code == 200 and b"data: " + WHOLE_BODIES[mode] + b"\n\n" in text
+            assert b'"content": "k"' in text and text.endswith(b"data: [DONE]\n\n")  # the stream went on
+            settled(service)
+            status = proxy.get("/v1/shadow/status").json()
+            assert status["turns_in_flight"] == 0 and status["overdue_turns"] == []
+            assert service.checks[f"whole-{mode}"].turns == 1 and service.checks[f"stream-{mode}"].turns == 1
+            service.device.run(lambda: None)  # the device thread still answers
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/shadow/ask"])
+def test_a_client_body_with_a_huge_number_or_deep_nesting_is_a_400_that_begins_no_turn(scripted, path):
+    proxy, service, seen, _ = scripted
+    before, sent = service.status()["counters"]["requests"], len(seen)
+    for raw in (b'{"messages": [{"role": "user", "content": "x"}], "prompt": "x", "max_tokens": ' + HUGE + b"}",
+                b'{"messages": [{"role": "user", "content": "x"}], "prompt": "x", "max_tokens": 1.' + HUGE + b"}",
+                b'{"messages": ' + DEEP + b"}", b'{"session": "s", "question": "q", "choices": ' + DEEP + b"}"):
+        r = proxy.post(path, content=raw)
+        assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type"}, (path, r.text[:300])
+    assert service.status()["counters"]["requests"] == before and len(seen) == sent  # nothing began, nothing sent
+
+
+def test_a_streamed_turn_whose_client_went_away_before_the_stream_started_ends(tiny):
+    """The engine answers after 1.5 s; the client hangs up after 0.3 s, before the proxy returns
+    its stream: the stream's generator never starts, and the turn still ends."""
+    import socket
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": []}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        import asyncio
+
+        await asyncio.sleep(1.5)
+
+        async def events():
+            yield 'data: {"choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": "stop"}]}\n\n'
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    with serving(app) as engine:
+        url = str(engine.base_url).rstrip("/") + "/v1"
+        with running(upstream=url, dialect="openai", renderer=renderer(), status_channel="off") as (proxy, service):
+            body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": True}).encode()
+            host, port = proxy.base_url.host, proxy.base_url.port
+            with socket.create_connection((host, port)) as conn:
+                conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                             b"x-session-id: early\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                time.sleep(0.3)
+            deadline = time.time() + 30
+            while time.time() < deadline and (service.turns or "early" not in service.checks):
+                time.sleep(0.05)
+            assert not service.turns and service.status()["turns_in_flight"] == 0
+            assert service.checks["early"].turns == 1  # its check recorded: nothing of the reply read
+            assert service.checks["early"].parts["output"]["not_read"] == 1
+
+
+class GoneAtFirstByte:
+    """Around the app: a request marked `x-gone: 1` has a client that went away before the first
+    byte of the response, as an ASGI server of spec 2.4 reports it (`send` raises OSError), so a
+    streamed response's generator never starts."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or (b"x-gone", b"1") not in scope.get("headers", []):
+            return await self.app(scope, receive, send)
+        scope = dict(scope, asgi={**scope.get("asgi", {}), "spec_version": "2.4"})
+
+        async def gone(message):
+            if message["type"] == "http.response.start":
+                raise OSError("the client has gone")
+            await send(message)
+
+        try:
+            await self.app(scope, receive, gone)
+        except Exception:  # noqa: BLE001 - the client is gone: whatever the app raised, answer the test's client
+            pass
+        await send({"type": "http.response.start", "status": 499, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.mark.parametrize("channel", ["off", "reasoning"])
+def test_a_streamed_turn_whose_stream_never_started_ends(tiny, channel):
+    """A streamed response whose client is gone before its first byte (its generator never runs,
+    nor its `finally`): the turn still ends, with its check recorded. With status lines on, the
+    engine keeps the request waiting past the first line's time, so the stream is opened before
+    the engine answered (and the request to it is given up)."""
+    seen: list = []
+    with serving(scripted_engine(seen, {"delay_s": 2.0 if channel != "off" else 0})) as engine:
+        url = str(engine.base_url).rstrip("/") + "/v1"
+        with running(upstream=url, dialect="openai", renderer=renderer(), wrap=GoneAtFirstByte,
+                     status_channel=channel) as (proxy, service):
+            r = proxy.post("/v1/chat/completions", headers={"x-session-id": "never", "x-gone": "1"},
+                           json={"messages": [{"role": "user", "content": "hi"}], "stream": True})
+            assert r.status_code == 499
+            deadline = time.time() + 30
+            while time.time() < deadline and (service.turns or "never" not in service.checks):
+                time.sleep(0.05)
+            assert not service.turns and service.status()["turns_in_flight"] == 0
+            assert service.checks["never"].turns == 1
+
+
+def test_a_turn_in_flight_past_the_engines_timeout_shows_in_status(tiny, caplog):
+    """The watchdog: a stream that lasts longer than the engine's timeout (each read within it)
+    is listed under `overdue_turns` while it lasts, logged once, and gone when it ends."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": []}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        import asyncio
+
+        async def events():
+            for _ in range(12):
+                await asyncio.sleep(0.25)
+                yield 'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    with serving(app) as engine:
+        url = str(engine.base_url).rstrip("/") + "/v1"
+        with running(upstream=url, dialect="openai", renderer=renderer(), engine_timeout_s=1.0) as (proxy, service):
+            overdue = []
+            with caplog.at_level("WARNING"):
+                with proxy.stream("POST", "/v1/chat/completions", headers={"x-session-id": "slow"},
+                                  json={"messages": [{"role": "user", "content": "hi"}], "stream": True}) as r:
+                    for line in r.iter_lines():
+                        if not overdue:
+                            overdue = proxy.get("/v1/shadow/status").json()["overdue_turns"]
+                settled(service)
+            assert overdue and overdue[0]["session"] == "slow" and overdue[0]["age_s"] >= 1.0
+            assert proxy.get("/v1/shadow/status").json()["overdue_turns"] == []
+            assert sum("longer than the engine's timeout" in rec.getMessage() for rec in caplog.records) == 1
+
+
+def test_an_ask_about_a_session_whose_template_failed_says_why_it_is_not_exact(tiny):
+    seen, mode = [], {}
+    bad = ChatRenderer(Template("{{ raise_exception('no such role') }}", "bad.jinja"), default_hf_tokenizer())
+    with serving(scripted_engine(seen, mode)) as engine:
+        url = str(engine.base_url).rstrip("/") + "/v1"
+        for require_exact in (False, True):
+            with running(upstream=url, dialect="openai", renderer=bad, require_exact=require_exact) as (proxy, service):
+                proxy.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                           headers={"x-session-id": "t"})
+                settled(service)
+                r = proxy.post("/v1/shadow/ask", json={"session": "t", "question": "A or B?", "choices": ["A", "B"]})
+                assert r.status_code == (409 if require_exact else 200), r.text
+                answer = r.json()
+                assert answer["exact"] is False and "holds no ids" in answer["why_not"]
+                assert "no such role" in answer["why_not"]
+                if not require_exact:
+                    assert answer["id_checks"]["prompts"]["not_read"] == 1

@@ -582,3 +582,117 @@ def test_the_upstream_model_labels_a_standing_question_when_no_header_does(tiny,
     assert rows["labelled"]["reference"] == "B" and rows["labelled"]["reference_source"] == "header"
     assert "upstream_answer" not in rows["labelled"]  # a header label: the engine is not asked
     assert rows["unlabelled"]["arithmetic"] == service.store.identity.arithmetic
+
+
+# embedded mode: a fair, bounded queue; a request whose client goes away is cancelled ----------
+
+LONG_PROMPT = [1000 + i % 5000 for i in range(150_000)]  # tiny on this CPU: about 100 s of prefill
+
+
+def timed_post(client: httpx.Client, session: str, body: dict) -> float:
+    start = time.perf_counter()
+    r = client.post("/v1/chat/completions", headers={"x-session-id": session}, json=body)
+    assert r.status_code == 200, r.text
+    return time.perf_counter() - start
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_long_prefill_gives_way_to_another_client_and_is_cancelled_when_its_client_hangs_up(tiny, stream):
+    """A 150,000-token prompt (its prefill alone about 100 s here) whose client hangs up after 5 s:
+    another client's 2-token request sent meanwhile is served between the long prefill's chunks
+    (under 2 s more than it takes alone), and the long request stops at its next step once its
+    client is gone (its turn ends within seconds, not after its prefill), the shadow fed nothing
+    of it. Then the next request is served as if alone."""
+    with running() as (client, service):
+        short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        alone = timed_post(client, "alone", short)
+        hung_up = {}
+
+        def hang_up() -> None:
+            body = {"prompt": LONG_PROMPT, "max_tokens": 2, "stream": stream}
+            with httpx.Client(base_url=client.base_url, timeout=httpx.Timeout(5.0)) as c:
+                try:
+                    if stream:
+                        with c.stream("POST", "/v1/completions", json=body, headers={"x-session-id": "long"}) as r:
+                            for _ in r.iter_bytes():
+                                pass
+                    else:
+                        c.post("/v1/completions", json=body, headers={"x-session-id": "long"})
+                except httpx.TimeoutException:
+                    pass
+            hung_up["at"] = time.perf_counter()
+
+        long_client = threading.Thread(target=hang_up)
+        long_client.start()
+        deadline = time.time() + 60
+        while time.time() < deadline and not any(t.embedded for t in service.turns):
+            time.sleep(0.05)
+        time.sleep(1.0)  # well into its prefill
+        meanwhile = timed_post(client, "meanwhile", short)
+        assert "at" not in hung_up  # served while the long request was still reading its prompt
+        assert meanwhile - alone < 2.0, (meanwhile, alone)
+        long_client.join(timeout=60)
+        deadline = time.time() + 60
+        while time.time() < deadline and service.turns:
+            time.sleep(0.05)
+        ended = time.perf_counter()
+        assert not service.turns and ended - hung_up["at"] < 20  # its prefill had some 90 s to go
+        checks = service.checks["long"]
+        assert checks.turns == 1 and checks.parts["prompt"]["not_read"] == 1  # cancelled before its first token
+        assert checks.parts["output"]["not_read"] == 1 and any("cancelled" in r for r in checks.last_reasons)
+        assert all(s["name"] != "long" or s["committed"] + s["pending"] == 0
+                   for s in client.get("/v1/shadow/status").json()["sessions"])
+        after = timed_post(client, "after", short)
+        assert after - alone < 2.0, (after, alone)
+
+
+def test_the_embedded_queue_is_bounded_and_answers_429_beyond(tiny):
+    from shadow.server.settings import Limits
+
+    with running(limits=Limits(max_queued=2, max_generating=1)) as (client, service):
+        service.device.run(lambda: None)
+        hold = threading.Event()
+        service.device.submit(hold.wait, "test")  # the device is busy: requests queue behind it
+        with ThreadPoolExecutor(3) as pool:
+            futures = [pool.submit(client.post, "/v1/chat/completions", headers={"x-session-id": f"q{k}"},
+                                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+                       for k in range(3)]
+            refused = None
+            deadline = time.time() + 30
+            while refused is None and time.time() < deadline:
+                refused = next((f.result() for f in futures if f.done()), None)
+                time.sleep(0.05)
+            hold.set()
+            codes = sorted(f.result().status_code for f in futures)
+        assert codes == [200, 200, 429]
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        settled(service)
+        assert service.status()["counters"]["requests"] == 2  # the refused one began no turn
+
+
+def test_two_long_generations_take_turns_and_each_is_read_exactly(tiny):
+    """Two requests generating at once share the device in slices; each gets the tokens it gets
+    alone, and each session's state is bit-equal to a fresh prefill of its ids, which are its
+    prompt and those tokens."""
+    with running() as (client, service):
+        def ask(k: int, session: str | None = None) -> list[int]:
+            r = client.post("/v1/completions", headers={"x-session-id": session or f"g{k}"},
+                            json={"prompt": [2000 + k + i % 3000 for i in range(4000)], "max_tokens": 24,
+                                  "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["token_ids"]
+
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(ask, range(2)))
+        assert ask(1, "g1-alone") == outs[1]
+        settled(service)
+        for k, out in enumerate(outs):
+            with service.state_lock:
+                ids = list(service.store.get(f"g{k}").ids)
+            assert ids == [2000 + k + i % 3000 for i in range(4000)] + out
+            checks = service.checks[f"g{k}"]
+            assert checks.verified == 1 and checks.parts["output"]["verified"] == 1
+        wait_until_read(service, ["g0", "g1"])
+        for k in range(2):
+            assert_exact(service, f"g{k}")

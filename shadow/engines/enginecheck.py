@@ -2,7 +2,8 @@
 `shadow check-engine` runs): plain chat, multi-turn with reasoning, tools with a tool call and
 its result, streamed and not, a long prompt, and a plain completion. For every request: where
 the dialect takes the prompt and output ids from, whether they equal the engine's where the
-engine shows them, and whether their counts equal the engine's `usage`.
+engine shows them, whether their counts equal the engine's `usage`, and each part's state
+(verified, unverified, mismatched, or not read: an output the engine shows no ids for).
 
 The requests go to the engine directly (no shadow), with the fields the dialect adds, exactly as
 the proxy sends them.
@@ -16,8 +17,9 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
+from shadow.engines import jsonlimits
 from shadow.engines.dialects import Dialect, engine_root
-from shadow.engines.idcheck import check_turn, first_difference
+from shadow.engines.idcheck import PART_STATES, check_turn, first_difference
 from shadow.engines.reply import Reply
 
 WEATHER_TOOL = {"type": "function", "function": {
@@ -46,7 +48,9 @@ class CaseResult:
     prompt_equal: bool | None = None  # equal to the engine's own ids, where it showed them
     template_equal: bool | None = None  # the big model's template gives the same ids (where both exist)
     output_equal: bool | None = None
-    verified: bool | None = None
+    verified: bool | None = None  # both parts verified (False: either mismatched)
+    prompt_check: str | None = None  # idcheck.PART_STATES: verified, unverified, mismatched, not_read
+    output_check: str | None = None
     reasons: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -195,14 +199,17 @@ def play_sessions(client: httpx.Client, script: dict[str, list[tuple[list[dict],
                     for line in r.iter_lines():
                         if line.startswith("data:") and line[5:].strip() != "[DONE]":
                             try:
-                                reply.read(json.loads(line[5:]), chat=True)
-                            except json.JSONDecodeError:
+                                reply.read(jsonlimits.loads(line[5:]), chat=True)
+                            except jsonlimits.JSONLimitError:
                                 reply.malformed += 1
             else:
                 r = client.post("/v1/chat/completions", headers={"x-session-id": name}, json=body)
                 status = r.status_code
                 if status == 200:
-                    reply.read(r.json(), chat=True)
+                    try:
+                        reply.read(jsonlimits.loads(r.content), chat=True)
+                    except jsonlimits.JSONLimitError:
+                        reply.malformed += 1
             previous = reply
             yield name, body, reply, status
 
@@ -229,8 +236,8 @@ def run_request(client: httpx.Client, upstream: str, dialect: Dialect, endpoint:
                     for line in r.iter_lines():
                         if line.startswith("data:") and line[5:].strip() != "[DONE]":
                             try:
-                                reply.read(json.loads(line[5:]), chat)
-                            except json.JSONDecodeError:
+                                reply.read(jsonlimits.loads(line[5:]), chat)
+                            except jsonlimits.JSONLimitError:
                                 reply.malformed += 1
                 else:
                     r.read()
@@ -239,7 +246,7 @@ def run_request(client: httpx.Client, upstream: str, dialect: Dialect, endpoint:
             r = client.post(url, json=asked.body, headers=headers)
             result.status = r.status_code
             if r.status_code == 200:
-                reply.read(r.json(), chat)
+                reply.read(jsonlimits.loads(r.content), chat)  # a body past the limits: the reason below
             else:
                 result.reasons.append(f"HTTP {r.status_code}: {r.text[:200]}")
     except (httpx.HTTPError, ValueError) as e:
@@ -259,6 +266,7 @@ def run_request(client: httpx.Client, upstream: str, dialect: Dialect, endpoint:
     if shown is not None and ids.output_source and ids.output_skipped is None:
         result.output_equal = ids.output[: len(shown)] == shown
     result.verified = check.verified
+    result.prompt_check, result.output_check = check.prompt_check, check.output_check
     result.reasons += list(check.reasons) + ids.notes
     if dialect.renderer is not None and reply.prompt_ids is not None:
         rendered = dialect.render(body, chat)
@@ -290,12 +298,16 @@ def check_engine(upstream: str, dialect: Dialect, max_tokens: int = 16, model: s
 
 
 def summary(results: list[CaseResult]) -> dict:
+    """Requests answered; verified (prompt and output both), mismatched (either), unverified (the
+    rest); and the prompts and outputs apart, by state (`not_read`: the shadow would read none of it)."""
     n = len(results)
     ok = [r for r in results if r.status == 200]
     return {
         "requests": n, "answered": len(ok),
         "verified": sum(r.verified is True for r in ok), "mismatched": sum(r.verified is False for r in ok),
         "unverified": sum(r.verified is None for r in ok),
+        "prompts": {state: sum(r.prompt_check == state for r in ok) for state in PART_STATES},
+        "outputs": {state: sum(r.output_check == state for r in ok) for state in PART_STATES},
         "prompt_count_equal": sum(r.prompt_ids is not None and r.prompt_ids == r.usage_prompt for r in ok),
         "output_count_equal": sum(r.output_ids is not None and r.output_ids == r.usage_completion for r in ok),
         "template_equal": sum(r.template_equal is True for r in ok),

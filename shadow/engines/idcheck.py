@@ -1,20 +1,32 @@
 """Whether the ids the shadow read for a turn are the ids the engine read and wrote.
 
 A turn's ids come from a source (prompt: `engine`, `engine-tokenize`, `template`; output:
-`engine`, `logprobs`, `retokenised`) and are checked against what the engine shows: its own ids,
-where it returns them (equal, id for id), and the `usage` counts always. A turn is verified when
-every check that could run passed and at least one ran for the prompt and one for the output
-(or the output was not read: re-tokenised text that cannot match the engine's count is left for
-the next prompt to bring); mismatched when any failed; unknown otherwise. A count check is weaker than an id check (equal
-counts do not prove equal ids); the record says which checks ran.
+`engine`, `logprobs`) and are checked against what the engine shows: its own ids, where it
+returns them (equal, id for id), and the `usage` counts always. An output is read only where its
+ids are the engine's (its own id list, or the ids of its logprob tokens); text is never
+re-tokenised into output ids (an equal count is not equal ids): such an output is not read, and
+the next prompt brings the reply as the engine's template renders it.
+
+Each part of a turn, its prompt and its output, ends in one of four states (`PART_STATES`):
+
+- `verified`: read, and every check that could run passed, at least one of them (ids the
+  engine's own, or compared id for id with them; or a count equal to `usage`);
+- `unverified`: read, and no check could run (no usage, no ids shown);
+- `mismatched`: read, and a check failed;
+- `not_read`: the shadow holds none of it (no ids to be had, text only, over a limit, ids the
+  shadow could not take, the shadow off).
+
+A turn is verified when both parts are, mismatched when either is, unverified otherwise. A count
+check is weaker than an id check; the record says which checks ran (`checks`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 PROMPT_SOURCES = ("engine", "engine-tokenize", "template")
-OUTPUT_SOURCES = ("engine", "logprobs", "retokenised")
+OUTPUT_SOURCES = ("engine", "logprobs")
+PART_STATES = ("verified", "unverified", "mismatched", "not_read")
 
 
 @dataclass
@@ -30,25 +42,54 @@ class TurnIds:
     prompt_tokens: int | None = None  # usage
     completion_tokens: int | None = None
     notes: list[str] = field(default_factory=list)  # why a source was missing or fell back
-    output_skipped: str | None = None  # why the output was not read (it could not be made to match the engine)
+    output_skipped: str | None = None  # why the output is not read (no engine ids, or ids known to be incomplete)
 
 
 @dataclass(frozen=True)
 class TurnCheck:
-    verified: bool | None  # True, False (a check failed), None (nothing could be checked)
-    prompt_verified: bool | None
+    verified: bool | None  # True (both parts verified), False (a part mismatched), None (otherwise)
+    prompt_verified: bool | None  # True verified, False mismatched, None unverified or not read
     output_verified: bool | None
     prompt_source: str | None
     output_source: str | None
     checks: tuple[str, ...]  # what ran and passed, e.g. "prompt ids", "prompt count", "output count"
-    reasons: tuple[str, ...]  # what failed or could not run
+    reasons: tuple[str, ...]  # what failed, could not run, or was not read
     first_diff: int | None = None  # first differing position in the prompt (ids compared), if any
+    prompt_check: str = "not_read"  # one of PART_STATES
+    output_check: str = "not_read"
 
     def as_dict(self) -> dict:
-        return {"verified": self.verified, "prompt_verified": self.prompt_verified,
-                "output_verified": self.output_verified,
+        return {"verified": self.verified, "prompt_check": self.prompt_check, "output_check": self.output_check,
+                "prompt_verified": self.prompt_verified, "output_verified": self.output_verified,
                 "ids_source": {"prompt": self.prompt_source, "output": self.output_source},
                 "checks": list(self.checks), "reasons": list(self.reasons), "first_diff": self.first_diff}
+
+    def as_read(self, prompt: bool, output: bool, why: str = "the shadow did not read it") -> TurnCheck:
+        """The check as the shadow holds the turn: a part it did not read (`prompt`, `output`
+        False) is `not_read`, whatever its checks said (their reasons stay)."""
+        prompt_check = self.prompt_check if prompt else "not_read"
+        output_check = self.output_check if output else "not_read"
+        if (prompt_check, output_check) == (self.prompt_check, self.output_check):
+            return self
+        reasons = list(self.reasons)
+        if prompt_check != self.prompt_check:
+            reasons.append(f"prompt not read: {why}")
+        if output_check != self.output_check:
+            reasons.append(f"output not read: {why}")
+        return replace(self, prompt_check=prompt_check, output_check=output_check,
+                       prompt_verified=_as_bool(prompt_check), output_verified=_as_bool(output_check),
+                       verified=_turn(prompt_check, output_check), reasons=tuple(reasons),
+                       output_source=self.output_source if output else None)
+
+
+def _as_bool(state: str) -> bool | None:
+    return {"verified": True, "mismatched": False}.get(state)
+
+
+def _turn(prompt: str, output: str) -> bool | None:
+    if "mismatched" in (prompt, output):
+        return False
+    return True if prompt == output == "verified" else None
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -67,10 +108,13 @@ class _Part:
     failed: list[str] = field(default_factory=list)
     unknown: list[str] = field(default_factory=list)
     first_diff: int | None = None
+    read: bool = True
 
     @property
-    def verified(self) -> bool | None:
-        return False if self.failed else (True if self.passed else None)
+    def state(self) -> str:
+        if not self.read:
+            return "not_read"
+        return "mismatched" if self.failed else ("verified" if self.passed else "unverified")
 
 
 def _check_part(name: str, ids: list[int], source: str | None, engine_ids: list[int] | None,
@@ -97,28 +141,26 @@ def _check_part(name: str, ids: list[int], source: str | None, engine_ids: list[
 
 
 def check_turn(t: TurnIds) -> TurnCheck:
+    """Each part's state from its ids, their source and what the engine showed; a part with no
+    ids (or an output left unread) is `not_read`."""
     if t.prompt is None:
-        prompt = _Part(unknown=["no prompt ids" + (f" ({'; '.join(t.notes)})" if t.notes else "")])
+        prompt = _Part(unknown=["prompt not read: no prompt ids" + (f" ({'; '.join(t.notes)})" if t.notes else "")],
+                       read=False)
     else:
         prompt = _check_part("prompt", t.prompt, t.prompt_source, t.engine_prompt, "prompt_tokens", t.prompt_tokens,
                              t.prompt_tokens == len(t.prompt))
     if t.output_skipped is not None:
-        output = _Part(unknown=[t.output_skipped])
+        output = _Part(unknown=[t.output_skipped], read=False)
     elif t.output_source is None:
-        output = _Part(unknown=["no output ids"])
+        output = _Part(unknown=["output not read: no output ids"], read=False)
     else:
         output = _check_part("output", t.output, t.output_source, t.engine_output, "completion_tokens",
                              t.completion_tokens, _output_count_ok(t))
-    failed = prompt.failed + output.failed
-    if failed:
-        verified = False
-    elif prompt.verified and (output.verified or t.output_skipped is not None):  # every id read is verified
-        verified = True
-    else:
-        verified = None
-    return TurnCheck(verified, prompt.verified, output.verified, t.prompt_source, t.output_source,
+    failed = (prompt.failed if prompt.read else []) + (output.failed if output.read else [])
+    return TurnCheck(_turn(prompt.state, output.state), _as_bool(prompt.state), _as_bool(output.state),
+                     t.prompt_source, t.output_source if output.read else None,
                      tuple(prompt.passed + output.passed), tuple(failed + prompt.unknown + output.unknown),
-                     prompt.first_diff)
+                     prompt.first_diff, prompt.state, output.state)
 
 
 def _output_count_ok(t: TurnIds) -> bool:
@@ -129,17 +171,23 @@ def _output_count_ok(t: TurnIds) -> bool:
     return t.completion_tokens == n or ("end token appended" in t.notes and t.completion_tokens == n - 1)
 
 
+def _zero() -> dict[str, int]:
+    return dict.fromkeys(PART_STATES, 0)
+
+
 @dataclass
 class SessionChecks:
-    """A session's record against the engine. History: turns verified, unverified (nothing could
-    be checked) and mismatched, the first mismatch's turn and position. Now: `frontier`, how many
-    of the session's leading ids are verified; the session is exact while it holds no id past
-    the frontier. A prompt that replaces ids pulls the frontier back to what it kept; a verified
+    """A session's record against the engine. History: turns verified (both parts), mismatched
+    (either part) and unverified (the rest: a part not read or not checked); each part's states
+    apart (`parts`); the first mismatch's turn and position. Now: `frontier`, how many of the
+    session's leading ids are verified; the session is exact while it holds no id past the
+    frontier. A prompt that replaces ids pulls the frontier back to what it kept; a verified
     prompt moves it to the prompt's end, a verified output past the output."""
 
     verified: int = 0
     unverified: int = 0
     mismatched: int = 0
+    parts: dict = field(default_factory=lambda: {"prompt": _zero(), "output": _zero()})
     first_mismatch_turn: int | None = None
     first_diff: int | None = None
     frontier: int = 0
@@ -160,10 +208,12 @@ class SessionChecks:
             self.unverified += 1
         else:
             self.mismatched += 1
+        self.parts["prompt"][check.prompt_check] += 1
+        self.parts["output"][check.output_check] += 1
         if check.verified is not True:
             self.last_reasons = check.reasons
-        if latest and check.prompt_verified:
-            self.frontier = prompt_len + (output_len if check.output_verified else 0)
+        if latest and check.prompt_check == "verified":
+            self.frontier = prompt_len + (output_len if check.output_check == "verified" else 0)
         if check.verified is False:
             if self.first_mismatch_turn is None:
                 self.first_mismatch_turn = turn
@@ -173,6 +223,10 @@ class SessionChecks:
                 return True
         return False
 
+    @property
+    def turns(self) -> int:
+        return self.verified + self.unverified + self.mismatched
+
     def exact(self, length: int) -> bool:
         """Every id the session holds (`length` of them) is verified against the engine."""
         return length > 0 and self.frontier >= length
@@ -181,8 +235,9 @@ class SessionChecks:
         if self.exact(length):
             return None
         if length == 0:
-            return "the session holds no ids"
-        if self.verified + self.unverified + self.mismatched == 0:
+            why = "the session holds no ids"
+            return why + (f" ({'; '.join(self.last_reasons)})" if self.turns and self.last_reasons else "")
+        if self.turns == 0:
             return "no turn of this session has been checked against the engine yet"
         why = f"ids {self.frontier:,} to {length:,} are not verified"
         return why + (f" ({'; '.join(self.last_reasons)})" if self.last_reasons else " (a turn in flight)")
@@ -190,5 +245,6 @@ class SessionChecks:
     def as_dict(self, length: int) -> dict:
         return {"exact": self.exact(length), "why_not": self.why_not(length), "verified_ids": min(self.frontier, length),
                 "ids": length, "turns_verified": self.verified, "turns_unverified": self.unverified,
-                "turns_mismatched": self.mismatched, "first_mismatch_turn": self.first_mismatch_turn,
+                "turns_mismatched": self.mismatched, "prompts": dict(self.parts["prompt"]),
+                "outputs": dict(self.parts["output"]), "first_mismatch_turn": self.first_mismatch_turn,
                 "first_diff": self.first_diff}

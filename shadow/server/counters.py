@@ -20,8 +20,10 @@ class Counters:
     rollbacks: int = 0  # prompts that went back to a checkpoint (or the start), every session
     ids_reread: int = 0  # ids those rollbacks read again
     upstream_errors: dict = field(default_factory=dict)  # kind -> count (proxy mode)
-    turn_parts: dict = field(default_factory=lambda: {p: {"verified": 0, "unverified": 0, "mismatched": 0}
-                                                      for p in ("prompt", "output")})
+    # each turn's prompt and output by their state (idcheck.PART_STATES): verified, unverified,
+    # mismatched, not_read
+    turn_parts: dict = field(default_factory=lambda: {p: {"verified": 0, "unverified": 0, "mismatched": 0,
+                                                          "not_read": 0} for p in ("prompt", "output")})
     status_lines: dict = field(default_factory=dict)  # kind -> lines shown
     voice_said: int = 0
     voice_refused: dict = field(default_factory=dict)  # reason -> phrases written and not said

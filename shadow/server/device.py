@@ -84,6 +84,11 @@ class DeviceThread:
         if self.closed:
             raise RuntimeError("the device thread has stopped")
 
+    def queued(self) -> int:
+        """Jobs handed in that wait behind the one running (O(1), no lock: a job that holds the
+        device long asks it between its steps, and gives way when another waits)."""
+        return max(0, self._pending - (self.running is not None))
+
     def idle(self) -> bool:
         with self._lock:
             return self._pending == 0

@@ -1,6 +1,6 @@
 """The embedded generator: a Qwen3.5 checkpoint answering chat requests with the project's own
-forward, greedy, one request at a time (on the service's device thread). Between two decode rounds
-the caller may run the shadow's share."""
+forward, greedy (on the service's device thread, in steps: `steps`). Between two decode rounds
+the caller may run the shadow's share; between any two steps, another request's."""
 
 from __future__ import annotations
 
@@ -27,9 +27,17 @@ class Generator:
 
     def generate(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = ()) -> Iterator[int]:
         """Greedy tokens after `prompt`, one per decode round, ending at a stop id (yielded) or max_tokens."""
+        return (token for token in self.steps(prompt, max_tokens, stop) if token is not None)
+
+    def steps(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = ()) -> Iterator[int | None]:
+        """`generate`, one step at a time: None after each prefill chunk but the last, then the
+        tokens; the caller may stop or pause between any two steps (another request's round can
+        run between the chunks of a long prefill)."""
         state = self.model.new_state()
         hidden = None
         for lo in range(0, len(prompt), PREFILL_CHUNK):
+            if lo:
+                yield None
             ids = torch.tensor(list(prompt[lo : lo + PREFILL_CHUNK]), device=self.model.device)
             hidden = self.forward(ids, state)
         for n in range(max_tokens):

@@ -1,5 +1,5 @@
 """Counts the service keeps only in its journal, read from the records appended since it started:
-each turn's prompt and output checks apart, the status lines its clients were shown by kind, and
+each turn's prompt and output states apart, the status lines its clients were shown by kind, and
 the voice's phrases on those lines, said or refused by reason.
 
 `JournalCounts.update()` reads what was appended since the last call (the metrics call it at each
@@ -15,7 +15,8 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-RESULTS = {True: "verified", False: "mismatched", None: "unverified"}
+RESULTS = {True: "verified", False: "mismatched", None: "unverified"}  # records without `prompt_check`
+STATES = ("verified", "unverified", "mismatched", "not_read")
 
 
 class JournalCounts:
@@ -61,7 +62,10 @@ class JournalCounts:
     def _count(self, record: dict) -> None:
         if record.get("kind") == "turn":
             for part in ("prompt", "output"):
-                self.checks[part, RESULTS.get(record.get(f"{part}_verified"), "unverified")] += 1
+                state = record.get(f"{part}_check")
+                if state not in STATES:  # a record of an earlier version: its booleans
+                    state = RESULTS.get(record.get(f"{part}_verified"), "unverified")
+                self.checks[part, state] += 1
         for line in record.get("status_lines") or ():
             if not isinstance(line, dict):
                 continue

@@ -26,7 +26,8 @@ from shadow.server.timings import Histogram
 
 LABELS = ("model", "engine")
 WINDOWS = ("idle", "share", "ask")
-RESULTS = ("verified", "unverified", "mismatched")
+RESULTS = ("verified", "unverified", "mismatched")  # a turn's: both parts verified, either mismatched, the rest
+PART_RESULTS = (*RESULTS, "not_read")  # a prompt's or an output's (idcheck.PART_STATES)
 IDLE_STATES = ("reading", "caught up", "between bursts", "engine busy", "device busy", "no shadow", "off", "error",
                "stopped", "dead", "not started")
 BACKLOG_IDS = (0, 512, 2048, 8192, 32768, 131072)  # a session's unread ids: the histogram's bounds
@@ -83,6 +84,8 @@ class ShadowCollector:
         out.gauge("enabled", "1 while the shadow is switched on", int(bool(status["enabled"])))
         out.gauge("turns_in_flight", "Requests begun and not ended", status["turns_in_flight"])
         out.gauge("requests_waiting", "Requests waiting for the device", status["waiting"])
+        out.gauge("turns_overdue", "Turns in flight longer than the engine's timeout (the watchdog)",
+                  len(status["overdue_turns"]))
         c = status["counters"]
         out.counter("requests", "Completion requests begun", c["requests"])
         out.counter("unloads", "Times the model was let go after an idle burst (sessions parked on disk)", c["unloads"])
@@ -166,7 +169,8 @@ class ShadowCollector:
 
     @staticmethod
     def _checks(out: "Families", status: dict, held: dict) -> None:
-        turns = out.family("turns", "Turns checked against the engine, by result", ["result"], CounterMetricFamily)
+        turns = out.family("turns", "Turns checked against the engine, by result (verified: prompt and output both)",
+                           ["result"], CounterMetricFamily)
         for result in RESULTS:
             turns.add(result, value=held["turns"][result])
         out.gauge("sessions_mismatched", "Sessions with a turn that did not match the engine", held["mismatched_sessions"])
@@ -210,10 +214,10 @@ class ShadowCollector:
         if isinstance(c.get("turn_parts"), dict):
             checks, kept = {(p, r): n for p, by in c["turn_parts"].items() for r, n in by.items()}, True
         if kept:
-            parts = out.family("turn_parts", "Turns' prompt and output checks apart, by result", ["part", "result"],
-                               CounterMetricFamily)
+            parts = out.family("turn_parts", "Turns' prompts and outputs apart, by result (not_read: the shadow "
+                               "holds none of it)", ["part", "result"], CounterMetricFamily)
             for part in ("prompt", "output"):
-                for result in RESULTS:
+                for result in PART_RESULTS:
                     parts.add(part, result, value=checks.get((part, result), 0))
         kept = j.path is not None
         if isinstance(c.get("status_lines"), dict):

@@ -341,9 +341,12 @@ class ShadowService:
             return session if len(names) == 1 else max(names, key=self._length)
 
     def known(self, session: str) -> bool:
+        """A session some turn was read into or checked for (its prompt may have been unreadable),
+        or one the store holds."""
         with self.state_lock:
             shadow = self.host.shadow
-            return session in self.names.recent or (shadow is not None and session in shadow.store.names())
+            return session in self.names.recent or session in self.checks or (
+                shadow is not None and session in shadow.store.names())
 
     def _length(self, name: str) -> int:
         """Ids the session holds (resident, or by its file's header); the caller holds the lock."""
@@ -360,17 +363,19 @@ class ShadowService:
 
     def record_turn(self, turn: ServedTurn, check: TurnCheck, ids: TurnIds | None = None,
                     lines: list[dict] | None = None) -> None:
-        """A turn's check against the engine: counted for its session, journaled (with the status
-        lines the client was shown, each with its kind and time), and a session's first mismatch
-        logged once."""
+        """A turn's check against the engine, as the shadow holds it (a part it did not read is
+        `not_read`: `TurnCheck.as_read`): counted for its session and in `counters.turn_parts`,
+        journaled (with the status lines the client was shown, each with its kind and time), and
+        a session's first mismatch logged once."""
         with self.state_lock:
             name = turn.session or turn.requested or "(no session)"
+            check = check.as_read(turn.prompt_fed, turn.prompt_fed and turn.output_len > 0, self._why_unread(turn))
             checks = self.checks.setdefault(name, SessionChecks())
             latest = turn.prompt_fed and self._latest.get(name) == turn.id
             first = checks.add(turn.id, check, turn.prompt_len, turn.output_len, latest)
             parts = self.counters.turn_parts
-            for part, verified in (("prompt", check.prompt_verified), ("output", check.output_verified)):
-                parts[part][{True: "verified", False: "mismatched", None: "unverified"}[verified]] += 1
+            parts["prompt"][check.prompt_check] += 1
+            parts["output"][check.output_check] += 1
             self._count_lines(lines or [])
             record = {"kind": "turn", "session": name, "turn": turn.id, **check.as_dict(),
                       "prompt_ids": None if ids is None or ids.prompt is None else len(ids.prompt),
@@ -382,6 +387,18 @@ class ShadowService:
         if first:
             log.warning("session %s: turn %s does not match the engine (%s); the session is not exact from here on",
                         name, turn.id, "; ".join(check.reasons), extra={"session": name, "turn": turn.id})
+
+    def _why_unread(self, turn: ServedTurn) -> str:
+        """Why the shadow holds none of a part whose ids were known (the caller holds the lock)."""
+        if not self.shared.switch.shadow:
+            return "the shadow is switched off"
+        if self.host.shadow is None:
+            return "the shadow is not loaded" + (f" ({self.host.load_error})" if self.host.load_error else "")
+        if turn.session is not None and self._latest.get(turn.session, turn.id) != turn.id:
+            return "a newer turn of the session was read first"
+        if turn.cancelled:
+            return "the request was cancelled"
+        return "the shadow could not take its ids (logged)"
 
     def _count_lines(self, lines: list[dict]) -> None:
         """Count the status lines a client was shown and the voice's phrases (the caller holds the lock)."""
@@ -406,7 +423,9 @@ class ShadowService:
                                            "status_lines": lines, "time": time.time()})
 
     def exactness(self, session: str) -> dict:
-        """What the session's answers say of its ids: exact (every turn verified) or why not."""
+        """What the session's answers say of its ids: exact (every id it holds verified against the
+        engine) or why not, and its checks (`SessionChecks.as_dict`: turns, and prompts and outputs
+        by state). Known for every session a turn was checked for, even one that holds no ids."""
         with self.state_lock:
             checks = self.checks.get(session, SessionChecks())
             length = self._length(session)
@@ -436,7 +455,9 @@ class ShadowService:
         name = self.main_branch(session)
         exact = self.exactness(name)
         if self.settings.require_exact and not exact["exact"]:
-            raise ShadowNotExact(f"session {name!r} is not exact: {exact['why_not']}")
+            refusal = ShadowNotExact(f"session {name!r} is not exact: {exact['why_not']}")
+            refusal.exactness = exact  # the 409 carries exact and why_not too
+            raise refusal
         return name, exact
 
     def ask(self, session: str, question: Sequence[int], choices: Sequence[int], labels: Sequence[str],
@@ -474,6 +495,24 @@ class ShadowService:
 
     # status -----------------------------------------------------------------------------
 
+    def _overdue(self) -> list[dict]:
+        """The watchdog: turns in flight longer than the engine's timeout (`engine.timeout_s`),
+        each logged once. Every turn ends in a `finally`, so one here is a turn that cannot end
+        (or a response that legitimately streams that long); the caller holds the lock."""
+        limit, now = self.settings.engine.timeout_s, self.clock()
+        out = []
+        for turn in self.turns:
+            age = now - turn.started
+            if age <= limit:
+                continue
+            out.append({"turn": turn.id, "session": turn.session or turn.requested, "age_s": round(age, 1),
+                        "answered": turn.answered, "embedded": turn.embedded})
+            if not turn.overdue_logged:
+                turn.overdue_logged = True
+                log.warning("turn %s has been in flight for %.0f s, longer than the engine's timeout (%g s)", turn.id,
+                            age, limit, extra={"session": turn.session, "turn": turn.id})
+        return out
+
     def status(self) -> dict:
         with self.state_lock:
             c = self.counters
@@ -493,6 +532,7 @@ class ShadowService:
                 "branches": {k: list(v) for k, v in self.names.branches.items() if v},
                 "store": shadow.store.totals() if ready else None,
                 "turns_in_flight": len(self.turns), "waiting": self.waiting,
+                "overdue_turns": self._overdue(),
                 "counters": {
                     "requests": c.requests, "chunks_idle": c.chunks_idle, "chunks_share": c.chunks_share,
                     "share_s": round(c.share_s, 6), "voice_s": round(c.voice_s, 6),

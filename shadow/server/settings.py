@@ -126,7 +126,9 @@ class VoiceSettings:
 class Limits:
     """How much one request may ask: body bytes, prompt tokens (embedded: refused beyond; proxy:
     passed on, not read), question and instruction tokens, tokens to generate and to summarise,
-    the unread tail an ask may prefill in one fork, requests in flight, JSON nesting."""
+    the unread tail an ask may prefill in one fork, requests in flight, JSON nesting; in embedded
+    mode, the requests generating or waiting to (429 beyond) and the generations that hold their
+    state at once (taking turns on the device, a slice each)."""
 
     max_body_bytes: int = 32 * 2**20
     max_prompt_tokens: int = 262_144
@@ -137,6 +139,8 @@ class Limits:
     max_ask_tail: int = 16_384
     max_concurrent: int = 64
     max_json_depth: int = 64
+    max_queued: int = 16
+    max_generating: int = 2
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,13 @@ def check(s: ServeSettings) -> None:
         raise ShadowInputError(f"--disk {s.store.disk} is a file, not a folder")
     if s.journal is not None and (s.journal.is_dir() or not s.journal.parent.is_dir()):
         raise ShadowInputError(f"--journal {s.journal} must be a file in an existing folder")
+    if not 1 <= s.limits.max_generating <= s.limits.max_queued:
+        raise ShadowInputError("--max-generating must be at least 1 and at most --max-queued")
+    if s.engine.tokenizer is not None and not s.proxy and s.engine.chat_template is None:
+        raise ShadowInputError("--tokenizer in embedded mode needs --chat-template (the generator renders with "
+                               "the in-code template otherwise, and reads no tokenizer)")
+    if not (math.isfinite(s.engine.timeout_s) and s.engine.timeout_s > 0):
+        raise ShadowInputError("the engine's timeout must be a positive number of seconds")
     for name, value in (("--max-body-mb", s.limits.max_body_bytes), ("--cap-gib", s.store.cap_gib),
                         ("--disk-cap-gib", s.store.disk_cap_gib), ("--voice-share", s.voice.share)):
         if value is not None and not math.isfinite(value):

@@ -40,3 +40,7 @@ class ServedTurn(Turn):
     fed_output: int = 0
     held: list[int] = field(default_factory=list)  # output ids not fed yet
     notes: list[str] = field(default_factory=list)  # what happened to the request on its way
+    # its end
+    cancelled: bool = False  # the client went away: the embedded generator stops at its next step
+    finishing: bool = False  # its end is under way (the proxy checks and ends it once)
+    overdue_logged: bool = False  # the watchdog has said it is in flight past the engine's timeout

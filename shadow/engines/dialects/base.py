@@ -34,11 +34,12 @@ class Prompt:
 
 
 class Dialect:
-    """The generic OpenAI-compatible engine: the big model's template, logprobs or re-tokenised text."""
+    """The generic OpenAI-compatible engine: the big model's template; the output from logprobs
+    (else not read)."""
 
     name = "openai"
     prompt_source = "template"
-    output_source = "logprobs, else re-tokenised text"
+    output_source = "logprobs (else not read)"
     asks_usage = True  # stream_options.include_usage is accepted
     asks_logprobs = True
 
@@ -155,28 +156,29 @@ class Dialect:
         elif shown is not None:  # the ids beside the logprobs (llama.cpp): the end token may be left out
             t.output, t.output_source = shown, "logprobs"
             self._end(reply, t.output, t)
-        elif reply.shown_logprobs and self._from_logprobs(reply, t):
-            pass
-        else:
-            self._retokenise(reply, body, chat, t)
+        elif not (reply.shown_logprobs and self._from_logprobs(reply, t)):
+            t.output_skipped = ("output not read: the engine showed no output ids (its text is not re-tokenised: an "
+                                "equal count is not equal ids); the next prompt brings the reply")
         self._read_only_if_counted(t)
         return t
 
     @staticmethod
     def _read_only_if_counted(t: TurnIds) -> None:
-        """An output that is not the engine's own id list (logprobs, re-tokenised text) is read
-        only when its length is the engine's count: ids known to be wrong are never read (the
-        next prompt brings the reply as the engine renders it)."""
+        """Logprob ids are read only when their count is the engine's: ids known to be
+        incomplete (a streamed chat's logprobs leave out what the reasoning parser holds back)
+        are never read, and the next prompt brings the reply as the engine renders it."""
         want = t.completion_tokens
-        if t.output_source not in ("logprobs", "retokenised") or want is None:
+        if t.output_source != "logprobs" or want is None:
             return
         n = len(t.output)
         if n == want or ("end token appended" in t.notes and n - 1 == want):
             return
-        t.output_skipped = f"output not read: {n} ids from {t.output_source}, the engine counted {want}"
+        t.output_skipped = f"output not read: {n} ids from logprobs, the engine counted {want}"
         t.output = []
 
     def _from_logprobs(self, reply: Reply, t: TurnIds) -> bool:
+        """The engine's output tokens, one a logprob entry, mapped by their bytes to the big
+        model's ids (a byte-level vocabulary names each token's bytes once)."""
         table = self._id_table()
         if table is None:
             return False
@@ -193,41 +195,6 @@ class Dialect:
         self._end(reply, ids, t)
         t.output, t.output_source = ids, "logprobs"
         return True
-
-    def _retokenise(self, reply: Reply, body: dict, chat: bool, t: TurnIds) -> None:
-        """The output re-tokenised from its text. Candidates, in order: the reply as the template
-        writes it (reasoning, content, tool calls, through the end token), then the raw text with
-        and without the end token, raw and stripped; the first whose length is the engine's count
-        is taken, else the first (and then it is not read: `_read_only_if_counted`)."""
-        candidates: list[list[int]] = []
-        try:
-            if chat and reply.finish_reason in ("stop", "tool_calls"):
-                text = self._reply_text(body, reply)
-                if text is not None:
-                    candidates.append(self._encode(text))
-            raw = reply.text + "".join(c.arguments for c in reply.tool_calls.values())
-            ended = reply.finish_reason in ("stop", "tool_calls") and self.eos_id is not None
-            for text in (raw, raw.strip()):
-                ids = self._encode(text)
-                candidates += [ids + [self.eos_id], ids] if ended else [ids]
-        except Exception as e:  # noqa: BLE001 - no tokenizer, a template that cannot write it, an engine down
-            t.notes.append(f"the output could not be re-tokenised ({type(e).__name__}: {e})")
-            return
-        want = t.completion_tokens
-        chosen = next((c for c in candidates if len(c) == want), candidates[0])
-        t.output, t.output_source = list(chosen), "retokenised"
-
-    def _reply_text(self, body: dict, reply: Reply) -> str | None:
-        """The reply as the big model's template writes it after the generation prompt."""
-        if self.renderer is None:
-            return None
-        messages, tools, kwargs = self.template_messages(body)
-        return self.renderer.reply_text(messages, normalise_message(reply.message()), tools, kwargs, end=self.eos_text)
-
-    def _encode(self, text: str) -> list[int]:
-        if self.renderer is None:
-            raise ValueError("no tokenizer")
-        return self.renderer.encode(text)
 
     def _end(self, reply: Reply, ids: list[int], t: TurnIds) -> None:
         """Append the end token the engine stopped on and did not show."""

@@ -41,7 +41,7 @@ class SGLang(VLLM):
 
     name = "sglang"
     prompt_source = "engine (ids fields, or sglext on streamed chat), else template"
-    output_source = "engine, else logprobs, else re-tokenised text"
+    output_source = "engine, else logprobs (else not read)"
     asks_logprobs = True
 
     def ask(self, body: dict, chat: bool) -> Asked:
@@ -67,12 +67,11 @@ class LlamaCpp(Dialect):
     output ids are the `id` beside each logprob (its OpenAI endpoints ignore `return_tokens`):
     complete, end token included, on a whole response; a streamed chat leaves out what its
     reasoning parser holds back (`</think>` and the end token), so such an output is read only
-    when its count is the engine's."""
+    when its count is the engine's (else not read: the next prompt brings it)."""
 
     name = "llamacpp"
     prompt_source = "engine-tokenize (/apply-template, /tokenize)"
-    output_source = "the ids beside logprobs (else its own template and /tokenize over the reply's text)"
-    _engine: tuple[httpx.Client, str] | None = None
+    output_source = "the ids beside logprobs (else not read)"
 
     def ask(self, body: dict, chat: bool) -> Asked:
         sent, added = dict(body), set()
@@ -86,31 +85,7 @@ class LlamaCpp(Dialect):
             added.add("logprobs")
         return Asked(sent, frozenset(added))
 
-    def _reply_text(self, body: dict, reply: Reply) -> str | None:
-        """The reply as the engine's own template writes it: /apply-template with and without it."""
-        if self._engine is None:
-            return None
-        client, root = self._engine
-        query = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-        before = post(client, root + "/apply-template", query).json()["prompt"]
-        after = post(client, root + "/apply-template", query | {
-            "messages": [*body["messages"], reply.message()], "add_generation_prompt": False}).json()["prompt"]
-        if not after.startswith(before) or self.eos_text not in after[len(before):]:
-            return None
-        rest = after[len(before):]
-        return rest[: rest.rfind(self.eos_text) + len(self.eos_text)]
-
-    def _encode(self, text: str) -> list[int]:
-        """The engine's own tokenizer (llama.cpp does not NFC-normalise, and reaches other merges)."""
-        if self._engine is None:
-            raise ValueError("the engine's tokenizer is not known yet")
-        client, root = self._engine
-        r = post(client, root + "/tokenize", {"content": text, "parse_special": True})
-        r.raise_for_status()
-        return list(r.json()["tokens"])
-
     def prompt(self, client: httpx.Client, root: str, body: dict, chat: bool) -> Prompt:
-        self._engine = (client, root)
         try:
             if chat:
                 query = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
@@ -134,13 +109,14 @@ class LlamaCpp(Dialect):
 
 
 class Transformers(Dialect):
-    """Hugging Face `transformers serve`: it refuses unknown fields, gives no logprobs, always
-    ends a stream with `usage`, and hands its template the messages after its own conversion
+    """Hugging Face `transformers serve`: it refuses unknown fields, gives no logprobs (so its
+    outputs are not read: text is never re-tokenised into ids), always ends a stream with
+    `usage`, and hands its template the messages after its own conversion
     (tool-call arguments parsed from JSON, content dropped where tool calls are, content parts
     joined with spaces, other fields such as `reasoning_content` dropped)."""
 
     name = "transformers"
-    output_source = "re-tokenised text"
+    output_source = "none shown: not read (the next prompt brings the reply)"
     asks_usage = False
     asks_logprobs = False
 

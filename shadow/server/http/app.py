@@ -7,13 +7,13 @@ Every error a client causes is a 4xx in the one error shape (`errors`); 404 and 
 from __future__ import annotations
 
 import asyncio
-import json
 from contextlib import asynccontextmanager
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from shadow.engines import jsonlimits
 from shadow.engines.dialects import Dialect, EngineChoice
 from shadow.errors import ShadowInputError
 from shadow.server import logs
@@ -21,7 +21,7 @@ from shadow.server.generator import Generator
 from shadow.server.http import errors
 from shadow.server.http.channels import Channel, choose
 from shadow.server.http.embedded import EmbeddedCompletions
-from shadow.server.http.guard import Guard, json_depth, valid_session_id
+from shadow.server.http.guard import Guard, valid_session_id
 from shadow.server.http.health import Probes
 from shadow.server.http.proxy import Proxy, response_headers
 from shadow.server.http.schemas import ChatBody, CompletionBody, openapi_body
@@ -119,9 +119,21 @@ class ShadowApp:
         service = self.service
         if self.embedded is not None:
             prompt, max_tokens = self.embedded.parse(body, chat)  # bad input refused before the turn begins
+            if self.embedded.full():  # the queue is bounded: a client tries again
+                limit = self.settings.limits.max_queued
+                refusal = errors.error_response(429, f"{limit} requests are generating or waiting; try again",
+                                                "rate_limit_error")
+                refusal.headers["retry-after"] = "1"
+                return refusal
             turn = service.begin_turn(named, reference, embedded=True)
             logs.bind(turn=turn.id, session=named)
-            return await self.embedded.complete(body, prompt, max_tokens, chat, turn, channel)
+            try:
+                return await self.embedded.complete(body, prompt, max_tokens, chat, turn, channel,
+                                                    request.is_disconnected)
+            except BaseException:  # its generation (if it started) stops; the turn ends either way
+                turn.cancelled = True
+                await asyncio.to_thread(service.end_turn, turn)
+                raise
         return await self._forward(request, body, chat, named, reference, channel)
 
     async def _forward(self, request: Request, body: dict, chat: bool, named: str | None, reference: str | None,
@@ -157,19 +169,14 @@ class ShadowApp:
     # what a request says ------------------------------------------------------------------
 
     async def _body(self, request: Request) -> dict:
-        """The body as a JSON object, within the nesting limit; bad JSON (a number past Python's
-        digit limit included) is a ShadowInputError (400)."""
-        depth = self.settings.limits.max_json_depth
+        """The body as a JSON object, within the limits (nesting, digits of a number:
+        `jsonlimits.loads`); anything else is a ShadowInputError (400), before any turn begins."""
         try:
-            body = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or a number too long to read
-            raise ShadowInputError(f"the body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise ShadowInputError("the body nests too deeply") from None
+            body = jsonlimits.loads(await request.body(), max_depth=self.settings.limits.max_json_depth)
+        except jsonlimits.JSONLimitError as e:
+            raise ShadowInputError(f"the body is refused: {e}") from None
         if not isinstance(body, dict):
             raise ShadowInputError("the body must be a JSON object")
-        if not json_depth(body, depth):
-            raise ShadowInputError(f"the body nests deeper than {depth} levels")
         return body
 
     def _named_session(self, request: Request) -> str | None:

@@ -1,9 +1,17 @@
 """Embedded completions: OpenAI chat and completion requests answered by a Qwen3.5 checkpoint
-generating in-process with the project's own forward (`server.generator`), one request at a time
-on the device thread, with the shadow reading between its rounds. Asked with `return_token_ids`,
-it returns ids the vLLM way (`prompt_token_ids` on the first chunk or the body,
-`choices[].token_ids`), so another `shadow serve` can use it as its engine. The ids the shadow
-reads are the ids it generated from: every turn is verified."""
+generating in-process with the project's own forward (`server.generator`) on the device thread,
+with the shadow reading between its rounds. Asked with `return_token_ids`, it returns ids the
+vLLM way (`prompt_token_ids` on the first chunk or the body, `choices[].token_ids`), so another
+`shadow serve` can use it as its engine. The ids the shadow reads are the ids it generated from
+(its prompt once the generator has read it all, then each token): every turn is verified.
+
+The queue is fair and bounded: at most `limits.max_generating` generations hold their state at
+once (the rest wait in arrival order, `limits.max_queued` in all: a 429 beyond), and they take
+turns on the device in slices (`Generation`): a slice runs prefill chunks and decode rounds until
+the generation ends, or until it has held the device `SLICE_S` while another job waits, so a
+short request is served between the chunks of a long prefill. A request whose client goes away
+is cancelled at its next step (a stream's disconnect or close; a whole response's client is
+looked for while it waits)."""
 
 from __future__ import annotations
 
@@ -13,14 +21,16 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from shadow.engines.dialects import as_carried
 from shadow.engines.idcheck import TurnIds, check_turn
 from shadow.errors import ShadowInputError
 from shadow.server.generator import Generator
 from shadow.server.http.channels import Channel, LineWriter
+from shadow.server.http.closing import ClosingStream
 from shadow.server.http.errors import error_body, error_response
 from shadow.server.http.lines import TurnStatus, said
 from shadow.server.service import ShadowService
@@ -43,7 +53,13 @@ class EmbeddedCompletions:
         self.renderer, self.template_kwargs = renderer, dict(settings.engine.template_kwargs)
         self.timing = vars(settings.status.timing)  # TurnStatus's thresholds
         self.eos = [generator.model.config.eos_token_id]
-        self.load = service.load  # one request at a time: the waiting line's queue and the reading rate
+        self.load = service.load  # the waiting line's queue and the reading rate
+        self.slots = threading.Semaphore(settings.limits.max_generating)  # generations holding their state
+
+    def full(self) -> bool:
+        """Whether `limits.max_queued` requests are generating or waiting already (a 429 then)."""
+        with self.service.state_lock:
+            return sum(t.embedded for t in self.service.turns) >= self.limits.max_queued
 
     def parse(self, body: dict, chat: bool) -> tuple[list[int], int]:
         """The prompt ids (the template, given, else the in-code one of `shadow.text.chat`, over the
@@ -74,14 +90,12 @@ class EmbeddedCompletions:
         return ids, max_tokens
 
     async def complete(self, body: dict, prompt: list[int], max_tokens: int, chat: bool, turn: ServedTurn,
-                       channel: Channel = Channel("off")) -> Response:
+                       channel: Channel = Channel("off"), disconnected: Callable[[], Awaitable[bool]] | None = None
+                       ) -> Response:
         """Answer one request (`parse` gave its prompt and tokens), whose turn has begun: it is
-        named here, and its job on the device feeds the prompt, generates and ends the turn."""
-        try:
-            session = self.service.name_turn(turn, prompt)
-        except BaseException:  # no job will end it
-            await asyncio.to_thread(self.service.end_turn, turn)
-            raise
+        named here, and its `Generation` feeds the prompt, generates and ends the turn.
+        `disconnected()`: whether the client of a whole (not streamed) response has gone."""
+        session = self.service.name_turn(turn, prompt)  # (what raises here or below ends the turn: the app's)
         stop_ids = [] if body.get("ignore_eos") else self.eos  # as vLLM: generate max_tokens whatever comes
         want_ids = bool(body.get("return_token_ids"))  # as vLLM: ids only when asked for
         rid, created = f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
@@ -93,8 +107,8 @@ class EmbeddedCompletions:
                                 turn)
             writer.like = {"id": rid, "created": created, "model": self.model_name}
             lines = TokenLines(writer, prompt, self.tokenizer, self.service, request_language(body))
-        threading.Thread(target=self._serve_turn, args=(turn, prompt, max_tokens, stop_ids, events),
-                         name="shadow-turn", daemon=True).start()
+        run = Generation(self, turn, prompt, max_tokens, stop_ids, events)
+        threading.Thread(target=run.serve, name="shadow-turn", daemon=True).start()
         reply = Completion(self, rid, created, chat, want_ids, prompt)
         if body.get("stream"):
             def ended() -> None:
@@ -102,12 +116,23 @@ class EmbeddedCompletions:
                 if lines is not None:
                     self.service.journal_lines(turn, said(lines.writer.status.lines, lines.writer.status.started))
 
-            return StreamingResponse(reply.sse(events, lines, ended),
-                                     media_type="text/event-stream", headers={"x-shadow-session": session})
+            async def closed() -> None:  # however the stream ended: a generation still running is cancelled
+                if not run.over:
+                    turn.cancelled = True
+
+            return ClosingStream(reply.sse(events, lines, ended), on_close=closed,
+                                 on_disconnect=lambda: setattr(turn, "cancelled", True),
+                                 media_type="text/event-stream", headers={"x-shadow-session": session})
         out, finish = [], None
         try:
             while finish is None:
-                kind, value = await asyncio.to_thread(events.get)
+                try:
+                    kind, value = await asyncio.to_thread(events.get, True, 0.5)
+                except queue.Empty:
+                    if disconnected is not None and await disconnected():
+                        turn.cancelled = True  # nobody will read the answer: the generation stops
+                        return Response(status_code=499)
+                    continue
                 if kind == "token":
                     out.append(value)
                 elif kind == "done":
@@ -118,34 +143,92 @@ class EmbeddedCompletions:
             self.load.answered(turn)
         return JSONResponse(reply.whole(out, finish), headers={"x-shadow-session": session})
 
-    def _serve_turn(self, turn: ServedTurn, prompt, max_tokens, stop_ids, events) -> None:
-        """One request (on the device thread): feed the prompt, generate, and between rounds the share."""
-        try:
-            self.service.run_request(lambda: self._generate(turn, prompt, max_tokens, stop_ids, events))
-        except Exception as e:  # the device thread has stopped: the client is told
-            events.put(("error", f"{type(e).__name__}: {e}"))
-            self.service.end_turn(turn)
 
-    def _generate(self, turn: ServedTurn, prompt, max_tokens, stop_ids, events) -> None:
-        service, out = self.service, []
+class Generation:
+    """One request's generation: a slot among the engine's `slots`, then slices on the device
+    thread until it is over; its turn is recorded and ended whatever happens (`serve`'s
+    `finally`). Per round it adds two attribute reads to what the round did (and a clock read
+    while another job waits)."""
+
+    def __init__(self, engine: EmbeddedCompletions, turn: ServedTurn, prompt: list[int], max_tokens: int,
+                 stop_ids: list[int], events: queue.Queue):
+        self.engine, self.service, self.turn = engine, engine.service, turn
+        self.prompt, self.max_tokens, self.stop_ids, self.events = prompt, max_tokens, stop_ids, events
+        self.steps = None
+        self.out: list[int] = []
+        self.over = False  # its last event is out
+
+    def serve(self) -> None:
+        """On its own thread: wait for a slot (giving up if the client goes away), then hand the
+        device one slice after another; the turn ends in the `finally`."""
+        turn, slots = self.turn, self.engine.slots
+        held = False
         try:
-            service.set_prompt(turn, prompt)
-            for token in self.generator.generate(prompt, max_tokens, stop_ids):
-                if not out:
+            while not turn.cancelled and not held:
+                held = slots.acquire(timeout=0.25)
+            if not held:  # its client went away while it waited: nothing was read
+                self._record()
+                return
+            while not self.service.run_request(self._slice):
+                pass
+        except Exception as e:  # noqa: BLE001 - the device has stopped, or the generator failed: the client is told
+            self.events.put(("error", f"{type(e).__name__}: {e}"))
+        finally:
+            self.over = True
+            if held:
+                slots.release()
+            if self.steps is not None:
+                self.steps.close()
+            self.service.end_turn(self.turn)
+
+    def _slice(self) -> bool:
+        """On the device thread: steps until the generation is over (True) or it has held the
+        device `SLICE_S` while another job waits (False: it gives way, and goes on in its next
+        slice). Its prompt is fed to the shadow once the generator has read it (at the first
+        token: a request cancelled in its prefill leaves the shadow as it was)."""
+        turn, service, device = self.turn, self.service, self.service.device
+        if self.steps is None:
+            self.steps = self.engine.generator.steps(self.prompt, self.max_tokens, self.stop_ids)
+        start = time.perf_counter()
+        while not turn.cancelled:
+            token = next(self.steps, END)
+            if token is END:
+                break
+            if token is not None:
+                if not self.out:
+                    service.set_prompt(turn, self.prompt)
                     service.first_token(turn)
-                out.append(token)
-                events.put(("token", token))
+                self.out.append(token)
+                self.events.put(("token", token))
                 # between two rounds: the output so far readable in the share, the share's slice, the
                 # voice's phrases (its rounds hold the device: the voice is served between them)
                 service.between_rounds(turn, (token,))
-            events.put(("done", "stop" if out and out[-1] in self.eos else "length"))
-            ids = TurnIds(list(prompt), "engine", list(out), "engine", prompt_tokens=len(prompt),
-                          completion_tokens=len(out))
-            service.record_turn(turn, check_turn(ids), ids)  # its own engine: the ids are the ones read
-        except Exception as e:  # the client gets the error; the shadow keeps what it fed
-            events.put(("error", f"{type(e).__name__}: {e}"))
-        finally:
-            service.end_turn(turn)
+            if device.queued() and time.perf_counter() - start >= SLICE_S:
+                return False
+        self._record()
+        return True
+
+    def _record(self) -> None:
+        """Its last event and its check: its own engine, so its ids are the ones read (as far as the
+        shadow took them: a cancelled request's prompt before its first token, not at all)."""
+        out, eos = self.out, self.engine.eos
+        if self.turn.cancelled:
+            self.events.put(("error", "the request was cancelled: its client went away"))
+        else:
+            self.events.put(("done", "stop" if out and out[-1] in eos else "length"))
+        self.over = True
+        ids = TurnIds(list(self.prompt), "engine", list(out), "engine", prompt_tokens=len(self.prompt),
+                      completion_tokens=len(out))
+        if self.turn.cancelled:
+            ids.notes.append(f"cancelled after {len(out)} token(s): its client went away")
+            if not out:
+                ids.output_source = None
+                ids.output_skipped = "output not read: the request was cancelled before its first token"
+        self.service.record_turn(self.turn, check_turn(ids), ids)
+
+
+END = object()  # the generator's steps are over
+SLICE_S = 0.1  # how long a generation holds the device while another job waits, before it gives way
 
 
 THINK, END_THINK, TOOL, END_TOOL = 248068, 248069, 248058, 248059  # <think> </think> <tool_call> </tool_call>
@@ -234,10 +317,11 @@ class Completion:
         try:
             while True:
                 try:
-                    batch = [await asyncio.to_thread(events.get, True, 1.0 if lines else None)]
-                except queue.Empty:  # the engine is silent: lines that are due
-                    said = await lines.voice(lines.writer.due(time.monotonic()))
-                    yield b"".join(lines.writer.encode(said))
+                    batch = [await asyncio.to_thread(events.get, True, 1.0)]
+                except queue.Empty:  # the engine is silent (a long prefill): lines that are due
+                    if lines is not None:
+                        said = await lines.voice(lines.writer.due(time.monotonic()))
+                        yield b"".join(lines.writer.encode(said))
                     continue
                 while True:  # whatever else is queued goes in the same write
                     try:

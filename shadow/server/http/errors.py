@@ -1,6 +1,7 @@
 """The one error shape every refusal of the service has, `{"error": {"message", "type"}}`, as
 OpenAI-compatible engines answer, and the handlers that map the library's errors onto it:
-bad input 400, an ask on a session not exact enough 409, no shadow yet 503, unknown paths 404,
+bad input 400, an ask on a session not exact enough 409 (with its `exact` and `why_not` beside
+the error), no shadow yet 503, unknown paths 404,
 wrong methods 405, invalid bodies 400."""
 
 from __future__ import annotations
@@ -56,4 +57,6 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(ShadowNotExact)
     async def not_exact(request: Request, exc: ShadowNotExact):
-        return error_response(409, str(exc), "not_exact")
+        exact = getattr(exc, "exactness", None) or {}  # the refusal says exact and why_not, as an answer would
+        extra = {k: exact[k] for k in ("exact", "why_not") if k in exact}
+        return JSONResponse(error_body(str(exc), "not_exact") | extra, status_code=409)

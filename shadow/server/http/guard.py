@@ -18,20 +18,6 @@ from shadow.server.settings import Access, Limits
 LIMITED_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/shadow/ask", "/v1/shadow/summarize")
 
 
-def json_depth(value, limit: int) -> bool:
-    """Whether `value` nests no deeper than `limit` (iteratively: a deep value cannot recurse here)."""
-    stack = [(value, 1)]
-    while stack:
-        v, d = stack.pop()
-        if d > limit:
-            return False
-        if isinstance(v, dict):
-            stack += [(x, d + 1) for x in v.values()]
-        elif isinstance(v, list):
-            stack += [(x, d + 1) for x in v]
-    return True
-
-
 class BodyTooLarge(Exception):
     pass
 

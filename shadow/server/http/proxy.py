@@ -5,8 +5,10 @@ the ids the engine read and wrote, from the best source the engine's dialect off
 every turn against what the engine shows (`shadow.engines.idcheck`).
 
 Nothing the client sees depends on the shadow: ids the shadow cannot take are skipped, a stream
-never waits for the device, malformed engine events pass to the client untouched, and every turn
-ends (in a `finally`) whatever happens to the stream.
+never waits for the device, engine bodies and events it cannot read (not JSON, numbers of
+thousands of digits, nesting past `jsonlimits.MAX_DEPTH`) pass to the client untouched, and every
+turn ends whatever happens to the stream: a streamed response is a `ClosingStream`, whose close
+ends the turn in a `finally` even when the client went away before the stream started.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
+from shadow.engines import jsonlimits
 from shadow.engines.dialects import Asked, Dialect, Prompt, engine_root
 from shadow.engines.idcheck import check_turn
 from shadow.server.http.channels import Channel
+from shadow.server.http.closing import ClosingStream
 from shadow.server.http.errors import error_event, error_response
 from shadow.server.http.lines import TurnStatus
 from shadow.server.http.lines import said as shown
@@ -121,9 +125,10 @@ class Proxy:
             done, _ = await asyncio.wait({sending}, timeout=lines.status.quiet_s)
             if not done:  # the engine keeps the request waiting: its stream opens at the first line
                 headers = {"x-shadow-session": session} if session else {}
-                return StreamingResponse(self._relay_when_answered(sending, turn, asked.added, body, chat, before,
-                                                                   label, lines),
-                                         status_code=200, media_type="text/event-stream", headers=headers)
+                return ClosingStream(self._relay_when_answered(sending, turn, asked.added, body, chat, before,
+                                                               label, lines),
+                                     on_close=lambda: self._closed(turn, sending, before, body, chat, label, lines),
+                                     status_code=200, media_type="text/event-stream", headers=headers)
         try:
             upstream, asked = await sending
         except httpx.HTTPError as e:
@@ -147,18 +152,46 @@ class Proxy:
                 if content is None:
                     return error_response(502, broke, "upstream_error")
                 return Response(content, status_code=upstream.status_code, headers=headers)
-            event = _json(content)
-            if event is not None:
-                turn.reply.read(event, chat)
-                cleaned = self.dialect.clean(event, asked.added, body)
-                if cleaned is not event:
-                    content = json.dumps(cleaned, ensure_ascii=False).encode()
-            else:
-                turn.reply.malformed += 1
-            self._finish_later(turn, before, body, chat, label, None)
+            try:
+                content = self._whole(content, turn, asked.added, body, chat)
+            finally:
+                self._finish_later(turn, before, body, chat, label, None)
             return Response(content, status_code=200, headers=headers)
-        return StreamingResponse(self._relay(upstream, turn, asked.added, body, chat, before, label, lines),
-                                 status_code=200, headers=headers)
+        finished = asyncio.get_running_loop().create_future()
+        finished.set_result((upstream, asked))
+        return ClosingStream(self._relay(upstream, turn, asked.added, body, chat, before, label, lines),
+                             on_close=lambda: self._closed(turn, finished, before, body, chat, label, lines),
+                             status_code=200, headers=headers)
+
+    def _whole(self, content: bytes, turn: ServedTurn, added, body: dict, chat: bool) -> bytes:
+        """A whole response body as the client gets it (less what the proxy added); the shadow
+        reads it on the way. A body it cannot read (not JSON, a number of thousands of digits,
+        nesting past the limit), or cannot clean, passes as the engine sent it."""
+        event = _json(content)
+        if event is None:
+            turn.reply.malformed += 1
+            return content
+        try:
+            turn.reply.read(event, chat)
+            cleaned = self.dialect.clean(event, added, body)
+            return content if cleaned is event else json.dumps(cleaned, ensure_ascii=False).encode()
+        except Exception:  # noqa: BLE001 - the client's response never depends on the shadow
+            turn.reply.malformed += 1
+            log.exception("a response body could not be read; it passes as the engine sent it")
+            return content
+
+    async def _closed(self, turn: ServedTurn, sending: asyncio.Future, before: Future, body: dict, chat: bool,
+                      label, lines) -> None:
+        """A streamed response is over (its ClosingStream's close): the turn ends here unless its
+        stream already saw to it (a stream whose client went away before it started never ran)."""
+        if turn.finishing:
+            return
+        if not sending.done():
+            sending.cancel()
+        elif not sending.cancelled() and sending.exception() is None:
+            await sending.result()[0].aclose()
+        turn.notes.append("the client went away before the response was relayed")
+        self._finish_later(turn, before, body, chat, label, lines)
 
     async def _send(self, url: str, asked: Asked, body: dict, request_headers, turn: ServedTurn
                     ) -> tuple[httpx.Response, Asked]:
@@ -192,6 +225,8 @@ class Proxy:
             c.upstream_errors[kind] = c.upstream_errors.get(kind, 0) + 1
 
     async def _end(self, turn: ServedTurn) -> None:
+        """A turn the engine did not answer (unreachable, refused, broken off): it ends unread."""
+        turn.finishing = True
         self.load.answered(turn)
         await asyncio.to_thread(self.service.end_turn, turn)
 
@@ -224,8 +259,12 @@ class Proxy:
             await self._end(turn)
             yield error_event(failure, "upstream_error") + b"data: [DONE]\n\n"
             return
-        async for data in self._relay(upstream, turn, added, body, chat, before, label, lines):
-            yield data
+        relay = self._relay(upstream, turn, added, body, chat, before, label, lines)
+        try:
+            async for data in relay:
+                yield data
+        finally:
+            await relay.aclose()  # closed with this one (its `finally` ends the turn)
 
     async def _relay(self, upstream: httpx.Response, turn: ServedTurn, added, body: dict, chat: bool, before: Future,
                      label, lines: "Lines | None"):
@@ -273,14 +312,25 @@ class Proxy:
                     out += lines.encode(await self._voice(lines.due(time.monotonic()), turn, lines, body))
                 if out:
                     yield b"".join(out)
-                take(turn, before, self.max_prompt_tokens)
-                await asyncio.to_thread(self.service.feed_held, turn, False, True)
+                await self._feed(turn, before)
             if buffer:
                 yield self._line(buffer, _event(buffer), turn, added, body, chat).rstrip(b"\n")
         finally:
             pumping.cancel()
             await upstream.aclose()
             self._finish_later(turn, before, body, chat, label, lines)
+
+    async def _feed(self, turn: ServedTurn, before: Future) -> None:
+        """Between two events: what the engine has shown is handed to the shadow if the device is
+        free (never waited for); a failure is logged once a turn and the stream goes on."""
+        try:
+            take(turn, before, self.max_prompt_tokens)
+            await asyncio.to_thread(self.service.feed_held, turn, False, True)
+        except Exception:  # noqa: BLE001 - the client's stream never depends on the shadow
+            if "feeding failed" not in turn.notes:
+                turn.notes.append("feeding failed")
+                log.exception("the shadow could not be fed between events of turn %s", turn.id,
+                              extra={"session": turn.session, "turn": turn.id})
 
     async def _voice(self, said: list, turn: ServedTurn, lines: "Lines", body: dict) -> list:
         """The voice's phrase after each line that takes one (thinking, decided, writing), where
@@ -303,20 +353,30 @@ class Proxy:
         return said
 
     def _line(self, line: bytes, event: dict | None, turn: ServedTurn, added, body: dict, chat: bool) -> bytes:
-        """One SSE line as the client gets it; the shadow reads its event on the way."""
+        """One SSE line as the client gets it; the shadow reads its event on the way. A line it
+        cannot read or clean passes as the engine sent it."""
         if event is None:
             return line + b"\n"
-        turn.reply.read(event, chat)
-        if not added:
+        try:
+            turn.reply.read(event, chat)
+            if not added:
+                return line + b"\n"
+            cleaned = self.dialect.clean(event, added, body)
+            if cleaned is event:
+                return line + b"\n"
+            if cleaned is None:
+                return b""  # an event the client did not ask for (its blank line stays: an empty event)
+            return b"data: " + json.dumps(cleaned, ensure_ascii=False).encode() + b"\n"
+        except Exception:  # noqa: BLE001 - the client's stream never depends on the shadow
+            turn.reply.malformed += 1
+            log.exception("an event could not be read; it passes as the engine sent it")
             return line + b"\n"
-        cleaned = self.dialect.clean(event, added, body)
-        if cleaned is event:
-            return line + b"\n"
-        if cleaned is None:
-            return b""  # an event the client did not ask for (its blank line stays: an empty event)
-        return b"data: " + json.dumps(cleaned, ensure_ascii=False).encode() + b"\n"
 
     def _finish_later(self, turn: ServedTurn, before: Future, body: dict, chat: bool, label, lines) -> None:
+        """The turn's end (`_finish`) on a thread of its own, once, whichever path gets here first."""
+        if turn.finishing:
+            return
+        turn.finishing = True
         self.load.answered(turn)
         context = contextvars.copy_context()  # the request's log fields follow the turn
         threading.Thread(target=context.run, args=(self._finish, turn, before, body, chat, label, lines),
@@ -379,11 +439,12 @@ def _event(line: bytes) -> dict | None:
 
 
 def _json(data: bytes):
-    """A JSON object, or None for anything else: not JSON, not UTF-8, numbers past Python's digit
-    limit (ValueError), nesting past its recursion limit (RecursionError)."""
+    """A JSON object within the limits (`jsonlimits.loads`), or None for anything else: not JSON,
+    not UTF-8, a number of thousands of digits, nesting past the limit (such a body or event
+    passes to the client as the engine sent it, unread)."""
     try:
-        event = json.loads(data)
-    except (ValueError, RecursionError):
+        event = jsonlimits.loads(data)
+    except (jsonlimits.JSONLimitError, RecursionError):
         return None
     return event if isinstance(event, dict) else None
 
