@@ -53,6 +53,31 @@ def stream_chat(client: httpx.Client, session: str, messages: list[dict], max_to
     return chunks, text
 
 
+def test_an_embedded_stream_ends_with_its_usage_when_asked_as_openai_does(server):
+    client, _ = server
+    for chat in (True, False):
+        path, prompt = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]}) if chat else \
+            ("/v1/completions", {"prompt": "hello"})
+        for asked in (True, False):
+            body = {**prompt, "max_tokens": 5, "stream": True, "ignore_eos": True, "return_token_ids": True}
+            if asked:
+                body["stream_options"] = {"include_usage": True}
+            with client.stream("POST", path, headers={"x-session-id": f"u-{chat}-{asked}"}, json=body) as r:
+                lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+            assert lines[-1] == "data: [DONE]"
+            chunks = [json.loads(line[6:]) for line in lines[:-1]]
+            with_usage = [c for c in chunks if "usage" in c]
+            if not asked:
+                assert with_usage == []
+                continue
+            assert with_usage == [chunks[-1]] and chunks[-1]["choices"] == []  # the last, alone
+            generated = sum(len(c["choices"][0]["token_ids"]) for c in chunks[:-1])
+            prompt_n = len(chunks[0]["prompt_token_ids"])
+            assert generated == 5
+            assert chunks[-1]["usage"] == {"prompt_tokens": prompt_n, "completion_tokens": 5,
+                                           "total_tokens": prompt_n + 5}
+
+
 def test_two_streamed_turns_are_read_exactly_and_asked(server):
     client, service = server
     messages = [{"role": "user", "content": long_text(1)}]

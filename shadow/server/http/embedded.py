@@ -109,7 +109,9 @@ class EmbeddedCompletions:
             lines = TokenLines(writer, prompt, self.tokenizer, self.service, request_language(body))
         run = Generation(self, turn, prompt, max_tokens, stop_ids, events)
         threading.Thread(target=run.serve, name="shadow-turn", daemon=True).start()
-        reply = Completion(self, rid, created, chat, want_ids, prompt)
+        options = body.get("stream_options")
+        with_usage = isinstance(options, dict) and bool(options.get("include_usage"))  # as OpenAI
+        reply = Completion(self, rid, created, chat, want_ids, prompt, with_usage)
         if body.get("stream"):
             def ended() -> None:
                 self.load.answered(turn)
@@ -283,10 +285,16 @@ class TokenLines:
 class Completion:
     """One response of the embedded engine, in the OpenAI shapes (and vLLM's ids when asked)."""
 
-    def __init__(self, engine: EmbeddedCompletions, rid: str, created: int, chat: bool, want_ids: bool, prompt: list[int]):
+    def __init__(self, engine: EmbeddedCompletions, rid: str, created: int, chat: bool, want_ids: bool,
+                 prompt: list[int], with_usage: bool = False):
+        """`with_usage`: a stream's last chunk before [DONE] carries the usage, with no choices."""
         self.engine, self.rid, self.created, self.chat = engine, rid, created, chat
-        self.want_ids, self.prompt = want_ids, prompt
+        self.want_ids, self.prompt, self.with_usage = want_ids, prompt, with_usage
         self.text = TextStream(engine.tokenizer)
+
+    def usage(self, out: list[int]) -> dict:
+        n = len(self.prompt)
+        return {"prompt_tokens": n, "completion_tokens": len(out), "total_tokens": n + len(out)}
 
     def chunk(self, token: int | None, text: str, finish: str | None, first: bool) -> dict:
         choice = {"index": 0, "finish_reason": finish}
@@ -302,6 +310,10 @@ class Completion:
             out["prompt_token_ids"] = self.prompt
         return out
 
+    def usage_chunk(self, out: list[int]) -> dict:
+        return {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.engine.model_name, "choices": [], "usage": self.usage(out)}
+
     def event(self, kind: str, value, out: list[int], first: bool) -> tuple[str, bool]:
         """The SSE text of one event, and whether the stream ends with it."""
         if kind == "token":
@@ -309,7 +321,10 @@ class Completion:
             text = self.text.push(value) if value not in self.engine.eos else ""
             return f"data: {json.dumps(self.chunk(value, text, None, first))}\n\n", False
         if kind == "done":
-            return f"data: {json.dumps(self.chunk(None, self.text.rest(), value, first))}\n\ndata: [DONE]\n\n", True
+            text = f"data: {json.dumps(self.chunk(None, self.text.rest(), value, first))}\n\n"
+            if self.with_usage:  # as OpenAI: one more chunk, with no choices and the whole usage
+                text += f"data: {json.dumps(self.usage_chunk(out))}\n\n"
+            return text + "data: [DONE]\n\n", True
         return f"data: {json.dumps(error_body(value, 'server_error'))}\n\ndata: [DONE]\n\n", True
 
     async def sse(self, events: queue.Queue, lines: TokenLines | None = None, ended=lambda: None):
@@ -347,10 +362,9 @@ class Completion:
         text = self.engine.tokenizer.decode([t for t in out if t not in self.engine.eos])
         choice = {"index": 0, "finish_reason": finish}
         choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
-        n = len(self.prompt)
         result = {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                   "created": self.created, "model": self.engine.model_name, "choices": [choice],
-                  "usage": {"prompt_tokens": n, "completion_tokens": len(out), "total_tokens": n + len(out)}}
+                  "usage": self.usage(out)}
         if self.want_ids:
             choice["token_ids"] = out
             result["prompt_token_ids"] = self.prompt
