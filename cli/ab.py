@@ -10,7 +10,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.table import Table
 
-from cli.common import CsvOpt, JsonOpt, PlotOpt, bounds, console, emit_json, progress, refuse, user_errors, write_csv
+from cli.common import CsvOpt, JsonOpt, PlotOpt, bounds, console, emit_json, progress, refuse, save_figure, user_errors, write_csv
 from shadow.errors import ShadowInputError
 
 
@@ -97,10 +97,8 @@ def ab(
                       + (f"; the voice spoke for {summary['voice_pct']:.2f} %" if voice and summary["voice_pct"] is not None else ""))
     if csv:
         write_csv(csv, [dataclasses.asdict(r) for r in results])
-        console.print(f"wrote {csv}")
     if plot:
         _plot(plot, results, f"shadow ab · {prompt_tokens:,} prompt tokens, {output_tokens} out")
-        console.print(f"wrote {plot}")
     if json_out:
         emit_json({"command": "ab", "url": url, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                    "voice": voice,
@@ -124,6 +122,4 @@ def _plot(path: Path, results, title: str) -> None:
     ax.set_xticks(sorted({r.pair for r in results}))
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

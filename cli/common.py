@@ -391,7 +391,24 @@ def emit_json(obj: dict) -> None:
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:
-    """The table as CSV (a pandas DataFrame: one row a dict, columns in the first row's order)."""
+    """The table as CSV (a pandas DataFrame: one row a dict, columns in the first row's order), and
+    a line that says where."""
     import pandas as pd
 
     pd.DataFrame(rows).to_csv(path, index=False)
+    wrote(path)
+
+
+def save_figure(fig, path: Path) -> None:
+    """The figure written to `path` and closed, and a line that says where."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    wrote(path)
+
+
+def wrote(path: Path) -> None:
+    """The line every command prints for each file it writes."""
+    console.print(f"wrote {path}")

@@ -226,3 +226,33 @@ def test_sixty_four_concurrent_sessions_over_a_spilling_cap_all_exact(tiny, tmp_
     assert status["counters"]["requests"] == 128  # a refused request begins no turn
     assert sum(1 for s in status["sessions"] if not s["resident"]) > 0, spills  # the cap forced spills
     print(f"load: 64 sessions x 2 turns in {seconds:.1f} s, {len(refused)} 429s tried again; store {spills}")
+
+
+def test_ab_reaches_a_server_with_keys_by_option_or_environment(tiny, tmp_path):
+    """Without a key ab says which it wants and exits 2; with the admin key (by --api-key, or
+    SHADOW_API_KEY) it runs both arms and sets the switch back."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    with guarded() as (client, service):
+        url = str(client.base_url).rstrip("/") + "/v1"
+        args = ["ab", "--url", url, "--prompt-tokens", "200", "--output-tokens", "3", "--runs", "1", "--pause", "0",
+                "--gate-pct", "1000", "--json"]
+        refused = CliRunner().invoke(app, args, env={"SHADOW_API_KEY": ""})
+        assert refused.exit_code == 2 and "wants a key: --api-key" in refused.output
+        for extra, env in ((["--api-key", ADMIN], {}), ([], {"SHADOW_API_KEY": ADMIN})):
+            result = CliRunner().invoke(app, args + extra, env=env)
+            assert result.exit_code == 0, result.output
+            doc = json.loads(result.output.strip().splitlines()[-1])
+            assert doc["passed"] is True and {r["arm"] for r in doc["per_run"]} == {"off", "on"}
+            assert service.shared.switch.shadow  # switched back on
+
+
+def test_the_admin_key_opens_every_endpoint_and_the_api_key_not_the_shadows(tiny):
+    with guarded() as (client, _):
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        assert client.post("/v1/chat/completions", json=chat, headers=bearer(ADMIN) | {"x-session-id": "a"}).status_code == 200
+        assert client.get("/v1/models", headers=bearer(ADMIN)).status_code == 200
+        assert client.get("/metrics", headers=bearer(KEY)).status_code == 401
+        assert client.get("/metrics", headers=bearer(ADMIN)).status_code == 200

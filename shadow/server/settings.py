@@ -146,9 +146,9 @@ class Limits:
 @dataclass(frozen=True)
 class Access:
     """With an API key, every endpoint wants `Authorization: Bearer KEY`; the shadow's own
-    endpoints (`/v1/shadow/*`) and `/metrics` want the admin key instead when one is set. The
-    probes (`/health`, `/ready`) want the API key like every endpoint, unless
-    `probes_without_key`."""
+    endpoints (`/v1/shadow/*`) and `/metrics` want the admin key instead when one is set, and the
+    admin key opens every endpoint (one key runs both arms of `shadow ab`). The probes (`/health`,
+    `/ready`) want a key like every endpoint, unless `probes_without_key`."""
 
     api_key: str | None = None
     admin_key: str | None = None
@@ -163,7 +163,11 @@ class Access:
         if want is None:
             return True
         scheme, _, token = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), want.encode())
+        if scheme.lower() != "bearer":
+            return False
+        token = token.strip().encode()
+        opens = [want] if admin or not self.admin_key else [want, self.admin_key]
+        return any([hmac.compare_digest(token, key.encode()) for key in opens])  # a list: both compared
 
 
 @dataclass(frozen=True)
