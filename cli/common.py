@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - older typer
     from click import get_current_context
 
 # a pipe or file gets a wide table rather than rich's default 80 columns
-console = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+console = Console(highlight=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 160)  # piped: wide, unless COLUMNS says
 errors = Console(stderr=True, highlight=False, soft_wrap=True)  # one error, one line
 
 EXIT_FAILED = 1  # the check failed: not bit-equal, gate failed, invalid files

@@ -112,6 +112,7 @@ def test_read_rate_on_cpu_with_tiny(tmp_path):
     assert doc["kernels"] == "reference" and all(r["kernels"] == "reference" for r in doc["rows"])
     assert all(r["ms_per_chunk"] > 0 for r in doc["rows"])
     assert plot.read_bytes()[:4] == b"\x89PNG" and csv_path.read_text().startswith("model,grid,context")
+    assert f"wrote {plot}" in result.output and f"wrote {csv_path}" in result.output
 
 
 @pytest.mark.parametrize(
