@@ -10,7 +10,9 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.table import Table
 
-from cli.common import CsvOpt, JsonOpt, PlotOpt, bounds, console, emit_json, progress, refuse, save_figure, user_errors, write_csv
+from cli.common import (
+    CsvOpt, JsonOpt, PlotOpt, bounds, console, emit_json, progress, refuse, save_figure, show, user_errors, write_csv,
+)
 from shadow.errors import ShadowInputError
 
 
@@ -76,7 +78,7 @@ def ab(
     for r in results:
         table.add_row(str(r.pair), r.arm, f"{r.ttft_s:.3f}", f"{r.decode_tok_s:.2f}", f"{r.itl_p50_ms:.2f}",
                       f"{r.itl_p99_ms:.2f}", f"{r.itl_max_ms:.1f}", str(r.tokens), *((str(r.lines),) if voice else ()))
-    console.print(table)
+    show(table)
     d, t = summary["decode_tok_s"], summary["ttft_s"]
     console.print(f"decode tok/s median: off {d['off']:.2f}, on {d['on']:.2f} ({summary['delta_pct']:+.2f} %); "
                   f"paired: {', '.join(f'{x:+.1f}' for x in summary['paired_deltas_pct'])} %; "

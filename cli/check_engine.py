@@ -9,7 +9,8 @@ import typer
 from rich.table import Table
 
 from cli.common import (
-    CsvOpt, JsonOpt, console, emit_json, readable_path, template_kwargs, tokenizer_path, user_errors, write_csv,
+    CsvOpt, JsonOpt, console, emit_json, readable_path, show, template_kwargs, tokenizer_path, user_errors,
+    write_csv,
 )
 from shadow.errors import ShadowInputError
 
@@ -75,7 +76,7 @@ def check_engine(
                       _state(r.output_check),
                       _yes(r.prompt_equal if r.output_equal is None else (r.prompt_equal is not False and r.output_equal)),
                       _yes(r.template_equal), _yes(r.verified))
-    console.print(table)
+    show(table)
     for r in results:
         if r.verified is not True and r.reasons:
             console.print(f"{r.case} #{r.request}: {'; '.join(r.reasons)}", markup=False, style="dim")

@@ -22,7 +22,9 @@ from typing import Annotated, Callable, NoReturn
 import typer
 from rich.markup import escape
 from rich.console import Console
+from rich.measure import Measurement
 from rich.progress import Progress
+from rich.table import Table
 from typer.core import TyperGroup
 
 from shadow.errors import ShadowInputError
@@ -412,3 +414,64 @@ def save_figure(fig, path: Path) -> None:
 def wrote(path: Path) -> None:
     """The line every command prints for each file it writes."""
     console.print(f"wrote {path}")
+
+
+def show(table: Table) -> None:
+    """Print `table` so that it reads at the console's width: as it is where it fits; else, with
+    few rows, turned on its side (a column per row, a row per field); else as several tables that
+    each repeat the first column. Cells are never cut into pieces of a few letters."""
+    width = console.width
+    if _width(table) <= width:
+        console.print(table)
+        return
+    columns, n = table.columns, table.row_count
+    if 0 < n <= 4:
+        side = Table(title=table.title, title_justify=table.title_justify)
+        side.add_column(columns[0].header, style="bold", no_wrap=True)
+        for i in range(n):
+            side.add_column(list(columns[0].cells)[i], justify="right", overflow="fold")
+        for column in columns[1:]:
+            side.add_row(column.header, *list(column.cells))
+        if _width(side) <= width:
+            console.print(side)
+            return
+    key, rest = columns[0], columns[1:]
+    needs = [_column_width(c) for c in rest]
+    budget = width - _column_width(key) - 1
+    count = len(_split(needs, budget))
+    fair = next(b for b in range(max(needs), budget + 1) if len(_split(needs, b)) <= count) if max(needs) <= budget \
+        else budget  # as few tables, each as narrow as it can be
+    groups = _split(needs, fair)
+    for k, group in enumerate([rest[i] for i in g] for g in groups):
+        part = Table(title=table.title if k == 0 else f"{table.title or ''} (continued)".strip(),
+                     title_justify=table.title_justify)
+        for column in (key, *group):
+            part.add_column(column.header, justify=column.justify, style=column.style, no_wrap=column is key)
+        cells = [list(c.cells) for c in (key, *group)]
+        for i in range(n):
+            part.add_row(*[c[i] for c in cells])
+        console.print(part)
+
+
+def _split(needs: list[int], budget: int) -> list[list[int]]:
+    """Indices of consecutive columns, in groups whose widths sum to at most `budget` (a column
+    wider than that alone)."""
+    groups, used = [[]], 0
+    for i, need in enumerate(needs):
+        if groups[-1] and used + need > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += need
+    return groups
+
+
+def _width(table: Table) -> int:
+    return Measurement.get(console, console.options.update(width=10_000), table).maximum
+
+
+def _column_width(column) -> int:
+    """A column's natural width with its padding and rule."""
+    options = console.options.update(width=10_000)
+    cells = [column.header, *column.cells]
+    return max(Measurement.get(console, options, c).maximum for c in cells) + 3

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from cli.common import JsonOpt, console, device_name, emit_json, kernels_name, progress, user_errors
+from cli.common import JsonOpt, console, device_name, emit_json, kernels_name, progress, show, user_errors
 
 
 @user_errors
@@ -35,7 +35,7 @@ def doctor(
     for c in checks:
         mark = "[green]ok[/]" if c.ok else "[red]broken[/]" if c.ok is False else "[yellow]warn[/]"
         table.add_row(c.name, mark, c.detail)
-    console.print(table)
+    show(table)
     broken = [c for c in checks if c.ok is False]
     console.print("[green]all good[/]" if not broken else f"[red]{len(broken)} broken:[/] " + ", ".join(c.name for c in broken))
     if json_out:

@@ -13,7 +13,7 @@ from rich.progress import SpinnerColumn, TextColumn
 
 from cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelOpt, PlotOpt, bounds, check_kernels, console, emit_json,
-    grid_size, kernels_name, model_name, parse_dtype, progress, save_figure, user_errors, write_csv,
+    grid_size, kernels_name, model_name, parse_dtype, progress, save_figure, show, user_errors, write_csv,
 )
 from shadow.errors import ShadowInputError
 from shadow.model import runtime
@@ -107,7 +107,7 @@ def read_rate(
     for row in result.rows:
         table.add_row(row.model, row.kernels, f"{row.grid:,}", f"{row.context:,}", f"{row.ms_per_chunk:.2f}",
                       f"{row.ms_per_1k_tokens:.2f}")
-    console.print(table)
+    show(table)
     if full_read_tokens:
         console.print(f"whole read of {result.full_read_tokens:,} ids from empty: {result.full_read_s:.3f} s")
     if ask_tokens:

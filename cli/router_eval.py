@@ -11,7 +11,7 @@ from rich.table import Table
 
 from cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, check_kernels, console, emit_json, input_file, input_folder,
-    model_name, parse_dtype, progress, refuse, user_errors, user_text_file, write_csv,
+    model_name, parse_dtype, progress, refuse, show, user_errors, user_text_file, write_csv,
 )
 from shadow.errors import ShadowInputError
 
@@ -80,7 +80,7 @@ device, dtype and kernels, which the journal records as its arithmetic)."""
         table.add_row(s.model, s.question, str(s.turns), str(s.agree), str(s.constant_baseline), str(s.fresh_turns),
                       str(s.fresh_agree), str(s.fresh_constant_baseline),
                       "-" if s.control_max_abs_diff is None else f"{s.control_max_abs_diff:.2g}", str(s.changed))
-    console.print(table)
+    show(table)
     for s in scores:
         labels = sorted(set(s.confusion) | {p for c in s.confusion.values() for p in c})
         confusion = Table(title=f"confusion · {s.model} · {s.question} (rows: reference, columns: answer)")
@@ -89,7 +89,7 @@ device, dtype and kernels, which the journal records as its arithmetic)."""
             confusion.add_column(label, justify="right")
         for ref in labels:
             confusion.add_row(ref, *(str(s.confusion.get(ref, {}).get(p, 0)) for p in labels))
-        console.print(confusion)
+        show(confusion)
     if any(s.control_same_arithmetic is False for s in scores):
         console.print("[yellow]the control re-asked with other arithmetic[/] than the live server's (device, dtype or "
                       "kernels): pass the server's --device and --dtype for a like-for-like control.")

@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from cli.common import GridOpt, JsonOpt, console, emit_json, model_name, user_errors
+from cli.common import GridOpt, JsonOpt, console, emit_json, model_name, show, user_errors
 from shadow.errors import ShadowInputError
 
 
@@ -40,7 +40,7 @@ def store(
     for r in rows:
         table.add_row(r.file[:20] + "…", escape(r.session) if r.session is not None else "-", f"{r.tokens:,}" if r.tokens is not None else "-",
                       f"{r.bytes / 2**20:.1f}", _age(r.age_s), "[green]yes[/]" if r.valid else f"[red]no[/]: {escape(r.reason)}")
-    console.print(table)
+    show(table)
     if json_out:
         emit_json({"command": "store", "folder": str(folder), "files": [dataclasses.asdict(r) for r in rows],
                    "valid": sum(r.valid for r in rows), "invalid": sum(not r.valid for r in rows)})

@@ -13,7 +13,7 @@ from rich.table import Table
 
 from cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, bounds, check_kernels, console, emit_json,
-    folder_to_write, grid_size, input_file, parse_dtype, progress, seed_bounds, user_errors, user_text_file,
+    folder_to_write, grid_size, input_file, parse_dtype, progress, seed_bounds, show, user_errors, user_text_file,
     write_csv,
 )
 from shadow.model import runtime
@@ -76,7 +76,7 @@ def verify_exact(
                          overflow="fold")
     for row in rows:
         table.add_row(*(_cell(x) for x in row.values()))
-    console.print(table)
+    show(table)
     if loaded.random:
         console.print("[yellow]weights are random:[/] exactness holds whatever the weights; probe answers mean nothing.")
     if csv:
@@ -125,7 +125,7 @@ def _print_store(store) -> None:
     for r in store.status():
         table.add_row(r.name, f"{r.committed:,}", f"{r.pending:,}", f"{r.bytes / 2**20:.1f}", str(r.checkpoints),
                       "resident" if r.resident else "disk")
-    console.print(table)
+    show(table)
     t = store.totals()
     cap = "no cap" if t["cap_bytes"] is None else f"cap {t['cap_bytes'] / 2**20:.1f} MiB"
     console.print(f"resident {t['resident_bytes'] / 2**20:.1f} MiB ({cap}), {t['resident_sessions']} sessions; "

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, console, emit_json, errors, input_file,
-    parse_dtype, seed_bounds, user_errors, user_text_file, write_csv,
+    parse_dtype, seed_bounds, show, user_errors, user_text_file, write_csv,
 )
 
 
@@ -58,7 +58,7 @@ def voice_replay(
     for kind, row in summary["by_kind"].items():
         table.add_row(kind, str(row["phrases"]), f"{row['said']} ({row['said_pct']} %)", f"{row['median_ms']:.1f}",
                       f"{row['p90_ms']:.1f}", f"{row['fits_slice_pct']} %")
-    console.print(table)
+    show(table)
     if summary["reasons"]:
         console.print("not said: " + ", ".join(f"{k} {v}" for k, v in summary["reasons"].items()))
     said = [a for a in report.attempts if a.said][:5]

@@ -54,6 +54,43 @@ def test_verify_exact_json_on_own_format(small_conversation, tmp_path):
     assert csv_path.read_text().startswith("conversation,")
 
 
+def test_verify_exact_reads_at_80_columns(small_conversation):
+    """A terminal of 80 columns: no line longer, every name and header whole (never cut into
+    pieces of a few letters)."""
+    run = subprocess.run([sys.executable, "-c", "from cli.main import main; main()", "verify-exact", "-c",
+                          str(small_conversation), "--grid", "256", "--against-grid", "1024"],
+                         capture_output=True, text=True, env=os.environ | {"COLUMNS": "80"}, timeout=600)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert max(map(len, lines)) <= 80, run.stdout
+    for whole in (small_conversation.stem, "rollbacks", "bit-equal", "tokens"):
+        assert any(whole in line for line in lines), (whole, run.stdout)
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_a_wide_table_is_shown_whole_at_80_columns(monkeypatch, rows):
+    """Few rows: turned on its side; many: several tables that repeat the first column."""
+    from rich.console import Console
+    from rich.table import Table
+
+    import cli.common
+
+    console = Console(width=80, record=True, highlight=False)
+    monkeypatch.setattr(cli.common, "console", console)
+    table = Table(title="wide")
+    headers = ["session", *[f"measure {i}" for i in range(12)]]
+    for h in headers:
+        table.add_column(h)
+    for r in range(rows):
+        table.add_row(f"django__django-{16950 + r}", *[f"{1000 * r + i:,}" for i in range(12)])
+    cli.common.show(table)
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= 80
+    for cell in headers + [f"django__django-{16950 + r}" for r in range(rows)] + [f"{1000 * (rows - 1) + 11:,}"]:
+        assert cell in text, (cell, text)
+    assert (text.count("django__django-16950") > 1) == (rows > 4)  # split tables repeat the first column
+
+
 def test_verify_exact_on_a_real_trajectory_rolls_back():
     path = shared_file("trajectories", "mini-swe-agent", "pydata__xarray-4629.traj.json")
     result = runner.invoke(app, ["verify-exact", "-c", str(path), "--json"])

@@ -73,6 +73,16 @@ def test_one_turn_says_nothing_for_short_work_and_each_line_at_its_moment():
     assert quick.on_delta(0.5, "content") == [] and quick.tick(30.0) == []  # a short turn says nothing
 
 
+def test_the_wait_between_ticks_ends_when_the_next_line_is_due():
+    s = TurnStatus(started=100.0, new_tokens=20000, rate=1000.0, quiet_s=0.2, progress_every_s=0.5)
+    assert s.until_due(100.05) == pytest.approx(0.15)  # the first line at quiet_s, not a second later
+    assert s.until_due(99.0, most=0.3) == 0.3 and s.until_due(100.3) == 0.01  # capped; overdue: at once
+    s.tick(100.2)
+    assert s.until_due(100.3) == pytest.approx(0.4)  # the next progress line
+    s.on_delta(101.0, "content")
+    assert s.until_due(101.0) == 1.0  # nothing is due: the caller's own cadence
+
+
 def test_a_request_behind_others_is_told_its_position():
     turns = TurnTable()
     load = EngineLoad(turns, slots=1)
@@ -176,6 +186,22 @@ def test_proxied_lines_arrive_in_each_channel_with_the_right_numbers(tiny, chann
         assert deltas[i - 1] == {"tool_calls": []}  # the line opens a part of its own
         j = next(k for k, d in enumerate(deltas) if d.get("reasoning_content") == "hm")
         assert deltas[j - 1] == {"tool_calls": []}  # and the model's reasoning another
+
+
+def test_an_engine_that_opens_its_stream_at_once_still_gets_the_first_line_on_time(tiny):
+    """The engine sends its role chunk at once, then reads for 0.7 s: the reading line goes out at
+    quiet_s (0.2 s), not when the proxy would next look (a second after the last piece)."""
+    seen: list[dict] = []
+    messages = [{"role": "user", "content": long_text(5, 300)}]
+    with serving(slow_engine(seen, 0.7)) as engine, running(upstream=str(engine.base_url).rstrip("/") + "/v1",
+                                                            dialect="openai", renderer=renderer(),
+                                                            status_channel="auto",
+                                                            status_timing={"quiet_s": 0.2}) as (proxy, service):
+        events = stream(proxy, {"x-openwebui-chat-id": "chat-1"}, messages)
+        settled(service)
+    status = [e["event"]["data"] for e in events if "event" in e]
+    assert [s["done"] for s in status] == [False, True], status
+    assert status[0]["description"].startswith("reading ") and status[1]["description"].startswith("Read ")
 
 
 def test_a_client_that_echoes_the_lines_changes_nothing_the_engine_or_the_shadow_reads(tiny):

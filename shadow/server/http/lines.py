@@ -156,6 +156,21 @@ class TurnStatus:
     def said_before_first_token(self) -> bool:
         return any(line.before_first_token for line in self.lines)
 
+    def until_due(self, now: float, most: float = 1.0) -> float:
+        """Seconds from `now` until `tick` may have a line, at most `most`: how long a caller may
+        wait for the engine before it ticks again (a fixed wait would say the first line late)."""
+        times = []
+        if self.first_token is None:
+            first = self.started + self.quiet_s
+            times.append(first if self._last_progress is None else max(first, self._last_progress + self.progress_every_s))
+        else:
+            if self._next_thinking is not None:
+                times.append(self._next_thinking)
+            if self._tool_since is not None:
+                due = self._tool_since + self.quiet_s
+                times.append(due if self._tool_said is None else max(due, self._tool_said + self.progress_every_s))
+        return most if not times else min(most, max(0.01, min(times) - now))
+
     def tick(self, now: float) -> list[Line]:
         """Lines due at `now` (call it every second or so, and between deltas)."""
         out = []

@@ -237,7 +237,7 @@ class Proxy:
         while not sending.done():
             for data in lines.encode(lines.due(time.monotonic())):
                 yield data
-            await asyncio.wait({sending}, timeout=1.0)
+            await asyncio.wait({sending}, timeout=lines.status.until_due(time.monotonic()))
         failure = None
         try:
             upstream, asked = sending.result()
@@ -287,7 +287,8 @@ class Proxy:
         try:
             while True:
                 try:
-                    piece = await asyncio.wait_for(pieces.get(), timeout=1.0 if lines is not None else None)
+                    wait = lines.status.until_due(time.monotonic()) if lines is not None else None
+                    piece = await asyncio.wait_for(pieces.get(), timeout=wait)
                 except asyncio.TimeoutError:
                     piece = b""
                 if piece is None:
