@@ -53,3 +53,20 @@ def test_the_replay_figure_reads_the_scheduler_runs_of_freshness_md(namespace):
     assert round(arm(trajectories, "idle + 2% share", 7.3647), 1) == 99.8
     assert [d["engines"] for d in fleet] == [1, 2, 4, 8, 16]
     assert round(arm(fleet[-1], "idle + 2% share", 7.3647), 1) == 99.8
+
+
+def test_the_rendered_figures_in_docs_are_the_notebooks():
+    """docs/figures/figures.md (nbconvert's markdown of the notebook) shows one picture per figure
+    cell, each file there, and carries the notebook's headings in order."""
+    notebook = json.loads((ROOT / "notebooks" / "figures.ipynb").read_text())
+    rendered = (ROOT / "docs" / "figures" / "figures.md").read_text()
+    pictures = [line[len("![png]("):-1] for line in rendered.splitlines() if line.startswith("![png](")]
+    assert len(pictures) == len(namespace_figure_cells(notebook)) == 4
+    assert all((ROOT / "docs" / "figures" / p).stat().st_size > 10_000 for p in pictures)
+    headings = [c["source"][0].strip() for c in notebook["cells"] if c["cell_type"] == "markdown"]
+    at = [rendered.index(h) for h in headings]
+    assert at == sorted(at)
+
+
+def namespace_figure_cells(notebook: dict) -> list[dict]:
+    return [c for c in notebook["cells"] if c["cell_type"] == "code" and "plt.subplots" in "".join(c["source"])]
