@@ -36,6 +36,7 @@ from shadow.errors import ShadowInputError
 from shadow.model.runtime import arithmetic
 from shadow.core import blockio
 from shadow.core.reader import Reader, Session
+from shadow.core.residency import Settle, leave_how
 from shadow.core.sessionfile import (
     MARKER, MAX_HEADER, SUFFIX, Header, Identity, SessionFileError, file_bytes, read_fields, read_session,
     session_file_name, write_session,
@@ -226,17 +227,13 @@ class SessionStore:
         the settle."""
         if self.cap is None:
             return
-        total = self.resident_bytes()
         now = self.clock()
-        for name in list(self._resident):
-            if total <= self.cap:
-                break
-            if name == keep or now < self._retry_at.get(name, now):
-                continue
-            size = session_bytes(self._resident[name])
+        waiting = {n for n, t in self._retry_at.items() if now < t}
+        plan = Settle([(n, session_bytes(s)) for n, s in self._resident.items()], self.cap, keep, waiting)
+        for name, size in plan:
             error = self._evict(name)
             if error is None:
-                total -= size
+                plan.left(size)
             elif error in DISK_FULL:
                 break
 
@@ -266,18 +263,12 @@ class SessionStore:
         self.reread_s = reread_estimate(chunk_s, grid)
 
     def choice(self, session: Session) -> tuple[str, str]:
-        """("spill" or "drop", why) for a session leaving memory with a disk: dropped when its
-        restore (its file's bytes at the measured restore rate) would take longer than reading its
-        committed tokens again (`reread_s`); spilled otherwise, and whenever a cost is unknown."""
+        """("spill" or "drop", why) for a session leaving memory with a disk (`residency.leave_how`):
+        dropped when its restore (its file's bytes at the measured restore rate) would take longer
+        than reading its committed tokens again (`reread_s`); spilled otherwise, and whenever a
+        cost is unknown."""
         reread = self.reread_s(session.committed) if self.reread_s is not None else None
-        restore = self.restore_rate.seconds(file_bytes(session))
-        if reread is None or restore is None:
-            missing = " or ".join(w for w, v in (("re-read", reread), ("restore", restore)) if v is None)
-            return "spill", f"spilled (no {missing} estimate)"
-        costs = f"restore ~{restore:.3f} s, re-read of {session.committed} tokens ~{reread:.3f} s"
-        if restore > reread:
-            return "drop", f"dropped: cheaper to re-read ({costs})"
-        return "spill", f"spilled: cheaper to restore ({costs})"
+        return leave_how(self.restore_rate.seconds(file_bytes(session)), reread, session.committed)
 
     def _evict(self, name: str) -> int | None:
         """Spill or drop `name`; None when it left memory, else the failed write's errno (0 if none)."""
