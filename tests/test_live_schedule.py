@@ -38,7 +38,7 @@ class Traced(ReadScheduler):
     reads: list[tuple] = []
 
     def read_done(self, read, chunks, seconds, now):
-        if chunks:
+        if chunks:  # (seconds compared exactly: both sides add the same binary fractions)
             Traced.reads.append((read.session, read.window, read.depth, chunks, now, seconds))
         super().read_done(read, chunks, seconds, now)
 
@@ -87,20 +87,21 @@ class ChunkCost:
 class LiveDriver:
     """The timeline's engine beside a live `ShadowService`, on an injected clock, stepped the way
     the replay steps its engine: events at their times (those that fall inside a chunk fire
-    inside it, from the chunk-cost hook, as HTTP threads would; a prompt whose request came
-    mid-chunk is fed after it, as the device would), the decoded output as it comes, and at each
-    step the service's idle look or, between decode rounds, its share slice."""
+    inside it, from the chunk-cost hook, as HTTP threads would, beside the device), the device's
+    work they cause done once the device is free, first come first served (a prompt fed; a turn's
+    end: its output fed, then `end_turn`), the decoded output as it comes, and at each step the
+    service's idle look or, between decode rounds, its share slice; on to the end, until nothing
+    is left to read."""
 
     def __init__(self, service: ShadowService, clock: Clock, requests: list[Request], ids: list[tuple[list, list]]):
         self.service, self.clock, self.requests, self.ids = service, clock, requests, ids
         self.events = sorted([(r.start, _START, i) for i, r in enumerate(requests)]
                              + [(r.first_token, _FIRST, i) for i, r in enumerate(requests)]
                              + [(r.end, _END, i) for i, r in enumerate(requests)])
-        self.last_start = max(n for n, e in enumerate(self.events) if e[1] == _START)
         self.next_event = 0
         self.turns: dict[int, object] = {}  # request -> its turn's record
         self.fed: dict[int, int] = {}  # request -> output ids fed
-        self.owed: list[int] = []  # requests begun mid-chunk, their prompt not fed yet
+        self.jobs: list[tuple[str, int]] = []  # device work waiting for the device
         self.decoding: dict[int, Request] = {}
         self.shares: list[tuple[str, str]] = []  # (the session of the turn that asked, the session read)
         self.mid_chunk: list[int] = []  # kinds of the events that fired inside a chunk
@@ -121,22 +122,25 @@ class LiveDriver:
         if kind == _START:
             turn = self.turns[i] = service.begin_turn(r.session)
             service.name_turn(turn, self.ids[i][0])  # its session is known at once (a request header)
-            if mid_chunk:
-                self.owed.append(i)
-            else:
-                service.set_prompt(turn, self.ids[i][0])
+            self.jobs.append(("prompt", i))
         elif kind == _FIRST:
             service.first_token(self.turns[i])
-            self.fed[i] = 0
             if r.end > r.first_token:
                 self.decoding[i] = r
         else:
-            self.output(i, r.output_tokens)
-            service.end_turn(self.turns[i])
             self.decoding.pop(i, None)
+            self.jobs.append(("finish", i))
+
+    def job(self, kind: str, i: int) -> None:
+        if kind == "prompt":
+            self.service.set_prompt(self.turns[i], self.ids[i][0])
+            self.fed[i] = 0
+        else:
+            self.output(i, self.requests[i].output_tokens)
+            self.service.end_turn(self.turns[i])
 
     def output(self, i: int, upto: int) -> None:
-        if upto > self.fed[i]:
+        if upto > self.fed.get(i, upto):
             self.service.add_output(self.turns[i], self.ids[i][1][self.fed[i]:upto])
             self.fed[i] = upto
 
@@ -147,14 +151,12 @@ class LiveDriver:
     def run(self) -> None:
         service, next_round = self.service, -math.inf
         while True:
-            for i in self.owed:
-                service.set_prompt(self.turns[i], self.ids[i][0])
-            self.owed = []
             t = self.clock.t
             self.fire(t, inclusive=True)
             self.clock.t = t
-            if self.next_event > self.last_start:
-                return
+            if self.jobs:
+                self.job(*self.jobs.pop(0))
+                continue
             for i, r in self.decoding.items():
                 self.output(i, readable(r, t) - r.prompt_tokens)
             if self.decoding and t >= next_round:
@@ -176,25 +178,19 @@ class LiveDriver:
                 wake.append(self.events[self.next_event][0])
             if self.decoding and next_round > t:
                 wake.append(next_round)
-            for r in self.decoding.values():
-                known = readable(r, t)
-                wake.append(time_readable(r, (known // GRID + 1) * GRID))
+            for i, r in self.decoding.items():
+                if i in self.fed:
+                    known = readable(r, t)
+                    wake.append(time_readable(r, (known // GRID + 1) * GRID))
             nxt = min(wake)
-            assert nxt < math.inf
+            if nxt == math.inf:
+                return
             self.clock.t = max(nxt, math.nextafter(t, math.inf))
 
 
-@pytest.mark.parametrize("seed", [4, 9, 21])  # timelines where a start, a first token or an end comes mid-chunk
-def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same_times(tiny, monkeypatch, seed):
-    """The replay and a live service (injected clock, chunk costs and the engine's events from a
-    hook) over one timeline: every read (session, window, depth, chunks, end, seconds) the same."""
-    requests = timeline(seed)
-    monkeypatch.setattr(shadow.offline.replay, "ReadScheduler", Traced)
-    monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
-    Traced.reads = []
-    arm = replay(requests, read_ms_per_1k=CHUNK_S * 1e6 / GRID, grid=GRID, rule=RULE)
-    replayed, Traced.reads = Traced.reads, []
-
+def live_reads(requests: list[Request], store_for, monkeypatch) -> tuple[list, ShadowService, LiveDriver]:
+    """Every read the live service reports over the timeline (its store from `store_for(reader,
+    loaded)`), the service (the caller stops it) and its driver."""
     rng = random.Random(5)
     ids, last = [], {}
     for r in requests:
@@ -207,14 +203,33 @@ def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same
     loaded, reader = open_reader("tiny", grid=GRID)
     hook = ChunkCost(reader.forward, clock)
     reader.forward = hook
-    service = service_for(settings_for(rule=RULE, prefix_match=False), reader,
-                          SessionStore(reader, loaded.weights_hash, cap_gib=None), clock=clock)
+    service = service_for(settings_for(rule=RULE, prefix_match=False), reader, store_for(reader, loaded), clock=clock)
+    Traced.reads = []
+    assert service.reading.sched.costs.table() == {0: CHUNK_S, 8192: CHUNK_S, 32768: CHUNK_S}  # warmed at load
+    clock.t = 0.0
+    hook.driver = driver = LiveDriver(service, clock, requests, ids)
     try:
-        assert service.reading.sched.costs.table() == {0: CHUNK_S, 8192: CHUNK_S, 32768: CHUNK_S}  # warmed at load
-        clock.t = 0.0
-        hook.driver = driver = LiveDriver(service, clock, requests, ids)
         driver.run()
-        live = Traced.reads
+    except BaseException:
+        service.stop()
+        raise
+    hook.driver = None
+    return Traced.reads, service, driver
+
+
+@pytest.mark.parametrize("seed", [4, 9, 21])  # timelines where a start, a first token or an end comes mid-chunk
+def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same_times(tiny, monkeypatch, seed):
+    """The replay and a live service (injected clock, chunk costs and the engine's events from a
+    hook) over one timeline: every read (session, window, depth, chunks, end, seconds) the same."""
+    requests = timeline(seed)
+    monkeypatch.setattr(shadow.offline.replay, "ReadScheduler", Traced)
+    monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
+    Traced.reads = []
+    arm = replay(requests, read_ms_per_1k=CHUNK_S * 1e6 / GRID, grid=GRID, rule=RULE)
+    replayed = Traced.reads
+    live, service, driver = live_reads(requests, lambda reader, loaded: SessionStore(reader, loaded.weights_hash,
+                                                                                     cap_gib=None), monkeypatch)
+    try:
         assert live == replayed
         windows = {w for _, w, *_ in live}
         assert windows == {"idle", "share"} and len({s for s, *_ in live}) == 3
@@ -222,7 +237,6 @@ def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same
         assert driver.mid_chunk  # an engine event came while a chunk was read
         counters = service.status()["counters"]
         assert (counters["chunks_idle"], counters["chunks_share"]) == (arm.chunks_idle, arm.chunks_share)
-        hook.driver = None
         assert_exact(service, "a")
     finally:
         service.stop()

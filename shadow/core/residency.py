@@ -15,6 +15,8 @@ from shadow.core.blockio import ALIGN
 from shadow.model.config import ModelConfig
 from shadow.model.state import KV_STEP
 
+GIB = 1 << 30
+
 
 @dataclass(frozen=True)
 class StateSize:
@@ -71,6 +73,33 @@ class Settle:
 
     def left(self, size: int) -> None:
         self.total -= size
+
+
+class RestoreRate:
+    """The store's restore speed, bytes per second: sums of bytes and seconds of its restores
+    (each restore weighs by its size), older ones decayed by `decay` at each new one, so the rate
+    follows the machine; `warm` sets it outright (a measurement). None until it has one."""
+
+    def __init__(self, decay: float = 0.7):
+        self.decay = decay
+        self._bytes = self._seconds = 0.0
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        if seconds > 0 and nbytes > 0:
+            self._bytes = self._bytes * self.decay + nbytes
+            self._seconds = self._seconds * self.decay + seconds
+
+    def warm(self, gib_per_s: float) -> None:
+        if gib_per_s > 0:
+            self._bytes, self._seconds = gib_per_s * GIB, 1.0
+
+    @property
+    def gib_per_s(self) -> float | None:
+        return self._bytes / GIB / self._seconds if self._seconds else None
+
+    def seconds(self, nbytes: int) -> float | None:
+        """The estimated seconds to restore a file of `nbytes`."""
+        return nbytes * self._seconds / self._bytes if self._bytes else None
 
 
 def leave_how(restore_s: float | None, reread_s: float | None, committed: int) -> tuple[str, str]:

@@ -36,7 +36,7 @@ from shadow.errors import ShadowInputError
 from shadow.model.runtime import arithmetic
 from shadow.core import blockio
 from shadow.core.reader import Reader, Session
-from shadow.core.residency import Settle, leave_how
+from shadow.core.residency import GIB, RestoreRate, Settle, leave_how
 from shadow.core.sessionfile import (
     MARKER, MAX_HEADER, SUFFIX, Header, Identity, SessionFileError, file_bytes, read_fields, read_session,
     session_file_name, write_session,
@@ -44,7 +44,6 @@ from shadow.core.sessionfile import (
 from shadow.core.sessionformat import key_bytes
 
 log = logging.getLogger("shadow.core.store")
-GIB = 1 << 30
 REJECTED = ".rejected"
 OWN_FILE = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX) + f"(?:{re.escape(REJECTED)})?")
 OWN_TMP = re.compile(r"\.[0-9a-f]{32}" + re.escape(SUFFIX) + r"\.(\d+)(?:\.[0-9a-f]+)?\.tmp")
@@ -93,33 +92,6 @@ class StoreCounters:
     @property
     def spill_gib_per_s(self) -> float | None:
         return self.bytes_written / GIB / self.spill_seconds if self.spill_seconds else None
-
-
-class RestoreRate:
-    """The store's restore speed, bytes per second: sums of bytes and seconds of its restores
-    (each restore weighs by its size), older ones decayed by `decay` at each new one, so the rate
-    follows the machine; `warm` sets it outright (a measurement). None until it has one."""
-
-    def __init__(self, decay: float = 0.7):
-        self.decay = decay
-        self._bytes = self._seconds = 0.0
-
-    def observe(self, nbytes: int, seconds: float) -> None:
-        if seconds > 0 and nbytes > 0:
-            self._bytes = self._bytes * self.decay + nbytes
-            self._seconds = self._seconds * self.decay + seconds
-
-    def warm(self, gib_per_s: float) -> None:
-        if gib_per_s > 0:
-            self._bytes, self._seconds = gib_per_s * GIB, 1.0
-
-    @property
-    def gib_per_s(self) -> float | None:
-        return self._bytes / GIB / self._seconds if self._seconds else None
-
-    def seconds(self, nbytes: int) -> float | None:
-        """The estimated seconds to restore a file of `nbytes`."""
-        return nbytes * self._seconds / self._bytes if self._bytes else None
 
 
 def reread_estimate(chunk_s: Callable[[int], float | None], grid: int) -> Callable[[int], float | None]:
