@@ -18,8 +18,11 @@ from serving import (GRID, assert_exact, long_text, running, service_for, servin
                      wait_until_read)
 from shadow.core.reader import open_reader
 from shadow.core.schedule import BandwidthRule, ReadScheduler, Wait
+from shadow.core.residency import StateSize
 from shadow.core.store import SessionStore
 from shadow.offline.ledger import Request
+from shadow.offline.costs import ChunkTable, CostTable
+from shadow.offline.limits import Limits
 from shadow.offline.replay import readable, replay, time_readable
 from shadow.server.generator import Generator
 from shadow.server.host import Shadow
@@ -238,6 +241,50 @@ def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same
         counters = service.status()["counters"]
         assert (counters["chunks_idle"], counters["chunks_share"]) == (arm.chunks_idle, arm.chunks_share)
         assert_exact(service, "a")
+    finally:
+        service.stop()
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["drop", "spill"])
+@pytest.mark.parametrize("seed", [4, 9, 21])
+def test_live_and_replayed_read_the_same_chunks_under_a_cap_that_forces_spills(tiny, monkeypatch, tmp_path, seed, disk):
+    """The same, with a resident cap that holds one read session: at every turn's end and after
+    every idle chunk, sessions past it leave memory, least recently used first; without a disk
+    they are dropped (read again from the start at their next turn; output that comes for one
+    meanwhile is not fed), with one they are spilled and restored when fed again. The replay
+    models the store from the sessions' state sizes: the same sessions leave at the same
+    settles, and every read is the same. (Spills and restores take no time on this clock; the
+    store's choice to drop a session cheaper to read again is off, its restore rate unknown.)"""
+    requests = timeline(seed)
+    monkeypatch.setattr(shadow.offline.replay, "ReadScheduler", Traced)
+    monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
+    size = StateSize.of(tiny.model.config, 4)
+    cap_gib = (size.resident(8192, 0) + 20 * size.checkpoint) / 2**30  # one read session and a few unread
+    Traced.reads = []
+    limits = Limits(cap_gib=cap_gib, state=size, disk=disk)
+    arm = replay(requests, grid=GRID, rule=RULE, limits=limits,
+                 costs=CostTable(ChunkTable.flat(CHUNK_S * 1e6 / GRID, GRID), restore_gib_s=math.inf,
+                                 spill_gib_s=math.inf))
+    replayed = Traced.reads
+    stores = []
+
+    def store_for(reader, loaded):
+        store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=tmp_path / "disk" if disk else None)
+        store.restore_rate.observe = lambda nbytes, seconds: None
+        stores.append(store)
+        return store
+
+    live, service, _ = live_reads(requests, store_for, monkeypatch)
+    try:
+        c = stores[0].counters
+        assert (arm.spills, arm.restores, arm.drops) == (c.spills, c.restores, c.drops)
+        assert (c.spills if disk else c.drops) > 3 and (c.restores > 0) == disk  # the cap bit
+        assert live == replayed
+        counters = service.status()["counters"]
+        assert (counters["chunks_idle"], counters["chunks_share"]) == (arm.chunks_idle, arm.chunks_share)
+        for name in "abc":
+            if stores[0].holds(name):
+                assert_exact(service, name)
     finally:
         service.stop()
 

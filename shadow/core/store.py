@@ -187,6 +187,18 @@ class SessionStore:
         """The session if it is resident, without touching its last use or restoring it."""
         return self._resident.get(name)
 
+    def holds(self, name: str) -> bool:
+        """Whether the store keeps `name`: resident, or a file of it on disk (a session dropped
+        without a disk is gone; `get` would start it over, empty)."""
+        if name in self._resident:
+            return True
+        if not self.disk:
+            return False
+        try:
+            return stat.S_ISREG(self.path_of(name).lstat().st_mode)
+        except OSError:
+            return False
+
     def names(self) -> list[str]:
         """Every session: resident, or on disk in a valid header."""
         on_disk = {h.name for _, h, _ in self._headers()}

@@ -292,7 +292,9 @@ class EngineReplay:
         n = self._output_seen(i, t, at_end) - self.out_fed[i]
         if n <= 0 or not self.store.holds(s):
             return t
-        h, t = self._get(s, t)
+        h = self.store.peek(s)  # resident: not touched (live peeks first)
+        if h is None:
+            h, t = self._get(s, t)
         h.ids += n
         self.out_fed[i] += n
         self.fed[s] = self.fed.get(s, 0) + n
