@@ -18,7 +18,8 @@ from serving import (GRID, assert_exact, long_text, running, service_for, servin
                      wait_until_read)
 from shadow.core.reader import open_reader
 from shadow.core.schedule import BandwidthRule, ReadScheduler, Wait
-from shadow.core.residency import StateSize
+from shadow.core.residency import RestoreRate, StateSize
+from shadow.core.sessionfile import file_bytes
 from shadow.core.store import SessionStore
 from shadow.offline.ledger import Request
 from shadow.offline.costs import ChunkTable, CostTable
@@ -108,6 +109,7 @@ class LiveDriver:
         self.decoding: dict[int, Request] = {}
         self.shares: list[tuple[str, str]] = []  # (the session of the turn that asked, the session read)
         self.mid_chunk: list[int] = []  # kinds of the events that fired inside a chunk
+        self.lock_free = -math.inf  # when the service's lock was last let go after a restore or spill
 
     def fire(self, t: float, inclusive: bool, mid_chunk: bool = False) -> None:
         while self.next_event < len(self.events):
@@ -115,7 +117,7 @@ class LiveDriver:
             if when > t or (when == t and not inclusive):
                 return
             self.next_event += 1
-            self.clock.t = when
+            self.clock.t = max(when, self.lock_free)  # one that came while the lock was held waited for it
             self.handle(kind, i, mid_chunk)
 
     def handle(self, kind: int, i: int, mid_chunk: bool) -> None:
@@ -162,6 +164,10 @@ class LiveDriver:
                 continue
             for i, r in self.decoding.items():
                 self.output(i, readable(r, t) - r.prompt_tokens)
+                if self.clock.t != t:  # a restore took the device: what came meanwhile first
+                    break
+            if self.clock.t != t:
+                continue
             if self.decoding and t >= next_round:
                 turn = next(iter(self.decoding))
                 service.share_slice(self.turns[turn])
@@ -191,9 +197,10 @@ class LiveDriver:
             self.clock.t = max(nxt, math.nextafter(t, math.inf))
 
 
-def live_reads(requests: list[Request], store_for, monkeypatch) -> tuple[list, ShadowService, LiveDriver]:
+def live_reads(requests: list[Request], store_for, monkeypatch, on_driver=lambda driver: None
+               ) -> tuple[list, ShadowService, LiveDriver]:
     """Every read the live service reports over the timeline (its store from `store_for(reader,
-    loaded)`), the service (the caller stops it) and its driver."""
+    loaded, clock)`), the service (the caller stops it) and its driver (shown to `on_driver`)."""
     rng = random.Random(5)
     ids, last = [], {}
     for r in requests:
@@ -206,11 +213,13 @@ def live_reads(requests: list[Request], store_for, monkeypatch) -> tuple[list, S
     loaded, reader = open_reader("tiny", grid=GRID)
     hook = ChunkCost(reader.forward, clock)
     reader.forward = hook
-    service = service_for(settings_for(rule=RULE, prefix_match=False), reader, store_for(reader, loaded), clock=clock)
+    service = service_for(settings_for(rule=RULE, prefix_match=False), reader, store_for(reader, loaded, clock),
+                          clock=clock)
     Traced.reads = []
     assert service.reading.sched.costs.table() == {0: CHUNK_S, 8192: CHUNK_S, 32768: CHUNK_S}  # warmed at load
     clock.t = 0.0
     hook.driver = driver = LiveDriver(service, clock, requests, ids)
+    on_driver(driver)
     try:
         driver.run()
     except BaseException:
@@ -230,8 +239,8 @@ def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same
     Traced.reads = []
     arm = replay(requests, read_ms_per_1k=CHUNK_S * 1e6 / GRID, grid=GRID, rule=RULE)
     replayed = Traced.reads
-    live, service, driver = live_reads(requests, lambda reader, loaded: SessionStore(reader, loaded.weights_hash,
-                                                                                     cap_gib=None), monkeypatch)
+    live, service, driver = live_reads(requests, lambda reader, loaded, clock: SessionStore(
+        reader, loaded.weights_hash, cap_gib=None), monkeypatch)
     try:
         assert live == replayed
         windows = {w for _, w, *_ in live}
@@ -243,6 +252,68 @@ def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same
         assert_exact(service, "a")
     finally:
         service.stop()
+
+
+class TimedStore:
+    """The store's restores and writes as the test's hook: each costs the cost table's seconds of
+    its file's bytes on the clock, under the service's lock (what happens meanwhile waits for
+    it); the restore rate it learns is the table's."""
+
+    def __init__(self, store: SessionStore, costs: CostTable, clock: Clock):
+        self.store, self.costs, self.clock, self.driver = store, costs, clock, None
+        self.restore, self.write = store._restore, store._write
+        store._restore, store._write = self._restore, self._write
+        rate = store.restore_rate
+        store.restore_rate.observe = lambda nbytes, seconds: RestoreRate.observe(rate, nbytes, costs.restore_s(nbytes))
+
+    def _spend(self, seconds: float) -> None:
+        self.clock.t += seconds
+        self.driver.lock_free = self.clock.t
+
+    def _restore(self, name):
+        session = self.restore(name)
+        if session is not None:
+            self._spend(self.costs.restore_s(file_bytes(session)))
+        return session
+
+    def _write(self, session):
+        error = self.write(session)
+        if error is None:
+            self._spend(self.costs.spill_s(file_bytes(session)))
+        return error
+
+
+def test_live_and_replayed_spill_and_restore_at_the_same_costs(tiny, monkeypatch, tmp_path):
+    """With restores and spills that take time (1 and 2 MiB/s of their files' bytes, so that
+    restoring a shallow session is slower than reading it again: such a one is dropped, its ids
+    kept), every read, spill, drop and restore is the same live and replayed."""
+    monkeypatch.setattr(shadow.offline.replay, "ReadScheduler", Traced)
+    monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
+    size = StateSize.of(tiny.model.config, 4)
+    cap_gib = (size.resident(8192, 0) + 20 * size.checkpoint) / 2**30
+    costs = CostTable(ChunkTable.flat(CHUNK_S * 1e6 / GRID, GRID), restore_gib_s=1 / 1024, spill_gib_s=2 / 1024)
+    seen = [0, 0]
+    for seed in (4, 9, 21):
+        requests = timeline(seed)
+        Traced.reads = []
+        arm = replay(requests, grid=GRID, rule=RULE, limits=Limits(cap_gib=cap_gib, state=size, disk=True), costs=costs)
+        replayed, timed = Traced.reads, []
+
+        def store_for(reader, loaded, clock):
+            store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=tmp_path / f"disk{seed}")
+            timed.append(TimedStore(store, costs, clock))
+            return store
+
+        live, service, _ = live_reads(requests, store_for, monkeypatch, lambda driver: setattr(timed[0], "driver", driver))
+        try:
+            c = timed[0].store.counters
+            assert (arm.spills, arm.restores, arm.drops) == (c.spills, c.restores, c.drops)
+            seen[0] += c.restores
+            seen[1] += c.drops_cheaper_to_reread
+            assert live == replayed
+        finally:
+            service.stop()
+    assert min(seen) > 0  # sessions were restored, and some dropped as cheaper to read again
 
 
 @pytest.mark.parametrize("disk", [False, True], ids=["drop", "spill"])
@@ -268,7 +339,7 @@ def test_live_and_replayed_read_the_same_chunks_under_a_cap_that_forces_spills(t
     replayed = Traced.reads
     stores = []
 
-    def store_for(reader, loaded):
+    def store_for(reader, loaded, clock):
         store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=tmp_path / "disk" if disk else None)
         store.restore_rate.observe = lambda nbytes, seconds: None
         stores.append(store)

@@ -188,15 +188,17 @@ class EngineReplay:
 
     # events -------------------------------------------------------------------------------
 
-    def _events(self, t: float, inclusive: bool) -> None:
+    def _events(self, t: float, inclusive: bool, late: bool = False) -> None:
+        """Every event before t (or at it): at its own time, or with `late` at t (the service's
+        lock was held meanwhile: what the scheduler is told waits for it)."""
         heap = self.heap
         while heap and (heap[0][0] <= t if inclusive else heap[0][0] < t):
             when, kind, _, what = heapq.heappop(heap)
-            self._handle(when, kind, what)
+            self._handle(t if late else when, kind, what, when)
 
-    def _handle(self, t: float, kind: int, what) -> None:
+    def _handle(self, t: float, kind: int, what, when: float) -> None:
         if kind == PROBE:
-            self.probes.append(Probe(t, what, self._lag(what, t), self.wait_s(what), self.engine))
+            self.probes.append(Probe(when, what, self._lag(what, when), self.wait_s(what), self.engine))
             return
         if kind == ASK:
             self.jobs.append(("ask", what, t))
@@ -210,7 +212,7 @@ class EngineReplay:
             if self.before[i] is not None:
                 behind = max(0, self.before[i] - self._position(s))
                 self.starts.append(TurnStart(s, r.start, behind, behind < self.grid, self.engine, self.wait_s(s)))
-            self._censor(s, t)
+            self._censor(s, r.start)
             self.current[s] = i
             self.pending_fresh[s] = (i, r.prompt_tokens // self.grid * self.grid)
             self.sched.turn_started(i, s, t)
@@ -230,10 +232,12 @@ class EngineReplay:
 
     # device work --------------------------------------------------------------------------
 
-    def _busy(self, t: float, seconds: float) -> float:
-        """The device works `seconds` from t; what happens meanwhile happens. Returns the end."""
+    def _busy(self, t: float, seconds: float, locked: bool = False) -> float:
+        """The device works `seconds` from t; what happens meanwhile happens then, or, `locked`
+        (a restore or spill: the store is worked on under the service's lock), is told to the
+        scheduler at the end. Returns the end."""
         end = t + seconds
-        self._events(end, inclusive=False)
+        self._events(end, inclusive=False, late=locked)
         return end
 
     def _job(self, job: tuple, t: float) -> float:
@@ -254,7 +258,7 @@ class EngineReplay:
     def _get(self, s: str, t: float):
         h, seconds = self.store.get(s)
         if seconds:
-            t = self._busy(t, seconds)
+            t = self._busy(t, seconds, locked=True)
         return h, t
 
     def _feed_prompt(self, i: int, t: float) -> float:
@@ -310,7 +314,7 @@ class EngineReplay:
     def _settle(self, keep: str | None, t: float) -> float:
         gone, seconds = self.store.settle(keep)
         if seconds:
-            t = self._busy(t, seconds)
+            t = self._busy(t, seconds, locked=True)
         for s in gone:
             self._tell(s, t)
         return t
