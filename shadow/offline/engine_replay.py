@@ -396,7 +396,8 @@ class EngineReplay:
                     t = t2
                     break
             else:
-                between = self.use_share and bool(self.decoding) and t >= self.next_round
+                round_due = bool(self.decoding) and t >= self.next_round
+                between = self.use_share and round_due
                 decision = sched.next_read(t, between_rounds=between)
                 if isinstance(decision, Read):
                     t = self._read(decision, t)
@@ -404,7 +405,7 @@ class EngineReplay:
                         t = self._phrase(t) if self.limits.voice_share > 0 else t
                         self.next_round = t + self._round_s()
                     continue
-                if between and self.limits.voice_share > 0:  # no slice this round: the voice may speak
+                if round_due and self.limits.voice_share > 0:  # no slice this round: the voice may speak
                     t2 = self._phrase(t)
                     if t2 != t:
                         t, self.next_round = t2, t2 + self._round_s()
@@ -412,7 +413,7 @@ class EngineReplay:
                 wake = [decision.until]
                 if self.heap:
                     wake.append(self.heap[0][0])
-                if self.use_share and self.decoding and self.next_round > t:
+                if (self.use_share or self.limits.voice_share > 0) and self.decoding and self.next_round > t:
                     wake.append(self.next_round)
                 if self.limits.output_streamed:
                     for i, r in self.decoding.items():  # the next whole chunk of a decoding session's output

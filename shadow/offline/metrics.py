@@ -23,10 +23,11 @@ def pct(values: Sequence[float], q: float) -> float | None:
 
 
 def spread(values: Sequence[float], qs=(50, 90, 99), scale: float = 1.0, digits: int = 3) -> dict:
-    """{"p50": .., "p90": .., "p99": .., "max": ..} of values times `scale` (None where empty)."""
+    """{"p50": .., "p90": .., "p99": .., "max": ..} of values times `scale` (None where empty, or
+    where the value is infinite: never)."""
     out = {f"p{q:g}": pct(values, q) for q in qs}
     out["max"] = max(values) if values else None
-    return {k: None if v is None else round(v * scale, digits) for k, v in out.items()}
+    return {k: None if v is None or math.isinf(v) else round(v * scale, digits) for k, v in out.items()}
 
 
 def peak_windows(windows: Sequence[Window]) -> set[tuple[int, float]]:
@@ -87,7 +88,7 @@ def summary(arm, windows: Sequence[Window], grid: int) -> dict:
         worst.setdefault(s, 0)
     peak_starts = [t for t in starts if peak(t.engine, t.start)]
     peak_probes = [p for p in probes if peak(p.engine, p.time)]
-    fresh_times = [f.seconds for f in arm.to_fresh]
+    fresh_times = [math.inf if f.censored else f.seconds for f in arm.to_fresh]  # never fresh: past every time
     return {
         "turn_starts": {"n": len(starts), "fresh_pct": _pct_of(starts, lambda t: t.fresh),
                         "behind": spread([t.behind for t in starts], (50, 90, 99), digits=0),
@@ -96,7 +97,8 @@ def summary(arm, windows: Sequence[Window], grid: int) -> dict:
                    "lag": spread([p.lag for p in probes], digits=0),
                    "stale_pct": _pct_of(probes, lambda p: p.lag >= grid)},
         "to_fresh_s": {**spread(fresh_times), "n": len(fresh_times),
-                       "never": sum(f.censored for f in arm.to_fresh)},
+                       "never": sum(f.censored for f in arm.to_fresh),
+                       "never_pct": _pct_of(arm.to_fresh, lambda f: f.censored)},
         "sessions": {"n": len(sessions), "ever_stale_pct": round(100 * len(stale) / len(sessions), 2) if sessions else None,
                      "worst_lag": spread(list(worst.values()), digits=0)},
         "peak": {"windows": len(peak.peak), "turn_starts": len(peak_starts),

@@ -270,14 +270,15 @@ def monotone_checks(arms: Sequence[Arm], solved: Sequence[Solved] = ()) -> dict:
     groups: dict[tuple, list] = {}
     for a in arms:
         fleet = (a.priorities, a.engines, a.route)
-        groups.setdefault(("more share", *fleet, a.read_ms_per_1k), []).append((a.share, a))
-        groups.setdefault(("faster reads", *fleet, a.share), []).append((-a.read_ms_per_1k, a))
+        groups.setdefault(("more share", *fleet, a.read_ms_per_1k, a.cost), []).append((a.share, a))
+        if a.read_ms_per_1k is not None:  # (a table by depth is not faster or slower than a flat cost)
+            groups.setdefault(("faster reads", *fleet, a.share), []).append((-a.read_ms_per_1k, a))
     for key, members in groups.items():
         members.sort(key=lambda m: m[0])
         for (_, a), (_, b) in zip(members, members[1:]):
             if b.fresh < a.fresh:
-                failures.append(f"{key[0]} was less fresh: {b.name} at {b.read_ms_per_1k:g} ms/1k {b.fresh_pct:.2f} % "
-                                f"< {a.name} at {a.read_ms_per_1k:g} ms/1k {a.fresh_pct:.2f} % (priorities {a.priorities})")
+                failures.append(f"{key[0]} was less fresh: {b.name} at {b.cost} {b.fresh_pct:.2f} % "
+                                f"< {a.name} at {a.cost} {a.fresh_pct:.2f} % (priorities {a.priorities})")
     for r in solved:
         if not r.monotone:
             failures.append(f"solving for {r.target_pct:g} %: more share was less fresh among {r.tried}")

@@ -65,7 +65,7 @@ def parse_target(text: str) -> Target:
         number = None
     if number is not None:
         if not 0 < number <= 100:
-            raise ValueError(f"a bare target is a percentage of fresh turn starts in (0, 100] (got {text!r})")
+            raise ValueError(f"is a percentage in (0, 100] or a target such as 'p99 ask wait <= 50 ms' (got {text})")
         return Target("fresh", None, ">=", number)
     m = _FORM.match(text.lower())
     if m is None:
