@@ -94,8 +94,8 @@ class LiveDriver:
     inside it, from the chunk-cost hook, as HTTP threads would, beside the device), the device's
     work they cause done once the device is free, first come first served (a prompt fed; a turn's
     end: its output fed, then `end_turn`), the decoded output as it comes, and at each step the
-    service's idle look or, between decode rounds, its share slice; on to the end, until nothing
-    is left to read."""
+    service's idle look or, between decode rounds, its share slice; until the last event's work
+    is done."""
 
     def __init__(self, service: ShadowService, clock: Clock, requests: list[Request], ids: list[tuple[list, list]]):
         self.service, self.clock, self.requests, self.ids = service, clock, requests, ids
@@ -162,6 +162,8 @@ class LiveDriver:
             if self.jobs:
                 self.job(*self.jobs.pop(0))
                 continue
+            if self.next_event >= len(self.events):  # the timeline is over
+                return
             for i, r in self.decoding.items():
                 self.output(i, readable(r, t) - r.prompt_tokens)
                 if self.clock.t != t:  # a restore took the device: what came meanwhile first

@@ -6,7 +6,7 @@ proxy, a label's answer, an ask, a probe); those that fall inside device work ha
 and the device work they cause waits for it (`jobs`, first come first served): a prompt fed (a
 restore first, if its session is on disk), a turn's end (its held ids fed, then the scheduler
 told, then the cap settled: spills), an ask (its session read to its end, one forward, a
-settle). Between jobs the scheduler is asked what to read: in the idle window one chunk at a
+settle). Between jobs the scheduler is asked what to read, until the timeline's last event: in the idle window one chunk at a
 time (each followed by a settle, as live), inside a decode stretch one share slice a decode round
 apart (then, with a voice share, a phrase where its budget holds one). The big model's timeline
 is the ledger's: the shadow's work never moves it.
@@ -390,6 +390,8 @@ class EngineReplay:
             if self.jobs:
                 t = self._job(self.jobs.popleft(), t)
                 continue
+            if not self.heap:  # every event handled: what the shadow reads after the timeline counts for none
+                break
             for i in list(self.decoding):  # the output streamed so far
                 t2 = self._feed_output(i, t)
                 if t2 != t:  # a restore took the device: look again
