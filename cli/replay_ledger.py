@@ -1,4 +1,4 @@
-"""`shadow replay-ledger`: how fresh the shadow is at turn starts, on real request timelines."""
+"""`shadow replay-ledger`: what an operator would see of the shadow on real request timelines."""
 
 from __future__ import annotations
 
@@ -12,28 +12,73 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.table import Table
 
 from cli.common import (
-    CsvOpt, GridOpt, JsonOpt, PlotOpt, bounds, console, emit_json, input_file, output_path, progress, user_errors,
-    user_text_file, write_csv,
+    CsvOpt, GridOpt, JsonOpt, PlotOpt, bounds, console, emit_json, input_file, output_path, progress, refuse,
+    user_errors, user_text_file, write_csv,
 )
 from shadow.errors import ShadowInputError
 
 FORMATS = ("auto", "mooncake", "trajectory", "ledger")
 MAX_PACK = 10_000  # active sessions --pack may ask for (the set is repeated to reach it: copies grow with it)
+MAX_SAMPLES = 100_000
+
+
+def _target(ctx, param, value):
+    """--solve-share: a target (`targets.parse_target`), parsed before any work."""
+    if value is None:
+        return None
+    from shadow.offline.targets import parse_target
+
+    try:
+        return parse_target(value)
+    except ValueError as e:
+        refuse(param, str(e))
+
+
+def _ids(ctx, param, value):
+    from shadow.offline.limits import IDS
+
+    if value not in IDS:
+        refuse(param, f"is one of {', '.join(IDS)} (got {value!r})")
+    return value
+
+
+def _preset(ctx, param, value):
+    from shadow.model.config import PRESETS
+
+    if value not in PRESETS:
+        refuse(param, f"is a preset for the sessions' state sizes ({', '.join(PRESETS)}; got {value!r})")
+    return value
 
 
 @user_errors
 def replay_ledger(
     inputs: Annotated[list[Path], typer.Argument(help="Trace files: a Mooncake trace (.jsonl), mini-swe-agent trajectories (.traj.json, or a folder of them), or the project's ledger (.jsonl).")],
     fmt: Annotated[str, typer.Option("--format", help="auto, mooncake, trajectory or ledger.")] = "auto",
-    read_ms_per_1k: Annotated[list[float] | None, typer.Option("--read-ms-per-1k", callback=bounds(gt=0), help="Read rate(s) in ms per 1,000 tokens (repeatable: a sweep). Default 87.")] = None,
-    read_rate_json: Annotated[Path | None, typer.Option(callback=input_file, help="Also use the rate measured by `shadow read-rate --json` (its last line's ms_per_1k_tokens).")] = None,
+    read_ms_per_1k: Annotated[list[float] | None, typer.Option("--read-ms-per-1k", callback=bounds(gt=0), help="A chunk cost of this many ms per 1,000 tokens at every depth (repeatable: a sweep).")] = None,
+    read_rate_json: Annotated[Path | None, typer.Option(callback=input_file, help="Chunk cost by depth from `shadow read-rate --json` (its last line: rows with context and ms_per_chunk at --grid, linear between depths; one ms_per_1k_tokens if it has no rows). Default, with no --read-ms-per-1k: the built-in H200 table (0.8B, grid 512).")] = None,
     share: Annotated[list[float] | None, typer.Option("--share", callback=bounds(gt=0, lt=1), help="In-turn share(s) of the time since the first token (repeatable). Default 0.02.")] = None,
     grid: GridOpt = 512,
     engines: Annotated[int, typer.Option(callback=bounds(ge=1, says="is at least 1"), help="Engines in the fleet, each with its own idle time, share and shadow.")] = 1,
-    route: Annotated[str, typer.Option(help="How requests reach engines: affinity (a session stays where its first request went, the engine with the fewest requests in flight), hash (of the session name; stays) or round-robin (request by request).")] = "affinity",
+    route: Annotated[str, typer.Option(help="How requests reach engines: affinity (a session stays where its first request went, the engine with the fewest requests in flight), hash or rendezvous (of the session name; stays) or round-robin (request by request).")] = "affinity",
     pack_to: Annotated[float | None, typer.Option("--pack", callback=bounds(gt=0, le=MAX_PACK, says=f"needs a positive number of active sessions, at most {MAX_PACK:,}"), help="Shift sessions' start times so that this many are active at once on average (repeating the set where shifting alone cannot; at most 10,000). Not for Mooncake traces (their times come from the service model).")] = None,
-    priorities: Annotated[list[str] | None, typer.Option("--priorities", help="The scheduler's order steps: all, none, or some of question,running,recent,oldest joined by commas (repeatable: arms side by side on the same timelines). Default all.")] = None,
-    solve_share: Annotated[float | None, typer.Option("--solve-share", callback=bounds(gt=0, le=100, says="is a percentage in (0, 100]"), help="Also find the smallest share giving this percentage of fresh turn starts (bisection), for each read rate and priority set.")] = None,
+    priorities: Annotated[list[str] | None, typer.Option("--priorities", help="The scheduler's order steps: all, none, or some of question,running,fewest,recent,oldest joined by commas (repeatable: arms side by side on the same timelines). Default all.")] = None,
+    solve_share: Annotated[str | None, typer.Option("--solve-share", callback=_target, help="Also find the smallest share that meets a target (bisection), for each cost and priority set: 'p99 ask wait <= 50 ms', 'p90 time to fresh <= 2 s', 'stale sessions <= 5 %', 'fresh >= 97 %' (a bare number N: fresh >= N %).")] = None,
+    ids: Annotated[str, typer.Option("--ids", callback=_ids, help="When a turn's ids reach the shadow: engine (prompt ids on the first streamed chunk, output as streamed: vLLM), tokenizer (the proxy's template round trip, output as streamed), end (output only when the response is over), none (output never), embedded (at once: the embedded generator).")] = "engine",
+    cap_gib: Annotated[float, typer.Option(callback=bounds(gt=0, zero=True), help="Resident cap of each shadow, GiB, as `shadow serve --cap-gib` (0: no cap).")] = 4.0,
+    disk: Annotated[bool, typer.Option("--disk/--no-disk", help="Sessions past the cap spill to disk and are restored (or dropped, where reading again is cheaper), as `shadow serve --disk`; without, they are dropped and read again.")] = False,
+    model: Annotated[str, typer.Option(callback=_preset, help="The shadow's model, for its sessions' state sizes (bf16).")] = "qwen3.5-0.8b",
+    voice_share: Annotated[float, typer.Option(callback=bounds(ge=0, le=0.5), help="Each decoding turn's voice phrases as load, up to this share of its time since its first token (`shadow serve --voice-share`; 0: none).")] = 0.03,
+    label_ms: Annotated[float, typer.Option(callback=bounds(ge=0), help="After each turn, a standing question's label asked of the engine for this long before the turn ends (`--label-from-upstream`; 0: none).")] = 0.0,
+    asks_per_hour: Annotated[float, typer.Option(callback=bounds(ge=0), help="Asks per active session per hour (Poisson), each reading its session to its end and one forward, as load.")] = 0.0,
+    restore_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Restore speed, GiB/s of a session's file (default: the H200's, docs/STORE.md).")] = 1.86,
+    spill_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Spill speed, GiB/s (default: the H200's).")] = 1.34,
+    ask_ms: Annotated[float, typer.Option(callback=bounds(ge=0), help="One ask's forward, ms (default: the H200's at 41k ids).")] = 8.0539,
+    phrase_ms: Annotated[float, typer.Option(callback=bounds(gt=0), help="One voice phrase, ms (default: the H200's median).")] = 66.56,
+    tokenize_ms_per_1k: Annotated[float, typer.Option(callback=bounds(ge=0), help="The proxy's template and tokenizer, ms per 1,000 prompt ids (--ids tokenizer, end, none; default: measured on a 2-core CPU).")] = 2.621,
+    samples: Annotated[int, typer.Option(callback=bounds(ge=0, le=MAX_SAMPLES), help="Random times at which every active session is looked at (lag, ask wait).")] = 1000,
+    seed: Annotated[int, typer.Option(callback=bounds(ge=0, le=2**63 - 1), help="Seed of the random times and asks.")] = 0,
+    window_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Width of the windows of the load over time, seconds.")] = 60.0,
+    check_fleet: Annotated[bool, typer.Option("--check-fleet", help="Also replay on one engine more and report every turn start fresh on --engines and stale on one more, and why.")] = False,
     prefill_tok_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Service model, for traces without first-token and end times: prefill tokens per second.")] = 20_000.0,
     decode_tok_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Service model: decode tokens per second per request.")] = 40.0,
     slots: Annotated[int, typer.Option(callback=bounds(ge=1), help="Service model (Mooncake): requests each engine serves at once, first come first served.")] = 32,
@@ -43,16 +88,16 @@ def replay_ledger(
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Replay request timelines through the read scheduler (`shadow/schedule.py`: idle window, and
-    the in-turn share) on a fleet of engines with a given read rate, and report, at every turn
-    start of a session with earlier turns, how many of its tokens the shadow of the turn's engine
-    had not read: fresh = less than one grid chunk behind. Arms: idle only and idle + share for
-    each read rate, each share of a sweep and each priority set. The command checks that more
-    share and faster reads are never less fresh, and exits 1 if they are."""
+    """Replay request timelines through the read scheduler (`shadow/core/schedule.py`) on a fleet of
+    engines, with the live service's limits (the resident cap and its store, when ids reach the
+    shadow, turns ended as the service ends them, the voice, asks) and the device's costs (a chunk
+    by its depth, restores, spills), and report what an operator would see: freshness at turn
+    starts, the wait an ask would have then and at random times, each turn's time until its prompt
+    was read, each session's worst lag, and the load over time beside it. Arms: idle only and
+    idle + share for each cost, share and priority set. The command checks that more share and
+    faster reads are never less fresh, and exits 1 if they are."""
     from shadow.offline.ledger import ROUTES, ServiceModel, import_trajectory, mooncake_arrivals, read_ledger, rebase, \
-        route_requests, write_ledger
-    from shadow.offline.replay import density, monotone_checks, pack, replay, solve_share as solve
-    from shadow.core.schedule import BandwidthRule, Priorities
+        write_ledger
 
     if fmt not in FORMATS:
         raise ShadowInputError(f"unknown format {fmt!r} ({', '.join(FORMATS)})")
@@ -60,15 +105,21 @@ def replay_ledger(
         raise ShadowInputError("--token-counts is 'qwen' or 'usage'")
     if route not in ROUTES:
         raise ShadowInputError(f"--route one of {', '.join(ROUTES)} (got {route!r})")
-    rates = list(read_ms_per_1k or [])
+    from shadow.core.schedule import BandwidthRule, Priorities
+    from shadow.offline.costs import ChunkTable, CostTable
+    from shadow.offline.limits import live
+
+    tables = [ChunkTable.flat(r, grid) for r in read_ms_per_1k or []]
     if read_rate_json:
-        rates.append(_rate_from(read_rate_json))
-    rates = rates or [87.0]
+        tables.append(_table_from(read_rate_json, grid))
+    tables = tables or [ChunkTable.h200(grid)]
     shares = share or [0.02]
     try:
         prio_sets = [Priorities.parse(p) for p in (priorities or ["all"])]
     except ValueError as e:
         raise ShadowInputError(str(e)) from None
+    limits = live(ids, cap_gib or None, model, disk, voice_share, label_s=label_ms / 1000, asks_per_hour=asks_per_hour,
+                  seed=seed)
     service = ServiceModel(prefill_tok_s, decode_tok_s, slots)
 
     files = _expand(inputs)
@@ -93,104 +144,246 @@ def replay_ledger(
         if arrivals and (requests and engines > 1 or pack_to is not None):
             raise ShadowInputError("replay a Mooncake trace on its own with --engines, and without --pack "
                                    "(its times come from the service model)")
-        engine_of = None
-        if arrivals:  # routed as they come, then timed by their engine's service model
-            served, engine_of = service.serve_fleet(arrivals, engines, route)
-            requests, engine_of = served + requests, engine_of if not requests else None
-        requests = rebase(requests)
-        if pack_to is not None:
-            requests = pack(requests, pack_to)
-        if engine_of is None:
-            engine_of = route_requests(requests, engines, route)
+        if check_fleet and arrivals and requests:
+            raise ShadowInputError("--check-fleet replays a Mooncake trace on its own")
+        requests = rebase(requests) if requests else requests
+        fleets = {}
+        for n in [engines] + ([engines + 1] if check_fleet else []):
+            fleets[n] = _routed(arrivals, requests, service, n, route, pack_to)
+        requests, engine_of = fleets[engines]
         if write_ledger_to:
             write_ledger(write_ledger_to, requests)
+        from shadow.offline.metrics import load, summary
+        from shadow.offline.replay import density, replay
+        from shadow.offline.timelines import windows
+
         dens = density(requests, engines)
+        series = windows(requests, engine_of, engines, window_s, grid, limits.state)
 
-        def run(rate: float, s: float | None, prio: Priorities):
+        def run(table, s: float | None, prio, n: int = engines):
+            reqs, eo = fleets[n]
+            costs = CostTable(table, restore_gib_s, spill_gib_s, ask_ms / 1000, phrase_ms / 1000,
+                              tokenize_ms_per_1k / 1000)
             rule = BandwidthRule(share=s or 0.02)
-            name = "idle only" if not s else f"idle + {s:.0%} share" if round(s * 100, 6) == round(s * 100) \
-                else f"idle + {s:.2%} share"
-            return replay(requests, rate, grid, rule, use_share=bool(s), name=name, engines=engines, route=route,
-                          engine_of=engine_of, priorities=prio)
+            arm = replay(reqs, None, grid, rule, use_share=bool(s), name=_share_name(s), engines=n, route=route,
+                         engine_of=eo, priorities=prio, costs=costs, limits=limits, samples=samples, seed=seed)
+            if table.depths == (0,):
+                arm.read_ms_per_1k = table.ms_per_1k(0, grid)
+            return arm
 
-        plan = [x for prio in prio_sets for x in [(prio, r, None) for r in rates] + [(prio, r, s) for r in rates for s in shares]]
-        task = bar.add_task("replaying", total=len(plan))
-        arms = []
-        for prio, rate, s in plan:
-            arms.append(run(rate, s, prio))
+        plan = [x for prio in prio_sets
+                for x in [(prio, t, None) for t in tables] + [(prio, t, s) for t in tables for s in shares]]
+        task = bar.add_task("replaying", total=len(plan) * (2 if check_fleet else 1))
+        arms, summaries = [], []
+        for prio, table, s in plan:
+            arms.append(run(table, s, prio))
+            summaries.append(summary(arms[-1], series, grid))
             bar.advance(task)
+        fleet = []
+        if check_fleet:
+            from shadow.offline.fleet import inversions
+
+            for (prio, table, s), arm in zip(plan, arms):
+                more = run(table, s, prio, engines + 1)
+                fleet.append(inversions(fleets[engines + 1][0], arm, more, engine_of, fleets[engines + 1][1]))
+                fleet[-1]["arm"] = _label(arm, len(tables) > 1, len(prio_sets) > 1)
+                bar.advance(task)
         solved = []
         if solve_share is not None:
-            task = bar.add_task(f"solving for {solve_share:g} % fresh", total=len(rates) * len(prio_sets))
+            from shadow.offline.targets import solve
+
+            task = bar.add_task(f"solving for {solve_share.text}", total=len(tables) * len(prio_sets))
             for prio in prio_sets:
-                for rate in rates:
-                    solved.append((prio, rate, solve(lambda s: run(rate, s, prio).fresh_pct, solve_share)))
+                for table in tables:
+                    seen: dict[float, dict] = {}
+
+                    def figure_at(x: float, table=table, prio=prio, seen=seen):
+                        seen[x] = summary(run(table, x or None, prio), series, grid)
+                        return solve_share.figure(seen[x])
+
+                    solved.append((prio, table, solve(figure_at, solve_share), seen))
                     bar.advance(task)
 
+    multi_cost, multi_prio = len(tables) > 1, len(prio_sets) > 1
     sessions = len({r.session for r in requests})
-    multi = len(prio_sets) > 1
-    title = (f"replay-ledger · {len(requests):,} requests · {sessions:,} sessions · grid {grid} · "
-             f"{engines} engine{'s' if engines > 1 else ''}{f' ({route})' if engines > 1 else ''}")
-    table = Table(title=title)
-    cols = ["arm"] + (["priorities"] if multi else []) + ["read ms/1k", "turn starts", "fresh %", "p50 behind",
-                                                          "p90 behind", "rollbacks", "longest slice ms"]
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("arm", "priorities") else "right")
-    rows = []
-    for a in arms:
-        row = {"arm": a.name, "priorities": a.priorities, "engines": a.engines, "route": a.route,
-               "read_ms_per_1k": a.read_ms_per_1k, "share": a.share, "turns": len(a.turns),
-               "fresh": a.fresh, "fresh_pct": round(a.fresh_pct, 2), "p50_behind": a.behind_pct(50),
-               "p90_behind": a.behind_pct(90), "chunks_idle": a.chunks_idle, "chunks_share": a.chunks_share,
-               "chunks_wasted": a.chunks_wasted, "rollbacks": a.rollbacks, "share_s": round(a.share_s, 3),
-               "longest_slice_ms": round(a.longest_slice_s * 1000, 3)}
-        rows.append(row)
-        table.add_row(a.name, *([a.priorities] if multi else []), f"{a.read_ms_per_1k:g}", f"{len(a.turns):,}",
-                      f"{a.fresh_pct:.1f}", f"{row['p50_behind']:,}", f"{row['p90_behind']:,}", f"{a.rollbacks:,}",
-                      f"{row['longest_slice_ms']:.1f}")
-    console.print(table)
-    console.print(f"density per engine: {dens.active:.1f} sessions active at once, {dens.new_tok_s:,.0f} new tokens "
-                  f"per second, over {dens.span_s:,.0f} s" + (f" (packed to {pack_to:g} active)" if pack_to else ""))
-    solve_rows = []
-    for prio, rate, r in solved:
-        solve_rows.append({"priorities": prio.label, "read_ms_per_1k": rate, "target_pct": r.target_pct,
-                           "share": r.share, "fresh_pct": r.fresh_pct, "below_share": r.below,
-                           "below_fresh_pct": r.below_pct, "monotone": r.monotone,
-                           "tried": [[round(s, 6), round(f, 2)] for s, f in r.tried]})
-        where = f"{rate:g} ms/1k" + (f", priorities {prio.label}" if multi else "")
-        if r.share is None:
-            console.print(f"share for {r.target_pct:g} % fresh ({where}): not reached at {r.below:.0%} "
-                          f"({r.below_pct:.2f} %)")
-        else:
-            below = "" if r.below is None else f"; {r.below:.2%} gives {r.below_pct:.2f} %"
-            console.print(f"share for {r.target_pct:g} % fresh ({where}): {r.share:.2%} ({r.fresh_pct:.2f} %{below})")
-    checks = monotone_checks(arms, [r for _, _, r in solved])
+    _tables(arms, summaries, multi_cost, multi_prio, requests, sessions, grid, engines, route)
+    console.print(_load_table(load(series), window_s))
+    console.print(f"mean over the whole span, per engine: {dens.active:.1f} sessions active at once, "
+                  f"{dens.new_tok_s:,.0f} new tokens per second, over {dens.span_s:,.0f} s"
+                  + (f" (packed to {pack_to:g} active)" if pack_to else ""))
+    solve_rows = _print_solved(solved, multi_prio, grid)
+    for f in fleet:
+        _print_fleet(f)
+    from shadow.offline.replay import monotone_checks
+
+    checks = monotone_checks(arms)
     for line in checks["failures"]:
         console.print(f"[bold red]check failed:[/] {line}")
     console.print("checks: more share never less fresh, faster reads never less fresh: "
                   + ("[green]hold[/]" if checks["ok"] else "[bold red]FAIL[/]"))
+    console.print(_limits_line(limits, tables, restore_gib_s, spill_gib_s, ask_ms, phrase_ms, tokenize_ms_per_1k))
     if any(kind != "ledger" for kind in kinds.values()):
         console.print(f"service model (where the trace has no first-token or end times): prefill {prefill_tok_s:g} tok/s, "
                       f"decode {decode_tok_s:g} tok/s per request, {slots} slots an engine (Mooncake); trajectories: "
                       f"one slot, ends clamped to the next request; token counts: {token_counts}")
+    rows = [_row(a, s) for a, s in zip(arms, summaries)]
     if csv:
-        write_csv(csv, rows)
+        write_csv(csv, [{k: v for k, v in r.items() if k != "summary"} for r in rows])
     if plot:
         _plot(plot, arms)
     if json_out:
         emit_json({
             "command": "replay-ledger", "inputs": [str(f) for f in files], "turns": len(arms[0].turns),
-            "sessions": sessions, "requests": len(requests), "grid": grid, "read_ms_per_1k": rates,
+            "sessions": sessions, "requests": len(requests), "grid": grid,
+            "read_ms_per_1k": [t.ms_per_1k(0, grid) for t in tables if t.depths == (0,)],
+            "costs": [{"label": t.label, "depths": list(t.depths), "ms_per_chunk": [round(x * 1000, 6) for x in t.seconds]}
+                      for t in tables],
             "shares": shares, "engines": engines, "route": route, "pack": pack_to,
             "priorities": [p.label for p in prio_sets],
+            "limits": {"ids": ids, "cap_gib": cap_gib or None, "disk": disk, "model": model, "voice_share": voice_share,
+                       "label_ms": label_ms, "asks_per_hour": asks_per_hour, "restore_gib_s": restore_gib_s,
+                       "spill_gib_s": spill_gib_s, "ask_ms": ask_ms, "phrase_ms": phrase_ms,
+                       "tokenize_ms_per_1k": tokenize_ms_per_1k, "samples": samples, "seed": seed},
             "density": {"active_per_engine": round(dens.active, 3), "new_tok_s_per_engine": round(dens.new_tok_s, 1),
                         "span_s": round(dens.span_s, 3)},
+            "load": load(series),
+            "windows": [{"engine": w.engine, "start": round(w.start, 3), "active": round(w.active, 3),
+                         "new_tok_s": round(w.new_tok_s, 1),
+                         "state_gib": None if w.state_gib is None else round(w.state_gib, 3)} for w in series],
             "service": {"prefill_tok_s": prefill_tok_s, "decode_tok_s": decode_tok_s,
                         "slots": slots, "token_counts": token_counts},
-            "arms": rows, "solve": solve_rows, "checks": checks,
+            "arms": rows, "solve": solve_rows, "fleet": fleet, "checks": checks,
         })
     if not checks["ok"]:
         raise typer.Exit(1)
+
+
+def _routed(arrivals, requests, service, engines: int, route: str, pack_to):
+    """(requests, engine of each) for a fleet of `engines`: a Mooncake trace routed as it arrives
+    and timed by its engine; other timelines packed, then routed."""
+    from shadow.offline.ledger import rebase, route_requests
+    from shadow.offline.timelines import pack
+
+    if arrivals:  # routed as they come, then timed by their engine's service model
+        served, engine_of = service.serve_fleet(arrivals, engines, route)
+        return rebase(served + list(requests)), engine_of + [0] * len(requests)
+    reqs = pack(requests, pack_to) if pack_to is not None else requests
+    return reqs, route_requests(reqs, engines, route)
+
+
+def _share_name(s: float | None) -> str:
+    if not s:
+        return "idle only"
+    return f"idle + {s:.0%} share" if round(s * 100, 6) == round(s * 100) else f"idle + {s:.2%} share"
+
+
+def _label(arm, multi_cost: bool, multi_prio: bool) -> str:
+    short = "idle" if not arm.share else arm.name.removeprefix("idle + ").removesuffix(" share")
+    return " · ".join([short] + ([arm.cost] if multi_cost else []) + ([arm.priorities] if multi_prio else []))
+
+
+def _fmt(v, digits: int = 1, never: bool = False) -> str:
+    if v is None:
+        return "never" if never else "-"
+    return f"{v:,.0f}" if digits == 0 else f"{v:,.{digits}f}"
+
+
+def _tables(arms, summaries, multi_cost, multi_prio, requests, sessions, grid, engines, route) -> None:
+    """The arms' figures in tables of at most 80 columns."""
+    console.print(f"replay-ledger · {len(requests):,} requests · {sessions:,} sessions · grid {grid} · {engines} "
+                  f"engine{'s' if engines > 1 else ''}{f' ({route})' if engines > 1 else ''}")
+    specs = [
+        ("turn starts of sessions with earlier turns", ["fresh %", "p50\nbehind", "p90\nbehind", "ask wait\np50 ms", "ask wait\np99 ms"],
+         lambda s: [_fmt(s["turn_starts"]["fresh_pct"]), _fmt(s["turn_starts"]["behind"]["p50"], 0),
+                    _fmt(s["turn_starts"]["behind"]["p90"], 0), _fmt(s["turn_starts"]["ask_wait_ms"]["p50"]),
+                    _fmt(s["turn_starts"]["ask_wait_ms"]["p99"])]),
+        ("random times: an ask about an active session", ["stale %", "p50 lag", "ask wait\np50 ms", "ask wait\np90 ms",
+                                                           "ask wait\np99 ms"],
+         lambda s: [_fmt(s["random"]["stale_pct"]), _fmt(s["random"]["lag"]["p50"], 0),
+                    _fmt(s["random"]["ask_wait_ms"]["p50"]), _fmt(s["random"]["ask_wait_ms"]["p90"]),
+                    _fmt(s["random"]["ask_wait_ms"]["p99"])]),
+        ("turns and sessions", ["to fresh\np50 s", "to fresh\np90 s", "never\nfresh %", "sessions\never stale %",
+                                "worst lag\nmax"],
+         lambda s: [_fmt(s["to_fresh_s"]["p50"], 2, True), _fmt(s["to_fresh_s"]["p90"], 2, True),
+                    _fmt(s["to_fresh_s"]["never_pct"]), _fmt(s["sessions"]["ever_stale_pct"]),
+                    _fmt(s["sessions"]["worst_lag"]["max"], 0)]),
+        ("the busiest windows (new tokens/s at or above their p90)", ["windows", "turn\nstarts", "fresh %",
+                                                                      "ask wait\np99 ms", "turn start\np99 ms"],
+         lambda s: [str(s["peak"]["windows"]), f"{s['peak']['turn_starts']:,}", _fmt(s["peak"]["fresh_pct"]),
+                    _fmt(s["peak"]["ask_wait_ms"]["p99"]), _fmt(s["peak"]["turn_start_ask_wait_ms"]["p99"])]),
+        ("the shadow's device work", ["spills", "restores", "drops", "rollbacks", "voice s"],
+         lambda s: [f"{s['store']['spills']:,}", f"{s['store']['restores']:,}", f"{s['store']['drops']:,}",
+                    f"{s['rollbacks']:,}", _fmt(s["voice_s"])]),
+    ]
+    for name, cols, cells in specs:
+        table = Table(title=name, title_justify="left")
+        table.add_column("arm")
+        for col in cols:
+            table.add_column(col, justify="right")
+        for a, s in zip(arms, summaries):
+            table.add_row(_label(a, multi_cost, multi_prio), *cells(s | {"rollbacks": a.rollbacks}))
+        console.print(table)
+
+
+def _load_table(load: dict, window_s: float) -> Table:
+    table = Table(title=f"load per engine over time ({load['windows']:,} windows of {window_s:g} s)",
+                  title_justify="left")
+    for col in ("", "p50", "p90", "peak"):
+        table.add_column(col, justify="right" if col else "left")
+    for key, name, digits in (("active", "sessions active", 1), ("new_tok_s", "new tokens/s", 0),
+                              ("state_gib", "state if all held, GiB", 2)):
+        v = load.get(key)
+        if v:
+            table.add_row(name, *(_fmt(v[k], digits) for k in ("p50", "p90", "peak")))
+    return table
+
+
+def _row(a, s: dict) -> dict:
+    return {"arm": a.name, "priorities": a.priorities, "engines": a.engines, "route": a.route,
+            "read_ms_per_1k": a.read_ms_per_1k, "cost": a.cost, "share": a.share, "turns": len(a.turns),
+            "fresh": a.fresh, "fresh_pct": round(a.fresh_pct, 2), "p50_behind": a.behind_pct(50),
+            "p90_behind": a.behind_pct(90), "chunks_idle": a.chunks_idle, "chunks_share": a.chunks_share,
+            "chunks_ask": a.chunks_ask, "chunks_wasted": a.chunks_wasted, "rollbacks": a.rollbacks,
+            "share_s": round(a.share_s, 3), "longest_slice_ms": round(a.longest_slice_s * 1000, 3), "summary": s}
+
+
+def _print_solved(solved, multi_prio: bool, grid: int) -> list[dict]:
+    out = []
+    for prio, table, r, seen in solved:
+        fresh = {x: s["turn_starts"]["fresh_pct"] for x, s in seen.items()}
+        out.append({"priorities": prio.label, "cost": table.label,
+                    "read_ms_per_1k": table.ms_per_1k(0, grid) if table.depths == (0,) else None,
+                    "target": r.target.text, "target_pct": r.target.value if r.target.metric == "fresh" else None,
+                    "share": r.share, "value": r.value, "fresh_pct": fresh.get(r.share),
+                    "below_share": r.below, "below_value": r.below_value, "below_fresh_pct": fresh.get(r.below),
+                    "monotone": r.monotone, "tried": [[round(x, 6), v] for x, v in r.tried]})
+        where = table.label + (f", priorities {prio.label}" if multi_prio else "")
+        unit = r.target.text.rsplit(" ", 1)[-1]
+        if r.share is None:
+            console.print(f"share for {r.target.text} ({where}): not met at {r.below:.0%} ({_fmt(r.below_value, 2)} {unit})")
+        else:
+            below = "" if r.below is None else f"; {r.below:.2%} gives {_fmt(r.below_value, 2)} {unit}"
+            console.print(f"share for {r.target.text} ({where}): {r.share:.2%} ({_fmt(r.value, 2)} {unit}{below})"
+                          + ("" if r.monotone else " [bold red](not monotone in share among the tries)[/]"))
+    return out
+
+
+def _print_fleet(f: dict) -> None:
+    n, m = f["engines"]
+    console.print(f"fleet {n} -> {m} engines ({f['arm']}): fresh turn starts {f['fresh'][0]:,} -> {f['fresh'][1]:,}; "
+                  f"{f['inversions']:,} fresh on {n} and stale on {m}, in {f['sessions']} sessions "
+                  f"({f['sessions_busier']} of them with a busier engine)")
+    for r in f["rows"][:5]:
+        console.print(f"  {r['session']}: {r['turns']} turn start(s), {r['why']}")
+
+
+def _limits_line(limits, tables, restore, spill, ask, phrase, tokenize) -> str:
+    cap = f"cap {limits.cap_gib:g} GiB a shadow ({'spill to disk' if limits.disk else 'no disk: dropped past it'})" \
+        if limits.cap_gib else "no cap"
+    return (f"live limits: ids {limits.ids}; {cap}; voice share {limits.voice_share:g}; label {limits.label_s * 1000:g} ms; "
+            f"asks {limits.asks_per_hour:g}/h a session. costs: chunk {', '.join(t.label for t in tables)}; restore "
+            f"{restore:g} GiB/s, spill {spill:g} GiB/s, ask {ask:g} ms, phrase {phrase:g} ms, tokenizer {tokenize:g} "
+            "ms/1k (defaults: measured, docs/FRESHNESS.md)")
 
 
 def _expand(inputs: list[Path]) -> list[Path]:
@@ -224,15 +417,17 @@ def _detect(path: Path) -> str:
     raise ShadowInputError(f"{path}: unknown format (a Mooncake trace, a trajectory or a ledger; give --format)")
 
 
-def _rate_from(path: Path) -> float:
+def _table_from(path: Path, grid: int):
+    from shadow.offline.costs import ChunkTable
+
     try:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
-        rate = float(json.loads(lines[-1])["ms_per_1k_tokens"])
-    except (OSError, IndexError, KeyError, ValueError, TypeError, RecursionError) as e:
-        raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__})") from None
-    if not math.isfinite(rate) or rate <= 0:
-        raise ShadowInputError(f"{path}: its ms_per_1k_tokens is not a positive number ({rate})")
-    return rate
+        doc = json.loads(lines[-1])
+        if not isinstance(doc, dict):
+            raise TypeError("not an object")
+        return ChunkTable.from_read_rate(doc, grid, path.name)
+    except (OSError, IndexError, KeyError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
+        raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__}: {e})") from None
 
 
 def _plot(path: Path, arms) -> None:
@@ -241,18 +436,26 @@ def _plot(path: Path, arms) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     for a in arms:
         values = sorted(t.behind for t in a.turns)
-        if not values:
-            continue
-        ys = [(i + 1) / len(values) for i in range(len(values))]
-        ax.step([v + 1 for v in values], ys, where="post", label=f"{a.name}, {a.read_ms_per_1k:g} ms/1k ({a.fresh_pct:.0f}% fresh)")
-    ax.set_xscale("log")
-    ax.set_xlabel("tokens behind at turn start (+1)")
-    ax.set_ylabel("share of turn starts")
-    ax.set_title("how far behind the shadow is")
-    ax.legend(fontsize=7)
+        waits = sorted(p.wait_s * 1000 for p in a.probes)
+        label = f"{a.name}, {a.cost} ({a.fresh_pct:.0f}% fresh)"
+        if values:
+            left.step([v + 1 for v in values], [(i + 1) / len(values) for i in range(len(values))], where="post",
+                      label=label)
+        if waits:
+            right.step([w + 0.01 for w in waits], [(i + 1) / len(waits) for i in range(len(waits))], where="post",
+                       label=a.name)
+    left.set_xscale("log")
+    left.set_xlabel("tokens behind at turn start (+1)")
+    left.set_ylabel("share of turn starts")
+    left.set_title("how far behind the shadow is")
+    left.legend(fontsize=7)
+    right.set_xscale("log")
+    right.set_xlabel("ask wait at a random time, ms (+0.01)")
+    right.set_ylabel("share of looks")
+    right.set_title("how long an ask would wait")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

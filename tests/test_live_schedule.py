@@ -18,8 +18,12 @@ from serving import (GRID, assert_exact, long_text, running, service_for, servin
                      wait_until_read)
 from shadow.core.reader import open_reader
 from shadow.core.schedule import BandwidthRule, ReadScheduler, Wait
+from shadow.core.residency import RestoreRate, StateSize
+from shadow.core.sessionfile import file_bytes
 from shadow.core.store import SessionStore
 from shadow.offline.ledger import Request
+from shadow.offline.costs import ChunkTable, CostTable
+from shadow.offline.limits import Limits
 from shadow.offline.replay import readable, replay, time_readable
 from shadow.server.generator import Generator
 from shadow.server.host import Shadow
@@ -38,7 +42,7 @@ class Traced(ReadScheduler):
     reads: list[tuple] = []
 
     def read_done(self, read, chunks, seconds, now):
-        if chunks:
+        if chunks:  # (seconds compared exactly: both sides add the same binary fractions)
             Traced.reads.append((read.session, read.window, read.depth, chunks, now, seconds))
         super().read_done(read, chunks, seconds, now)
 
@@ -87,23 +91,25 @@ class ChunkCost:
 class LiveDriver:
     """The timeline's engine beside a live `ShadowService`, on an injected clock, stepped the way
     the replay steps its engine: events at their times (those that fall inside a chunk fire
-    inside it, from the chunk-cost hook, as HTTP threads would; a prompt whose request came
-    mid-chunk is fed after it, as the device would), the decoded output as it comes, and at each
-    step the service's idle look or, between decode rounds, its share slice."""
+    inside it, from the chunk-cost hook, as HTTP threads would, beside the device), the device's
+    work they cause done once the device is free, first come first served (a prompt fed; a turn's
+    end: its output fed, then `end_turn`), the decoded output as it comes, and at each step the
+    service's idle look or, between decode rounds, its share slice; until the last event's work
+    is done."""
 
     def __init__(self, service: ShadowService, clock: Clock, requests: list[Request], ids: list[tuple[list, list]]):
         self.service, self.clock, self.requests, self.ids = service, clock, requests, ids
         self.events = sorted([(r.start, _START, i) for i, r in enumerate(requests)]
                              + [(r.first_token, _FIRST, i) for i, r in enumerate(requests)]
                              + [(r.end, _END, i) for i, r in enumerate(requests)])
-        self.last_start = max(n for n, e in enumerate(self.events) if e[1] == _START)
         self.next_event = 0
         self.turns: dict[int, object] = {}  # request -> its turn's record
         self.fed: dict[int, int] = {}  # request -> output ids fed
-        self.owed: list[int] = []  # requests begun mid-chunk, their prompt not fed yet
+        self.jobs: list[tuple[str, int]] = []  # device work waiting for the device
         self.decoding: dict[int, Request] = {}
         self.shares: list[tuple[str, str]] = []  # (the session of the turn that asked, the session read)
         self.mid_chunk: list[int] = []  # kinds of the events that fired inside a chunk
+        self.lock_free = -math.inf  # when the service's lock was last let go after a restore or spill
 
     def fire(self, t: float, inclusive: bool, mid_chunk: bool = False) -> None:
         while self.next_event < len(self.events):
@@ -111,7 +117,7 @@ class LiveDriver:
             if when > t or (when == t and not inclusive):
                 return
             self.next_event += 1
-            self.clock.t = when
+            self.clock.t = max(when, self.lock_free)  # one that came while the lock was held waited for it
             self.handle(kind, i, mid_chunk)
 
     def handle(self, kind: int, i: int, mid_chunk: bool) -> None:
@@ -121,22 +127,25 @@ class LiveDriver:
         if kind == _START:
             turn = self.turns[i] = service.begin_turn(r.session)
             service.name_turn(turn, self.ids[i][0])  # its session is known at once (a request header)
-            if mid_chunk:
-                self.owed.append(i)
-            else:
-                service.set_prompt(turn, self.ids[i][0])
+            self.jobs.append(("prompt", i))
         elif kind == _FIRST:
             service.first_token(self.turns[i])
-            self.fed[i] = 0
             if r.end > r.first_token:
                 self.decoding[i] = r
         else:
-            self.output(i, r.output_tokens)
-            service.end_turn(self.turns[i])
             self.decoding.pop(i, None)
+            self.jobs.append(("finish", i))
+
+    def job(self, kind: str, i: int) -> None:
+        if kind == "prompt":
+            self.service.set_prompt(self.turns[i], self.ids[i][0])
+            self.fed[i] = 0
+        else:
+            self.output(i, self.requests[i].output_tokens)
+            self.service.end_turn(self.turns[i])
 
     def output(self, i: int, upto: int) -> None:
-        if upto > self.fed[i]:
+        if upto > self.fed.get(i, upto):
             self.service.add_output(self.turns[i], self.ids[i][1][self.fed[i]:upto])
             self.fed[i] = upto
 
@@ -147,16 +156,20 @@ class LiveDriver:
     def run(self) -> None:
         service, next_round = self.service, -math.inf
         while True:
-            for i in self.owed:
-                service.set_prompt(self.turns[i], self.ids[i][0])
-            self.owed = []
             t = self.clock.t
             self.fire(t, inclusive=True)
             self.clock.t = t
-            if self.next_event > self.last_start:
+            if self.jobs:
+                self.job(*self.jobs.pop(0))
+                continue
+            if self.next_event >= len(self.events):  # the timeline is over
                 return
             for i, r in self.decoding.items():
                 self.output(i, readable(r, t) - r.prompt_tokens)
+                if self.clock.t != t:  # a restore took the device: what came meanwhile first
+                    break
+            if self.clock.t != t:
+                continue
             if self.decoding and t >= next_round:
                 turn = next(iter(self.decoding))
                 service.share_slice(self.turns[turn])
@@ -176,25 +189,20 @@ class LiveDriver:
                 wake.append(self.events[self.next_event][0])
             if self.decoding and next_round > t:
                 wake.append(next_round)
-            for r in self.decoding.values():
-                known = readable(r, t)
-                wake.append(time_readable(r, (known // GRID + 1) * GRID))
+            for i, r in self.decoding.items():
+                if i in self.fed:
+                    known = readable(r, t)
+                    wake.append(time_readable(r, (known // GRID + 1) * GRID))
             nxt = min(wake)
-            assert nxt < math.inf
+            if nxt == math.inf:
+                return
             self.clock.t = max(nxt, math.nextafter(t, math.inf))
 
 
-@pytest.mark.parametrize("seed", [4, 9, 21])  # timelines where a start, a first token or an end comes mid-chunk
-def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same_times(tiny, monkeypatch, seed):
-    """The replay and a live service (injected clock, chunk costs and the engine's events from a
-    hook) over one timeline: every read (session, window, depth, chunks, end, seconds) the same."""
-    requests = timeline(seed)
-    monkeypatch.setattr(shadow.offline.replay, "ReadScheduler", Traced)
-    monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
-    Traced.reads = []
-    arm = replay(requests, read_ms_per_1k=CHUNK_S * 1e6 / GRID, grid=GRID, rule=RULE)
-    replayed, Traced.reads = Traced.reads, []
-
+def live_reads(requests: list[Request], store_for, monkeypatch, on_driver=lambda driver: None
+               ) -> tuple[list, ShadowService, LiveDriver]:
+    """Every read the live service reports over the timeline (its store from `store_for(reader,
+    loaded, clock)`), the service (the caller stops it) and its driver (shown to `on_driver`)."""
     rng = random.Random(5)
     ids, last = [], {}
     for r in requests:
@@ -207,14 +215,35 @@ def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same
     loaded, reader = open_reader("tiny", grid=GRID)
     hook = ChunkCost(reader.forward, clock)
     reader.forward = hook
-    service = service_for(settings_for(rule=RULE, prefix_match=False), reader,
-                          SessionStore(reader, loaded.weights_hash, cap_gib=None), clock=clock)
+    service = service_for(settings_for(rule=RULE, prefix_match=False), reader, store_for(reader, loaded, clock),
+                          clock=clock)
+    Traced.reads = []
+    assert service.reading.sched.costs.table() == {0: CHUNK_S, 8192: CHUNK_S, 32768: CHUNK_S}  # warmed at load
+    clock.t = 0.0
+    hook.driver = driver = LiveDriver(service, clock, requests, ids)
+    on_driver(driver)
     try:
-        assert service.reading.sched.costs.table() == {0: CHUNK_S, 8192: CHUNK_S, 32768: CHUNK_S}  # warmed at load
-        clock.t = 0.0
-        hook.driver = driver = LiveDriver(service, clock, requests, ids)
         driver.run()
-        live = Traced.reads
+    except BaseException:
+        service.stop()
+        raise
+    hook.driver = None
+    return Traced.reads, service, driver
+
+
+@pytest.mark.parametrize("seed", [4, 9, 21])  # timelines where a start, a first token or an end comes mid-chunk
+def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same_times(tiny, monkeypatch, seed):
+    """The replay and a live service (injected clock, chunk costs and the engine's events from a
+    hook) over one timeline: every read (session, window, depth, chunks, end, seconds) the same."""
+    requests = timeline(seed)
+    monkeypatch.setattr(shadow.offline.replay, "ReadScheduler", Traced)
+    monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
+    Traced.reads = []
+    arm = replay(requests, read_ms_per_1k=CHUNK_S * 1e6 / GRID, grid=GRID, rule=RULE)
+    replayed = Traced.reads
+    live, service, driver = live_reads(requests, lambda reader, loaded, clock: SessionStore(
+        reader, loaded.weights_hash, cap_gib=None), monkeypatch)
+    try:
         assert live == replayed
         windows = {w for _, w, *_ in live}
         assert windows == {"idle", "share"} and len({s for s, *_ in live}) == 3
@@ -222,8 +251,113 @@ def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same
         assert driver.mid_chunk  # an engine event came while a chunk was read
         counters = service.status()["counters"]
         assert (counters["chunks_idle"], counters["chunks_share"]) == (arm.chunks_idle, arm.chunks_share)
-        hook.driver = None
         assert_exact(service, "a")
+    finally:
+        service.stop()
+
+
+class TimedStore:
+    """The store's restores and writes as the test's hook: each costs the cost table's seconds of
+    its file's bytes on the clock, under the service's lock (what happens meanwhile waits for
+    it); the restore rate it learns is the table's."""
+
+    def __init__(self, store: SessionStore, costs: CostTable, clock: Clock):
+        self.store, self.costs, self.clock, self.driver = store, costs, clock, None
+        self.restore, self.write = store._restore, store._write
+        store._restore, store._write = self._restore, self._write
+        rate = store.restore_rate
+        store.restore_rate.observe = lambda nbytes, seconds: RestoreRate.observe(rate, nbytes, costs.restore_s(nbytes))
+
+    def _spend(self, seconds: float) -> None:
+        self.clock.t += seconds
+        self.driver.lock_free = self.clock.t
+
+    def _restore(self, name):
+        session = self.restore(name)
+        if session is not None:
+            self._spend(self.costs.restore_s(file_bytes(session)))
+        return session
+
+    def _write(self, session):
+        error = self.write(session)
+        if error is None:
+            self._spend(self.costs.spill_s(file_bytes(session)))
+        return error
+
+
+def test_live_and_replayed_spill_and_restore_at_the_same_costs(tiny, monkeypatch, tmp_path):
+    """With restores and spills that take time (1 and 2 MiB/s of their files' bytes, so that
+    restoring a shallow session is slower than reading it again: such a one is dropped, its ids
+    kept), every read, spill, drop and restore is the same live and replayed."""
+    monkeypatch.setattr(shadow.offline.replay, "ReadScheduler", Traced)
+    monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
+    size = StateSize.of(tiny.model.config, 4)
+    cap_gib = (size.resident(8192, 0) + 20 * size.checkpoint) / 2**30
+    costs = CostTable(ChunkTable.flat(CHUNK_S * 1e6 / GRID, GRID), restore_gib_s=1 / 1024, spill_gib_s=2 / 1024)
+    seen = [0, 0]
+    for seed in (4, 9, 21):
+        requests = timeline(seed)
+        Traced.reads = []
+        arm = replay(requests, grid=GRID, rule=RULE, limits=Limits(cap_gib=cap_gib, state=size, disk=True), costs=costs)
+        replayed, timed = Traced.reads, []
+
+        def store_for(reader, loaded, clock):
+            store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=tmp_path / f"disk{seed}")
+            timed.append(TimedStore(store, costs, clock))
+            return store
+
+        live, service, _ = live_reads(requests, store_for, monkeypatch, lambda driver: setattr(timed[0], "driver", driver))
+        try:
+            c = timed[0].store.counters
+            assert (arm.spills, arm.restores, arm.drops) == (c.spills, c.restores, c.drops)
+            seen[0] += c.restores
+            seen[1] += c.drops_cheaper_to_reread
+            assert live == replayed
+        finally:
+            service.stop()
+    assert min(seen) > 0  # sessions were restored, and some dropped as cheaper to read again
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["drop", "spill"])
+@pytest.mark.parametrize("seed", [4, 9, 21])
+def test_live_and_replayed_read_the_same_chunks_under_a_cap_that_forces_spills(tiny, monkeypatch, tmp_path, seed, disk):
+    """The same, with a resident cap that holds one read session: at every turn's end and after
+    every idle chunk, sessions past it leave memory, least recently used first; without a disk
+    they are dropped (read again from the start at their next turn; output that comes for one
+    meanwhile is not fed), with one they are spilled and restored when fed again. The replay
+    models the store from the sessions' state sizes: the same sessions leave at the same
+    settles, and every read is the same. (Spills and restores take no time on this clock; the
+    store's choice to drop a session cheaper to read again is off, its restore rate unknown.)"""
+    requests = timeline(seed)
+    monkeypatch.setattr(shadow.offline.replay, "ReadScheduler", Traced)
+    monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
+    size = StateSize.of(tiny.model.config, 4)
+    cap_gib = (size.resident(8192, 0) + 20 * size.checkpoint) / 2**30  # one read session and a few unread
+    Traced.reads = []
+    limits = Limits(cap_gib=cap_gib, state=size, disk=disk)
+    arm = replay(requests, grid=GRID, rule=RULE, limits=limits,
+                 costs=CostTable(ChunkTable.flat(CHUNK_S * 1e6 / GRID, GRID), restore_gib_s=math.inf,
+                                 spill_gib_s=math.inf))
+    replayed = Traced.reads
+    stores = []
+
+    def store_for(reader, loaded, clock):
+        store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=tmp_path / "disk" if disk else None)
+        store.restore_rate.observe = lambda nbytes, seconds: None
+        stores.append(store)
+        return store
+
+    live, service, _ = live_reads(requests, store_for, monkeypatch)
+    try:
+        c = stores[0].counters
+        assert (arm.spills, arm.restores, arm.drops) == (c.spills, c.restores, c.drops)
+        assert (c.spills if disk else c.drops) > 3 and (c.restores > 0) == disk  # the cap bit
+        assert live == replayed
+        counters = service.status()["counters"]
+        assert (counters["chunks_idle"], counters["chunks_share"]) == (arm.chunks_idle, arm.chunks_share)
+        for name in "abc":
+            if stores[0].holds(name):
+                assert_exact(service, name)
     finally:
         service.stop()
 

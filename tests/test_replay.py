@@ -41,10 +41,10 @@ def test_a_short_gap_leaves_no_idle_window():
 
 def test_share_budget_counts_from_the_first_token():
     """20 % of the 0.5 s decode earns 0.1 s: one chunk (51.2 ms) at 0.766 s; the second would
-    be due at 1.022 s, after the decode ended at 1.01 s."""
+    be due at 1.022 s, after the decode ended at 1.01 s. (The second turn's decode reads one more.)"""
     arm = replay(two_turns(1.05), MS_100, rule=BandwidthRule(share=0.2))
-    assert [t.behind for t in arm.turns] == [1124 - 512] and arm.chunks_share == 1
-    assert arm.share_s == pytest.approx(0.0512)
+    assert [t.behind for t in arm.turns] == [1124 - 512] and arm.chunks_share == 2
+    assert arm.share_s == pytest.approx(2 * 0.0512)
     at_2pct = replay(two_turns(1.05), MS_100, rule=BandwidthRule(share=0.02))
     assert [t.behind for t in at_2pct.turns] == [1124]  # one chunk needs 2.56 s of decode
 
@@ -60,11 +60,13 @@ def test_idle_bursts_stop_after_two_seconds_and_resume_at_the_next_poll():
 
 
 def test_a_rollback_under_a_chunk_in_flight_wastes_it():
-    """The idle chunk 1,024..1,536 is in flight at 2.1 s when a prompt sharing 1,100 ids comes."""
+    """The idle chunk 1,024..1,536 is in flight at 2.1 s when a prompt sharing 1,100 ids comes: it
+    does not count at the turn start; the prompt is fed once it is read, and rolls the session back
+    to its newest checkpoint at or below 1,100 (none: the start), so all three chunks are wasted."""
     first = Request("s", 0.0, 0.5, 1.0, 4096, 4096, 0)
     second = Request("s", 2.1, 2.2, 3.0, 4200, 4200 - 1100, 10)
     arm = replay([first, second], 0.5e6 / 512, use_share=False)  # chunks at 1.0, 1.5, 2.0 (in flight)
-    assert arm.turns[0].behind == 4096 - 1024 and arm.rollbacks == 1 and arm.chunks_wasted == 1
+    assert arm.turns[0].behind == 4096 - 1024 and arm.rollbacks == 1 and arm.chunks_wasted == 3
 
 
 def test_a_prompt_sharing_less_than_was_read_rolls_back():
@@ -348,7 +350,7 @@ def test_the_command_replays_a_packed_fleet_solves_the_share_and_checks(tmp_path
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--route", "random"], "--route one of affinity, hash, round-robin"),
+    (["--route", "random"], "--route one of affinity, hash, rendezvous, round-robin"),
     (["--engines", "0"], "--engines is at least 1"),
     (["--priorities", "fastest"], "priorities are 'all', 'none'"),
     (["--pack", "0"], "--pack needs a positive number"),

@@ -83,6 +83,7 @@ from dataclasses import dataclass, fields
 from shadow.core.turns import Turn, TurnTable
 
 EPS = 1e-9
+WARM_DEPTHS = (0, 8192, 32768)  # context depths whose chunk cost a live reader measures at load
 
 
 @dataclass(frozen=True)

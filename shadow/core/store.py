@@ -36,6 +36,7 @@ from shadow.errors import ShadowInputError
 from shadow.model.runtime import arithmetic
 from shadow.core import blockio
 from shadow.core.reader import Reader, Session
+from shadow.core.residency import GIB, RestoreRate, Settle, leave_how
 from shadow.core.sessionfile import (
     MARKER, MAX_HEADER, SUFFIX, Header, Identity, SessionFileError, file_bytes, read_fields, read_session,
     session_file_name, write_session,
@@ -43,7 +44,6 @@ from shadow.core.sessionfile import (
 from shadow.core.sessionformat import key_bytes
 
 log = logging.getLogger("shadow.core.store")
-GIB = 1 << 30
 REJECTED = ".rejected"
 OWN_FILE = re.compile(r"[0-9a-f]{32}" + re.escape(SUFFIX) + f"(?:{re.escape(REJECTED)})?")
 OWN_TMP = re.compile(r"\.[0-9a-f]{32}" + re.escape(SUFFIX) + r"\.(\d+)(?:\.[0-9a-f]+)?\.tmp")
@@ -92,33 +92,6 @@ class StoreCounters:
     @property
     def spill_gib_per_s(self) -> float | None:
         return self.bytes_written / GIB / self.spill_seconds if self.spill_seconds else None
-
-
-class RestoreRate:
-    """The store's restore speed, bytes per second: sums of bytes and seconds of its restores
-    (each restore weighs by its size), older ones decayed by `decay` at each new one, so the rate
-    follows the machine; `warm` sets it outright (a measurement). None until it has one."""
-
-    def __init__(self, decay: float = 0.7):
-        self.decay = decay
-        self._bytes = self._seconds = 0.0
-
-    def observe(self, nbytes: int, seconds: float) -> None:
-        if seconds > 0 and nbytes > 0:
-            self._bytes = self._bytes * self.decay + nbytes
-            self._seconds = self._seconds * self.decay + seconds
-
-    def warm(self, gib_per_s: float) -> None:
-        if gib_per_s > 0:
-            self._bytes, self._seconds = gib_per_s * GIB, 1.0
-
-    @property
-    def gib_per_s(self) -> float | None:
-        return self._bytes / GIB / self._seconds if self._seconds else None
-
-    def seconds(self, nbytes: int) -> float | None:
-        """The estimated seconds to restore a file of `nbytes`."""
-        return nbytes * self._seconds / self._bytes if self._bytes else None
 
 
 def reread_estimate(chunk_s: Callable[[int], float | None], grid: int) -> Callable[[int], float | None]:
@@ -214,6 +187,18 @@ class SessionStore:
         """The session if it is resident, without touching its last use or restoring it."""
         return self._resident.get(name)
 
+    def holds(self, name: str) -> bool:
+        """Whether the store keeps `name`: resident, or a file of it on disk (a session dropped
+        without a disk is gone; `get` would start it over, empty)."""
+        if name in self._resident:
+            return True
+        if not self.disk:
+            return False
+        try:
+            return stat.S_ISREG(self.path_of(name).lstat().st_mode)
+        except OSError:
+            return False
+
     def names(self) -> list[str]:
         """Every session: resident, or on disk in a valid header."""
         on_disk = {h.name for _, h, _ in self._headers()}
@@ -226,17 +211,13 @@ class SessionStore:
         the settle."""
         if self.cap is None:
             return
-        total = self.resident_bytes()
         now = self.clock()
-        for name in list(self._resident):
-            if total <= self.cap:
-                break
-            if name == keep or now < self._retry_at.get(name, now):
-                continue
-            size = session_bytes(self._resident[name])
+        waiting = {n for n, t in self._retry_at.items() if now < t}
+        plan = Settle([(n, session_bytes(s)) for n, s in self._resident.items()], self.cap, keep, waiting)
+        for name, size in plan:
             error = self._evict(name)
             if error is None:
-                total -= size
+                plan.left(size)
             elif error in DISK_FULL:
                 break
 
@@ -266,18 +247,12 @@ class SessionStore:
         self.reread_s = reread_estimate(chunk_s, grid)
 
     def choice(self, session: Session) -> tuple[str, str]:
-        """("spill" or "drop", why) for a session leaving memory with a disk: dropped when its
-        restore (its file's bytes at the measured restore rate) would take longer than reading its
-        committed tokens again (`reread_s`); spilled otherwise, and whenever a cost is unknown."""
+        """("spill" or "drop", why) for a session leaving memory with a disk (`residency.leave_how`):
+        dropped when its restore (its file's bytes at the measured restore rate) would take longer
+        than reading its committed tokens again (`reread_s`); spilled otherwise, and whenever a
+        cost is unknown."""
         reread = self.reread_s(session.committed) if self.reread_s is not None else None
-        restore = self.restore_rate.seconds(file_bytes(session))
-        if reread is None or restore is None:
-            missing = " or ".join(w for w, v in (("re-read", reread), ("restore", restore)) if v is None)
-            return "spill", f"spilled (no {missing} estimate)"
-        costs = f"restore ~{restore:.3f} s, re-read of {session.committed} tokens ~{reread:.3f} s"
-        if restore > reread:
-            return "drop", f"dropped: cheaper to re-read ({costs})"
-        return "spill", f"spilled: cheaper to restore ({costs})"
+        return leave_how(self.restore_rate.seconds(file_bytes(session)), reread, session.committed)
 
     def _evict(self, name: str) -> int | None:
         """Spill or drop `name`; None when it left memory, else the failed write's errno (0 if none)."""

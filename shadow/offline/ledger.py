@@ -48,14 +48,16 @@ class Arrival:
     output_tokens: int
 
 
-ROUTES = ("affinity", "hash", "round-robin")
+ROUTES = ("affinity", "hash", "rendezvous", "round-robin")
 
 
 class Router:
     """Which of `engines` engines serves a request. 'affinity': a session's first request goes to
     the engine with the fewest requests in flight (ties to the lowest index) and the session stays
-    there; 'hash': crc32 of the session's name modulo the engines (stays too); 'round-robin':
-    request after request in arrival order, whatever the session."""
+    there; 'hash': crc32 of the session's name modulo the engines (stays too); 'rendezvous': the
+    engine whose crc32 of (session, engine) is highest (stays; one more engine takes sessions from
+    every other and moves no other session); 'round-robin': request after request in arrival
+    order, whatever the session."""
 
     def __init__(self, engines: int = 1, how: str = "affinity"):
         if engines < 1:
@@ -75,6 +77,8 @@ class Router:
             return (self._next - 1) % self.engines
         if self.how == "hash":
             return zlib.crc32(session.encode()) % self.engines
+        if self.how == "rendezvous":
+            return max(range(self.engines), key=lambda e: (zlib.crc32(f"{session}\0{e}".encode()), -e))
         if session not in self._home:
             self._home[session] = min(range(self.engines), key=lambda e: (in_flight[e], e))
         return self._home[session]

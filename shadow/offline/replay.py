@@ -1,56 +1,65 @@
-"""Replay request timelines through the read scheduler: how far behind the shadow is at turn starts.
+"""Replay request timelines through the read scheduler: what an operator would have seen of the
+shadow, engine by engine.
 
 Each engine of a fleet gets its own `ReadScheduler` (its own idle time, share and shadow), driven
-here exactly as the live service drives one: told of turns, first tokens, ends and ids as they
-come, asked `next_read` (between decode rounds while the engine decodes), told `read_done`. The big
-model's timeline is the ledger's (the reader's slices, at most the share, do not move it). A chunk
-costs `grid * read_ms_per_1k / 1e6` s; the scheduler's estimate is warmed with that cost. Inside
-a decode stretch, the next share slice comes one decode round after the last one ended (a round:
-the decoding requests' shortest time per output token), so slices are separate and capped.
-
-At each turn start of a session that had earlier turns (on any engine), "behind" is the session's
-ids known before the turn (the previous request's prompt and the output it had produced) not yet
-read by the shadow of the turn's engine; fresh = less than one chunk. A chunk still being read at a
-turn start does not count. A prompt that shares less than was read (a re-rendered answer) rolls the
-session back to the last grid line of the shared prefix (a chunk in flight past it is wasted).
+as the live service drives one (`engine_replay.EngineReplay`), with the live service's limits
+where `limits` asks for them (`limits.Limits`: when ids reach the shadow, the resident cap and
+store, the voice, labels, asks) and the device's costs from a cost table (`costs.CostTable`: a
+chunk by its depth, restores and spills by their bytes). The big model's timeline is the
+ledger's. Measured: at each turn start of a session with earlier turns, how many of the ids its
+engine held the shadow had not read (`behind`; fresh = less than one chunk) and how long an ask
+would wait; the same at random times (`samples`); each turn's time until its prompt was read; the
+store's spills, restores and drops.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from shadow.core.schedule import BandwidthRule, ChunkCosts, Priorities, ReadScheduler
+from shadow.offline.costs import ChunkTable, CostTable
+from shadow.offline.engine_replay import EngineReplay, Probe, Tally, ToFresh, TurnStart
 from shadow.offline.ledger import Request, route_requests
-from shadow.core.schedule import BandwidthRule, ChunkCosts, Priorities, Read, ReadScheduler
+from shadow.offline.limits import Limits
+from shadow.offline.timelines import Density, density, known_before, pack, readable, time_readable
 
-
-@dataclass(frozen=True)
-class TurnStart:
-    session: str
-    start: float
-    behind: int
-    fresh: bool
-    engine: int = 0
+__all__ = ["Arm", "Density", "Probe", "ToFresh", "TurnStart", "density", "known_before", "monotone_checks", "pack",
+           "readable", "replay", "solve_share", "time_readable"]
 
 
 @dataclass
 class Arm:
-    """One replay: its parameters and every measured turn start."""
+    """One replay: its parameters, every measured turn start, probe and turn's time to fresh, and
+    what the shadows did (summed over engines)."""
 
     name: str
     share: float
-    read_ms_per_1k: float
+    read_ms_per_1k: float | None  # a flat cost; None for a table by depth (`cost`)
     engines: int = 1
     route: str = "affinity"
     priorities: str = "all"
+    cost: str = ""
     turns: list[TurnStart] = field(default_factory=list)
+    probes: list[Probe] = field(default_factory=list)
+    to_fresh: list[ToFresh] = field(default_factory=list)
+    asks: list[tuple[float, float]] = field(default_factory=list)
     chunks_idle: int = 0
     chunks_share: int = 0
-    chunks_wasted: int = 0  # read past a rollback's line while the rollback came
+    chunks_ask: int = 0
+    chunks_wasted: int = 0  # chunks read and then rolled back (ids read again, in chunks)
     rollbacks: int = 0
     share_s: float = 0.0  # seconds read inside decode stretches
     longest_slice_s: float = 0.0
+    voice_s: float = 0.0
+    spills: int = 0
+    restores: int = 0
+    drops: int = 0
+    restore_s: float = 0.0
+    spill_s: float = 0.0
 
     @property
     def fresh(self) -> int:
@@ -67,195 +76,69 @@ class Arm:
         values = sorted(t.behind for t in self.turns)
         return values[min(len(values) - 1, max(0, math.ceil(q / 100 * len(values)) - 1))]
 
-
-def readable(r: Request, t: float) -> int:
-    """Ids of a request's session known at t: its prompt from its start, its output as decoded."""
-    if t >= r.end:
-        return r.prompt_tokens + r.output_tokens
-    if t < r.first_token or r.end <= r.first_token:
-        return r.prompt_tokens
-    return r.prompt_tokens + int(r.output_tokens * (t - r.first_token) / (r.end - r.first_token))
-
-
-def time_readable(r: Request, tokens: int) -> float:
-    """When request r makes `tokens` ids of its session known (inf: never)."""
-    if tokens > r.prompt_tokens + r.output_tokens:
-        return math.inf
-    if tokens <= r.prompt_tokens:
-        return r.start
-    t = r.first_token + (tokens - r.prompt_tokens) / r.output_tokens * (r.end - r.first_token)
-    while readable(r, t) < tokens:  # int() above rounds down: step past the float edge
-        t = math.nextafter(t, math.inf)
-    return t
-
-
-def known_before(requests: Sequence[Request]) -> list[int | None]:
-    """For each request (same order): its session's ids known at its start from the session's
-    previous request (prompt and output so far), None for a session's first request."""
-    out: list[int | None] = [None] * len(requests)
-    last: dict[str, Request] = {}
-    for i in sorted(range(len(requests)), key=lambda i: requests[i].start):
-        r = requests[i]
-        p = last.get(r.session)
-        if p is not None:
-            out[i] = readable(p, r.start)
-        last[r.session] = r
-    return out
-
-
-_START, _FIRST, _END = 0, 1, 2
-
-
-class _EngineReplay:
-    """One engine and its shadow, over that engine's requests."""
-
-    def __init__(self, requests: list[tuple[int, Request]], before: Sequence[int | None], arm: Arm,
-                 sched: ReadScheduler, chunk_s: float, use_share: bool):
-        self.arm, self.sched, self.chunk_s, self.use_share = arm, sched, chunk_s, use_share
-        self.grid = sched.grid
-        self.before = before
-        self.events = sorted(
-            [(r.start, _START, i, r) for i, r in requests] + [(r.first_token, _FIRST, i, r) for i, r in requests]
-            + [(r.end, _END, i, r) for i, r in requests], key=lambda e: (e[0], e[1], e[2]))
-        self.next_event = 0
-        self.last_start = max((n for n, e in enumerate(self.events) if e[1] == _START), default=-1)
-        self.committed: dict[str, int] = {}
-        self.current: dict[str, Request] = {}  # session -> its latest request on this engine
-        self.decoding: dict[int, Request] = {}
-        self.next_round = -math.inf
-        self.inflight: tuple[str, int] | None = None  # (session, the row the chunk being read ends at)
-
-    def _push(self, session: str, t: float) -> None:
-        r = self.current[session]
-        self.sched.update(session, self.committed[session], readable(r, t), t)
-
-    def _handle(self, t: float, kind: int, i: int, r: Request) -> None:
-        s = r.session
-        if kind == _START:
-            committed = self.committed.setdefault(s, 0)
-            if self.before[i] is not None:
-                behind = max(0, self.before[i] - committed)
-                self.arm.turns.append(TurnStart(s, r.start, behind, behind < self.grid, self.engine))
-            shared = r.prompt_tokens - r.new_prompt_tokens
-            reach = self.inflight[1] if self.inflight is not None and self.inflight[0] == s else committed
-            if max(committed, reach) > shared:  # the ids read (or being read) past `shared` changed
-                self.committed[s] = min(committed, shared // self.grid * self.grid)
-                self.arm.rollbacks += 1
-                if reach > shared and self.inflight is not None and self.inflight[0] == s:
-                    self.inflight = None  # the chunk in flight is wasted
-            self.current[s] = r
-            self.sched.turn_started(i, s, t)
-            self._push(s, t)
-        elif kind == _FIRST:
-            self.sched.first_token(i, t)
-            if r.end > r.first_token:
-                self.decoding[i] = r
-        else:
-            self.sched.turn_ended(i, t)
-            self.decoding.pop(i, None)
-            if self.current.get(s) is r:
-                self._push(s, t)
-
-    def _events_before(self, t: float, inclusive: bool) -> None:
-        ev = self.events
-        while self.next_event < len(ev) and (ev[self.next_event][0] <= t if inclusive else ev[self.next_event][0] < t):
-            self._handle(*ev[self.next_event])
-            self.next_event += 1
-
-    def _round_s(self) -> float:
-        return min(((r.end - r.first_token) / r.output_tokens for r in self.decoding.values() if r.output_tokens),
-                   default=0.0)
-
-    def _read(self, read: Read, t: float) -> float:
-        s = read.session
-        start = t
-        done = 0
-        for _ in range(read.chunks):
-            depth = read.depth + done * self.grid
-            end = t + self.chunk_s
-            self.inflight = (s, depth + self.grid)
-            self._events_before(end, inclusive=False)  # what happens while the chunk runs
-            t = end
-            if self.inflight is None or self.committed[s] != depth:  # rolled back under it: wasted
-                self.inflight = None
-                self.arm.chunks_wasted += 1
-                break
-            self.inflight = None
-            self.committed[s] = depth + self.grid
-            done += 1
-        if read.window == "share":
-            self.arm.chunks_share += done
-            self.arm.share_s += t - start
-            self.arm.longest_slice_s = max(self.arm.longest_slice_s, t - start)
-        else:
-            self.arm.chunks_idle += done
-        self.sched.read_done(read, done, t - start, t)
-        self._push(s, t)
-        return t
-
-    def run(self, engine: int) -> None:
-        self.engine = engine
-        t = 0.0
-        sched = self.sched
-        while True:
-            self._events_before(t, inclusive=True)
-            if self.next_event > self.last_start:  # every turn start measured: what follows counts for none
-                return
-            for r in self.decoding.values():  # output decoded so far is known
-                if self.current.get(r.session) is r:
-                    self._push(r.session, t)
-            between = self.use_share and bool(self.decoding) and t >= self.next_round
-            decision = sched.next_read(t, between_rounds=between)
-            if isinstance(decision, Read):
-                t = self._read(decision, t)
-                if decision.window == "share":
-                    self.next_round = t + self._round_s()
-                continue
-            wake = [decision.until]
-            if self.next_event < len(self.events):
-                wake.append(self.events[self.next_event][0])
-            if self.use_share and self.decoding and self.next_round > t:
-                wake.append(self.next_round)
-            for r in self.decoding.values():  # the next whole chunk of a decoding session's output
-                if self.current.get(r.session) is r:
-                    known = readable(r, t)
-                    wake.append(time_readable(r, (known // self.grid + 1) * self.grid))
-            nxt = min(wake)
-            if nxt == math.inf:
-                return
-            t = max(nxt, math.nextafter(t, math.inf))
+    def add(self, tally: Tally, grid: int, store) -> None:
+        self.chunks_idle += tally.chunks_idle
+        self.chunks_share += tally.chunks_share
+        self.chunks_ask += tally.chunks_ask
+        self.chunks_wasted += tally.ids_reread // grid
+        self.rollbacks += tally.rollbacks
+        self.share_s += tally.share_s
+        self.longest_slice_s = max(self.longest_slice_s, tally.longest_slice_s)
+        self.voice_s += tally.voice_s
+        self.asks += tally.asks
+        c = store.counts
+        self.spills, self.restores, self.drops = self.spills + c.spills, self.restores + c.restores, self.drops + c.drops
+        self.restore_s, self.spill_s = self.restore_s + c.restore_s, self.spill_s + c.spill_s
 
 
 def replay(
-    requests: Sequence[Request], read_ms_per_1k: float, grid: int = 512,
+    requests: Sequence[Request], read_ms_per_1k: float | None = None, grid: int = 512,
     rule: BandwidthRule = BandwidthRule(), use_share: bool = True, name: str | None = None,
     progress: Callable[[int, int], None] | None = None, engines: int = 1, route: str = "affinity",
-    engine_of: Sequence[int] | None = None, priorities: Priorities = Priorities(),
+    engine_of: Sequence[int] | None = None, priorities: Priorities = Priorities(), *,
+    costs: CostTable | None = None, limits: Limits = Limits(), samples: int = 0, seed: int = 0,
 ) -> Arm:
     """Replay `requests` on a fleet of `engines` engines, each with its own shadow and scheduler.
-    `engine_of` (aligned with `requests`) fixes each request's engine, as `ServiceModel.serve_fleet`
-    chose it; otherwise `route_requests` routes them by `route`."""
-    chunk_s = grid * read_ms_per_1k / 1e6
+    The device's costs: `costs`, or one chunk cost of `read_ms_per_1k` at every depth. `engine_of`
+    (aligned with `requests`) fixes each request's engine, as `ServiceModel.serve_fleet` chose it;
+    otherwise `route_requests` routes them by `route`. `samples`: random times (seeded by `seed`)
+    at which every active session is looked at."""
+    if costs is None:
+        if read_ms_per_1k is None:
+            raise ValueError("a replay needs a cost table or a read rate")
+        costs = CostTable(ChunkTable.flat(read_ms_per_1k, grid))
     share = rule.share if use_share else 0.0
     arm = Arm(name or ("idle + share" if use_share else "idle only"), share, read_ms_per_1k, engines, route,
-              priorities.label)
+              priorities.label, costs.chunk.label)
     requests = list(requests)
     if engine_of is None:
         engine_of = route_requests(requests, engines, route)
     if len(engine_of) != len(requests) or (requests and not 0 <= min(engine_of) <= max(engine_of) < engines):
         raise ValueError("engine_of must give an engine in range for every request")
     before = known_before(requests)
+    ranked = sorted(range(len(requests)), key=lambda i: (requests[i].start, i))
+    order = [0] * len(requests)
+    for rank, i in enumerate(ranked):
+        order[i] = rank
+    next_start = _next_starts(requests, ranked)
+    probes = _placed(requests, engine_of, engines, _sample_times(requests, samples, seed))
+    asks = _placed(requests, engine_of, engines, _ask_times(requests, limits, seed), per_session=True)
     by_engine: list[list[tuple[int, Request]]] = [[] for _ in range(engines)]
     for i, (r, e) in enumerate(zip(requests, engine_of)):
         by_engine[e].append((i, r))
     for e, reqs in enumerate(by_engine):
-        costs = ChunkCosts()
-        costs.warm(0, chunk_s)
-        sched = ReadScheduler(rule if use_share else _no_share(rule), grid, costs, priorities)
-        _EngineReplay(reqs, before, arm, sched, chunk_s, use_share).run(e)
+        sched = ReadScheduler(rule if use_share else _no_share(rule), grid, ChunkCosts(), priorities)
+        one = EngineReplay(e, reqs, order, before, next_start, sched, costs, limits, use_share, probes[e], asks[e])
+        one.run()
+        arm.turns += one.starts
+        arm.probes += one.probes
+        arm.to_fresh += one.to_fresh
+        arm.add(one.tally, grid, one.store)
         if progress:
             progress(e + 1, engines)
     arm.turns.sort(key=lambda t: (t.start, t.session))
+    arm.probes.sort(key=lambda p: (p.time, p.session))
+    arm.to_fresh.sort(key=lambda f: (f.start, f.session))
     return arm
 
 
@@ -263,76 +146,72 @@ def _no_share(rule: BandwidthRule) -> BandwidthRule:
     return BandwidthRule(rule.poll_s, rule.burst_s, 0.0, rule.slice_s)
 
 
-# timelines ---------------------------------------------------------------------------------------
+def _next_starts(requests: Sequence[Request], ranked: Sequence[int]) -> list[float]:
+    out, later = [math.inf] * len(requests), {}
+    for i in reversed(ranked):
+        out[i] = later.get(requests[i].session, math.inf)
+        later[requests[i].session] = requests[i].start
+    return out
 
 
-@dataclass(frozen=True)
-class Density:
-    """How loaded a timeline is: sessions active at once (a session is active from its first
-    request's start to its last request's end) and new tokens (new prompt and output) per second,
-    both per engine, over the span from the first start to the last end."""
-
-    span_s: float
-    active: float
-    new_tok_s: float
+def _sample_times(requests: Sequence[Request], samples: int, seed: int) -> list[tuple[float, None]]:
+    """`samples` times drawn evenly at random between the first start and the last end."""
+    if not samples or not requests:
+        return []
+    rng = random.Random(seed)
+    t0, t1 = min(r.start for r in requests), max(r.end for r in requests)
+    return [(rng.uniform(t0, t1), None) for _ in range(samples)]
 
 
-def density(requests: Sequence[Request], engines: int = 1) -> Density:
-    if not requests:
-        return Density(0.0, 0.0, 0.0)
+def _ask_times(requests: Sequence[Request], limits: Limits, seed: int) -> list[tuple[float, str]]:
+    """Asks at `limits.asks_per_hour` per session while it is active (Poisson arrivals)."""
+    if limits.asks_per_hour <= 0:
+        return []
+    rng = random.Random(seed + 1)
+    out = []
+    for s, (a, b) in sorted(_spans(requests).items()):
+        t = a + rng.expovariate(limits.asks_per_hour / 3600)
+        while t <= b:
+            out.append((t, s))
+            t += rng.expovariate(limits.asks_per_hour / 3600)
+    return out
+
+
+def _spans(requests: Sequence[Request]) -> dict[str, tuple[float, float]]:
     spans: dict[str, list[float]] = {}
     for r in requests:
         a = spans.setdefault(r.session, [r.start, r.end])
         a[0], a[1] = min(a[0], r.start), max(a[1], r.end)
-    span = max(r.end for r in requests) - min(r.start for r in requests)
-    if span <= 0:
-        return Density(0.0, 0.0, 0.0)
-    busy = sum(b - a for a, b in spans.values())
-    tokens = sum(r.new_prompt_tokens + r.output_tokens for r in requests)
-    return Density(span, busy / span / engines, tokens / span / engines)
+    return {s: (a, b) for s, (a, b) in spans.items()}
 
 
-def pack(requests: Sequence[Request], active: float) -> list[Request]:
-    """Shift sessions in time (each keeps its own timeline) so that `active` are active at once on
-    average (`density`, one engine). Session i (in order of first start) begins at
-    (M - d_i) * (i + 0.5) / n, its duration d_i, the makespan M chosen by bisection. Where shifting
-    alone cannot reach the target (the longest session would outlast M), the whole set is repeated
-    as copies named 'name~2', 'name~3', ... (the fewest that can)."""
-    if active <= 0:
-        raise ValueError("pack needs a positive number of active sessions")
-    by: dict[str, list[Request]] = {}
-    for r in sorted(requests, key=lambda r: r.start):
-        by.setdefault(r.session, []).append(r)
-    if not by:
-        return []
-    first = {s: rs[0].start for s, rs in by.items()}
-    dur = {s: max(r.end for r in rs) - first[s] for s, rs in by.items()}
-    total, longest = sum(dur.values()), max(dur.values())
-    if total <= 0:
-        raise ValueError("sessions of zero duration cannot be packed")
-    copies = max(1, math.ceil(active * longest / total * 1.05 - 1e-9))
-    order = [(s, c) for c in range(copies) for s in sorted(by, key=lambda s: (first[s], s))]
-    d = [dur[s] for s, _ in order]
-    n = len(order)
+def _placed(requests: Sequence[Request], engine_of: Sequence[int], engines: int,
+            times: list[tuple[float, str | None]], per_session: bool = False) -> list[list[tuple[float, str]]]:
+    """Each (time, session) on the engine of the session's latest request started by then; a time
+    without a session stands for every session active then."""
+    out: list[list[tuple[float, str]]] = [[] for _ in range(engines)]
+    if not times:
+        return out
+    starts: dict[str, list[tuple[float, int]]] = {}
+    for r, e in zip(requests, engine_of):
+        starts.setdefault(r.session, []).append((r.start, e))
+    for v in starts.values():
+        v.sort()
+    spans = _spans(requests)
 
-    def starts(m: float) -> list[float]:
-        return [max(0.0, (m - d[j]) * (j + 0.5) / n) for j in range(n)]
+    def engine(s: str, t: float) -> int:
+        v = starts[s]
+        k = bisect.bisect_right(v, (t, math.inf)) - 1
+        return v[max(0, k)][1]
 
-    def achieved(m: float) -> float:
-        st = starts(m)
-        return copies * total / (max(a + b for a, b in zip(st, d)) - min(st))
-
-    lo, hi = longest, copies * total / active * 4 + longest
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if achieved(mid) > active else (lo, mid)
-    st = starts(hi)
-    out = []
-    for (s, c), begin in zip(order, st):
-        name = s if c == 0 else f"{s}~{c + 1}"
-        shift = begin - first[s]
-        out += [Request(name, r.start + shift, r.first_token + shift, r.end + shift, r.prompt_tokens,
-                        r.new_prompt_tokens, r.output_tokens) for r in by[s]]
+    if per_session:
+        for t, s in times:
+            out[engine(s, t)].append((t, s))
+        return out
+    ordered = sorted(t for t, _ in times)
+    for s, (a, b) in spans.items():
+        for t in ordered[bisect.bisect_left(ordered, a):bisect.bisect_right(ordered, b)]:
+            out[engine(s, t)].append((t, s))
     return out
 
 
@@ -391,14 +270,15 @@ def monotone_checks(arms: Sequence[Arm], solved: Sequence[Solved] = ()) -> dict:
     groups: dict[tuple, list] = {}
     for a in arms:
         fleet = (a.priorities, a.engines, a.route)
-        groups.setdefault(("more share", *fleet, a.read_ms_per_1k), []).append((a.share, a))
-        groups.setdefault(("faster reads", *fleet, a.share), []).append((-a.read_ms_per_1k, a))
+        groups.setdefault(("more share", *fleet, a.read_ms_per_1k, a.cost), []).append((a.share, a))
+        if a.read_ms_per_1k is not None:  # (a table by depth is not faster or slower than a flat cost)
+            groups.setdefault(("faster reads", *fleet, a.share), []).append((-a.read_ms_per_1k, a))
     for key, members in groups.items():
         members.sort(key=lambda m: m[0])
         for (_, a), (_, b) in zip(members, members[1:]):
             if b.fresh < a.fresh:
-                failures.append(f"{key[0]} was less fresh: {b.name} at {b.read_ms_per_1k:g} ms/1k {b.fresh_pct:.2f} % "
-                                f"< {a.name} at {a.read_ms_per_1k:g} ms/1k {a.fresh_pct:.2f} % (priorities {a.priorities})")
+                failures.append(f"{key[0]} was less fresh: {b.name} at {b.cost} {b.fresh_pct:.2f} % "
+                                f"< {a.name} at {a.cost} {a.fresh_pct:.2f} % (priorities {a.priorities})")
     for r in solved:
         if not r.monotone:
             failures.append(f"solving for {r.target_pct:g} %: more share was less fresh among {r.tried}")

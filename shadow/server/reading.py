@@ -40,13 +40,11 @@ from contextlib import contextmanager
 import torch
 
 from shadow.core.reader import Reader, Session
-from shadow.core.schedule import Read, ReadScheduler, Wait
+from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait
 from shadow.server.host import ModelHost, Shadow
 from shadow.server.shared import Shared
 
 log = logging.getLogger("shadow.serve")
-
-WARM_DEPTHS = (0, 8192, 32768)  # context depths whose chunk cost is measured at load
 
 
 def _synchronize(reader: Reader) -> None:

@@ -229,15 +229,16 @@ class ShadowService:
 
     def add_output(self, turn: ServedTurn, ids: Sequence[int]) -> None:
         """On the device thread: append output ids, unless a newer turn of the session has fed its
-        prompt since (that prompt holds this answer already, re-rendered). O(len(ids)): the
-        scheduler is told only when the session's whole chunks change (its decisions are by
-        whole chunks)."""
+        prompt since (that prompt holds this answer already, re-rendered), or the session was
+        dropped past the cap without a disk (its ids are gone: the next prompt brings them all).
+        O(len(ids)): the scheduler is told only when the session's whole chunks change (its
+        decisions are by whole chunks)."""
         shadow = self.host.shadow
         if shadow is None or not self.shared.switch.shadow or not turn.prompt_fed:
             return
         with self.state_lock:
             name = turn.session
-            if self._latest.get(name) != turn.id:
+            if self._latest.get(name) != turn.id or not shadow.store.holds(name):
                 return
             session = shadow.store.peek(name) or self.reading.get(shadow, name)  # spilled meanwhile: restored
             before = len(session.ids) - session.committed

@@ -1,0 +1,138 @@
+"""What the ledger replay charges for the shadow's device work: a chunk by the depth of its first
+row, a restore and a spill by their bytes, an ask's forward, a voice phrase, and the proxy's own
+tokenisation of a prompt the engine does not show.
+
+The defaults are measurements, each named with the run it comes from (docs/BENCHMARKS.md,
+docs/STORE.md); a user replaces them with their own (`ChunkTable.from_read_rate` takes a
+`shadow read-rate --json` line).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, replace
+
+GIB = 1 << 30
+
+# One chunk of the 0.8B shape at grid 512 on the H200, fla-triton kernels (revision 2), ms by the
+# depth of its first row: `shadow read-rate --model qwen3.5-0.8b --device cuda --grid 512 --grid 256
+# --grid 1024 --grid 2048 --grid 4096 --contexts 0,16384,65536,100352 --repeats 7 --json`
+# (docs/results/read-rate-h200-r2.json, its grid-512 rows).
+H200_CHUNK_MS = ((0, 2.970570), (16384, 3.792175), (65536, 6.191487), (100352, 7.835424))
+H200_GRID = 512
+H200_RESTORE_GIB_S = 1.86  # format 3, O_DIRECT, a 0.79 GiB file (docs/results/store/restore-h200-format3.json)
+H200_SPILL_GIB_S = 1.34  # the same run's spills
+H200_ASK_MS = 8.0539  # one ask's forward at 41,802 ids, the read-rate run above (`ask_ms`)
+H200_PHRASE_MS = 66.56  # a voice phrase, median (docs/results/voice-replay-h200-qwen3.5-0.8b.txt)
+# The Qwen3.5 Jinja template rendered and tokenised (`ChatRenderer.prompt_ids`), median over 84
+# trajectory prompts on the project's 2-core CPU machine: `python3 experiments/tokenize_speed.py
+# --template ../shared/data/templates/qwen3.5.jinja --trajectories ../shared/data/trajectories/mini-swe-agent
+# --prompts 2 --repeats 3` (docs/results/cost/tokenize-speed-cpu.txt).
+CPU_TOKENIZE_MS_PER_1K = 2.621
+
+
+@dataclass(frozen=True)
+class ChunkTable:
+    """Seconds of one chunk by the depth of its first row: the measured depths, linear between two
+    of them, the nearest one's past either end. `label` names where it came from."""
+
+    depths: tuple[int, ...]
+    seconds: tuple[float, ...]
+    label: str
+
+    def __post_init__(self) -> None:
+        if not self.depths or len(self.depths) != len(self.seconds) or list(self.depths) != sorted(set(self.depths)):
+            raise ValueError("a chunk table needs rising depths, one cost each")
+        if any(not math.isfinite(s) or s <= 0 for s in self.seconds) or min(self.depths) < 0:
+            raise ValueError("a chunk table's costs are positive and its depths not negative")
+
+    @classmethod
+    def flat(cls, ms_per_1k: float, grid: int) -> ChunkTable:
+        """One cost at every depth: `ms_per_1k` ms per 1,000 tokens."""
+        return cls((0,), (grid * ms_per_1k / 1e6,), f"{ms_per_1k:g} ms/1k")
+
+    @classmethod
+    def h200(cls, grid: int = H200_GRID) -> ChunkTable:
+        """The built-in table (H200_CHUNK_MS), measured at grid 512; another grid scales it by its
+        chunk's rows (a rough guess: say so where it is used)."""
+        scale = grid / H200_GRID
+        return cls(tuple(d for d, _ in H200_CHUNK_MS), tuple(ms * scale / 1000 for _, ms in H200_CHUNK_MS),
+                   "H200 by depth" if grid == H200_GRID else f"H200 by depth, scaled to grid {grid}")
+
+    @classmethod
+    def from_read_rate(cls, doc: dict, grid: int, label: str) -> ChunkTable:
+        """A `shadow read-rate --json` document: its `rows` at `grid` of its own model and kernels
+        (each with `context` and `ms_per_chunk` or `ms_per_1k_tokens`), by depth; a document with
+        no rows, its one `ms_per_1k_tokens` at every depth. ValueError when neither is there."""
+        rows = doc.get("rows")
+        if not rows:
+            rate = float(doc["ms_per_1k_tokens"])
+            if not math.isfinite(rate) or rate <= 0:
+                raise ValueError(f"its ms_per_1k_tokens is not a positive number ({rate})")
+            return replace(cls.flat(rate, grid), label=f"{label} ({rate:g} ms/1k)")
+        if not isinstance(rows, list):
+            raise ValueError("its rows are not a list")
+        at: dict[int, float] = {}
+        for row in rows:
+            if not isinstance(row, dict) or row.get("grid", grid) != grid:
+                continue
+            if any(row.get(k, doc.get(k)) != doc.get(k) for k in ("model", "kernels")):
+                continue  # another model's or kernel set's rows of the same run
+            ms = row["ms_per_chunk"] if "ms_per_chunk" in row else float(row["ms_per_1k_tokens"]) * grid / 1000
+            at[int(row["context"])] = float(ms) / 1000
+        if not at:
+            raise ValueError(f"no rows at grid {grid}")
+        depths = tuple(sorted(at))
+        return cls(depths, tuple(at[d] for d in depths), label)
+
+    def __call__(self, depth: int) -> float:
+        i = bisect.bisect_right(self.depths, depth)
+        if i == 0:
+            return self.seconds[0]
+        if i == len(self.depths):
+            return self.seconds[-1]
+        lo, hi = self.depths[i - 1], self.depths[i]
+        return self.seconds[i - 1] + (self.seconds[i] - self.seconds[i - 1]) * (depth - lo) / (hi - lo)
+
+    def ms_per_1k(self, depth: int, grid: int) -> float:
+        return self(depth) * 1e6 / grid
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """The device's costs the replay charges: `chunk` by depth; restores and spills at `restore_gib_s`
+    and `spill_gib_s` of their file's bytes; an ask's forward `ask_s`; one voice phrase `phrase_s`;
+    the proxy's tokenisation of a prompt, `tokenize_s_per_1k` seconds per 1,000 ids. The defaults
+    are the H200's and this CPU's measurements above."""
+
+    chunk: ChunkTable
+    restore_gib_s: float = H200_RESTORE_GIB_S
+    spill_gib_s: float = H200_SPILL_GIB_S
+    ask_s: float = H200_ASK_MS / 1000
+    phrase_s: float = H200_PHRASE_MS / 1000
+    tokenize_s_per_1k: float = CPU_TOKENIZE_MS_PER_1K / 1000
+
+    def restore_s(self, nbytes: int) -> float:
+        return nbytes / GIB / self.restore_gib_s if math.isfinite(self.restore_gib_s) else 0.0
+
+    def spill_s(self, nbytes: int) -> float:
+        return nbytes / GIB / self.spill_gib_s if math.isfinite(self.spill_gib_s) else 0.0
+
+    def tokenize_s(self, tokens: int) -> float:
+        return tokens / 1000 * self.tokenize_s_per_1k
+
+
+class ReadTime:
+    """Seconds to read chunks k .. m of a session (chunk j's first row at depth j * grid), from a
+    chunk table: prefix sums, grown as deeper chunks are asked for (O(1) a question)."""
+
+    def __init__(self, chunk: ChunkTable, grid: int):
+        self.chunk, self.grid = chunk, grid
+        self._sum = [0.0]
+
+    def __call__(self, first: int, end: int) -> float:
+        """Seconds of chunks first .. end - 1."""
+        while len(self._sum) <= end:
+            self._sum.append(self._sum[-1] + self.chunk((len(self._sum) - 1) * self.grid))
+        return self._sum[end] - self._sum[first] if end > first else 0.0

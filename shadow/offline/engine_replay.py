@@ -1,0 +1,429 @@
+"""One engine and its shadow over that engine's requests: the read scheduler driven as the live
+service drives it, the device's work one job at a time, and what an operator would have seen.
+
+Events come at their times (a turn's start, first token and end, a prompt's ids reaching the
+proxy, a label's answer, an ask, a probe); those that fall inside device work happen inside it,
+and the device work they cause waits for it (`jobs`, first come first served): a prompt fed (a
+restore first, if its session is on disk), a turn's end (its held ids fed, then the scheduler
+told, then the cap settled: spills), an ask (its session read to its end, one forward, a
+settle). Between jobs the scheduler is asked what to read, until the timeline's last event: in the idle window one chunk at a
+time (each followed by a settle, as live), inside a decode stretch one share slice a decode round
+apart (then, with a voice share, a phrase where its budget holds one). The big model's timeline
+is the ledger's: the shadow's work never moves it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler
+from shadow.offline.costs import CostTable, ReadTime
+from shadow.offline.held import HeldSessions
+from shadow.offline.ledger import Request
+from shadow.offline.limits import Limits
+from shadow.offline.timelines import readable, time_readable
+
+START, FIRST, END, FEED, LABEL, ASK, PROBE = range(7)
+
+
+@dataclass(frozen=True)
+class TurnStart:
+    """A turn start of a session with earlier turns: `behind` (= its lag) the ids its engine held
+    before the turn (the previous request's prompt and output so far) not read by this shadow;
+    `wait_s` the reading an ask would wait for then (restore and chunks, from the cost table)."""
+
+    session: str
+    start: float
+    behind: int
+    fresh: bool
+    engine: int = 0
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A session looked at a random time: its lag (ids its engine holds now, not read) and the
+    reading an ask would wait for."""
+
+    time: float
+    session: str
+    lag: int
+    wait_s: float
+    engine: int = 0
+
+
+@dataclass(frozen=True)
+class ToFresh:
+    """A turn's time from its start until the shadow had read its prompt to the prompt's last grid
+    line; `censored`: not fresh before the session's next turn or the end (then `seconds` is the
+    time until that)."""
+
+    session: str
+    start: float
+    seconds: float
+    censored: bool
+    engine: int = 0
+
+
+@dataclass
+class Tally:
+    """What one engine's shadow did."""
+
+    chunks_idle: int = 0
+    chunks_share: int = 0
+    chunks_ask: int = 0
+    ids_reread: int = 0
+    rollbacks: int = 0
+    share_s: float = 0.0
+    longest_slice_s: float = 0.0
+    voice_s: float = 0.0
+    phrases: int = 0
+    asks: list[tuple[float, float]] = field(default_factory=list)  # (arrival, seconds until answered)
+
+
+class EngineReplay:
+    """One engine of the fleet. `requests`: (index, request) of this engine; `order[i]`: request i's
+    rank by start (the live service's turn ids); `before[i]`, `next_start[i]`: the session's ids known
+    at i's start from its previous request (None: its first), the start of its next request (inf).
+    `probes`: (time, session) to look at; `asks`: (time, session) of asks."""
+
+    def __init__(self, engine: int, requests: list[tuple[int, Request]], order: Sequence[int],
+                 before: Sequence[int | None], next_start: Sequence[float], sched: ReadScheduler, costs: CostTable,
+                 limits: Limits, use_share: bool, probes: Sequence[tuple[float, str]] = (),
+                 asks: Sequence[tuple[float, str]] = ()):
+        self.engine, self.sched, self.costs, self.limits, self.use_share = engine, sched, costs, limits, use_share
+        self.grid = g = sched.grid
+        self.order, self.before, self.next_start = order, before, next_start
+        self.read_time = ReadTime(costs.chunk, g)
+        for depth in WARM_DEPTHS:  # as live: measured at load
+            sched.costs.warm(depth, costs.chunk(depth))
+        self.store = HeldSessions(g, limits.state, limits.cap_bytes, limits.disk, costs,
+                                  self._reread_estimate)
+        self.req = dict(requests)
+        self.heap: list[tuple] = []
+        for i, r in requests:
+            self._at(r.start, START, i)
+            self._at(r.first_token, FIRST, i)
+            self._at(r.end, END, i)
+            if limits.prompt_at_first_event and limits.ids != "engine":
+                known = r.start + costs.tokenize_s(r.prompt_tokens)
+                self._at(max(r.first_token, known), FEED, i)
+        for t, s in probes:
+            self._at(t, PROBE, s)
+        for t, s in asks:
+            self._at(t, ASK, s)
+        self.jobs: deque[tuple] = deque()
+        self.decoding: dict[int, Request] = {}  # requests whose response is streaming
+        self.latest: dict[str, int] = {}  # session -> the rank of the newest turn that fed its prompt
+        self.current: dict[str, int] = {}  # session -> its newest request started here
+        self.fed_prompt: set[int] = set()
+        self.out_fed: dict[int, int] = {}  # request -> output ids fed
+        self.fed: dict[str, int] = {}  # session -> ids the shadow was told of (kept through a drop)
+        self.voice_used: dict[int, float] = {}
+        self.pending_fresh: dict[str, tuple[int, float]] = {}  # session -> (its turn, target line)
+        self.next_round = -math.inf
+        self.tally = Tally()
+        self.starts: list[TurnStart] = []
+        self.probes: list[Probe] = []
+        self.to_fresh: list[ToFresh] = []
+
+    def _at(self, t: float, kind: int, what) -> None:
+        heapq.heappush(self.heap, (t, kind, len(self.heap), what))
+
+    def _reread_estimate(self, committed: int) -> float | None:
+        total = 0.0
+        for depth in range(0, committed, self.grid):
+            est = self.sched.costs.estimate(depth)
+            if est is None:
+                return None
+            total += est
+        return total
+
+    # what the shadow holds ----------------------------------------------------------------
+
+    def _position(self, s: str) -> int:
+        """The session's read position here: resident, on disk, or 0 (gone, or never seen)."""
+        h = self.store.peek(s) or self.store.files.get(s)
+        return h.committed if h is not None else 0
+
+    def wait_s(self, s: str) -> float:
+        """Seconds of device work an ask about `s` would wait for now: a restore if it is on disk,
+        then the chunks from its read position to the grid line of the ids the shadow was told of."""
+        f = None if s in self.store.resident else self.store.files.get(s)
+        restore = self.costs.restore_s(self.store._file_bytes(f)) if f is not None else 0.0
+        line = self.fed.get(s, 0) // self.grid
+        return restore + self.read_time(self._position(s) // self.grid, line)
+
+    def _lag(self, s: str, t: float) -> int:
+        i = self.current.get(s)
+        return 0 if i is None else max(0, readable(self.req[i], t) - self._position(s))
+
+    def _tell(self, s: str, t: float) -> None:
+        h = self.store.peek(s)
+        if h is not None:
+            self.sched.update(s, h.committed, h.ids, t)
+        elif s in self.sched.sessions and self.sched.sessions[s].resident:
+            told = self.sched.sessions[s]
+            self.sched.update(s, told.committed, told.known, t, resident=False)
+        self._check_fresh(s, t)
+
+    def _check_fresh(self, s: str, t: float) -> None:
+        due = self.pending_fresh.get(s)
+        if due is None:
+            return
+        i, line = due
+        if i in self.fed_prompt and self._position(s) >= line and self.store.holds(s):
+            del self.pending_fresh[s]
+            self.to_fresh.append(ToFresh(s, self.req[i].start, t - self.req[i].start, False, self.engine))
+
+    def _censor(self, s: str, t: float) -> None:
+        due = self.pending_fresh.pop(s, None)
+        if due is not None:
+            r = self.req[due[0]]
+            self.to_fresh.append(ToFresh(s, r.start, t - r.start, True, self.engine))
+
+    # events -------------------------------------------------------------------------------
+
+    def _events(self, t: float, inclusive: bool, late: bool = False) -> None:
+        """Every event before t (or at it): at its own time, or with `late` at t (the service's
+        lock was held meanwhile: what the scheduler is told waits for it)."""
+        heap = self.heap
+        while heap and (heap[0][0] <= t if inclusive else heap[0][0] < t):
+            when, kind, _, what = heapq.heappop(heap)
+            self._handle(t if late else when, kind, what, when)
+
+    def _handle(self, t: float, kind: int, what, when: float) -> None:
+        if kind == PROBE:
+            self.probes.append(Probe(when, what, self._lag(what, when), self.wait_s(what), self.engine))
+            return
+        if kind == ASK:
+            self.jobs.append(("ask", what, t))
+            return
+        if kind == LABEL:
+            self.jobs.append(("end", what))
+            return
+        i, r = what, self.req[what]
+        s = r.session
+        if kind == START:
+            if self.before[i] is not None:
+                behind = max(0, self.before[i] - self._position(s))
+                self.starts.append(TurnStart(s, r.start, behind, behind < self.grid, self.engine, self.wait_s(s)))
+            self._censor(s, r.start)
+            self.current[s] = i
+            self.pending_fresh[s] = (i, r.prompt_tokens // self.grid * self.grid)
+            self.sched.turn_started(i, s, t)
+            if not self.limits.prompt_at_first_event:
+                self.jobs.append(("prompt", i))
+        elif kind == FIRST:
+            self.sched.first_token(i, t)
+            if r.end > r.first_token:
+                self.decoding[i] = r
+            if self.limits.ids == "engine":
+                self.jobs.append(("prompt", i))
+        elif kind == FEED:
+            self.jobs.append(("prompt", i))
+        else:
+            self.decoding.pop(i, None)
+            self.jobs.append(("finish", i))
+
+    # device work --------------------------------------------------------------------------
+
+    def _busy(self, t: float, seconds: float, locked: bool = False) -> float:
+        """The device works `seconds` from t; what happens meanwhile happens then, or, `locked`
+        (a restore or spill: the store is worked on under the service's lock), is told to the
+        scheduler at the end. Returns the end."""
+        end = t + seconds
+        self._events(end, inclusive=False, late=locked)
+        return end
+
+    def _job(self, job: tuple, t: float) -> float:
+        kind = job[0]
+        if kind == "prompt":
+            return self._feed_prompt(job[1], t)
+        if kind == "finish":
+            i = job[1]
+            t = self._feed_output(i, t, at_end=True)
+            if self.limits.proxy and self.limits.label_s > 0:
+                self._at(t + self.limits.label_s, LABEL, i)
+                return t
+            return self._end_turn(i, t)
+        if kind == "end":
+            return self._end_turn(job[1], t)
+        return self._ask(job[1], job[2], t)
+
+    def _get(self, s: str, t: float):
+        h, seconds = self.store.get(s)
+        if seconds:
+            t = self._busy(t, seconds, locked=True)
+        return h, t
+
+    def _feed_prompt(self, i: int, t: float) -> float:
+        r, s = self.req[i], self.req[i].session
+        if self.latest.get(s, -1) > self.order[i]:
+            return t  # a newer turn of the session fed its prompt first: this one came too late
+        self.latest[s] = self.order[i]
+        h, t = self._get(s, t)
+        before = h.committed
+        if self.store.feed_prompt(h, r.prompt_tokens, r.prompt_tokens - r.new_prompt_tokens):
+            self.tally.rollbacks += 1
+            self.tally.ids_reread += before - h.committed
+        self.fed_prompt.add(i)
+        self.out_fed[i] = 0
+        self.fed[s] = r.prompt_tokens
+        self._tell(s, t)
+        return t
+
+    def _output_seen(self, i: int, t: float, at_end: bool) -> int:
+        r = self.req[i]
+        if self.limits.ids == "none":
+            return 0
+        if at_end:
+            return r.output_tokens
+        if not self.limits.output_streamed:
+            return 0
+        return readable(r, t) - r.prompt_tokens
+
+    def _feed_output(self, i: int, t: float, at_end: bool = False) -> float:
+        """Output ids of request i the shadow sees by now, fed (its session restored if on disk; not
+        fed if its session was dropped without a disk: the next prompt brings them)."""
+        s = self.req[i].session
+        if i not in self.fed_prompt or self.latest.get(s) != self.order[i]:
+            return t
+        n = self._output_seen(i, t, at_end) - self.out_fed[i]
+        if n <= 0 or not self.store.holds(s):
+            return t
+        h = self.store.peek(s)  # resident: not touched (live peeks first)
+        if h is None:
+            h, t = self._get(s, t)
+        h.ids += n
+        self.out_fed[i] += n
+        self.fed[s] = self.fed.get(s, 0) + n
+        self._tell(s, t)
+        return t
+
+    def _end_turn(self, i: int, t: float) -> float:
+        self.sched.turn_ended(i, t)
+        if i in self.fed_prompt:
+            t = self._settle(self.req[i].session, t)
+        return t
+
+    def _settle(self, keep: str | None, t: float) -> float:
+        gone, seconds = self.store.settle(keep)
+        if seconds:
+            t = self._busy(t, seconds, locked=True)
+        for s in gone:
+            self._tell(s, t)
+        return t
+
+    def _chunks(self, read: Read, t: float) -> tuple[int, float]:
+        """Read `read.chunks` chunks of its session, one after another: (chunks read, end)."""
+        h = self.store.peek(read.session)
+        done = 0
+        for k in range(read.chunks):
+            if h is None or h.committed != read.depth + k * self.grid or h.committed + self.grid > h.ids:
+                break
+            t = self._busy(t, self.costs.chunk(h.committed))
+            self.store.advance(h)
+            done += 1
+        return done, t
+
+    def _read(self, read: Read, t: float) -> float:
+        start = t
+        done, t = self._chunks(read, t)
+        if read.window == "share":
+            self.tally.chunks_share += done
+            self.tally.share_s += t - start
+            self.tally.longest_slice_s = max(self.tally.longest_slice_s, t - start)
+        else:
+            self.tally.chunks_idle += done
+        self.sched.read_done(read, done, t - start, t)
+        self._tell(read.session, t)
+        if read.window == "idle":
+            t = self._settle(read.session, t)
+        return t
+
+    def _ask(self, s: str, arrived: float, t: float, timeout_s: float = 10.0) -> float:
+        """As `Asking.ask` on the device: the session first while it is read to its end (within the
+        ask's timeout), one forward of its tail and the question in a fork, then a settle."""
+        self.sched.question(s, t)
+        h, t = self._get(s, t)
+        self._tell(s, t)
+        while t - arrived < timeout_s and h.committed + self.grid <= h.ids:
+            read = Read(s, 1, "ask", h.committed, self.sched.costs.estimate(h.committed))
+            start = t
+            done, t = self._chunks(read, t)
+            self.tally.chunks_ask += done
+            self.sched.read_done(read, done, t - start, t)
+            self._tell(s, t)
+        self.store.fork(h, h.ids - h.committed + self.limits.ask_tokens)
+        t = self._busy(t, self.costs.ask_s)
+        self.sched.answered(s, t)
+        self.tally.asks.append((arrived, t - arrived))
+        return self._settle(s, t)
+
+    def _phrase(self, t: float) -> float:
+        """A voice phrase for the first decoding turn whose budget holds one."""
+        cost = self.costs.phrase_s
+        for i, r in self.decoding.items():
+            used = self.voice_used.get(i, 0.0)
+            if i in self.fed_prompt and self.limits.voice_share * max(0.0, t - r.first_token) - used >= cost:
+                self.voice_used[i] = used + cost
+                self.tally.voice_s += cost
+                self.tally.phrases += 1
+                return self._busy(t, cost)
+        return t
+
+    # the loop -----------------------------------------------------------------------------
+
+    def _round_s(self) -> float:
+        return min(((r.end - r.first_token) / r.output_tokens for r in self.decoding.values() if r.output_tokens),
+                   default=0.0)
+
+    def run(self) -> None:
+        t, sched = 0.0, self.sched
+        while True:
+            self._events(t, inclusive=True)
+            if self.jobs:
+                t = self._job(self.jobs.popleft(), t)
+                continue
+            if not self.heap:  # every event handled: what the shadow reads after the timeline counts for none
+                break
+            for i in list(self.decoding):  # the output streamed so far
+                t2 = self._feed_output(i, t)
+                if t2 != t:  # a restore took the device: look again
+                    t = t2
+                    break
+            else:
+                round_due = bool(self.decoding) and t >= self.next_round
+                between = self.use_share and round_due
+                decision = sched.next_read(t, between_rounds=between)
+                if isinstance(decision, Read):
+                    t = self._read(decision, t)
+                    if decision.window == "share":
+                        t = self._phrase(t) if self.limits.voice_share > 0 else t
+                        self.next_round = t + self._round_s()
+                    continue
+                if round_due and self.limits.voice_share > 0:  # no slice this round: the voice may speak
+                    t2 = self._phrase(t)
+                    if t2 != t:
+                        t, self.next_round = t2, t2 + self._round_s()
+                        continue
+                wake = [decision.until]
+                if self.heap:
+                    wake.append(self.heap[0][0])
+                if (self.use_share or self.limits.voice_share > 0) and self.decoding and self.next_round > t:
+                    wake.append(self.next_round)
+                if self.limits.output_streamed:
+                    for i, r in self.decoding.items():  # the next whole chunk of a decoding session's output
+                        if i in self.fed_prompt:
+                            wake.append(time_readable(r, (readable(r, t) // self.grid + 1) * self.grid))
+                nxt = min(wake)
+                if nxt == math.inf:
+                    break
+                t = max(nxt, math.nextafter(t, math.inf))
+        for s in list(self.pending_fresh):
+            self._censor(s, t)

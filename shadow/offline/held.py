@@ -1,0 +1,168 @@
+"""The shadow's sessions as the ledger replay models them, without tensors: the ids each holds, its
+read position, KV capacity, checkpoints and marks (the reader's rules, `core.reader.Reader`), and
+whether it is resident, on disk or gone (the store's rules, `core.store.SessionStore`, through
+`core.residency`): the same sessions leave memory at the same settles as live, and each restore,
+spill and drop costs what the cost table says."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shadow.core.reader import MAX_CHECKPOINTS
+from shadow.core.residency import RestoreRate, Settle, StateSize, leave_how
+from shadow.offline.costs import CostTable
+
+
+@dataclass
+class Held:
+    """One modelled session: ids held (`ids`), read position (`committed`, a grid multiple), KV rows
+    its buffers have room for, checkpoint positions (oldest first) and marks (grid lines where a
+    checkpoint is still wanted)."""
+
+    name: str
+    ids: int = 0
+    committed: int = 0
+    capacity: int = 0
+    checkpoints: list[int] = field(default_factory=list)
+    marks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StoreCounts:
+    spills: int = 0
+    restores: int = 0
+    drops: int = 0
+    restore_s: float = 0.0
+    spill_s: float = 0.0
+
+
+class HeldSessions:
+    """One shadow's sessions: resident ones in least-recently-used order under `cap` bytes (None: no
+    cap), with or without a `disk`. `reread_s(committed)`: the estimated seconds of reading a
+    session again (the scheduler's estimate), for the spill-or-drop choice; the restore rate is
+    known after the first restore, as live."""
+
+    def __init__(self, grid: int, size: StateSize | None, cap: int | None, disk: bool, costs: CostTable,
+                 reread_s: Callable[[int], float | None], max_checkpoints: int = MAX_CHECKPOINTS):
+        if cap is not None and size is None:
+            raise ValueError("a cap needs the sessions' state sizes")
+        self.grid, self.size, self.cap, self.disk, self.costs = grid, size, cap, disk, costs
+        self.reread_s, self.max_checkpoints = reread_s, max_checkpoints
+        self.resident: OrderedDict[str, Held] = OrderedDict()
+        self.files: dict[str, Held] = {}  # on disk: spilled, or dropped with its ids (committed 0)
+        self.restore_rate = RestoreRate()
+        self.counts = StoreCounts()
+
+    # the store --------------------------------------------------------------------------
+
+    def peek(self, name: str) -> Held | None:
+        return self.resident.get(name)
+
+    def holds(self, name: str) -> bool:
+        """Resident, or a file of it on disk (a session dropped without a disk is gone)."""
+        return name in self.resident or name in self.files
+
+    def get(self, name: str) -> tuple[Held, float]:
+        """(the session, resident and most recently used, seconds its restore took): as it was,
+        restored from disk, or new."""
+        h, seconds = self.resident.get(name), 0.0
+        if h is None:
+            f = self.files.pop(name, None)
+            if f is not None:
+                nbytes = self._file_bytes(f)
+                seconds = self.costs.restore_s(nbytes)
+                self.restore_rate.observe(nbytes, seconds)
+                self.counts.restores += 1
+                self.counts.restore_s += seconds
+                h = Held(name, f.ids, f.committed, self.size.capacity(f.committed) if self.size else 0,
+                         list(f.checkpoints), list(f.marks))
+            else:
+                h = Held(name)
+            self.resident[name] = h
+        self.resident.move_to_end(name)
+        return h, seconds
+
+    def settle(self, keep: str | None) -> tuple[list[str], float]:
+        """Spill or drop least recently used sessions until the rest fit the cap (`keep` stays):
+        (the sessions that left, seconds of the writes)."""
+        if self.cap is None:
+            return [], 0.0
+        plan = Settle([(n, self.bytes(h)) for n, h in self.resident.items()], self.cap, keep)
+        out, seconds = [], 0.0
+        for name, nbytes in plan:
+            seconds += self._evict(self.resident[name])
+            out.append(name)
+            plan.left(nbytes)
+        return out, seconds
+
+    def _evict(self, h: Held) -> float:
+        del self.resident[h.name]
+        if not self.disk:
+            self.counts.drops += 1
+            return 0.0
+        restore = self.restore_rate.seconds(self._file_bytes(h))
+        how, _ = leave_how(restore, self.reread_s(h.committed), h.committed)
+        kept = h if how == "spill" else Held(h.name, h.ids)  # a drop keeps its ids at committed 0
+        self.files[h.name] = kept
+        seconds = self.costs.spill_s(self._file_bytes(kept))
+        self.counts.spill_s += seconds
+        if how == "spill":
+            self.counts.spills += 1
+        else:
+            self.counts.drops += 1
+        return seconds
+
+    def bytes(self, h: Held) -> int:
+        return self.size.resident(h.capacity, len(h.checkpoints)) if self.size else 0
+
+    def _file_bytes(self, h: Held) -> int:
+        return self.size.file(h.committed, h.ids, len(h.checkpoints)) if self.size else 0
+
+    # the reader -------------------------------------------------------------------------
+
+    def feed_prompt(self, h: Held, tokens: int, shared: int) -> bool:
+        """A prompt of `tokens` ids sharing `shared` with what the session's engine holds. Where it
+        differs from the ids held, go back to the newest checkpoint at or below the difference (or
+        to the start). Returns whether it rolled back."""
+        same = min(h.ids, shared, tokens)
+        rolled = False
+        if same < h.ids:
+            if same < h.committed:
+                keep = [c for c in h.checkpoints if c <= same]
+                h.committed = keep[-1] if keep else 0
+                if not keep:
+                    h.capacity = 0  # a new state
+                h.checkpoints = keep
+                rolled = True
+            h.marks = [m for m in h.marks if m <= same]
+        h.ids = tokens
+        self._mark(h, tokens // self.grid * self.grid)
+        return rolled
+
+    def _mark(self, h: Held, line: int) -> None:
+        if line <= 0 or line in h.marks or line in h.checkpoints:
+            return
+        if line == h.committed:
+            self._checkpoint(h)
+        elif line > h.committed:
+            h.marks = sorted([*h.marks, line])
+
+    def _checkpoint(self, h: Held) -> None:
+        h.checkpoints.append(h.committed)
+        del h.checkpoints[: -self.max_checkpoints]
+
+    def advance(self, h: Held) -> None:
+        """One chunk read."""
+        h.committed += self.grid
+        if self.size is not None:
+            h.capacity = max(h.capacity, self.size.capacity(h.committed))
+        if h.marks and h.marks[0] == h.committed:
+            h.marks.pop(0)
+            self._checkpoint(h)
+
+    def fork(self, h: Held, rows: int) -> None:
+        """An ask's fork read `rows` rows above the read position (the KV buffers grow for them)."""
+        if self.size is not None:
+            h.capacity = max(h.capacity, self.size.capacity(h.committed + rows))

@@ -1,0 +1,91 @@
+"""What the live service does that the ledger replay runs beside the scheduler: when a turn's ids
+reach the shadow (by engine dialect), the resident cap and the store, the voice's share, a label
+asked of the engine after a turn, and asks.
+
+`IDS` (when the shadow holds a turn's ids; `shadow serve`'s engine dialects, docs/SERVE.md):
+
+- `embedded`: the prompt at the request's start, the output as it is decoded (the embedded
+  generator, one process);
+- `engine`: the prompt ids on the engine's first streamed chunk (vLLM's `return_token_ids`), the
+  output ids as they stream;
+- `tokenizer`: the prompt from the big model's template and tokenizer (the generic dialect,
+  `transformers serve`; llama.cpp's `/apply-template` and `/tokenize` alike), known a round trip
+  after the start (the cost table's tokenisation) and fed at the first streamed event after that;
+  the output ids as they stream (logprob ids);
+- `end`: the prompt as `tokenizer`, the output ids only when the response is over (SGLang's
+  streamed `sglext` ids; llama.cpp's streamed chat with reasoning);
+- `none`: the prompt as `tokenizer`, the output never (`transformers serve` shows no ids: the
+  next prompt brings it).
+
+In every mode but `embedded` the proxy feeds the shadow between the engine's events and ends a
+turn after its response (`_finish`): once the device is free, the held ids fed, a label asked of
+the engine (`label_s`), then the turn's end and a settle of the cap. Embedded turns end once the
+device is free too (the read in flight first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shadow.core.residency import StateSize
+from shadow.model.config import PRESETS
+
+IDS = ("embedded", "engine", "tokenizer", "end", "none")
+LIVE_CAP_GIB = 4.0  # `shadow serve --cap-gib`'s default
+LIVE_VOICE_SHARE = 0.03  # `shadow serve --voice-share`'s default
+LIVE_MODEL = "qwen3.5-0.8b"  # `shadow serve --model`'s default
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The live service's limits, as the replay runs them; the defaults leave them all out (the
+    idealised replay: ids at once, no cap, no voice, no asks). `cap_gib` per shadow (None: no cap)
+    with `state` the sessions' sizes; `disk`: spill (or drop, when cheaper) rather than drop;
+    `voice_share`: each decoding turn's voice phrases, taken whenever its budget holds one (an
+    upper bound: live, a phrase comes only at a status line); `label_s`: after each turn, the
+    engine asked a standing question's label; `asks_per_hour`: asks per active session (Poisson,
+    seeded by `seed`), each reading its session to its end and one forward, its question
+    `ask_tokens` ids long."""
+
+    ids: str = "embedded"
+    cap_gib: float | None = None
+    state: StateSize | None = None
+    disk: bool = False
+    voice_share: float = 0.0
+    label_s: float = 0.0
+    asks_per_hour: float = 0.0
+    ask_tokens: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.ids not in IDS:
+            raise ValueError(f"ids is one of {', '.join(IDS)} (got {self.ids!r})")
+        if self.cap_gib is not None and (self.state is None or self.cap_gib <= 0):
+            raise ValueError("a cap is positive and needs the sessions' state sizes")
+        if min(self.voice_share, self.label_s, self.asks_per_hour) < 0 or self.ask_tokens < 1:
+            raise ValueError("voice share, label seconds and asks per hour are not negative")
+
+    @property
+    def cap_bytes(self) -> int | None:
+        return None if self.cap_gib is None else int(self.cap_gib * 2**30)
+
+    @property
+    def proxy(self) -> bool:
+        return self.ids != "embedded"
+
+    @property
+    def prompt_at_first_event(self) -> bool:
+        return self.ids != "embedded"
+
+    @property
+    def output_streamed(self) -> bool:
+        return self.ids in ("embedded", "engine", "tokenizer")
+
+
+def live(ids: str = "engine", cap_gib: float | None = LIVE_CAP_GIB, model: str = LIVE_MODEL, disk: bool = False,
+         voice_share: float = LIVE_VOICE_SHARE, **rest) -> Limits:
+    """The live service's defaults: a 4 GiB cap of the 0.8B's sessions (bf16) with no disk (past
+    the cap a session is dropped and read again), proxy mode beside an engine that shows its ids,
+    the voice at its 3 % share."""
+    return Limits(ids=ids, cap_gib=cap_gib, state=StateSize.of(PRESETS[model], 2), disk=disk,
+                  voice_share=voice_share, **rest)

@@ -1,0 +1,64 @@
+"""The resident cap's rules without tensors: a session's bytes from the model's shapes equal what
+its real state holds, and a settle's plan leaves the least recently used first."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from shadow.core.reader import open_reader
+from shadow.core.residency import Settle, StateSize, leave_how
+from shadow.core.sessionfile import file_bytes
+from shadow.core.store import session_bytes
+from shadow.model.config import PRESETS
+from shadow.model.state import ModelState
+
+
+def test_a_read_sessions_bytes_are_its_shapes(tiny):
+    _, reader = open_reader("tiny", grid=512)
+    size = StateSize.of(reader.model.config, torch.finfo(reader.model.dtype).bits // 8)
+    rng = random.Random(1)
+    s = reader.new_session("s")
+    ids, peak = [], 0
+    for _ in range(4):
+        ids += [rng.randrange(1000, 100_000) for _ in range(rng.randrange(300, 1500))]
+        reader.feed_prompt(s, ids)
+        reader.advance(s)
+        peak = max(peak, s.committed)
+        assert session_bytes(s) == size.resident(size.capacity(peak), len(s.checkpoints))
+        assert file_bytes(s) == size.file(s.committed, len(s.ids), len(s.checkpoints))
+    assert s.checkpoints  # checkpoints counted
+
+
+@pytest.mark.parametrize("preset", ["qwen3.5-0.8b", "qwen3.5-4b"])
+def test_the_sizes_of_a_real_shape_are_its_states(preset):
+    """On the meta device (no memory): a 58k-token 0.8B session with six checkpoints is 0.88 GiB."""
+    config = PRESETS[preset]
+    state = ModelState(config, torch.bfloat16, "meta")
+    for layer in state.attention:
+        layer.reserve(57_856)
+    size = StateSize.of(config, 2)
+    assert state.allocated_bytes() == size.resident(size.capacity(57_856), 0)
+    assert size.checkpoint == state.snapshot().nbytes()
+    if preset == "qwen3.5-0.8b":
+        assert size.resident(size.capacity(57_856), 6) / 2**30 == pytest.approx(0.88, abs=0.005)
+
+
+def test_a_settle_moves_out_the_least_recently_used_until_the_rest_fit():
+    plan = Settle([("a", 5), ("b", 4), ("keep", 9), ("c", 3), ("d", 1)], cap=10, keep="keep", skip={"b"})
+    out = []
+    for name, size in plan:
+        out.append(name)
+        if name != "c":  # c's write fails: it stays, and the total with it
+            plan.left(size)
+    assert out == ["a", "c", "d"] and plan.total == 16
+    assert list(Settle([("a", 5)], cap=5)) == []
+
+
+def test_spill_or_drop():
+    assert leave_how(0.4, 0.5, 57_856)[0] == "spill"
+    how, why = leave_how(0.8, 0.5, 57_856)
+    assert how == "drop" and why.startswith("dropped: cheaper to re-read (restore ~0.800 s")
+    assert leave_how(None, 0.5, 1) == ("spill", "spilled (no restore estimate)")
