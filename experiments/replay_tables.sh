@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# The freshness tables in docs/FRESHNESS.md, from `shadow replay-ledger` runs of the read scheduler
-# (shadow/core/schedule.py), at the source's read rate (87 ms per 1,000) and this project's H200 rate
-# (docs/results/read-rate-512-h200-r2-fixed.json: 7.36 ms per 1,000, the fla-triton kernels, revision 2).
-# Usage: bash experiments/replay_tables.sh [DATA_DIR] [STEP ...]   (DATA_DIR default ../shared/data;
-#   steps: trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes; default all).
-# Each step prints its commands; outputs in out/freshness-*.txt (the last line of each is its JSON).
-# The trajectories' ledger (out/trajectories.ledger.jsonl) is written by the first step and read by the next ones.
+# The freshness tables and figures in docs/FRESHNESS.md, from `shadow replay-ledger` runs of the read
+# scheduler (shadow/core/schedule.py).
+# Usage: bash experiments/replay_tables.sh [DATA_DIR] [STEP ...]   (DATA_DIR default ../shared/data)
+#   the live service's limits: ledger live ablation share-sweep fleet curve
+#   the idealised replay (ids at once, no cap, no voice, one chunk cost): trajectories packed density
+#     traj-fleet mooncake mooncake-fleet mooncake-routes
+#   default: every step, in that order. Each step prints its commands; outputs in out/freshness-*.txt (the
+#   last line of each is its JSON); `python3 experiments/freshness_plots.py` draws the figures from them.
+# The trajectories' ledger (out/trajectories.ledger.jsonl: the 42 trajectories re-rendered and re-tokenised
+# with the Qwen3.5 vocabulary) is written by the `ledger` step and read by the others.
 set -euo pipefail
 data=../shared/data
 if [ $# -gt 0 ] && [ -d "$1" ]; then data=$1; shift; fi
-steps=${*:-trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes}
-H200=docs/results/read-rate-512-h200-r2-fixed.json
+steps=${*:-ledger live ablation share-sweep fleet curve trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes}
+H200=7.3647  # ms per 1,000: docs/results/read-rate-512-h200-r2-fixed.json, one chunk at 16k (the idealised runs)
+IDEAL="--ids embedded --cap-gib 0 --voice-share 0 --samples 0 --read-ms-per-1k $H200"
 TRAJ=$data/trajectories/mini-swe-agent
 MOON=$data/mooncake/conversation_trace.jsonl
 LEDGER=out/trajectories.ledger.jsonl
@@ -19,38 +23,75 @@ mkdir -p out
 run() {  # run NAME ARGS...: one replay-ledger command, echoed, its stdout kept in out/freshness-NAME.txt
   local name=$1; shift
   echo "== $name: shadow replay-ledger $*"
-  shadow replay-ledger "$@" --json > "out/freshness-$name.txt"
-  grep -v '^{' "out/freshness-$name.txt" | tail -n 40
+  local rc=0
+  shadow replay-ledger "$@" --json > "out/freshness-$name.txt" || rc=$?
+  grep -v '^{' "out/freshness-$name.txt" | tail -n 60
+  if [ "$rc" -ne 0 ]; then echo "== $name: exit $rc (1: a check failed, its lines above)"; fi
+  if [ "$rc" -gt 1 ]; then exit "$rc"; fi
 }
 
 for step in $steps; do
   case $step in
-    trajectories)  # the 42 sessions as they ran (about 3.5 active at once)
-      run trajectories "$TRAJ" --read-ms-per-1k 87 --read-rate-json "$H200" --share 0.02 --share 0.05 \
-        --priorities all --priorities none --solve-share 97 --write-ledger "$LEDGER" ;;
-    packed)  # 24 active at once on one engine: the priorities side by side, each step switched off, and the fewest step on
-      run packed "$LEDGER" --pack 24 --read-rate-json "$H200" --share 0.02 --share 0.05 --priorities all \
+    ledger)  # the 42 sessions as they ran, to a ledger
+      run ledger "$TRAJ" --samples 0 --write-ledger "$LEDGER" ;;
+    live)  # the live service's defaults, packed to 24 and 29 active on one engine
+      for k in 24 29; do
+        run "live-$k" "$LEDGER" --pack "$k" --share 0.02 --solve-share "p99 ask wait <= 50 ms"
+      done ;;
+    ablation)  # what each limit costs, one at a time, at 24 and 29 active and a 2 % share
+      for k in 24 29; do
+        run "ablation-$k-ideal" "$LEDGER" --pack "$k" --share 0.02 $IDEAL --samples 1000
+        run "ablation-$k-depth" "$LEDGER" --pack "$k" --share 0.02 --ids embedded --cap-gib 0 --voice-share 0
+        run "ablation-$k-ids" "$LEDGER" --pack "$k" --share 0.02 --cap-gib 0 --voice-share 0
+        run "ablation-$k-voice" "$LEDGER" --pack "$k" --share 0.02 --cap-gib 0
+        run "ablation-$k-disk" "$LEDGER" --pack "$k" --share 0.02 --disk
+        run "ablation-$k-cap16" "$LEDGER" --pack "$k" --share 0.02 --cap-gib 16
+        run "ablation-$k-cap16-solve" "$LEDGER" --pack "$k" --share 0.02 --cap-gib 16 --solve-share "p99 ask wait <= 50 ms"
+      done ;;
+    share-sweep)  # freshness and ask wait against the share, live defaults and a 16 GiB cap
+      for k in 24 29; do
+        for cap in 4 16; do
+          run "share-$k-cap$cap" "$LEDGER" --pack "$k" --cap-gib "$cap" --share 0.005 --share 0.01 --share 0.02 \
+            --share 0.03 --share 0.05 --share 0.1
+        done
+      done ;;
+    fleet)  # against the fleet size, each size checked against one engine more (affinity and rendezvous)
+      for k in 24 29; do
+        for n in 1 2 3 4 5; do
+          run "fleet-$k-$n" "$LEDGER" --pack "$k" --engines "$n" --share 0.02 --check-fleet
+          run "fleet-$k-$n-rendezvous" "$LEDGER" --pack "$k" --engines "$n" --route rendezvous --share 0.02 --check-fleet
+        done
+      done ;;
+    curve)  # the share each target needs against the load, with no cap (the read time alone)
+      for k in 4 8 16 24 29 32 48; do
+        run "curve-$k-fresh" "$LEDGER" --pack "$k" --cap-gib 0 --samples 300 --solve-share "fresh >= 97 %"
+        run "curve-$k-wait" "$LEDGER" --pack "$k" --cap-gib 0 --samples 300 --solve-share "p99 ask wait <= 50 ms"
+      done ;;
+    trajectories)  # idealised: the 42 sessions as they ran (about 3.5 active at once)
+      run trajectories "$LEDGER" $IDEAL --read-ms-per-1k 87 --share 0.02 --share 0.05 --priorities all \
+        --priorities none --solve-share 97 ;;
+    packed)  # idealised: 24 active at once on one engine, the priorities side by side
+      run packed "$LEDGER" --pack 24 $IDEAL --share 0.02 --share 0.05 --priorities all \
         --priorities none --priorities recent,oldest --priorities running,oldest --priorities running,recent \
         --priorities recent --priorities question,running,fewest,recent,oldest --solve-share 97 ;;
-    density)  # freshness against density: 4 to 48 active at once on one engine
+    density)  # idealised: freshness against density, 4 to 48 active at once on one engine
       for k in 4 8 16 24 32 48; do
-        run "density-$k" "$LEDGER" --pack "$k" --read-rate-json "$H200" --share 0.02 --solve-share 97
+        run "density-$k" "$LEDGER" --pack "$k" $IDEAL --share 0.02 --solve-share 97
       done ;;
-    traj-fleet)  # 24 active at once over 2 and 4 engines
+    traj-fleet)  # idealised: 24 active at once over 2 and 4 engines
       for n in 2 4; do
-        run "traj-fleet-$n" "$LEDGER" --pack 24 --engines "$n" --read-rate-json "$H200" --share 0.02 --solve-share 97
+        run "traj-fleet-$n" "$LEDGER" --pack 24 --engines "$n" $IDEAL --share 0.02 --solve-share 97
       done ;;
-    mooncake)  # the conversation trace on one 32-slot engine
-      run mooncake "$MOON" --read-ms-per-1k 87 --read-rate-json "$H200" --share 0.02 --share 0.05 --solve-share 97 ;;
-    mooncake-fleet)  # on 2 to 16 engines of 32 slots, sessions kept on their engines
+    mooncake)  # idealised: the conversation trace on one 32-slot engine
+      run mooncake "$MOON" $IDEAL --read-ms-per-1k 87 --share 0.02 --share 0.05 --solve-share 97 ;;
+    mooncake-fleet)  # idealised: on 2 to 16 engines of 32 slots, sessions kept on their engines
       for n in 2 4 8; do
-        run "mooncake-$n" "$MOON" --engines "$n" --read-rate-json "$H200" --share 0.02 --share 0.05 --solve-share 97
+        run "mooncake-$n" "$MOON" --engines "$n" $IDEAL --share 0.02 --share 0.05 --solve-share 97
       done
-      run mooncake-16 "$MOON" --engines 16 --read-ms-per-1k 87 --read-rate-json "$H200" --share 0.02 --share 0.05 \
-        --solve-share 97 ;;
-    mooncake-routes)  # 16 engines, other routes
+      run mooncake-16 "$MOON" --engines 16 $IDEAL --read-ms-per-1k 87 --share 0.02 --share 0.05 --solve-share 97 ;;
+    mooncake-routes)  # idealised: 16 engines, other routes
       for route in hash round-robin; do
-        run "mooncake-16-$route" "$MOON" --engines 16 --route "$route" --read-rate-json "$H200" --share 0.02 --share 0.05
+        run "mooncake-16-$route" "$MOON" --engines 16 --route "$route" $IDEAL --share 0.02 --share 0.05
       done ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac

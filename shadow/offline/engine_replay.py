@@ -370,7 +370,7 @@ class EngineReplay:
         cost = self.costs.phrase_s
         for i, r in self.decoding.items():
             used = self.voice_used.get(i, 0.0)
-            if i in self.fed_prompt and self.limits.voice_share * max(0.0, t - r.first_token) - used >= cost:
+            if i in self.fed_prompt and self.limits.voice_share * max(0.0, t - r.first_token) - used >= cost - 1e-9:
                 self.voice_used[i] = used + cost
                 self.tally.voice_s += cost
                 self.tally.phrases += 1
@@ -417,6 +417,11 @@ class EngineReplay:
                     wake.append(self.heap[0][0])
                 if (self.use_share or self.limits.voice_share > 0) and self.decoding and self.next_round > t:
                     wake.append(self.next_round)
+                if self.limits.voice_share > 0:  # when a decoding turn's voice budget next holds a phrase
+                    for i, r in self.decoding.items():
+                        if i in self.fed_prompt:
+                            due = r.first_token + (self.voice_used.get(i, 0.0) + self.costs.phrase_s) / self.limits.voice_share
+                            wake.append(max(due, self.next_round))  # (a phrase waits for a round)
                 if self.limits.output_streamed:
                     for i, r in self.decoding.items():  # the next whole chunk of a decoding session's output
                         if i in self.fed_prompt:

@@ -1,0 +1,255 @@
+"""The replay with the live service's limits, on hand-computed timelines: chunk costs by depth, when
+ids reach the shadow, restores and drops at the cap, the voice and asks as load, a label that
+holds a turn open, what an operator reads off it (ask wait, time to fresh, lag), targets on those
+figures, fleet inversions, and the command's tables and errors."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from shadow.core.residency import StateSize
+from shadow.core.schedule import BandwidthRule
+from shadow.model.config import PRESETS
+from shadow.offline.costs import ChunkTable, CostTable, ReadTime
+from shadow.offline.fleet import inversions
+from shadow.offline.ledger import Request, Router, route_requests, write_ledger
+from shadow.offline.limits import Limits
+from shadow.offline.metrics import summary
+from shadow.offline.replay import replay
+from shadow.offline.targets import Target, parse_target, solve
+from shadow.offline.timelines import windows
+
+MS = 1e-3
+FLAT = ChunkTable.flat(1e6 / 512 * 0.1, 512)  # 0.1 s a chunk: times are easy to add up
+COSTS = CostTable(FLAT, restore_gib_s=math.inf, spill_gib_s=math.inf, ask_s=0.0, phrase_s=0.05, tokenize_s_per_1k=0.0)
+
+
+def test_a_chunk_table_is_linear_between_its_depths_and_flat_past_them():
+    t = ChunkTable((0, 16384, 65536), (0.003, 0.004, 0.006), "x")
+    assert t(0) == 0.003 and t(8192) == pytest.approx(0.0035) and t(40960) == pytest.approx(0.005)
+    assert t(10**6) == 0.006 and t(16384) == 0.004
+    read = ReadTime(t, 512)
+    assert read(0, 2) == pytest.approx(t(0) + t(512)) and read(3, 3) == 0.0
+
+
+def test_the_built_in_table_is_the_h200_run_and_a_read_rate_file_gives_its_own_rows():
+    h200 = ChunkTable.h200()
+    assert h200.depths == (0, 16384, 65536, 100352) and h200(16384) * 1e6 / 512 == pytest.approx(7.4066, abs=1e-3)
+    doc = {"model": "m", "kernels": "k", "ms_per_1k_tokens": 7.0, "rows": [
+        {"model": "m", "kernels": "k", "grid": 512, "context": 0, "ms_per_chunk": 3.0},
+        {"model": "m", "kernels": "k", "grid": 512, "context": 65536, "ms_per_1k_tokens": 12.0},
+        {"model": "m", "kernels": "other", "grid": 512, "context": 16384, "ms_per_chunk": 99.0},
+        {"model": "m", "kernels": "k", "grid": 1024, "context": 16384, "ms_per_chunk": 99.0}]}
+    t = ChunkTable.from_read_rate(doc, 512, "f")
+    assert t.depths == (0, 65536) and t.seconds == pytest.approx((0.003, 0.006144))
+    assert ChunkTable.from_read_rate({"ms_per_1k_tokens": 7.0}, 512, "f").seconds == pytest.approx((512 * 7e-6,))
+    with pytest.raises(ValueError, match="no rows at grid 256"):
+        ChunkTable.from_read_rate(doc, 256, "f")
+
+
+def test_chunks_cost_what_their_depth_costs():
+    """One session of 4,096 ids read in the idle window from 1.0 s, chunk k costing 0.1 + 0.1 k s
+    (its first row at depth k * 512): chunks end at 1.1, 1.3, 1.6, 2.0, 2.5 and 3.1 s, so the
+    turn at 3.0 s finds five read (the sixth in flight); at 0.1 s a chunk all eight were read by
+    1.8 s."""
+    table = ChunkTable(tuple(k * 512 for k in range(9)), tuple(0.1 + 0.1 * k for k in range(9)), "steep")
+    reqs = [Request("s", 0.0, 0.5, 1.0, 4096, 4096, 0), Request("s", 3.0, 3.1, 6.0, 4196, 100, 10)]
+    arm = replay(reqs, costs=CostTable(table), use_share=False)
+    assert arm.turns[0].behind == 4096 - 5 * 512
+    flat = replay(reqs, costs=CostTable(ChunkTable.flat(0.1e6 / 512, 512)), use_share=False)
+    assert flat.turns[0].behind == 0
+
+
+def test_when_the_output_reaches_the_shadow():
+    """A turn's prompt of 1,024 ids, its output of 600 decoded from 3 to 5 s; the next turn at 10 s.
+    The output is read in the idle window after 5 s when the shadow sees it (embedded, or an
+    engine that streams its ids), never when the engine shows none."""
+    reqs = [Request("s", 0.0, 3.0, 5.0, 1024, 1024, 600), Request("s", 10.0, 10.1, 11.0, 1724, 100, 10)]
+    behind = {ids: replay(reqs, costs=COSTS, limits=Limits(ids=ids), use_share=False).turns[0].behind
+              for ids in ("embedded", "engine", "end", "none")}
+    assert behind == {"embedded": 1624 - 1536, "engine": 1624 - 1536, "end": 1624 - 1536, "none": 600}
+
+
+def test_a_prompt_known_only_at_its_first_chunk_waits_for_it():
+    """Session b decodes from 0.1 to 20 s (its share reads other sessions too); session s's turn
+    starts at 1 s with a 2,048-id prompt and a first token at 6 s. Embedded, the prompt is known
+    at once and b's share reads it during s's prefill; through an engine that shows the ids on its
+    first chunk, not before 6 s."""
+    reqs = [Request("b", 0.0, 0.1, 20.0, 512, 512, 100), Request("s", 1.0, 6.0, 7.0, 2048, 2048, 0),
+            Request("s", 30.0, 30.1, 31.0, 2148, 100, 5)]
+    fresh = {}
+    for ids in ("embedded", "engine"):
+        arm = replay(reqs, costs=COSTS, limits=Limits(ids=ids), rule=BandwidthRule(share=0.2))
+        (f,) = [f for f in arm.to_fresh if f.session == "s" and f.start == 1.0]
+        assert not f.censored
+        fresh[ids] = f.seconds
+    assert fresh["embedded"] < 5.0 <= fresh["engine"]
+
+
+def test_a_dropped_session_is_read_again_and_an_ask_would_wait_for_all_of_it():
+    """Two sessions of 8,192 ids under a cap that holds one read session: the idle window reads a,
+    then b, and each settle after a chunk drops the other (no disk). At b's next turn, a was
+    dropped: it is read again from the start, and an ask about it would wait for every chunk."""
+    size = StateSize.of(PRESETS["tiny"], 4)
+    cap = (size.resident(8192, 1) + size.delta) / 2**30
+    reqs = [Request("a", 0.0, 0.1, 0.2, 8192, 8192, 0), Request("b", 0.0, 0.1, 0.2, 8192, 8192, 0),
+            Request("a", 20.0, 20.1, 21.0, 8292, 100, 10), Request("b", 20.0, 20.1, 21.0, 8292, 100, 10)]
+    capped = replay(reqs, costs=COSTS, limits=Limits(cap_gib=cap, state=size), use_share=False, samples=5)
+    free = replay(reqs, costs=COSTS, use_share=False)
+    assert capped.drops >= 1 and free.drops == 0
+    waits = {t.session: t.wait_s for t in capped.turns}
+    assert sorted(waits.values()) == [pytest.approx(0.0), pytest.approx(16 * 0.1)]
+    assert [t.behind for t in free.turns] == [0, 0] and max(t.behind for t in capped.turns) == 8192
+
+
+def test_a_restore_takes_the_device_and_delays_the_reads_after_it():
+    """Session a (2,048 ids, read at once) is spilled when b's turn ends; at a's next turn (30 s,
+    ending at 30.2 s) its restore takes the device: for nothing (an infinite rate), or 0.4 s (its
+    file's bytes at a rate made so: reading it again would take as long, so it is spilled, not
+    dropped). The turn ends once the device is free, so the idle window that reads its new prompt
+    opens at the 30.4 s poll, not the 30.2 s one: fresh 0.2 s later."""
+    size = StateSize.of(PRESETS["tiny"], 4)
+    cap = (size.resident(8192, 1) + size.delta) / 2**30
+    reqs = [Request("a", 0.0, 0.1, 0.2, 2048, 2048, 0), Request("b", 5.0, 5.1, 5.2, 2048, 2048, 0),
+            Request("a", 30.0, 30.05, 30.2, 4096, 2048, 0), Request("b", 40.0, 40.1, 40.2, 2148, 100, 0)]
+    limits = Limits(cap_gib=cap, state=size, disk=True)
+    fast = replay(reqs, costs=COSTS, limits=limits, use_share=False)
+    slow_costs = CostTable(FLAT, restore_gib_s=size.file(2048, 2048, 1) / 2**30 / 0.4, spill_gib_s=math.inf)
+    slow = replay(reqs, costs=slow_costs, limits=limits, use_share=False)
+    assert fast.restores >= 1 and slow.restores >= 1 and fast.drops == 0
+    (f0,), (f1,) = [[f for f in arm.to_fresh if f.session == "a" and f.start == 30.0] for arm in (fast, slow)]
+    assert f0.seconds == pytest.approx(0.6) and f1.seconds == pytest.approx(0.8)
+
+
+def test_the_voice_takes_the_device_between_rounds():
+    """One turn decoding for 20.1 s at 10 rounds a second; the voice's 3 % of it holds 12 phrases
+    of 50 ms (one each 1.67 s), with no share for the reader."""
+    reqs = [Request("s", 0.0, 0.1, 20.2, 512, 512, 201)]
+    arm = replay(reqs, costs=COSTS, limits=Limits(voice_share=0.03), use_share=False)
+    assert arm.voice_s == pytest.approx(0.05 * 12)
+
+
+def test_a_label_asked_of_the_engine_keeps_the_turn_open():
+    """The turn's response ends at 1.0 s; asking its label takes 2.05 s, so the idle window opens
+    only at 3.2 s (the poll after the turn's end): the next turn at 3.1 s finds nothing read."""
+    reqs = [Request("s", 0.0, 0.1, 1.0, 1024, 1024, 0), Request("s", 3.1, 3.2, 4.0, 1124, 100, 5)]
+    plain = replay(reqs, costs=COSTS, limits=Limits(ids="engine"), use_share=False)
+    labelled = replay(reqs, costs=COSTS, limits=Limits(ids="engine", label_s=2.05), use_share=False)
+    assert plain.turns[0].behind == 0 and labelled.turns[0].behind == 1024
+
+
+def test_asks_are_load_and_their_wait_is_the_reading_they_wait_for():
+    reqs = [Request("s", 0.0, 0.1, 500.0, 4096, 4096, 10)]
+    arm = replay(reqs, costs=COSTS, limits=Limits(asks_per_hour=60, seed=3), use_share=False)
+    assert arm.asks and arm.chunks_ask >= 8  # the first ask read the session (idle reads never: a turn runs)
+    assert max(w for _, w in arm.asks) == pytest.approx(8 * 0.1)
+
+
+def test_probes_see_the_lag_and_the_wait():
+    reqs = [Request("s", 0.0, 0.1, 100.0, 4096, 4096, 0)]
+    arm = replay(reqs, costs=COSTS, use_share=False, samples=20, seed=1)
+    assert len(arm.probes) == 20 and all(p.lag == 4096 and p.wait_s == pytest.approx(0.8) for p in arm.probes)
+    s = summary(arm, windows(reqs, [0], 1), 512)
+    assert s["random"]["stale_pct"] == 100.0 and s["random"]["ask_wait_ms"]["p99"] == pytest.approx(800.0)
+    assert s["sessions"]["ever_stale_pct"] == 100.0
+
+
+def test_windows_measure_the_load_where_it_is():
+    """Two sessions for the first 60 s, none for the next 60, one after: the mean over the span is
+    light, the windows are not."""
+    reqs = [Request("a", 0.0, 1.0, 60.0, 6000, 6000, 0), Request("b", 0.0, 1.0, 60.0, 6000, 6000, 0),
+            Request("c", 120.0, 121.0, 180.0, 3000, 3000, 0)]
+    w = windows(reqs, [0, 0, 0], 1, window_s=60.0)
+    assert [x.active for x in w] == pytest.approx([2.0, 0.0, 1.0])
+    assert [x.new_tok_s for x in w] == pytest.approx([200.0, 0.0, 50.0])
+
+
+@pytest.mark.parametrize("text, message", [
+    ("p99 ask wait", "reads like"), ("ask wait <= 5 ms", "needs p50, p90, p99 or max"),
+    ("p99 fresh >= 97", "one figure"), ("p99 speed <= 3 ms", "unknown metric"), ("fresh >= 97 ms", "in %, not ms"),
+    ("150", "is a percentage in (0, 100]"),
+])
+def test_a_malformed_target_is_refused(text, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        parse_target(text)
+
+
+def test_targets_read_their_figure_and_the_solver_finds_the_share():
+    t = parse_target("p90 time to fresh <= 1500 ms")
+    assert t == Target("time to fresh", "p90", "<=", 1.5) and t.met(1.4) and not t.met(None)
+    assert parse_target("97") == Target("fresh", None, ">=", 97.0)
+    solved = solve(lambda share: 1000 * (0.1 - share), parse_target("max ask wait <= 50 ms"))
+    assert solved.share == pytest.approx(0.05, rel=0.03) and solved.monotone and solved.below < solved.share
+
+
+def test_rendezvous_routing_moves_sessions_only_to_the_new_engine():
+    names = [f"s{i}" for i in range(300)]
+    for n in range(1, 6):
+        before, after = Router(n, "rendezvous"), Router(n + 1, "rendezvous")
+        moved = [s for s in names if before.pick(s, [0] * n) != after.pick(s, [0] * (n + 1))]
+        assert all(after.pick(s, [0] * (n + 1)) == n for s in moved) and moved
+
+
+def test_fleet_inversions_are_found_and_explained():
+    """Turn starts fresh on 1 engine and stale on 2 are counted per session with why."""
+    reqs = [Request(f"s{k}", 0.5 * k, 0.5 * k + 0.1, 0.5 * k + 5, 3000, 3000, 50) for k in range(6)]
+    reqs += [Request(f"s{k}", 30 + 0.5 * k, 30.1 + 0.5 * k, 31 + 0.5 * k, 3100, 50, 5) for k in range(6)]
+    one, two = route_requests(reqs, 1), route_requests(reqs, 2)
+    a = replay(reqs, costs=COSTS, engines=1, engine_of=one, rule=BandwidthRule(share=0.05))
+    b = replay(reqs, costs=COSTS, engines=2, engine_of=two, rule=BandwidthRule(share=0.05))
+    report = inversions(reqs, a, b, one, two)
+    assert report["engines"] == [1, 2] and report["fresh"] == [a.fresh, b.fresh]
+    lost = sum(1 for x, y in zip(a.turns, b.turns) if x.fresh and not y.fresh)
+    assert report["inversions"] == lost and all(r["why"] for r in report["rows"])
+
+
+def ledger_file(tmp_path):
+    path = tmp_path / "l.jsonl"
+    reqs = []
+    for k in range(8):
+        t, prompt = 3.0 * k, 0
+        for _ in range(4):
+            prompt += 2500
+            reqs.append(Request(f"s{k}", t, t + 0.3, t + 8.0, prompt, 2500, 200))
+            prompt += 200
+            t += 9.0
+    write_ledger(path, reqs)
+    return path
+
+
+def test_the_command_reports_the_operators_figures_in_80_columns(tmp_path, monkeypatch):
+    import cli.common as common
+    from rich.console import Console
+
+    monkeypatch.setattr(common, "console", Console(width=80, record=True, highlight=False))
+    import cli.replay_ledger as command
+
+    monkeypatch.setattr(command, "console", common.console)
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--cap-gib", "0.05", "--share",
+                                      "0.02", "--solve-share", "p99 ask wait <= 50 ms", "--samples", "200", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output.strip().splitlines()[-1])
+    s = doc["arms"][1]["summary"]
+    for path in (("turn_starts", "ask_wait_ms", "p99"), ("random", "ask_wait_ms", "p90"), ("to_fresh_s", "p50"),
+                 ("sessions", "worst_lag", "max"), ("sessions", "ever_stale_pct")):
+        node = s
+        for key in path:
+            node = node[key]
+        assert node is None or isinstance(node, (int, float))
+    assert doc["load"]["new_tok_s"]["peak"] >= doc["load"]["new_tok_s"]["p50"] > 0
+    assert doc["limits"]["cap_gib"] == 0.05 and doc["solve"][0]["target"] == "p99 ask wait <= 50 ms"
+    text = common.console.export_text()
+    assert max(len(line) for line in text.splitlines() if line.startswith(("┃", "│", "┏", "└"))) <= 80
+
+
+def test_a_malformed_target_exits_2_before_any_work(tmp_path):
+    out = tmp_path / "out.ledger.jsonl"
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--solve-share", "p99 ask wait",
+                                      "--write-ledger", str(out)])
+    assert result.exit_code == 2 and "--solve-share a target reads like" in result.output
+    assert not out.exists()
