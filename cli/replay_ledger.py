@@ -372,7 +372,7 @@ def _print_fleet(f: dict) -> None:
     n, m = f["engines"]
     console.print(f"fleet {n} -> {m} engines ({f['arm']}): fresh turn starts {f['fresh'][0]:,} -> {f['fresh'][1]:,}; "
                   f"{f['inversions']:,} fresh on {n} and stale on {m}, in {f['sessions']} sessions "
-                  f"({f['sessions_busier']} of them with a busier engine)")
+                  f"({f['sessions_dropped']} of them dropped past the cap, {f['sessions_busier']} with a busier engine)")
     for r in f["rows"][:5]:
         console.print(f"  {r['session']}: {r['turns']} turn start(s), {r['why']}")
 

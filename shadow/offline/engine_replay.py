@@ -84,6 +84,7 @@ class Tally:
     voice_s: float = 0.0
     phrases: int = 0
     asks: list[tuple[float, float]] = field(default_factory=list)  # (arrival, seconds until answered)
+    left: list[tuple[float, str, bool]] = field(default_factory=list)  # (when, session, spilled: state kept) past the cap
 
 
 class EngineReplay:
@@ -315,6 +316,7 @@ class EngineReplay:
 
     def _settle(self, keep: str | None, t: float) -> float:
         gone, seconds = self.store.settle(keep)
+        self.tally.left += [(t, s, s in self.store.files and self.store.files[s].committed > 0) for s in gone]
         if seconds:
             t = self._busy(t, seconds, locked=True)
         for s in gone:
