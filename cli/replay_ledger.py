@@ -370,9 +370,10 @@ def _print_solved(solved, multi_prio: bool, grid: int) -> list[dict]:
 
 def _print_fleet(f: dict) -> None:
     n, m = f["engines"]
+    causes = ", ".join(f"{c['sessions']} {name}" for name, c in f["causes"].items() if c["sessions"])
     console.print(f"fleet {n} -> {m} engines ({f['arm']}): fresh turn starts {f['fresh'][0]:,} -> {f['fresh'][1]:,}; "
-                  f"{f['inversions']:,} fresh on {n} and stale on {m}, in {f['sessions']} sessions "
-                  f"({f['sessions_dropped']} of them dropped past the cap, {f['sessions_busier']} with a busier engine)")
+                  f"{f['inversions']:,} fresh on {n} and stale on {m}, in {f['sessions']} sessions"
+                  + (f" ({causes})" if causes else ""))
     for r in f["rows"][:5]:
         console.print(f"  {r['session']}: {r['turns']} turn start(s), {r['why']}")
 

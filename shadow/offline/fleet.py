@@ -59,12 +59,13 @@ def _engine_at(requests: Sequence[Request], engine_of: Sequence[int], session: s
 
 
 def inversions(requests: Sequence[Request], fewer, more, engine_of_fewer: Sequence[int],
-               engine_of_more: Sequence[int], show: int = 10, window_s: float = 60.0) -> dict:
+               engine_of_more: Sequence[int], show: int | None = None, window_s: float = 60.0) -> dict:
     """Compare two replays (`replay.Arm`) of `requests` on n (`fewer`) and n + 1 (`more`) engines.
-    Returns the fresh turn starts of each, the inversions, the sessions with one, how many of
-    those had a busier engine, and the `show` sessions with the most inversions, each with its
-    engines, the new tokens per second its engine carried in the `window_s` before its lost turn
-    starts (on n and on n + 1 engines), and why."""
+    Returns the fresh turn starts of each, the inversions, the sessions with one, their causes
+    (sessions and turn starts of each: dropped, less idle, busier, order), and the sessions with
+    the most inversions first (the first `show`; None: all), each with its engines, the new tokens
+    per second its engine carried in the `window_s` before its lost turn starts and its idle
+    seconds since its previous turn (on n and on n + 1 engines), its cause and why."""
     before = {(t.session, t.start): t for t in fewer.turns}
     lost: dict[str, list] = {}
     for t in more.turns:
@@ -83,29 +84,33 @@ def inversions(requests: Sequence[Request], fewer, more, engine_of_fewer: Sequen
                 loads[k] += _window_tokens(requests, eo, e, b.start - window_s, b.start) / window_s / len(pairs)
                 idle[k] += _idle_s(requests, eo, e, since, b.start)
                 dropped[k] += any(s == session and since <= t <= b.start and not kept for t, s, kept in arm.left)
+        cause = "order"
         if dropped[1] > dropped[0]:
-            busier, why = False, (f"dropped past its shadow's cap before {dropped[1]} of these turn starts on "
+            cause, busier, why = "dropped", False, (f"dropped past its shadow's cap before {dropped[1]} of these turn starts on "
                                   f"{more.engines} engines ({dropped[0]} on {fewer.engines}): other sessions beside it "
                                   "were used more recently, and it was read again from the start")
         elif not fewer.share and idle[1] < idle[0] - 1e-9:
-            busier, why = False, (f"its engine was idle less between its turns ({idle[0]:,.1f} -> {idle[1]:,.1f} s in all): "
+            cause, busier, why = "less idle", False, (f"its engine was idle less between its turns ({idle[0]:,.1f} -> {idle[1]:,.1f} s in all): "
                                   "the route put another session's requests in those gaps")
         else:
             busier = loads[1] > loads[0] * 1.0001
+            cause = "busier" if busier else "order"
             why = (f"its engine carried more in the {window_s:g} s before ({loads[0]:,.0f} -> {loads[1]:,.0f} new "
                    "tok/s): the route placed other sessions beside it" if busier else
                    f"its engine carried no more in the {window_s:g} s before ({loads[0]:,.0f} -> {loads[1]:,.0f} new "
                    f"tok/s), and it was at most {max(t.behind for _, t in pairs):,} ids behind: the reads came in "
                    "another order (its neighbours' turns, so the engine's idle windows and decode stretches, fell at "
                    "other times)")
-        rows.append({"session": session, "turns": len(pairs), "engines": [sorted(engines[0]), sorted(engines[1])],
+        rows.append({"session": session, "turns": len(pairs), "cause": cause,
+                     "engines": [sorted(engines[0]), sorted(engines[1])],
                      "new_tok_s": [round(loads[0], 1), round(loads[1], 1)], "busier": busier,
                      "dropped": dropped, "idle_s": [round(idle[0], 3), round(idle[1], 3)],
                      "worst_behind": max(t.behind for _, t in pairs), "why": why})
+    causes = {c: {"sessions": sum(r["cause"] == c for r in rows), "turns": sum(r["turns"] for r in rows if r["cause"] == c)}
+              for c in ("dropped", "less idle", "busier", "order")}
     return {
         "engines": [fewer.engines, more.engines], "fresh": [fewer.fresh, more.fresh],
         "turn_starts": len(more.turns), "inversions": sum(r["turns"] for r in rows), "sessions": len(rows),
-        "sessions_busier": sum(r["busier"] for r in rows),
-        "sessions_dropped": sum(r["dropped"][1] > r["dropped"][0] for r in rows),
-        "inversions_busier": sum(r["turns"] for r in rows if r["busier"]), "rows": rows[:show],
+        "sessions_busier": causes["busier"]["sessions"], "sessions_dropped": causes["dropped"]["sessions"],
+        "causes": causes, "rows": rows if show is None else rows[:show],
     }
