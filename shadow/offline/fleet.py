@@ -1,8 +1,8 @@
 """Fleet monotonicity: one more engine should never leave a turn start less fresh. Two replays of
 the same requests on n and n + 1 engines are compared turn start by turn start; every turn start
 fresh on n engines and stale on n + 1 is an inversion, and each session with one is explained by
-what happened to it on n + 1 and not on n: dropped past its shadow's cap since its previous turn
-(other sessions beside it were used more recently), or (idle only) its engine idle for less of
+what happened to it on n + 1 and not on n: dropped past its shadow's cap and not yet read back
+(other sessions beside it were fed more recently), or (idle only) its engine idle for less of
 the time since, or its engine carrying more new tokens per second in the minute before (the route
 placed other sessions beside it: affinity places each new session by the requests in flight, so
 one more engine reshuffles every later session); else the reads came in another order (the
@@ -28,6 +28,16 @@ def _window_tokens(requests: Sequence[Request], engine_of: Sequence[int], engine
             if hi > lo:
                 tokens += r.output_tokens * (hi - lo) / (r.end - r.first_token)
     return tokens
+
+
+def _recovering(arm, session: str, t: float) -> bool:
+    """Whether `session` was dropped past its shadow's cap (its state gone) before t and had not
+    been fresh at a turn start since: it is still being read again from the start."""
+    drops = [when for when, s, kept in arm.left if s == session and when <= t and not kept]
+    if not drops:
+        return False
+    fresh = [x.start for x in arm.turns if x.session == session and x.fresh and x.start < t]
+    return max(drops) > max(fresh, default=-1.0)
 
 
 def _previous_starts(requests: Sequence[Request]) -> dict[tuple[str, float], float]:
@@ -83,12 +93,12 @@ def inversions(requests: Sequence[Request], fewer, more, engine_of_fewer: Sequen
                 engines[k].add(e)
                 loads[k] += _window_tokens(requests, eo, e, b.start - window_s, b.start) / window_s / len(pairs)
                 idle[k] += _idle_s(requests, eo, e, since, b.start)
-                dropped[k] += any(s == session and since <= t <= b.start and not kept for t, s, kept in arm.left)
+                dropped[k] += _recovering(arm, session, b.start)
         cause = "order"
         if dropped[1] > dropped[0]:
-            cause, busier, why = "dropped", False, (f"dropped past its shadow's cap before {dropped[1]} of these turn starts on "
-                                  f"{more.engines} engines ({dropped[0]} on {fewer.engines}): other sessions beside it "
-                                  "were used more recently, and it was read again from the start")
+            cause, busier, why = "dropped", False, (f"dropped past its shadow's cap and not yet read back at {dropped[1]} of "
+                                  f"these turn starts on {more.engines} engines ({dropped[0]} on {fewer.engines}): other "
+                                  "sessions beside it were fed more recently, and it is read again from the start")
         elif not fewer.share and idle[1] < idle[0] - 1e-9:
             cause, busier, why = "less idle", False, (f"its engine was idle less between its turns ({idle[0]:,.1f} -> {idle[1]:,.1f} s in all): "
                                   "the route put another session's requests in those gaps")
