@@ -13,7 +13,7 @@ from rich.table import Table
 
 from cli.common import (
     CsvOpt, GridOpt, JsonOpt, PlotOpt, bounds, console, emit_json, input_file, output_path, progress, refuse,
-    user_errors, user_text_file, write_csv,
+    save_figure, user_errors, user_text_file, write_csv, wrote,
 )
 from shadow.errors import ShadowInputError
 
@@ -153,6 +153,7 @@ def replay_ledger(
         requests, engine_of = fleets[engines]
         if write_ledger_to:
             write_ledger(write_ledger_to, requests)
+            wrote(write_ledger_to)
         from shadow.offline.metrics import load, summary
         from shadow.offline.replay import density, replay
         from shadow.offline.timelines import windows
@@ -370,9 +371,10 @@ def _print_solved(solved, multi_prio: bool, grid: int) -> list[dict]:
 
 def _print_fleet(f: dict) -> None:
     n, m = f["engines"]
+    causes = ", ".join(f"{c['sessions']} {name}" for name, c in f["causes"].items() if c["sessions"])
     console.print(f"fleet {n} -> {m} engines ({f['arm']}): fresh turn starts {f['fresh'][0]:,} -> {f['fresh'][1]:,}; "
-                  f"{f['inversions']:,} fresh on {n} and stale on {m}, in {f['sessions']} sessions "
-                  f"({f['sessions_busier']} of them with a busier engine)")
+                  f"{f['inversions']:,} fresh on {n} and stale on {m}, in {f['sessions']} sessions"
+                  + (f" ({causes})" if causes else ""))
     for r in f["rows"][:5]:
         console.print(f"  {r['session']}: {r['turns']} turn start(s), {r['why']}")
 
@@ -440,7 +442,7 @@ def _plot(path: Path, arms) -> None:
     for a in arms:
         values = sorted(t.behind for t in a.turns)
         waits = sorted(p.wait_s * 1000 for p in a.probes)
-        label = f"{a.name}, {a.cost} ({a.fresh_pct:.0f}% fresh)"
+        label = f"{a.name}, {a.cost} ({a.fresh_pct:.1f} % fresh)"
         if values:
             left.step([v + 1 for v in values], [(i + 1) / len(values) for i in range(len(values))], where="post",
                       label=label)
@@ -456,6 +458,4 @@ def _plot(path: Path, arms) -> None:
     right.set_xlabel("ask wait at a random time, ms (+0.01)")
     right.set_ylabel("share of looks")
     right.set_title("how long an ask would wait")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)

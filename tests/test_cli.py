@@ -224,6 +224,7 @@ def test_replay_ledger_on_trajectories_with_a_read_rate_file(tmp_path):
     for arm in doc["arms"]:
         assert {"fresh_pct", "p50_behind", "p90_behind"} <= set(arm)
     assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert f"wrote {plot}" in result.output and f"wrote {ledger_out}" in result.output
     again = runner.invoke(app, ["replay-ledger", str(ledger_out), "--read-ms-per-1k", "87", "--json"])
     assert last_json(again.output)["arms"][0] == doc["arms"][0]  # the written ledger replays the same
 

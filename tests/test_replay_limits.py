@@ -126,12 +126,18 @@ def test_a_restore_takes_the_device_and_delays_the_reads_after_it():
     assert f0.seconds == pytest.approx(0.6) and f1.seconds == pytest.approx(0.8)
 
 
-def test_the_voice_takes_the_device_between_rounds():
-    """One turn decoding for 20.1 s at 10 rounds a second; the voice's 3 % of it holds 12 phrases
-    of 50 ms (one each 1.67 s), with no share for the reader."""
-    reqs = [Request("s", 0.0, 0.1, 20.2, 512, 512, 201)]
+def test_the_voice_speaks_at_status_lines_within_its_budget():
+    """One turn decoding for 40 s: its status lines come 1.5 s after its first token and every 10 s
+    after (at 1.6, 11.6, 21.6, 31.6 s); the voice's 3 % holds a 50 ms phrase from 1.77 s, so the
+    first line goes without one and the next three take one each. The line timing is the live
+    service's."""
+    from shadow.offline.limits import LINE_EVERY_S, LINE_QUIET_S
+    from shadow.server.settings import LineTiming
+
+    assert (LINE_QUIET_S, LINE_EVERY_S) == (LineTiming().quiet_s, LineTiming().progress_every_s)
+    reqs = [Request("s", 0.0, 0.1, 40.1, 512, 512, 400)]
     arm = replay(reqs, costs=COSTS, limits=Limits(voice_share=0.03), use_share=False)
-    assert arm.voice_s == pytest.approx(0.05 * 12)
+    assert arm.voice_s == pytest.approx(0.05 * 3)
 
 
 def test_a_label_asked_of_the_engine_keeps_the_turn_open():

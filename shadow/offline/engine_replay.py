@@ -8,7 +8,8 @@ restore first, if its session is on disk), a turn's end (its held ids fed, then 
 told, then the cap settled: spills), an ask (its session read to its end, one forward, a
 settle). Between jobs the scheduler is asked what to read, until the timeline's last event: in the idle window one chunk at a
 time (each followed by a settle, as live), inside a decode stretch one share slice a decode round
-apart (then, with a voice share, a phrase where its budget holds one). The big model's timeline
+apart; and, with a voice share, a turn's phrase at each of its status lines where its budget holds
+one and the device is free (`limits.Limits`). The big model's timeline
 is the ledger's: the shadow's work never moves it.
 """
 
@@ -24,7 +25,7 @@ from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler
 from shadow.offline.costs import CostTable, ReadTime
 from shadow.offline.held import HeldSessions
 from shadow.offline.ledger import Request
-from shadow.offline.limits import Limits
+from shadow.offline.limits import LINE_EVERY_S, LINE_QUIET_S, Limits
 from shadow.offline.timelines import readable, time_readable
 
 START, FIRST, END, FEED, LABEL, ASK, PROBE = range(7)
@@ -83,6 +84,7 @@ class Tally:
     voice_s: float = 0.0
     phrases: int = 0
     asks: list[tuple[float, float]] = field(default_factory=list)  # (arrival, seconds until answered)
+    left: list[tuple[float, str, bool]] = field(default_factory=list)  # (when, session, spilled: state kept) past the cap
 
 
 class EngineReplay:
@@ -124,6 +126,7 @@ class EngineReplay:
         self.out_fed: dict[int, int] = {}  # request -> output ids fed
         self.fed: dict[str, int] = {}  # session -> ids the shadow was told of (kept through a drop)
         self.voice_used: dict[int, float] = {}
+        self.line_at: dict[int, float] = {}  # decoding request -> when its next status line is due
         self.pending_fresh: dict[str, tuple[int, float]] = {}  # session -> (its turn, target line)
         self.next_round = -math.inf
         self.tally = Tally()
@@ -313,6 +316,7 @@ class EngineReplay:
 
     def _settle(self, keep: str | None, t: float) -> float:
         gone, seconds = self.store.settle(keep)
+        self.tally.left += [(t, s, s in self.store.files and self.store.files[s].committed > 0) for s in gone]
         if seconds:
             t = self._busy(t, seconds, locked=True)
         for s in gone:
@@ -366,11 +370,16 @@ class EngineReplay:
         return self._settle(s, t)
 
     def _phrase(self, t: float) -> float:
-        """A voice phrase for the first decoding turn whose budget holds one."""
+        """The voice at a decoding turn's status line that is due: a phrase where the turn's budget
+        holds one (the line goes out without one otherwise)."""
         cost = self.costs.phrase_s
         for i, r in self.decoding.items():
+            line = self.line_at.setdefault(i, r.first_token + LINE_QUIET_S)
+            if line > t or i not in self.fed_prompt:
+                continue
+            self.line_at[i] = t + LINE_EVERY_S
             used = self.voice_used.get(i, 0.0)
-            if i in self.fed_prompt and self.limits.voice_share * max(0.0, t - r.first_token) - used >= cost - 1e-9:
+            if self.limits.voice_share * max(0.0, t - r.first_token) - used >= cost - 1e-9:
                 self.voice_used[i] = used + cost
                 self.tally.voice_s += cost
                 self.tally.phrases += 1
@@ -398,30 +407,26 @@ class EngineReplay:
                     t = t2
                     break
             else:
-                round_due = bool(self.decoding) and t >= self.next_round
-                between = self.use_share and round_due
+                between = self.use_share and bool(self.decoding) and t >= self.next_round
                 decision = sched.next_read(t, between_rounds=between)
                 if isinstance(decision, Read):
                     t = self._read(decision, t)
                     if decision.window == "share":
-                        t = self._phrase(t) if self.limits.voice_share > 0 else t
                         self.next_round = t + self._round_s()
                     continue
-                if round_due and self.limits.voice_share > 0:  # no slice this round: the voice may speak
+                if self.limits.voice_share > 0 and self.decoding:  # a status line due: the voice may speak
                     t2 = self._phrase(t)
                     if t2 != t:
-                        t, self.next_round = t2, t2 + self._round_s()
+                        t = t2
                         continue
                 wake = [decision.until]
                 if self.heap:
                     wake.append(self.heap[0][0])
-                if (self.use_share or self.limits.voice_share > 0) and self.decoding and self.next_round > t:
+                if self.use_share and self.decoding and self.next_round > t:
                     wake.append(self.next_round)
-                if self.limits.voice_share > 0:  # when a decoding turn's voice budget next holds a phrase
-                    for i, r in self.decoding.items():
-                        if i in self.fed_prompt:
-                            due = r.first_token + (self.voice_used.get(i, 0.0) + self.costs.phrase_s) / self.limits.voice_share
-                            wake.append(max(due, self.next_round))  # (a phrase waits for a round)
+                if self.limits.voice_share > 0:  # a decoding turn's next status line
+                    wake += [self.line_at.get(i, r.first_token + LINE_QUIET_S) for i, r in self.decoding.items()
+                             if i in self.fed_prompt]
                 if self.limits.output_streamed:
                     for i, r in self.decoding.items():  # the next whole chunk of a decoding session's output
                         if i in self.fed_prompt:

@@ -34,6 +34,8 @@ IDS = ("embedded", "engine", "tokenizer", "end", "none")
 LIVE_CAP_GIB = 4.0  # `shadow serve --cap-gib`'s default
 LIVE_VOICE_SHARE = 0.03  # `shadow serve --voice-share`'s default
 LIVE_MODEL = "qwen3.5-0.8b"  # `shadow serve --model`'s default
+LINE_QUIET_S = 1.5  # a streamed turn's first status line after its first token (`LineTiming.quiet_s`)
+LINE_EVERY_S = 10.0  # and one each this often while it writes (`LineTiming.progress_every_s`)
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,10 @@ class Limits:
     """The live service's limits, as the replay runs them; the defaults leave them all out (the
     idealised replay: ids at once, no cap, no voice, no asks). `cap_gib` per shadow (None: no cap)
     with `state` the sessions' sizes; `disk`: spill (or drop, when cheaper) rather than drop;
-    `voice_share`: each decoding turn's voice phrases, taken whenever its budget holds one (an
-    upper bound: live, a phrase comes only at a status line); `label_s`: after each turn, the
+    `voice_share`: each decoding turn's voice phrases, one at each of its status lines (a tool call
+    being written: `LINE_QUIET_S` after its first token, then every `LINE_EVERY_S`) where its
+    budget (that share of the time since its first token) holds one and the device is free;
+    `label_s`: after each turn, the
     engine asked a standing question's label; `asks_per_hour`: asks per active session (Poisson,
     seeded by `seed`), each reading its session to its end and one forward, its question
     `ask_tokens` ids long."""

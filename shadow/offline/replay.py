@@ -47,6 +47,7 @@ class Arm:
     probes: list[Probe] = field(default_factory=list)
     to_fresh: list[ToFresh] = field(default_factory=list)
     asks: list[tuple[float, float]] = field(default_factory=list)
+    left: list[tuple[float, str, bool]] = field(default_factory=list)  # sessions past the cap: (when, name, state kept)
     chunks_idle: int = 0
     chunks_share: int = 0
     chunks_ask: int = 0
@@ -86,6 +87,7 @@ class Arm:
         self.longest_slice_s = max(self.longest_slice_s, tally.longest_slice_s)
         self.voice_s += tally.voice_s
         self.asks += tally.asks
+        self.left += tally.left
         c = store.counts
         self.spills, self.restores, self.drops = self.spills + c.spills, self.restores + c.restores, self.drops + c.drops
         self.restore_s, self.spill_s = self.restore_s + c.restore_s, self.spill_s + c.spill_s
