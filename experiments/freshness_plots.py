@@ -17,6 +17,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+FLOOR = 0.1  # ms: where a p99 ask wait of 0 is drawn on the log scale
+
+
 def doc(runs: Path, name: str) -> dict | None:
     path = runs / f"freshness-{name}.txt"
     if not path.is_file():
@@ -39,12 +42,12 @@ def against_share(runs: Path, img: Path) -> None:
             x = [100 * s for s, _ in arms]
             label = f"{k} active, cap {cap} GiB"
             left.plot(x, [s["turn_starts"]["fresh_pct"] for _, s in arms], marker="o", label=label)
-            right.plot(x, [s["random"]["ask_wait_ms"]["p99"] for _, s in arms], marker="o", label=label)
+            right.plot(x, [max(s["random"]["ask_wait_ms"]["p99"] or 0, FLOOR) for _, s in arms], marker="o", label=label)
     left.set_xlabel("share, % (0: idle only)")
     left.set_ylabel("turn starts fresh, %")
     left.set_title("freshness against the share")
     right.set_xlabel("share, % (0: idle only)")
-    right.set_ylabel("p99 ask wait at a random time, ms")
+    right.set_ylabel(f"p99 ask wait at a random time, ms (0 drawn at {FLOOR:g})")
     right.set_yscale("log")
     right.axhline(50, color="grey", lw=0.8, ls="--")
     right.set_title("ask wait against the share")
@@ -66,15 +69,18 @@ def against_fleet(runs: Path, img: Path) -> None:
             arm = [(n, next(a["summary"] for a in d["arms"] if a["share"] > 0)) for n, d in rows]
             label = f"{k} active, {route}"
             left.plot([n for n, _ in arm], [s["turn_starts"]["fresh_pct"] for _, s in arm], marker="o", label=label)
-            right.plot([n for n, _ in arm], [s["random"]["ask_wait_ms"]["p99"] for _, s in arm], marker="o", label=label)
+            right.plot([n for n, _ in arm], [max(s["random"]["ask_wait_ms"]["p99"] or 0, FLOOR) for _, s in arm], marker="o",
+                       label=label)
     left.set_xlabel("engines (each with its shadow)")
     left.set_ylabel("turn starts fresh, %")
     left.set_title("freshness against the fleet (2 % share)")
     right.set_xlabel("engines")
-    right.set_ylabel("p99 ask wait at a random time, ms")
+    right.set_ylabel(f"p99 ask wait at a random time, ms (0 drawn at {FLOOR:g})")
     right.set_yscale("log")
     right.axhline(50, color="grey", lw=0.8, ls="--")
     right.set_title("ask wait against the fleet")
+    for ax in (left, right):
+        ax.set_xticks(range(1, 6))
     left.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(img / "freshness-fleet.png", dpi=120)

@@ -1,8 +1,8 @@
 """Fleet monotonicity: one more engine should never leave a turn start less fresh. Two replays of
 the same requests on n and n + 1 engines are compared turn start by turn start; every turn start
 fresh on n engines and stale on n + 1 is an inversion, and each session with one is explained by
-what happened to it on n + 1 and not on n: dropped past its shadow's cap and not yet read back
-(other sessions beside it were fed more recently), or (idle only) its engine idle for less of
+what happened to it on n + 1: dropped past its shadow's cap and not yet read back (other sessions
+beside it were fed more recently; on n it was not dropped, or read back by then), or (idle only) its engine idle for less of
 the time since, or its engine carrying more new tokens per second in the minute before (the route
 placed other sessions beside it: affinity places each new session by the requests in flight, so
 one more engine reshuffles every later session); else the reads came in another order (the
@@ -95,10 +95,12 @@ def inversions(requests: Sequence[Request], fewer, more, engine_of_fewer: Sequen
                 idle[k] += _idle_s(requests, eo, e, since, b.start)
                 dropped[k] += _recovering(arm, session, b.start)
         cause = "order"
-        if dropped[1] > dropped[0]:
+        if dropped[1] > 0:
+            also = (f" (at {dropped[0]} on {fewer.engines} too, and read back by then)" if dropped[0]
+                    else f" (not on {fewer.engines})")
             cause, busier, why = "dropped", False, (f"dropped past its shadow's cap and not yet read back at {dropped[1]} of "
-                                  f"these turn starts on {more.engines} engines ({dropped[0]} on {fewer.engines}): other "
-                                  "sessions beside it were fed more recently, and it is read again from the start")
+                                  f"these turn starts on {more.engines} engines{also}: other sessions beside it were fed "
+                                  "more recently, and it is read again from the start")
         elif not fewer.share and idle[1] < idle[0] - 1e-9:
             cause, busier, why = "less idle", False, (f"its engine was idle less between its turns ({idle[0]:,.1f} -> {idle[1]:,.1f} s in all): "
                                   "the route put another session's requests in those gaps")
