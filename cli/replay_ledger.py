@@ -104,7 +104,7 @@ def replay_ledger(
     if token_counts not in ("qwen", "usage"):
         raise ShadowInputError("--token-counts is 'qwen' or 'usage'")
     if route not in ROUTES:
-        raise ShadowInputError(f"--route one of {', '.join(ROUTES)} (got {route!r})")
+        raise ShadowInputError(f"--route is one of {', '.join(ROUTES)} (got {route!r})")
     from shadow.core.schedule import BandwidthRule, Priorities
     from shadow.offline.costs import ChunkTable, CostTable
     from shadow.offline.limits import live

@@ -20,6 +20,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 FLOOR = 0.1  # ms: where a p99 ask wait of 0 is drawn on the log scale
 
 
+def save(fig, path: Path) -> None:
+    """The figure written to `path` and closed, and a line that says where."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def doc(runs: Path, name: str) -> dict | None:
     path = runs / f"freshness-{name}.txt"
     if not path.is_file():
@@ -53,9 +61,7 @@ def against_share(runs: Path, img: Path) -> None:
     right.set_title("ask wait against the share")
     left.legend(fontsize=8)
     fig.suptitle("the trajectories packed, one engine, the live service's limits (no disk)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(img / "freshness-share.png", dpi=120)
-    plt.close(fig)
+    save(fig, img / "freshness-share.png")
 
 
 def against_fleet(runs: Path, img: Path) -> None:
@@ -82,9 +88,7 @@ def against_fleet(runs: Path, img: Path) -> None:
     for ax in (left, right):
         ax.set_xticks(range(1, 6))
     left.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(img / "freshness-fleet.png", dpi=120)
-    plt.close(fig)
+    save(fig, img / "freshness-fleet.png")
 
 
 def curve(runs: Path, img: Path) -> None:
@@ -104,9 +108,7 @@ def curve(runs: Path, img: Path) -> None:
     ax.set_ylabel("share needed, %")
     ax.set_title("the share a target needs against the load (no cap; labels: sessions packed)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(img / "freshness-curve.png", dpi=120)
-    plt.close(fig)
+    save(fig, img / "freshness-curve.png")
 
 
 def load_over_time(runs: Path, img: Path) -> None:
@@ -123,9 +125,7 @@ def load_over_time(runs: Path, img: Path) -> None:
     bottom.set_xlabel("time, s (60 s windows)")
     top.set_title("the load over time, one engine")
     top.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(img / "freshness-load.png", dpi=120)
-    plt.close(fig)
+    save(fig, img / "freshness-load.png")
 
 
 def main() -> None:

@@ -350,7 +350,7 @@ def test_the_command_replays_a_packed_fleet_solves_the_share_and_checks(tmp_path
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--route", "random"], "--route one of affinity, hash, rendezvous, round-robin"),
+    (["--route", "random"], "--route is one of affinity, hash, rendezvous, round-robin"),
     (["--engines", "0"], "--engines is at least 1"),
     (["--priorities", "fastest"], "priorities are 'all', 'none'"),
     (["--pack", "0"], "--pack needs a positive number"),
