@@ -46,9 +46,13 @@ for step in "$@"; do
             --csv "$OUT/read-rate-h200.csv" --json > "$OUT/read-rate-h200.txt" 2>&1; tail -c 1500 "$OUT/read-rate-h200.txt" ;;
     abdefault) ab_run share2 "" ;;
     abzero) ab_run share0 0.0001 ;;
-    timeline) for share in ${SHARES:-0.0001 0.02}; do
+    timeline) for share in ${SHARES:-0.0001 0.02}; do  # the GPU's clocks and power sampled every 20 ms beside it
+                nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader \
+                  -lms 20 > "$OUT/gpu-$share.csv" 2>&1 & smi=$!
                 timeout 280 python3 experiments/round_timeline.py --shadow qwen3.5-0.8b --generator qwen3.5-4b --device cuda \
-                  --prompt 16350 --output 346 --runs ${RUNS:-6} --share $share 2>&1 | tee "$OUT/timeline-$share.txt" | tail -4 | cut -c1-400
+                  --prompt 16350 --output 346 --runs ${RUNS:-6} --share $share --raw "$OUT/timeline-$share-raw.json" 2>&1 \
+                  | tee "$OUT/timeline-$share.txt" | tail -4 | cut -c1-400
+                kill $smi
               done ;;
     proxy) MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=${RUNS:-6} AB_TIMEOUT=380 \
              timeout 560 bash experiments/proxy_demo.sh /tmp/proxy 2>&1 | tail -8

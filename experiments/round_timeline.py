@@ -3,8 +3,10 @@
 The embedded generator decodes `--output` tokens after a `--prompt`-id prompt, exactly as serve's
 embedded completions do (`ShadowService.between_rounds` between every two rounds), with the shadow
 off and on alternating run by run (a fresh session each run, the idle reader catching up between
-runs as in serve). Per round it times, device synchronised: the generator's step (forward and the
-next token's argmax), the bookkeeping between rounds, and the chunks read there. It reports per
+runs as in serve). Per round it times, on the host: the generator's step (from the end of the
+bookkeeping to the next token on the host; the generator launches each round before it hands out
+the token before it, so the bookkeeping runs while the device computes), the bookkeeping between
+rounds (a read's own time is device synchronised), and the chunks read there. It reports per
 arm the decode rate, the step time of rounds right after a read against the others (what a read
 does to the rounds after it), the bookkeeping p50/p99, the share charged and the longest gap.
 Last stdout line: one JSON object.
@@ -20,8 +22,6 @@ import json
 import statistics
 import time
 
-import torch
-
 from shadow.core.reader import open_reader
 from shadow.core.schedule import BandwidthRule
 from shadow.core.store import SessionStore
@@ -32,11 +32,6 @@ from shadow.server.service import ShadowService
 from shadow.server.settings import ModelSettings, ServeSettings, StoreSettings
 from shadow.text.sample import sample_conversation
 from shadow.text.tokenizer import load_tokenizer
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def prompt_ids(tokenizer, n: int, tag: int) -> list[int]:
@@ -57,8 +52,7 @@ def one_run(service: ShadowService, generator: Generator, prompt: list[int], out
         service.set_prompt(turn, prompt)
         gen = generator.generate(prompt, output, ())
         t = time.perf_counter()
-        for k, token in enumerate(gen):
-            sync(device)
+        for k, token in enumerate(gen):  # a token is out once the generator has it on the host
             now = time.perf_counter()
             arrivals.append(now)
             if k:
@@ -67,7 +61,6 @@ def one_run(service: ShadowService, generator: Generator, prompt: list[int], out
                 service.first_token(turn)
             b0 = time.perf_counter()
             reads.append(service.between_rounds(turn, (token,)))
-            sync(device)
             t = time.perf_counter()
             between.append(t - b0)
 
@@ -75,7 +68,8 @@ def one_run(service: ShadowService, generator: Generator, prompt: list[int], out
         service.run_request(job)
     finally:
         service.end_turn(turn)
-    return {"steps": steps, "between": between, "reads": reads, "arrivals": arrivals, "share_s": turn.share_used}
+    return {"steps": steps, "between": between, "reads": reads, "arrivals": arrivals, "share_s": turn.share_used,
+            "wall": [time.time() - (time.perf_counter() - arrivals[0]), time.time()] if arrivals else None}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -109,6 +103,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--share", type=float, default=0.02)
     parser.add_argument("--slice-chunks", type=int, default=1)
+    parser.add_argument("--raw", help="write every run's per-round times (and wall-clock decode window) here, as JSON")
     args = parser.parse_args()
 
     loaded, reader = open_reader(args.shadow, grid=512, device=args.device)
@@ -145,6 +140,9 @@ def main() -> None:
                   f"{o['bookkeeping_us_p50']} us p99 {o['bookkeeping_us_p99']} us; gaps p50 {o['gap_ms_p50']} p99 "
                   f"{o['gap_ms_p99']} max {o['gap_ms_max']} ms; charged {o['share_charged_pct']:.2f} %")
         print(f"change {doc['delta_pct']:+.2f} % (pairs {doc['paired_deltas_pct']})")
+        if args.raw:
+            with open(args.raw, "w") as f:
+                json.dump(arms, f)
         print(json.dumps(doc))
     finally:
         service.stop()

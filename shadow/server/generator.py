@@ -32,7 +32,9 @@ class Generator:
     def steps(self, prompt: Sequence[int], max_tokens: int, stop: Sequence[int] = ()) -> Iterator[int | None]:
         """`generate`, one step at a time: None after each prefill chunk but the last, then the
         tokens; the caller may stop or pause between any two steps (another request's round can
-        run between the chunks of a long prefill)."""
+        run between the chunks of a long prefill). Each token but the last is yielded with the
+        next round already launched on the device (queued behind it: whatever the caller runs on
+        the same device; a caller that times device work synchronises first)."""
         state = self.model.new_state()
         hidden = None
         for lo in range(0, len(prompt), PREFILL_CHUNK):
@@ -42,7 +44,10 @@ class Generator:
             hidden = self.forward(ids, state)
         for n in range(max_tokens):
             token = int(self.model.logits(hidden[-1:])[0].argmax())
-            yield token
             if token in stop or n + 1 == max_tokens:
+                yield token
                 return
+            # the next round is launched before the token is handed out: the caller's work between
+            # two rounds (streaming, the shadow's bookkeeping) runs while the device computes it
             hidden = self.forward(torch.tensor([token], device=self.model.device), state)
+            yield token

@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 from contextlib import contextmanager
@@ -50,6 +51,16 @@ log = logging.getLogger("shadow.serve")
 def _synchronize(reader: Reader) -> None:
     if reader.model.device.type == "cuda":
         torch.cuda.synchronize()
+
+
+def settle_device(reader: Reader) -> float:
+    """Wait until the reader's device has done what is queued on it; returns the seconds waited
+    (0 off a GPU, where nothing runs ahead of the host)."""
+    if reader.model.device.type != "cuda":
+        return 0.0
+    start = time.perf_counter()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 def scratch_chunk_s(reader: Reader, depth: int, clock: Callable[[], float]) -> float:
@@ -300,23 +311,26 @@ class Reading:
 
         return self.device.run(job, "reader")
 
-    def share(self) -> tuple[int, float]:
+    def share(self) -> tuple[int, float, float]:
         """Between two rounds of the engine (or two streamed deltas), on the device thread: the
         chunks the scheduler grants the share now, of whichever session it picks. O(1) while the
-        scheduler's last answer between rounds still holds (`between_rounds_due`). Returns
-        (chunks read, their seconds)."""
+        scheduler's last answer between rounds still holds (`between_rounds_due`). Before a read
+        the device finishes what is queued on it (the embedded engine's next round, launched
+        before its token was handed out): that wait is the engine's, not the read's. Returns
+        (chunks read, their seconds, seconds waited for the device first)."""
         sched = self.sched
         if not sched.between_rounds_due(self.clock()):  # nothing changed, and not yet due: no lock, no look
-            return 0, 0.0
+            return 0, 0.0, 0.0
         with self.lock:
             shadow = self.host.shadow
             if shadow is None or not self.enabled() or not sched.busy:
-                return 0, 0.0
+                return 0, 0.0, 0.0
             decision = sched.next_read(self.clock(), between_rounds=True)
             session = self._decided(shadow, decision)
         if session is None:
-            return 0, 0.0
-        return self.read(shadow, session, decision)
+            return 0, 0.0, 0.0
+        waited = settle_device(shadow.reader)
+        return (*self.read(shadow, session, decision), waited)
 
     def read_to_end(self, shadow: Shadow, name: str, timeout_s: float, started: float) -> tuple[Session, int, int]:
         """For an ask, on the device thread: read `name` to its last whole chunk, a chunk at a time

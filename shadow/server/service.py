@@ -253,13 +253,15 @@ class ShadowService:
         fed, the share's slice read, the voice's phrases written; what this costs beyond the chunks
         and phrases (which their budgets are charged) is timed (`counters.rounds`). Returns the
         chunks read."""
-        start, read_before, voice_before = time.perf_counter(), turn.share_used, turn.voice.used_s
+        start, read_before, voice_before, wait_before = (time.perf_counter(), turn.share_used, turn.voice.used_s,
+                                                         turn.engine_wait_s)
         if output_ids:
             self.add_output(turn, output_ids)
         done = self.share_slice(turn)
         self.voicing.serve_phrases(turn)
         spent = time.perf_counter() - start
-        self.counters.rounds.add(spent - (turn.share_used - read_before) - (turn.voice.used_s - voice_before))
+        self.counters.rounds.add(spent - (turn.share_used - read_before) - (turn.voice.used_s - voice_before)
+                                 - (turn.engine_wait_s - wait_before))
         return done
 
     def share_slice(self, turn: ServedTurn) -> int:
@@ -268,9 +270,10 @@ class ShadowService:
         picks), their seconds charged to the turn. Returns the chunks read."""
         if turn.id not in self.turns:
             return 0
-        done, seconds = self.reading.share()
+        done, seconds, waited = self.reading.share()
         with self.state_lock:
             turn.share_used += seconds
+            turn.engine_wait_s += waited
         return done
 
     def feed_held(self, turn: ServedTurn, wait: bool, share: bool) -> bool:

@@ -25,6 +25,7 @@ class ServedTurn(Turn):
     prompt_len: int = 0
     output_len: int = 0  # output ids fed after the prompt
     share_used: float = 0.0  # seconds read in the share between this turn's rounds
+    engine_wait_s: float = 0.0  # seconds its reads and phrases first waited for the engine's round in flight
     voice: VoiceBudget = field(default_factory=VoiceBudget)
     phrases: deque = field(default_factory=deque)  # phrase requests waiting for the turn's rounds (embedded)
     # the engine's load (status lines): when the engine got it, the ids it must read, its first piece

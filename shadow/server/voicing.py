@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from shadow.core.reader import Reader
 from shadow.server.host import ModelHost, Shadow
-from shadow.server.reading import Reading
+from shadow.server.reading import Reading, settle_device
 from shadow.server.shared import Shared
 from shadow.server.turn import ServedTurn
 from shadow.text.tokenizer import Tokenizer
@@ -81,9 +81,15 @@ class Voicing:
             log.exception("turn %s: the voice failed; its %s line goes out without a phrase", turn.id, kind)
         return None
 
-    @staticmethod
-    def serve_phrases(turn: ServedTurn) -> None:
-        """Between two rounds of a turn, on the device: write the phrases its stream asked for."""
+    def serve_phrases(self, turn: ServedTurn) -> None:
+        """Between two rounds of a turn, on the device: write the phrases its stream asked for,
+        once the device has done the engine's round in flight (that wait is the engine's: neither
+        the phrase's time nor the bookkeeping's)."""
+        if not turn.phrases:
+            return
+        shadow = self.host.shadow
+        if shadow is not None:
+            turn.engine_wait_s += settle_device(shadow.reader)
         while turn.phrases:
             job, request = turn.phrases.popleft()
             if request.set_running_or_notify_cancel():
