@@ -25,6 +25,7 @@ def read_rate(
     also_model: Annotated[list[str] | None, typer.Option(callback=model_name, help="More presets or checkpoints whose per-chunk sweep is timed too (repeatable), e.g. qwen3.5-2b.")] = None,
     grid: Annotated[list[int] | None, typer.Option(callback=grid_size, help="Grid(s) to sweep (repeatable); the first one is used for the whole-session read, ask, decode and the reference. Default 512.")] = None,
     contexts: Annotated[str, typer.Option(help="Context depths for the per-chunk timing, comma-separated.")] = "0,16384,65536",
+    batches: Annotated[str, typer.Option(help="Batch sizes whose batched reads are timed at each context too, comma-separated (e.g. 2,4,8: one forward reading the next chunk of that many sessions, as `shadow serve --batch`); their rows go to --json as batch_rows, which `replay-ledger --read-rate-json` charges batched reads by. Empty: none.")] = "",
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     kernels: KernelsOpt = "auto",
@@ -57,6 +58,12 @@ def read_rate(
         raise ShadowInputError(f"--contexts must be whole numbers, e.g. 0,16384,65536 (got {contexts!r})") from None
     if not depths or min(depths) < 0:
         raise ShadowInputError("--contexts needs non-negative depths, e.g. 0,16384,65536")
+    try:
+        sizes = sorted({int(x) for x in batches.split(",") if x.strip()})
+    except ValueError:
+        raise ShadowInputError(f"--batches must be whole numbers, e.g. 2,4,8 (got {batches!r})") from None
+    if any(b not in (2, 4, 8) for b in sizes):
+        raise ShadowInputError(f"--batches takes 2, 4 and 8 (the batch sizes a reader has CUDA graphs for; got {batches!r})")
     for option, tokens in (("--full-read-tokens", full_read_tokens), ("--reference-tokens", reference_tokens)):
         if 0 < tokens < grids[0]:  # fewer ids than one chunk: nothing would be read, a time of nothing
             raise ShadowInputError(f"{option} must be 0 (skip) or at least the grid, {grids[0]} (got {tokens})")
@@ -72,6 +79,8 @@ def read_rate(
         for i, g in enumerate(grids):
             r = reader if i == 0 else reader_for(loaded, g)
             result.rows += rr.chunk_times(r, depths, repeats, progress=say, model=model)
+        if sizes:
+            result.batch_rows = rr.batch_times(reader, depths, sizes, repeats, progress=say, model=model)
         extras = [(other, kernels) for other in also_model or []] + [(model, k) for k in also_kernels or []]
         for name, kernel_set in extras:  # other models, or the same model with other kernels
             extra, _ = open_reader(name, grid=grids[0], device=device, dtype=parse_dtype(dtype), kernels=kernel_set)
@@ -108,6 +117,8 @@ def read_rate(
         table.add_row(row.model, row.kernels, f"{row.grid:,}", f"{row.context:,}", f"{row.ms_per_chunk:.2f}",
                       f"{row.ms_per_1k_tokens:.2f}")
     show(table)
+    if result.batch_rows:
+        show(_batch_table(result.batch_rows))
     if full_read_tokens:
         console.print(f"whole read of {result.full_read_tokens:,} ids from empty: {result.full_read_s:.3f} s")
     if ask_tokens:
@@ -137,8 +148,21 @@ def read_rate(
             "fork_decode_ms_per_token": _r(result.fork_decode_ms_per_token) if ask_tokens else None,
             "full_read_s": _r(result.full_read_s) if full_read_tokens else None,
             "full_read_tokens": result.full_read_tokens or None,
-            "rows": [vars(r) for r in result.rows], "repeats": repeats, "seconds": round(seconds, 2),
+            "rows": [vars(r) for r in result.rows], "batch_rows": [vars(r) for r in result.batch_rows],
+            "repeats": repeats, "seconds": round(seconds, 2),
         })
+
+
+def _batch_table(rows) -> Table:
+    """Batched reads by depth: ms a read, ms a chunk, tokens a second, against one session's chunk."""
+    table = Table(title="batched reads: B sessions' next chunks in one forward")
+    for col in ("context", "B", "ms / read", "ms / chunk", "tokens / s", "vs B = 1"):
+        table.add_column(col, justify="right")
+    single = {r.context: r.ms_per_chunk for r in rows if r.batch == 1}
+    for r in rows:
+        table.add_row(f"{r.context:,}", str(r.batch), f"{r.ms_per_read:.2f}", f"{r.ms_per_chunk:.2f}",
+                      f"{r.grid * 1000 / r.ms_per_chunk:,.0f}", f"x{single[r.context] / r.ms_per_chunk:.2f}")
+    return table
 
 
 def _headline(rows, grid: int):

@@ -2,7 +2,7 @@
 # The freshness tables and figures in docs/FRESHNESS.md, from `shadow replay-ledger` runs of the read
 # scheduler (shadow/core/schedule.py).
 # Usage: bash experiments/replay_tables.sh [DATA_DIR] [STEP ...]   (DATA_DIR default ../shared/data)
-#   the live service's limits: ledger live ablation share-sweep fleet curve
+#   the live service's limits: ledger live batches ablation share-sweep fleet curve
 #   the idealised replay (ids at once, no cap, no voice, one chunk cost): trajectories packed density
 #     traj-fleet mooncake mooncake-fleet mooncake-routes
 #   default: every step, in that order. Each step prints its commands; outputs in out/freshness-*.txt (the
@@ -12,7 +12,7 @@
 set -euo pipefail
 data=../shared/data
 if [ $# -gt 0 ] && [ -d "$1" ]; then data=$1; shift; fi
-steps=${*:-ledger live ablation share-sweep fleet curve trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes}
+steps=${*:-ledger live batches ablation share-sweep fleet curve trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes}
 H200=7.3647  # ms per 1,000: docs/results/read-rate-512-h200-r2-fixed.json, one chunk at 16k (the idealised runs)
 IDEAL="--ids embedded --cap-gib 0 --voice-share 0 --samples 0 --read-ms-per-1k $H200"
 TRAJ=$data/trajectories/mini-swe-agent
@@ -37,6 +37,13 @@ for step in $steps; do
     live)  # the live service's defaults, packed to 24 and 29 active on one engine
       for k in 24 29; do
         run "live-$k" "$LEDGER" --pack "$k" --share 0.02 --solve-share "p99 ask wait <= 50 ms"
+      done ;;
+    batches)  # batched reads against one session a read, packed to 29, the live cap and no cap
+      for cap in 4 0; do
+        for b in 1 8; do
+          run "batch-29-cap$cap-b$b" "$LEDGER" --pack 29 --share 0.02 --cap-gib "$cap" --batch "$b" \
+            --solve-share "fresh >= 97 %"
+        done
       done ;;
     ablation)  # what each limit costs, one at a time, at 24 and 29 active and a 2 % share
       for k in 24 29; do

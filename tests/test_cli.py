@@ -152,11 +152,31 @@ def test_read_rate_on_cpu_with_tiny(tmp_path):
     assert f"wrote {plot}" in result.output and f"wrote {csv_path}" in result.output
 
 
+def test_read_rate_times_batches_and_the_replay_charges_by_them(tmp_path):
+    result = runner.invoke(app, ["read-rate", "--contexts", "0,512", "--batches", "2,4", "--repeats", "1",
+                                 "--full-read-tokens", "0", "--ask-tokens", "0", "--reference-tokens", "0", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = last_json(result.output)
+    assert [(r["context"], r["batch"]) for r in doc["batch_rows"]] == [(c, b) for c in (0, 512) for b in (1, 2, 4)]
+    assert all(r["ms_per_chunk"] == pytest.approx(r["ms_per_read"] / r["batch"]) for r in doc["batch_rows"])
+    assert "batched reads" in result.output
+    rate = tmp_path / "rate.json"
+    rate.write_text(json.dumps(doc) + "\n")
+    folder = shared_file("trajectories", "mini-swe-agent", "pydata__xarray-4629.traj.json")
+    replayed = runner.invoke(app, ["replay-ledger", str(folder), "--read-rate-json", str(rate), "--batch", "4",
+                                   "--samples", "10", "--json"])
+    assert replayed.exit_code == 0, replayed.output
+    out = last_json(replayed.output)
+    assert out["batch"] == 4 and out["batch_costs"] == "rate.json" and "batches of up to 4 (rate.json)" in replayed.output
+
+
 @pytest.mark.parametrize(
     "args, message",
     [(["--contexts", "a,b"], "whole numbers"), (["--contexts", "-5"], "non-negative"),
-     (["--grid", "100"], "multiple of 64"), (["--kernels", "turbo"], "unknown kernels")],
-    ids=["contexts-not-numbers", "negative-context", "bad-grid", "bad-kernels"],
+     (["--grid", "100"], "multiple of 64"), (["--kernels", "turbo"], "unknown kernels"),
+     (["--batches", "3"], "--batches takes 2, 4 and 8"), (["--batches", "two"], "--batches must be whole numbers")],
+    ids=["contexts-not-numbers", "negative-context", "bad-grid", "bad-kernels", "batch-size-without-graphs",
+         "batches-not-numbers"],
 )
 def test_read_rate_bad_input(args, message):
     result = runner.invoke(app, ["read-rate", *args])
@@ -383,7 +403,9 @@ def test_replay_ledger_refuses_a_binary_file(workdir, fmt):
     (["--read-rate-json", "folder"], "--read-rate-json folder: is a folder"),
     (["--read-ms-per-1k", "nan"], "--read-ms-per-1k must be > 0 (got nan)"),
     (["--engines", "0"], "--engines is at least 1 (got 0)"),
-], ids=["write-ledger-folder", "plot-suffix", "binary-rate-file", "rate-file-folder", "nan-rate", "no-engines"])
+    (["--batch", "3"], "--batch is 1, 2, 4 or 8"),
+], ids=["write-ledger-folder", "plot-suffix", "binary-rate-file", "rate-file-folder", "nan-rate", "no-engines",
+        "batch-size-without-graphs"])
 def test_replay_ledger_refuses_bad_options(workdir, args, message):
     ledger = workdir / "x.ledger.jsonl"
     ledger.write_text(json.dumps({"session": "a", "start": 0, "first_token": 1, "end": 2, "prompt_tokens": 600,

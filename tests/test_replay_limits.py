@@ -15,7 +15,7 @@ from cli.main import app
 from shadow.core.residency import StateSize
 from shadow.core.schedule import BandwidthRule
 from shadow.model.config import PRESETS
-from shadow.offline.costs import ChunkTable, CostTable, ReadTime
+from shadow.offline.costs import BatchTable, ChunkTable, CostTable, ReadTime
 from shadow.offline.fleet import inversions
 from shadow.offline.ledger import Request, Router, route_requests, write_ledger
 from shadow.offline.limits import Limits
@@ -259,3 +259,48 @@ def test_a_malformed_target_exits_2_before_any_work(tmp_path):
                                       "--write-ledger", str(out)])
     assert result.exit_code == 2 and "--solve-share a target reads like" in result.output
     assert not out.exists()
+
+
+def test_a_batch_table_is_the_batched_reads_time_over_its_chunks_alone():
+    table = BatchTable.measured({0: {1: 4.0, 2: 6.0, 8: 16.0}, 1000: {1: 10.0, 2: 18.0, 8: 72.0}}, "t")
+    assert table.ratios == {2: (0.75, 0.9), 8: (0.5, 0.9)}
+    assert table.ratio(2, 500) == pytest.approx(0.825) and table.ratio(8, 5000) == 0.9
+    assert table.ratio(4, 0) == 0.75 and table.ratio(1, 0) == 1.0  # a size not measured: the largest below it
+    costs = CostTable(ChunkTable((0, 1000), (0.004, 0.010), "c"), batch=table)
+    assert costs.batch_s([0, 1000]) == pytest.approx(0.004 * 0.75 + 0.010 * 0.9)
+    assert costs.batch_s([1000]) == 0.010
+    with pytest.raises(ValueError, match="single chunk"):
+        BatchTable.measured({0: {2: 6.0}}, "t")
+    with pytest.raises(ValueError, match="some depths only"):
+        BatchTable.measured({0: {1: 4.0, 2: 6.0}, 1000: {1: 10.0}}, "t")
+    assert BatchTable.h200().ratio(8, 16384) == pytest.approx(26.34 / (8 * 3.82))
+
+
+def test_a_read_rate_file_gives_its_batch_rows():
+    doc = {"model": "m", "kernels": "k", "batch_rows": [
+        {"model": "m", "kernels": "k", "grid": 512, "context": 0, "batch": 1, "ms_per_read": 3.0},
+        {"model": "m", "kernels": "k", "grid": 512, "context": 0, "batch": 4, "ms_per_read": 9.0},
+        {"model": "m", "kernels": "other", "grid": 512, "context": 0, "batch": 4, "ms_per_read": 99.0}]}
+    assert BatchTable.from_read_rate(doc, 512, "f").ratios == {4: (0.75,)}
+    assert BatchTable.from_read_rate({"rows": []}, 512, "f") is None
+    with pytest.raises(ValueError, match="no batch rows at grid 256"):
+        BatchTable.from_read_rate(doc, 256, "f")
+
+
+def test_batched_idle_reads_take_several_sessions_chunks_in_one_read():
+    """Four sessions of 1,024 ids each end their turn at 0.2 s, a poll tick; their eight chunks
+    (0.1 s each alone) are read in the idle window from then. One at a time, session by session,
+    they are fresh at 0.4, 0.6, 0.8 and 1.0 s (the last after its next turn began); in batches of 4 at half the time a chunk, two reads
+    of 0.2 s, all fresh at 0.6 s. The next turns at 0.9 s find every session fresh with batches,
+    and without, the last one's second chunk in flight."""
+    reqs = [Request(s, 0.0, 0.1, 0.2, 1024, 1024, 0) for s in "abcd"]
+    reqs += [Request(s, 0.9, 1.0, 1.1, 1124, 100, 0) for s in "abcd"]
+    halves = BatchTable((0,), {2: (0.75,), 4: (0.5,)}, "halves")
+    costs = CostTable(FLAT, restore_gib_s=math.inf, spill_gib_s=math.inf, ask_s=0.0, batch=halves)
+    alone = replay(reqs, costs=costs, use_share=False)
+    batched = replay(reqs, costs=costs, use_share=False, rule=BandwidthRule(batch=4, batch_s=1.0))
+    assert alone.chunks_idle == batched.chunks_idle == 8
+    assert [t.seconds for t in alone.to_fresh[:4]] == pytest.approx([0.4, 0.6, 0.8, 0.9])
+    assert [t.censored for t in alone.to_fresh[:4]] == [False, False, False, True]  # not fresh by its next turn
+    assert [t.seconds for t in batched.to_fresh[:4]] == pytest.approx([0.6] * 4)
+    assert [t.behind for t in alone.turns] == [0, 0, 0, 512] and all(t.fresh for t in batched.turns)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 GIB = 1 << 30
 
@@ -99,12 +99,95 @@ class ChunkTable:
         return self(depth) * 1e6 / grid
 
 
+# Batched reads of the same shape on the H200 (fla-triton, CUDA graphs per batch): ms of one forward
+# reading the next chunk of B sessions all at one depth, B = 1, 2, 4, 8: `python3
+# experiments/batch_rate.py --model qwen3.5-0.8b --device cuda --depth D --batches 1,2,4,8 --repeats 5`
+# (docs/results/batch/batch-rate-h200-depth0.txt, batch-rate-h200-graphed.txt at 16,384 and
+# batch-rate-h200-depth65536.txt; two device sessions).
+H200_BATCH_MS = {
+    0: {1: 3.203, 2: 5.774, 4: 10.574, 8: 20.27},
+    16384: {1: 3.82, 2: 7.24, 4: 13.72, 8: 26.34},
+    65536: {1: 6.237, 2: 12.159, 4: 23.496, 8: 45.83},
+}
+
+
+@dataclass(frozen=True)
+class BatchTable:
+    """What a chunk costs inside a batched read: by batch size and depth, the batched read's time
+    over B single chunks' at that depth (`ratios[B]`, one per depth of `depths`; linear between
+    depths, the nearest past either end). A batch of chunks at depths d1 .. dB costs the sum of
+    `chunk(d_i) * ratio(B, d_i)`: the row-wise work is shared, each session's attention and
+    recurrence its own. A size not measured takes the largest measured size below it."""
+
+    depths: tuple[int, ...]
+    ratios: dict[int, tuple[float, ...]]
+    label: str
+
+    def __post_init__(self) -> None:
+        if not self.depths or list(self.depths) != sorted(set(self.depths)) or min(self.depths) < 0:
+            raise ValueError("a batch table needs rising depths")
+        for size, ratios in self.ratios.items():
+            if size < 2 or len(ratios) != len(self.depths):
+                raise ValueError("a batch table has sizes of 2 or more, one ratio a depth each")
+            if any(not math.isfinite(r) or not 0 < r <= 1.5 for r in ratios):
+                raise ValueError(f"a batch of {size}'s ratios are positive (at most 1.5: a batch slower than its chunks alone)")
+
+    @classmethod
+    def measured(cls, ms: dict[int, dict[int, float]], label: str) -> BatchTable:
+        """From ms of one batched read by depth, then batch size (size 1 at every depth)."""
+        depths = tuple(sorted(ms))
+        if any(1 not in ms[d] or ms[d][1] <= 0 for d in depths):
+            raise ValueError("every depth needs its single chunk's time (batch size 1)")
+        sizes = sorted({b for d in depths for b in ms[d] if b > 1})
+        missing = [(d, b) for d in depths for b in sizes if b not in ms[d]]
+        if missing:
+            raise ValueError(f"batch sizes measured at some depths only (e.g. {missing[0][1]} at depth {missing[0][0]})")
+        return cls(depths, {b: tuple(ms[d][b] / (b * ms[d][1]) for d in depths) for b in sizes}, label)
+
+    @classmethod
+    def h200(cls) -> BatchTable:
+        return cls.measured(H200_BATCH_MS, "H200 batches")
+
+    @classmethod
+    def from_read_rate(cls, doc: dict, grid: int, label: str) -> BatchTable | None:
+        """A `shadow read-rate --batches ... --json` document's `batch_rows` at `grid` (of its own
+        model and kernels); None where it has none. ValueError for rows it cannot use."""
+        rows = doc.get("batch_rows")
+        if not rows:
+            return None
+        if not isinstance(rows, list):
+            raise ValueError("its batch_rows are not a list")
+        ms: dict[int, dict[int, float]] = {}
+        for row in rows:
+            if not isinstance(row, dict) or row.get("grid", grid) != grid:
+                continue
+            if any(row.get(k, doc.get(k)) != doc.get(k) for k in ("model", "kernels")):
+                continue
+            ms.setdefault(int(row["context"]), {})[int(row["batch"])] = float(row["ms_per_read"])
+        if not ms:
+            raise ValueError(f"no batch rows at grid {grid}")
+        return cls.measured(ms, label)
+
+    def ratio(self, size: int, depth: int) -> float:
+        sizes = [b for b in sorted(self.ratios) if b <= size]
+        if size <= 1 or not sizes:
+            return 1.0
+        ratios = self.ratios[sizes[-1]]
+        i = bisect.bisect_right(self.depths, depth)
+        if i == 0:
+            return ratios[0]
+        if i == len(self.depths):
+            return ratios[-1]
+        lo, hi = self.depths[i - 1], self.depths[i]
+        return ratios[i - 1] + (ratios[i] - ratios[i - 1]) * (depth - lo) / (hi - lo)
+
+
 @dataclass(frozen=True)
 class CostTable:
     """The device's costs the replay charges: `chunk` by depth; restores and spills at `restore_gib_s`
     and `spill_gib_s` of their file's bytes; an ask's forward `ask_s`; one voice phrase `phrase_s`;
-    the proxy's tokenisation of a prompt, `tokenize_s_per_1k` seconds per 1,000 ids. The defaults
-    are the H200's and this CPU's measurements above."""
+    the proxy's tokenisation of a prompt, `tokenize_s_per_1k` seconds per 1,000 ids; a batched
+    read, `batch_s`. The defaults are the H200's and this CPU's measurements above."""
 
     chunk: ChunkTable
     restore_gib_s: float = H200_RESTORE_GIB_S
@@ -112,6 +195,11 @@ class CostTable:
     ask_s: float = H200_ASK_MS / 1000
     phrase_s: float = H200_PHRASE_MS / 1000
     tokenize_s_per_1k: float = CPU_TOKENIZE_MS_PER_1K / 1000
+    batch: BatchTable = field(default_factory=BatchTable.h200)  # what a chunk costs in a batched read
+
+    def batch_s(self, depths: list[int]) -> float:
+        """Seconds of one batched read of one chunk at each of `depths`."""
+        return sum(self.chunk(d) * self.batch.ratio(len(depths), d) for d in depths)
 
     def restore_s(self, nbytes: int) -> float:
         return nbytes / GIB / self.restore_gib_s if math.isfinite(self.restore_gib_s) else 0.0

@@ -15,11 +15,12 @@ is the ledger's: the shadow's work never moves it.
 
 from __future__ import annotations
 
+
 import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler
 from shadow.offline.costs import CostTable, ReadTime
@@ -335,9 +336,31 @@ class EngineReplay:
             done += 1
         return done, t
 
+    def _batch(self, read: Read, t: float) -> tuple[Read, int, float]:
+        """A batched read: one chunk of its session and of each of `read.others` still resident at
+        its read position with a whole chunk, in one forward charged `costs.batch_s` (as
+        `Reading.read`: the others that left are dropped from the read told to the scheduler)."""
+        first = self.store.peek(read.session)
+        if first is None or first.committed != read.depth or first.committed + self.grid > first.ids:
+            return replace(read, others=()), 0, t
+        batch = [first]
+        for name, depth in read.others:
+            h = self.store.peek(name)
+            if h is not None and h.committed == depth and depth + self.grid <= h.ids:
+                batch.append(h)
+        t = self._busy(t, self.costs.batch_s([h.committed for h in batch]))
+        for h in batch:
+            self.store.advance(h)
+        if len(batch) - 1 != len(read.others):
+            read = replace(read, others=tuple((h.name, h.committed - self.grid) for h in batch[1:]))
+        return read, len(batch), t
+
     def _read(self, read: Read, t: float) -> float:
         start = t
-        done, t = self._chunks(read, t)
+        if read.others:
+            read, done, t = self._batch(read, t)
+        else:
+            done, t = self._chunks(read, t)
         if read.window == "share":
             self.tally.chunks_share += done
             self.tally.share_s += t - start
@@ -345,7 +368,8 @@ class EngineReplay:
         else:
             self.tally.chunks_idle += done
         self.sched.read_done(read, done, t - start, t)
-        self._tell(read.session, t)
+        for name in (read.session, *(name for name, _ in read.others)):
+            self._tell(name, t)
         if read.window == "idle":
             t = self._settle(read.session, t)
         return t

@@ -18,7 +18,7 @@ import bisect
 import math
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from shadow.core.schedule import BandwidthRule, ChunkCosts, Priorities, ReadScheduler
 from shadow.offline.costs import ChunkTable, CostTable
@@ -145,7 +145,7 @@ def replay(
 
 
 def _no_share(rule: BandwidthRule) -> BandwidthRule:
-    return BandwidthRule(rule.poll_s, rule.burst_s, 0.0, rule.slice_s)
+    return replace(rule, share=0.0)
 
 
 def _next_starts(requests: Sequence[Request], ranked: Sequence[int]) -> list[float]:

@@ -33,8 +33,23 @@ class DepthRow:
 
 
 @dataclass
+class BatchRow:
+    """One batched read of the next chunk of `batch` sessions all at `context` (batch 1: one
+    session's chunk, timed the same way)."""
+
+    model: str
+    grid: int
+    context: int
+    batch: int
+    ms_per_read: float
+    ms_per_chunk: float
+    kernels: str = ""
+
+
+@dataclass
 class ReadRate:
     rows: list[DepthRow] = field(default_factory=list)
+    batch_rows: list[BatchRow] = field(default_factory=list)
     full_read_tokens: int = 0
     full_read_s: float = 0.0
     ask_session_tokens: int = 0
@@ -79,6 +94,53 @@ def chunk_times(
         ms = time_ms(one_chunk, device, repeats=repeats, warmup=2)
         rows.append(DepthRow(model, reader.grid, depth, ms, ms * 1000 / reader.grid, reader.model.kernels.name))
     return rows
+
+
+def batch_times(
+    reader: Reader, contexts: Sequence[int], batches: Sequence[int], repeats: int = 5,
+    progress: Callable[[str], None] | None = None, model: str = "",
+) -> list[BatchRow]:
+    """Median ms of one read of the next chunk of B sessions at each context depth (rounded down to
+    the grid) in one batched forward (`Reader.advance_batch`), for B = 1 (`advance`, the same way)
+    and each size in `batches`. A chunk's time depends on its shape, not on the values: the
+    sessions' rows up to the depth are the zeros their buffers were made with, and each timing sets
+    the sessions back to the depth."""
+    device = reader.model.device
+    depths = sorted({c // reader.grid * reader.grid for c in contexts})
+    sizes = sorted({1, *batches})
+    rows = []
+    for depth in depths:
+        sessions = _sessions_at(reader, depth, max(sizes))
+        for b in sizes:
+            group = sessions[:b]
+            if progress:
+                progress(f"{model} batches of {b}, context {depth:,}")
+
+            def one_read(group=group) -> None:
+                for s in group:
+                    s.state.length = depth
+                if len(group) == 1:
+                    reader.advance(group[0], max_chunks=1)
+                else:
+                    reader.advance_batch(group)
+
+            ms = time_ms(one_read, device, repeats=repeats, warmup=2)
+            rows.append(BatchRow(model, reader.grid, depth, b, ms, ms / b, reader.model.kernels.name))
+        del sessions
+    return rows
+
+
+def _sessions_at(reader: Reader, depth: int, n: int) -> list[Session]:
+    """`n` sessions whose read position is `depth`, each with one whole chunk to read after it."""
+    out = []
+    for k in range(n):
+        s = reader.new_session(f"read-rate batch {k}")
+        for layer in s.state.attention:
+            layer.reserve(depth + reader.grid)
+        s.state.length = depth
+        s.ids = [1000 + k] * (depth + reader.grid)
+        out.append(s)
+    return out
 
 
 def read_seconds(reader: Reader, ids: list[int], runs: int = 3) -> float:
