@@ -2,7 +2,7 @@
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests sweep convsweep pins profile rate512 verify rate attention generator genprofile
 #     timeline abdefault abzero proxy restore voice abvoice doctor verifyspill batchrate
-# Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried.
+# Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
@@ -59,7 +59,7 @@ for step in "$@"; do
            cp /tmp/proxy/ab.json "$OUT/ab-proxy.json"; cp /tmp/proxy/ab.csv "$OUT/ab-proxy.csv"; cp /tmp/proxy/proxy-status.json "$OUT/" ;;
     sanity) timeout 200 shadow verify-exact --model qwen3.5-0.8b --device cuda --against-grid 0 --json 2>&1 | tail -c 600 ;;
     abvoice) for m in ${SHADOWS:-qwen3.5-0.8b qwen3.5-2b}; do
-               MODEL=$m GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-4096} RUNS=${RUNS:-2} NO_EVAL=1 \
+               MODEL=$m GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-2048} RUNS=${RUNS:-6} NO_EVAL=1 \
                  TEMPLATE=.carry/qwen3.5.jinja VOICE=1 AB_TIMEOUT=240 timeout 280 bash experiments/serve_demo.sh \
                  "/tmp/abvoice-$m" 2>&1 | tail -6; tail -n 5 "/tmp/abvoice-$m/ab.log"; cp "/tmp/abvoice-$m/ab.json" "$OUT/abvoice-$m.json"
                cp "/tmp/abvoice-$m/ab.csv" "$OUT/abvoice-$m.csv"; cp "/tmp/abvoice-$m/journal.jsonl" "$OUT/abvoice-$m-journal.jsonl"
@@ -81,3 +81,7 @@ for step in "$@"; do
     *) echo "unknown step $step" ;;
   esac
 done
+# the device returns at most 8 files: TAR=1 packs everything the steps wrote into one
+if [ -n "${TAR:-}" ]; then
+  tar -czf /tmp/h200-results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/h200-results.tgz "$OUT/"
+fi

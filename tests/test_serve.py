@@ -721,3 +721,22 @@ def test_two_long_generations_take_turns_and_each_is_read_exactly(tiny):
         wait_until_read(service, ["g0", "g1"])
         for k in range(2):
             assert_exact(service, f"g{k}")
+
+
+@pytest.mark.parametrize("upstream", [False, True], ids=["embedded", "proxy"])
+def test_a_stopped_app_keeps_nothing_of_its_service_alive(upstream):
+    """FastAPI keeps every endpoint it was given in a process-wide cache; the app's routes hold its
+    service, models and tokenizer weakly, so once the app is stopped and dropped they are freed (a
+    process that makes many apps, as this suite does, does not grow by a model each)."""
+    import gc
+    import weakref
+    from contextlib import ExitStack
+
+    with ExitStack() as engines:
+        url = str(engines.enter_context(running())[0].base_url) + "/v1" if upstream else None
+        with running(url) as (client, service):
+            assert client.get("/v1/models").status_code == 200 and client.get("/ready").status_code == 200
+            held = [weakref.ref(service), weakref.ref(service.reader.model)]
+        del client, service
+        gc.collect()
+        assert [ref() for ref in held] == [None, None]

@@ -7,6 +7,8 @@ Every error a client causes is a 4xx in the one error shape (`errors`); 404 and 
 from __future__ import annotations
 
 import asyncio
+import types
+import weakref
 from contextlib import asynccontextmanager
 
 import httpx
@@ -32,6 +34,11 @@ from shadow.server.settings import METRICS_PATH, ServeSettings
 from shadow.text.chat_template import ChatRenderer
 from shadow.text.framing import strip_request
 from shadow.text.tokenizer import Tokenizer
+
+
+def weakly(method):
+    """`method`, bound to a weak proxy of its object instead of the object."""
+    return types.MethodType(method.__func__, weakref.proxy(method.__self__))
 
 
 class ShadowApp:
@@ -62,14 +69,19 @@ class ShadowApp:
         app = self.app = FastAPI(title="shadow serve", lifespan=self._lifespan)
         app.add_middleware(Guard, access=settings.access, limits=settings.limits)
         errors.install(app)
-        app.add_api_route("/v1/models", self.models, methods=["GET"])
-        app.add_api_route("/v1/chat/completions", self.chat, methods=["POST"], openapi_extra=openapi_body(ChatBody))
-        app.add_api_route("/v1/completions", self.completions, methods=["POST"],
+        # the routes hold the app, its service and tokenizer weakly (the FastAPI app holds this object
+        # through its lifespan): FastAPI keeps every endpoint it was given in a process-wide cache,
+        # which must not keep a stopped app's models alive
+        me, held = weakref.proxy(self), weakref.proxy(service)
+        app.add_api_route("/v1/models", weakly(self.models), methods=["GET"])
+        app.add_api_route("/v1/chat/completions", weakly(self.chat), methods=["POST"],
+                          openapi_extra=openapi_body(ChatBody))
+        app.add_api_route("/v1/completions", weakly(self.completions), methods=["POST"],
                           openapi_extra=openapi_body(CompletionBody))
-        app.include_router(shadow_routes(service, tokenizer, [eos_id], settings.limits))
-        app.include_router(Probes(service, lambda: self.proxy).routes())
+        app.include_router(shadow_routes(held, weakref.proxy(tokenizer), [eos_id], settings.limits))
+        app.include_router(Probes(held, lambda: me.proxy).routes())
         self.metrics = Metrics(service)  # the app's own registry
-        app.add_api_route(METRICS_PATH, self.scrape, methods=["GET"], include_in_schema=False)
+        app.add_api_route(METRICS_PATH, weakly(self.scrape), methods=["GET"], include_in_schema=False)
 
     @asynccontextmanager
     async def _lifespan(self, app: FastAPI):
