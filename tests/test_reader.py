@@ -151,6 +151,29 @@ def test_decode_is_a_fork_and_greedy(reader):
     assert reader.decode(s, prompt, max_new_tokens=6, stop=[out[1]]) == out[:2]
 
 
+def test_decode_in_steps_is_decode_and_a_fork_closed_early_is_undone(reader):
+    s = reader.new_session("a")
+    reader.feed_prompt(s, ids(150, 0))
+    reader.advance(s)
+    before, prompt = snapshot(s), ids(5, 1)
+    steps = reader.decode_steps(s, prompt, max_new_tokens=6)
+    yielded = 0
+    while True:
+        try:
+            next(steps)
+            yielded += 1
+        except StopIteration as done:
+            out = done.value
+            break
+    assert yielded == 6 and out == reader.decode(s, prompt, max_new_tokens=6)  # the prefill, then a token a step
+    assert_unchanged(before, s)
+    early = reader.decode_steps(s, prompt, max_new_tokens=6)
+    next(early), next(early)  # the fork is open on the session's state here
+    assert s.committed != before["length"]
+    early.close()
+    assert_unchanged(before, s)
+
+
 def test_kv_capacity_grows_in_steps_and_never_changes_a_result(reader):
     s = reader.new_session("a")
     reader.feed_prompt(s, ids(KV_STEP + 2 * GRID, 0))

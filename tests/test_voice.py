@@ -191,8 +191,10 @@ def test_a_phrase_that_started_between_rounds_is_kept_when_it_outlasts_the_wait(
     from shadow.voice.voice import Phrase
 
     class SlowVoice(Voice):
-        def phrase(self, *args, **kwargs):
-            time.sleep(0.5)
+        def phrase_steps(self, *args, **kwargs):
+            for _ in range(5):  # five forwards of 0.1 s, a step a round
+                time.sleep(0.1)
+                yield
             return Phrase(None, "noise", "unread words", 0.5, 3)
 
     tokenizer = load_tokenizer(None)
@@ -216,11 +218,60 @@ def test_a_phrase_that_started_between_rounds_is_kept_when_it_outlasts_the_wait(
         used = turn.voice.used_s
         service.end_turn(turn)
     assert phrase is not None and phrase.raw == "noise" and phrase.seconds == 0.5
-    assert used >= 0.5
+    assert used >= 0.5  # charged as its steps ran
+
+
+def test_between_rounds_a_phrase_is_written_a_forward_a_round_and_nothing_is_read_meanwhile(tiny):
+    """Embedded: a phrase's fork is open on the session from its prefill to its last token, one
+    forward a round; no share read runs in those rounds (the fork would see the read's rows), and
+    reading goes on once it is over. The session is bit-equal to a fresh prefill afterwards."""
+    import threading
+    import time
+
+    from serving import assert_exact
+    from shadow.core.schedule import BandwidthRule
+
+    tokenizer = load_tokenizer(None)
+    with running(rule=BandwidthRule(share=0.5)) as (_, service):
+        service.voicing.voice = Voice(service.reader, tokenizer, max_tokens=6)
+        service.voicing.voice.cost = PhraseCost(0.01, 0.0)
+        turn = service.begin_turn("steps", embedded=True)
+        prompt = tokenizer.encode(long_text(8, 600))
+        service.name_turn(turn, prompt)
+        service.device.run(lambda: service.set_prompt(turn, prompt))
+        service.first_token(turn)
+        turn.first_token -= 10.0  # 10 s into its decode: budget for a phrase
+        rounds, asked = [], threading.Event()
+
+        def decode():  # the turn's own rounds, 8 ids each; a phrase is asked for once the prompt is read
+            for k in range(120):
+                open_before = turn.phrase is not None
+                rounds.append((open_before, service.between_rounds(turn, [100 + k % 50] * 8)))
+                time.sleep(0.003)
+                s = service.store.get(turn.session)
+                if not asked.is_set() and len(s.ids) - s.committed < GRID:
+                    asked.set()
+                    deadline = time.monotonic() + 10
+                    while not turn.phrases and turn.phrase is None and time.monotonic() < deadline:
+                        time.sleep(0.001)  # until the stream's request has come
+
+        held = service.device.submit(decode)
+        assert asked.wait(60)
+        phrase = service.voicing.phrase(turn, "thinking", wait_s=5.0)
+        held.result()
+        used = turn.voice.used_s
+        service.end_turn(turn)
+        assert_exact(service, turn.session)
+    assert phrase is not None and phrase.tokens >= 1 and used > 0
+    opened = [k for k, (open_before, _) in enumerate(rounds) if open_before]
+    assert len(opened) >= phrase.tokens and opened == list(range(opened[0], opened[-1] + 1))  # a forward a round
+    assert all(read == 0 for _, read in rounds[opened[0] : opened[-1] + 1])  # nothing read while its fork was open
+    assert sum(read for _, read in rounds[opened[-1] + 1 :]) > 0  # reading went on after it
 
 
 class FailingVoice(Voice):
-    def phrase(self, *args, **kwargs):
+    def phrase_steps(self, *args, **kwargs):
+        yield  # its prefill, then it breaks
         raise RuntimeError("the voice broke")
 
 

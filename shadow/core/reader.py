@@ -7,9 +7,10 @@ a fresh prefill of the same ids on the same grid, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -18,6 +19,8 @@ from shadow.model.checkpoint import LoadedModel
 from shadow.model.qwen35 import Qwen35
 from shadow.model.runtime import BATCHES, FORK_SIZES, forward_for, load_model
 from shadow.model.state import DeltaSnapshot, ModelState
+
+T = TypeVar("T")
 
 MAX_CHECKPOINTS = 6
 
@@ -218,12 +221,22 @@ class Reader:
         stop: Sequence[int] = (),
     ) -> list[int]:
         """Greedy decode from a fork over the pending tail and `prompt`; the session is left as it was."""
+        return drain(self.decode_steps(session, prompt, max_new_tokens, stop))
+
+    def decode_steps(
+        self, session: Session, prompt: Sequence[int], max_new_tokens: int,
+        stop: Sequence[int] = (),
+    ) -> Generator[None, None, list[int]]:
+        """`decode` one forward at a time: it yields after the fork's prefill and after each token
+        but the last, and returns the ids. Until it is over the fork is open on the session's
+        state: nothing else may read or fork the session (closing it early undoes the fork too)."""
         prompt = self.check_ids(prompt)
         tail = session.ids[session.committed :]
         out: list[int] = []
         with self.fork(session.state) as state:
             hidden = self._fork_read(tail + prompt, state, pad=False)
             while len(out) < max_new_tokens:
+                yield
                 token = int(self.model.logits(hidden[-1:])[0].argmax())
                 out.append(token)
                 if token in stop or len(out) == max_new_tokens:
@@ -254,6 +267,15 @@ class Reader:
         if bad is not None:
             raise ShadowInputError(f"token id {bad} is outside the vocabulary (0 .. {vocab - 1})")
         return out
+
+
+def drain(steps: Generator[None, None, T]) -> T:
+    """Run a generator of steps to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def open_reader(

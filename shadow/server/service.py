@@ -250,14 +250,14 @@ class ShadowService:
 
     def between_rounds(self, turn: ServedTurn, output_ids: Sequence[int] = ()) -> int:
         """Between two rounds of the embedded generator, on the device thread: the new output ids
-        fed, the share's slice read, the voice's phrases written; what this costs beyond the chunks
-        and phrases (which their budgets are charged) is timed (`counters.rounds`). Returns the
-        chunks read."""
+        fed, the share's slice read (none while a phrase is being written: its fork is open on a
+        session), a step of the voice's phrase; what this costs beyond the chunks and phrases
+        (which their budgets are charged) is timed (`counters.rounds`). Returns the chunks read."""
         start, read_before, voice_before, wait_before = (time.perf_counter(), turn.share_used, turn.voice.used_s,
                                                          turn.engine_wait_s)
         if output_ids:
             self.add_output(turn, output_ids)
-        done = self.share_slice(turn)
+        done = 0 if turn.phrase is not None else self.share_slice(turn)  # no read while a phrase's fork is open
         self.voicing.serve_phrases(turn)
         spent = time.perf_counter() - start
         self.counters.rounds.add(spent - (turn.share_used - read_before) - (turn.voice.used_s - voice_before)

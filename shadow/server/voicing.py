@@ -1,17 +1,19 @@
 """The voice in the live service: made at load (its cost measured on a scratch session), asked for
-a phrase after a status line, and run where the device allows: at once where it is free (proxy
-mode), else between two of the turn's own rounds (embedded), charged to the turn's voice budget.
-A voice that fails is logged and the line goes out with its facts alone."""
+a phrase after a status line, and run where the device allows: whole at once where it is free
+(proxy mode), else one forward between each two of the turn's own rounds (embedded), charged to
+the turn's voice budget step by step. A voice that fails is logged and the line goes out with its
+facts alone."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Generator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
-from shadow.core.reader import Reader
+from shadow.core.reader import Reader, drain
 from shadow.server.host import ModelHost, Shadow
 from shadow.server.reading import Reading, settle_device
 from shadow.server.shared import Shared
@@ -65,14 +67,14 @@ class Voicing:
             cost = voice.estimate(voice.prefill(shadow.store.peek(turn.session), len(extra)))
             if not turn.voice.allows(turn.first_token, shared.clock(), cost):
                 return None
-        job = lambda: self._write(voice, turn, kind, extra, recent, lang)  # noqa: E731
+        steps = lambda: self._write_steps(voice, turn, kind, extra, recent, lang)  # noqa: E731
         try:
-            ran, result = shared.device.run_if_idle(job, "voice")
+            ran, result = shared.device.run_if_idle(lambda: self._run_whole(turn, steps()), "voice")
             if ran:
                 return result
             if turn.embedded:  # the turn's own rounds hold the device: it serves phrases between them
                 request = Future()
-                turn.phrases.append((job, request))
+                turn.phrases.append((steps, request))
                 try:
                     return request.result(timeout=wait_s)
                 except FutureTimeout:
@@ -82,26 +84,65 @@ class Voicing:
         return None
 
     def serve_phrases(self, turn: ServedTurn) -> None:
-        """Between two rounds of a turn, on the device: write the phrases its stream asked for,
-        once the device has done the engine's round in flight (that wait is the engine's: neither
-        the phrase's time nor the bookkeeping's)."""
-        if not turn.phrases:
-            return
-        shadow = self.host.shadow
-        if shadow is not None:
-            turn.engine_wait_s += settle_device(shadow.reader)
-        while turn.phrases:
-            job, request = turn.phrases.popleft()
+        """Between two rounds of a turn, on the device: one step of the phrase being written (its
+        fork's prefill, or one token), the next phrase its stream asked for begun when none is."""
+        while turn.phrase is None and turn.phrases:
+            steps, request = turn.phrases.popleft()
             if request.set_running_or_notify_cancel():
-                try:
-                    request.set_result(job())
-                except Exception as e:  # noqa: BLE001 - the stream gets no phrase; the turn goes on
-                    request.set_exception(e)
-                except BaseException as e:  # the stream waiting on it is answered before this goes on
-                    request.set_exception(e)
-                    raise
+                turn.phrase = (steps(), request)
+        if turn.phrase is not None:
+            self._step(turn)
 
-    def _write(self, voice: Voice, turn: ServedTurn, kind: str, extra, recent, lang) -> Phrase | None:
+    def finish_phrases(self, turn: ServedTurn) -> None:
+        """Before a turn's rounds give up the device, or end: the phrase being written run to its
+        end, so that no fork is open while another job runs."""
+        while turn.phrase is not None:
+            self._step(turn)
+
+    def _step(self, turn: ServedTurn) -> None:
+        """One step of `turn.phrase`, once the device has done the engine's round in flight (that
+        wait is the engine's); its time, device synchronised, charged to the turn's voice budget.
+        At its end the stream waiting on it is answered (its phrase, or the voice's error)."""
+        steps, request = turn.phrase
+        wait = self._settle()
+        start = time.perf_counter()
+        try:
+            next(steps)
+            return
+        except StopIteration as done:
+            turn.phrase = None
+            request.set_result(done.value)
+        except Exception as e:  # noqa: BLE001 - the stream gets no phrase; the turn goes on
+            turn.phrase = None
+            request.set_exception(e)
+        except BaseException as e:  # the stream waiting on it is answered before this goes on
+            turn.phrase = None
+            request.set_exception(e)
+            raise
+        finally:
+            self._charge(turn, time.perf_counter() - start + self._settle(), wait)
+
+    def _run_whole(self, turn: ServedTurn, steps) -> Phrase | None:
+        """A phrase's steps one after another (the device is free: nothing waits between them)."""
+        start = time.perf_counter()
+        try:
+            return drain(steps)
+        finally:
+            self._charge(turn, time.perf_counter() - start + self._settle(), 0.0)
+
+    def _settle(self) -> float:
+        shadow = self.host.shadow
+        return 0.0 if shadow is None else settle_device(shadow.reader)
+
+    def _charge(self, turn: ServedTurn, seconds: float, waited: float) -> None:
+        turn.voice.used_s += seconds
+        turn.engine_wait_s += waited
+        with self.shared.lock:
+            self.shared.counters.voice_s += seconds
+
+    def _write_steps(self, voice: Voice, turn: ServedTurn, kind: str, extra, recent,
+                     lang) -> Generator[None, None, Phrase | None]:
+        """The phrase, one forward at a time (`Voice.phrase_steps`); None where it cannot be written."""
         shadow = self.host.shadow
         if shadow is None:
             return None
@@ -109,8 +150,4 @@ class Voicing:
             session = self.reading.get(shadow, turn.session)
         if not voice.fits(session, extra):
             return None
-        phrase = voice.phrase(session, kind, extra, recent, lang)
-        turn.voice.used_s += phrase.seconds
-        with self.shared.lock:
-            self.shared.counters.voice_s += phrase.seconds
-        return phrase
+        return (yield from voice.phrase_steps(session, kind, extra, recent, lang))

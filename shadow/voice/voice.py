@@ -4,8 +4,10 @@ session's unread tail, the newest text not yet in the session, a question), a fe
 tokens, the session left bit-equal. Every phrase passes `checks.check` before it is said.
 
 Its time is rationed like the shadow's: a share (default 3 %) of the time since the turn's first
-token, one phrase in one slice of at most 150 ms between the engine's rounds or streamed deltas;
-a phrase the measured cost says would not fit is not tried. The cost, by the ids the fork
+token, a phrase costing at most 150 ms (`slice_s`); one the measured cost says would not fit is
+not tried. A phrase is written whole where the device is free (between a proxied turn's deltas),
+or one forward at a time between the embedded engine's rounds (`phrase_steps`), so no gap in a
+stream holds more than one of its forwards. The cost, by the ids the fork
 prefills, is measured at load (`warm`: one-time set-up left out) and moved by every phrase; an
 estimate over the slice is tried again once `retry_s` has passed since the last measure, so one
 slow phrase never silences the voice for good.
@@ -14,15 +16,15 @@ slow phrase never silences the voice for good.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 from shadow.text.chat import render_question
-from shadow.core.reader import Reader, Session
+from shadow.core.reader import Reader, Session, drain
 from shadow.text.tokenizer import Tokenizer
 from shadow.voice.checks import check
 
-SLICE_S = 0.15  # the most a phrase may hold the device between two rounds or deltas
+SLICE_S = 0.15  # the most a phrase may cost
 
 QUESTIONS = {
     "en": {
@@ -155,26 +157,47 @@ class Voice:
                lang: str = "en") -> Phrase:
         """A phrase of `kind` (thinking, decided, writing) about the session and `extra` (the
         newest ids the session does not hold yet), checked against what the fork read."""
+        return drain(self.phrase_steps(session, kind, extra, recent, lang))
+
+    def phrase_steps(self, session: Session, kind: str, extra: Sequence[int] = (), recent: Sequence[str] = (),
+                     lang: str = "en") -> Generator[None, None, Phrase]:
+        """`phrase` one forward at a time (`Reader.decode_steps`: the same rules hold until it is
+        over); its seconds are its steps', not the time between them."""
         n = self.prefill(session, len(extra))
-        ids, seconds = self._write(session, kind, extra, lang)
+        read = self.tokenizer.decode((list(session.ids) + list(extra))[-self.window:])
+        ids, seconds = yield from self._write_steps(session, kind, extra, lang)
         if self.cost is None:
             self.cost = PhraseCost(seconds, 0.0)  # not warmed: one measure, the same for every length
         else:
             self.cost.update(n, seconds)
         self.measured_at = self.clock()
         raw = self.tokenizer.decode([i for i in ids if i != self.eos and i not in self.newline]).strip()
-        read = self.tokenizer.decode((list(session.ids) + list(extra))[-self.window:])
         reason = check(raw, read, QUESTIONS.get(lang, QUESTIONS["en"]).values(), recent, lang)
         return Phrase(raw if reason is None else None, raw, reason, seconds, len(ids))
 
     def _write(self, session: Session, kind: str, extra: Sequence[int], lang: str) -> tuple[list[int], float]:
         """The fork's greedy ids and the seconds they took."""
-        start = time.perf_counter()
+        return drain(self._write_steps(session, kind, extra, lang))
+
+    def _write_steps(self, session: Session, kind: str, extra: Sequence[int],
+                     lang: str) -> Generator[None, None, tuple[list[int], float]]:
+        """`_write` one forward at a time; the seconds are the steps' own."""
+        seconds, start = 0.0, time.perf_counter()
         if self.own_model:  # a window of the newest ids, read afresh by the voice's own model
             window = (list(session.ids) + list(extra))[-self.window:]
             scratch = self.reader.new_session("voice")
             scratch.ids = window
             session, extra = scratch, []
-        ids = self.reader.decode(session, list(extra) + self.question(kind, lang), self.max_tokens,
-                                 stop=[self.eos, *self.newline])
-        return ids, time.perf_counter() - start
+        steps = self.reader.decode_steps(session, list(extra) + self.question(kind, lang), self.max_tokens,
+                                         stop=[self.eos, *self.newline])
+        try:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    return done.value, seconds + time.perf_counter() - start
+                seconds += time.perf_counter() - start
+                yield
+                start = time.perf_counter()
+        finally:
+            steps.close()  # closed early: the fork is undone now

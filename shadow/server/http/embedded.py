@@ -192,21 +192,24 @@ class Generation:
         if self.steps is None:
             self.steps = self.engine.generator.steps(self.prompt, self.max_tokens, self.stop_ids)
         start = time.perf_counter()
-        while not turn.cancelled:
-            token = next(self.steps, END)
-            if token is END:
-                break
-            if token is not None:
-                if not self.out:
-                    service.set_prompt(turn, self.prompt)
-                    service.first_token(turn)
-                self.out.append(token)
-                self.events.put(("token", token))
-                # between two rounds: the output so far readable in the share, the share's slice, the
-                # voice's phrases (its rounds hold the device: the voice is served between them)
-                service.between_rounds(turn, (token,))
-            if device.queued() and time.perf_counter() - start >= SLICE_S:
-                return False
+        try:
+            while not turn.cancelled:
+                token = next(self.steps, END)
+                if token is END:
+                    break
+                if token is not None:
+                    if not self.out:
+                        service.set_prompt(turn, self.prompt)
+                        service.first_token(turn)
+                    self.out.append(token)
+                    self.events.put(("token", token))
+                    # between two rounds: the output so far readable in the share, the share's slice, a
+                    # step of the voice's phrase (its rounds hold the device: the voice is served between them)
+                    service.between_rounds(turn, (token,))
+                if device.queued() and time.perf_counter() - start >= SLICE_S:
+                    return False
+        finally:  # the device goes to another job, or the turn ends: no phrase's fork is left open
+            service.voicing.finish_phrases(turn)
         self._record()
         return True
 
