@@ -7,8 +7,9 @@ runs as in serve). Per round it times, on the host: the generator's step (from t
 bookkeeping to the next token on the host; the generator launches each round before it hands out
 the token before it, so the bookkeeping runs while the device computes), the bookkeeping between
 rounds (a read's own time is device synchronised), and the chunks read there. It reports per
-arm the decode rate, the step time of rounds right after a read against the others (what a read
-does to the rounds after it), the bookkeeping p50/p99, the share charged and the longest gap.
+arm the decode rate, the step time of rounds without a read, the gap after the one holding a read
+against the gaps' p50 (what a read does to the rounds after it), the bookkeeping p50/p99, the
+share charged and the longest gap.
 Last stdout line: one JSON object.
 
     python3 experiments/round_timeline.py --shadow qwen3.5-0.8b --generator qwen3.5-4b --device cuda \
@@ -42,7 +43,7 @@ def prompt_ids(tokenizer, n: int, tag: int) -> list[int]:
     return ids[:n]
 
 
-def one_run(service: ShadowService, generator: Generator, prompt: list[int], output: int, device: str) -> dict:
+def one_run(service: ShadowService, generator: Generator, prompt: list[int], output: int) -> dict:
     """One turn of the embedded engine; per round: step seconds, bookkeeping seconds, chunks read."""
     turn = service.begin_turn(f"run-{time.monotonic_ns()}", embedded=True)
     service.name_turn(turn, prompt)
@@ -68,8 +69,9 @@ def one_run(service: ShadowService, generator: Generator, prompt: list[int], out
         service.run_request(job)
     finally:
         service.end_turn(turn)
+    now, wall = time.perf_counter(), time.time()
     return {"steps": steps, "between": between, "reads": reads, "arrivals": arrivals, "share_s": turn.share_used,
-            "wall": [time.time() - (time.perf_counter() - arrivals[0]), time.time()] if arrivals else None}
+            "wall": [wall - (now - arrivals[0]), wall - (now - arrivals[-1])] if arrivals else None}
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -77,7 +79,12 @@ def summarize(runs: list[dict]) -> dict:
     after_read, plain, booking, gaps, read_rounds, charged = [], [], [], [], 0, []
     for r in runs:
         for k, s in enumerate(r["steps"]):  # steps[k] follows the round of token k (reads[k])
-            (after_read if r["reads"][k] else plain).append(s)
+            if not r["reads"][k]:
+                plain.append(s)
+        arrivals = r["arrivals"]
+        for k in range(len(arrivals) - 2):  # the gap after the one holding a read: what a read does next
+            if r["reads"][k]:
+                after_read.append(arrivals[k + 2] - arrivals[k + 1])
         booking += [b for b, n in zip(r["between"], r["reads"]) if not n]
         gaps += [b - a for a, b in zip(r["arrivals"], r["arrivals"][1:])]
         read_rounds += sum(1 for n in r["reads"] if n)
@@ -86,7 +93,7 @@ def summarize(runs: list[dict]) -> dict:
     q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))] if xs else None  # noqa: E731
     ms = lambda x: None if x is None else round(1000 * x, 4)  # noqa: E731
     return {"decode_tok_s": statistics.median(rates), "rates": [round(x, 2) for x in rates],
-            "step_ms_p50": ms(q(plain, 0.5)), "step_after_read_ms_p50": ms(q(after_read, 0.5)),
+            "step_ms_p50": ms(q(plain, 0.5)), "gap_after_read_ms_p50": ms(q(after_read, 0.5)),
             "rounds_with_a_read": read_rounds, "bookkeeping_us_p50": None if not booking else round(1e6 * q(booking, 0.5), 2),
             "bookkeeping_us_p99": None if not booking else round(1e6 * q(booking, 0.99), 2),
             "gap_ms_p50": ms(q(gaps, 0.5)), "gap_ms_p99": ms(q(gaps, 0.99)), "gap_ms_max": ms(max(gaps)),
@@ -118,13 +125,13 @@ def main() -> None:
     tokenizer = load_tokenizer(None)
     service.start()
     try:
-        one_run(service, generator, prompt_ids(tokenizer, args.prompt, -1), min(args.output, 16), args.device)  # warm-up
+        one_run(service, generator, prompt_ids(tokenizer, args.prompt, -1), min(args.output, 16))  # warm-up
         arms: dict[str, list[dict]] = {"off": [], "on": []}
         for pair in range(args.runs):
             for arm in (("off", "on") if pair % 2 == 0 else ("on", "off")):
                 service.shared.switch.shadow = service.shared.switch.voice = arm == "on"
                 arms[arm].append(one_run(service, generator, prompt_ids(tokenizer, args.prompt, 2 * pair + (arm == "on")),
-                                         args.output, args.device))
+                                         args.output))
                 time.sleep(1.5)  # as ab's pause: the idle reader catches up between runs
         service.shared.switch.shadow = True
         out = {a: summarize(rs) for a, rs in arms.items()}
@@ -135,8 +142,8 @@ def main() -> None:
                "paired_deltas_pct": [round(x, 2) for x in paired], **out}
         for arm in ("off", "on"):
             o = out[arm]
-            print(f"{arm:>3}: {o['decode_tok_s']:.2f} tok/s; step p50 {o['step_ms_p50']} ms, after a read "
-                  f"{o['step_after_read_ms_p50']} ms ({o['rounds_with_a_read']} rounds read); bookkeeping p50 "
+            print(f"{arm:>3}: {o['decode_tok_s']:.2f} tok/s; step p50 {o['step_ms_p50']} ms, the gap after a read's "
+                  f"{o['gap_after_read_ms_p50']} ms ({o['rounds_with_a_read']} rounds read); bookkeeping p50 "
                   f"{o['bookkeeping_us_p50']} us p99 {o['bookkeeping_us_p99']} us; gaps p50 {o['gap_ms_p50']} p99 "
                   f"{o['gap_ms_p99']} max {o['gap_ms_max']} ms; charged {o['share_charged_pct']:.2f} %")
         print(f"change {doc['delta_pct']:+.2f} % (pairs {doc['paired_deltas_pct']})")

@@ -283,8 +283,7 @@ def test_a_read_rate_file_gives_its_batch_rows():
         {"model": "m", "kernels": "other", "grid": 512, "context": 0, "batch": 4, "ms_per_read": 99.0}]}
     assert BatchTable.from_read_rate(doc, 512, "f").ratios == {4: (0.75,)}
     assert BatchTable.from_read_rate({"rows": []}, 512, "f") is None
-    with pytest.raises(ValueError, match="no batch rows at grid 256"):
-        BatchTable.from_read_rate(doc, 256, "f")
+    assert BatchTable.from_read_rate(doc, 256, "f") is None  # batches timed at another grid only
 
 
 def test_batched_idle_reads_take_several_sessions_chunks_in_one_read():

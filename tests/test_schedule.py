@@ -287,3 +287,10 @@ def test_batches_take_the_next_sessions_in_rank_order_within_the_bound():
     one.update("a", 0, 3 * G, now=0.0)
     one.update("b", 0, 3 * G, now=0.0)
     assert one.next_read(1.0).others == ()  # batch 1 (the default): one session a read
+
+
+def test_a_batch_is_cut_to_a_size_the_reader_has_graphs_for():
+    from shadow.core.schedule import graphed_batch
+
+    assert [graphed_batch(n) for n in range(1, 10)] == [1, 2, 2, 4, 4, 4, 4, 8, 8]
+    assert graphed_batch(0) == 1

@@ -180,6 +180,11 @@ class Reader:
             return tensor
         return tensor.pin_memory().to(self.model.device, non_blocking=True)
 
+    def synchronize(self) -> None:
+        """Wait until the device has done what is queued on it (nothing to wait for off a GPU)."""
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+
     # forks -------------------------------------------------------------------------------
 
     @contextmanager

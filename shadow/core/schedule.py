@@ -209,6 +209,11 @@ class ChunkCosts:
         return {b * self.bucket_tokens: self._est[b] for b in self._keys}
 
 
+def graphed_batch(n: int) -> int:
+    """The largest batch of at most `n` sessions a reader has CUDA graphs for: 1, 2, 4, 8, ..."""
+    return 1 << max(0, n.bit_length() - 1)
+
+
 @dataclass(frozen=True)
 class Read:
     """Read `chunks` whole chunks of `session` now, from read position `depth`; `window` is 'idle',
@@ -511,7 +516,7 @@ class ReadScheduler:
                 break
             picked.append(s)
             est = total
-        size = 1 << (len(picked) + 1).bit_length() - 1  # batches of 2, 4, 8, ... (the sizes a reader graphs)
+        size = graphed_batch(len(picked) + 1)
         if size != len(picked) + 1:
             picked = picked[: size - 1]
             est = self.batch_estimate([first.committed, *(x.committed for x in picked)])

@@ -151,7 +151,7 @@ class BatchTable:
     @classmethod
     def from_read_rate(cls, doc: dict, grid: int, label: str) -> BatchTable | None:
         """A `shadow read-rate --batches ... --json` document's `batch_rows` at `grid` (of its own
-        model and kernels); None where it has none. ValueError for rows it cannot use."""
+        model and kernels); None where it has none at that grid. ValueError for rows it cannot use."""
         rows = doc.get("batch_rows")
         if not rows:
             return None
@@ -165,14 +165,14 @@ class BatchTable:
                 continue
             ms.setdefault(int(row["context"]), {})[int(row["batch"])] = float(row["ms_per_read"])
         if not ms:
-            raise ValueError(f"no batch rows at grid {grid}")
+            return None  # batches measured at another grid only
         return cls.measured(ms, label)
 
     def ratio(self, size: int, depth: int) -> float:
         sizes = [b for b in sorted(self.ratios) if b <= size]
         if size <= 1 or not sizes:
             return 1.0
-        ratios = self.ratios[sizes[-1]]
+        ratios = self.ratios[sizes[-1]]  # (readers batch in graphed sizes, 2, 4, 8: `graphed_batch`)
         i = bisect.bisect_right(self.depths, depth)
         if i == 0:
             return ratios[0]

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler
+from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, graphed_batch
 from shadow.offline.costs import CostTable, ReadTime
 from shadow.offline.held import HeldSessions
 from shadow.offline.ledger import Request
@@ -338,8 +338,9 @@ class EngineReplay:
 
     def _batch(self, read: Read, t: float) -> tuple[Read, int, float]:
         """A batched read: one chunk of its session and of each of `read.others` still resident at
-        its read position with a whole chunk, in one forward charged `costs.batch_s` (as
-        `Reading.read`: the others that left are dropped from the read told to the scheduler)."""
+        its read position with a whole chunk, as many as make a graphed batch size, in one forward
+        charged `costs.batch_s` (as `Reading.read`: the others left out are dropped from the read
+        told to the scheduler)."""
         first = self.store.peek(read.session)
         if first is None or first.committed != read.depth or first.committed + self.grid > first.ids:
             return replace(read, others=()), 0, t
@@ -348,6 +349,7 @@ class EngineReplay:
             h = self.store.peek(name)
             if h is not None and h.committed == depth and depth + self.grid <= h.ids:
                 batch.append(h)
+        batch = batch[: graphed_batch(len(batch))]
         t = self._busy(t, self.costs.batch_s([h.committed for h in batch]))
         for h in batch:
             self.store.advance(h)

@@ -41,7 +41,7 @@ from contextlib import contextmanager
 import torch
 
 from shadow.core.reader import Reader, Session
-from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait
+from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, graphed_batch
 from shadow.server.host import ModelHost, Shadow
 from shadow.server.shared import Shared
 
@@ -225,11 +225,12 @@ class Reading:
     def read(self, shadow: Shadow, session: Session, read: Read) -> tuple[int, float]:
         """Read `read.chunks` whole chunks of `session` (fewer at a standing question's line), or,
         for a batch, one chunk of it and of each of `read.others` still resident at their read
-        positions, in one forward; device synchronised before and after; report `read_done` and
+        positions (as many as make a graphed batch size), in one forward; device synchronised before and after; report `read_done` and
         the sessions' true state; answer a question a read reached. Returns (chunks read, seconds)."""
         grid = shadow.grid
         with self.lock:
             batch = [session, *self._batched(shadow, read)]
+            batch = batch[: graphed_batch(len(batch))]  # those that left the batch leave a graphed size
             if len(batch) - 1 != len(read.others):
                 read = dataclasses.replace(read, others=tuple((s.name, s.committed) for s in batch[1:]))
             lines = [self.answers.line(s.name, grid) for s in batch]

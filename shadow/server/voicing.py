@@ -104,23 +104,26 @@ class Voicing:
         wait is the engine's); its time, device synchronised, charged to the turn's voice budget.
         At its end the stream waiting on it is answered (its phrase, or the voice's error)."""
         steps, request = turn.phrase
-        wait = self._settle()
-        start = time.perf_counter()
+        wait, start = 0.0, time.perf_counter()
         try:
+            wait = self._settle()
+            start = time.perf_counter()
             next(steps)
+            self._settle()
+            self._charge(turn, time.perf_counter() - start, wait)
             return
         except StopIteration as done:
             turn.phrase = None
             request.set_result(done.value)
-        except Exception as e:  # noqa: BLE001 - the stream gets no phrase; the turn goes on
+        except BaseException as e:  # the stream waiting on it is answered; the fork is closed (undone)
             turn.phrase = None
-            request.set_exception(e)
-        except BaseException as e:  # the stream waiting on it is answered before this goes on
-            turn.phrase = None
-            request.set_exception(e)
-            raise
-        finally:
-            self._charge(turn, time.perf_counter() - start + self._settle(), wait)
+            try:
+                steps.close()
+            finally:
+                request.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+        self._charge(turn, time.perf_counter() - start, wait)
 
     def _run_whole(self, turn: ServedTurn, steps) -> Phrase | None:
         """A phrase's steps one after another (the device is free: nothing waits between them)."""

@@ -6,8 +6,9 @@ tokens, the session left bit-equal. Every phrase passes `checks.check` before it
 Its time is rationed like the shadow's: a share (default 3 %) of the time since the turn's first
 token, a phrase costing at most 150 ms (`slice_s`); one the measured cost says would not fit is
 not tried. A phrase is written whole where the device is free (between a proxied turn's deltas),
-or one forward at a time between the embedded engine's rounds (`phrase_steps`), so no gap in a
-stream holds more than one of its forwards. The cost, by the ids the fork
+or one forward at a time between the embedded engine's rounds (`phrase_steps`), so a gap in a
+stream holds one of its forwards (the rest of it at once where the rounds give the device to
+another job mid-phrase). The cost, by the ids the fork
 prefills, is measured at load (`warm`: one-time set-up left out) and moved by every phrase; an
 estimate over the slice is tried again once `retry_s` has passed since the last measure, so one
 slow phrase never silences the voice for good.
@@ -196,6 +197,7 @@ class Voice:
                     next(steps)
                 except StopIteration as done:
                     return done.value, seconds + time.perf_counter() - start
+                self.reader.synchronize()  # the step's forward done: its time, not only its launch
                 seconds += time.perf_counter() - start
                 yield
                 start = time.perf_counter()
