@@ -16,18 +16,7 @@ import time
 import torch
 
 from shadow.core.reader import open_reader
-
-
-def sessions_at(reader, depth: int, n: int) -> list:
-    out = []
-    for k in range(n):
-        s = reader.new_session(f"b{k}")
-        for layer in s.state.attention:
-            layer.reserve(depth + reader.grid)
-        s.state.length = depth
-        s.ids = [1000 + k] * (depth + reader.grid)
-        out.append(s)
-    return out
+from shadow.offline.bench.readrate import sessions_at
 
 
 def timed(fn, sessions, depth: int, repeats: int, device: str) -> float:

@@ -334,7 +334,7 @@ class SessionStore:
         except SessionFileError as e:
             self._reject(path, key, str(e))
             return None
-        _synchronize(self.reader)
+        self.reader.synchronize()
         seconds = time.perf_counter() - start
         self.counters.restore_seconds += seconds
         self.counters.bytes_restored += st.st_size
@@ -367,7 +367,7 @@ class SessionStore:
             start = time.perf_counter()
             read_session(path, self.identity, self.reader.model.new_state(), self.reader.max_checkpoints,
                          key=self.key, direct=self.direct)
-            _synchronize(self.reader)
+            self.reader.synchronize()
             seconds = time.perf_counter() - start
         except (OSError, SessionFileError) as e:
             log.warning("restore rate not measured in %s: %s", self.disk, e)
@@ -507,11 +507,6 @@ def _make_folder(folder: Path) -> None:
                     "ids and state; chmod 700 it", folder, stat.S_IMODE(st.st_mode))
 
 
-def _synchronize(reader: Reader) -> None:
-    if reader.model.device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize(reader.model.device)
 
 
 def _state_bytes(state, rows: int) -> int:

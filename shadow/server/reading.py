@@ -48,18 +48,11 @@ from shadow.server.shared import Shared
 log = logging.getLogger("shadow.serve")
 
 
-def _synchronize(reader: Reader) -> None:
-    if reader.model.device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def settle_device(reader: Reader) -> float:
-    """Wait until the reader's device has done what is queued on it; returns the seconds waited
-    (0 off a GPU, where nothing runs ahead of the host)."""
-    if reader.model.device.type != "cuda":
-        return 0.0
+    """`reader.synchronize()`, and the seconds it waited (0 off a GPU, where nothing runs ahead
+    of the host)."""
     start = time.perf_counter()
-    torch.cuda.synchronize()
+    reader.synchronize()
     return time.perf_counter() - start
 
 
@@ -73,10 +66,10 @@ def scratch_chunk_s(reader: Reader, depth: int, clock: Callable[[], float]) -> f
         layer.reserve(depth + grid)
     scratch.state.length = depth
     scratch.ids = [0] * (depth + grid)
-    _synchronize(reader)
+    reader.synchronize()
     start = clock()
     reader.advance(scratch, max_chunks=1)
-    _synchronize(reader)
+    reader.synchronize()
     return clock() - start
 
 
@@ -236,7 +229,7 @@ class Reading:
             lines = [self.answers.line(s.name, grid) for s in batch]
         line = lines[0]
         chunks = read.chunks if line is None else min(read.chunks, max(0, (line - session.committed) // grid))
-        _synchronize(shadow.reader)
+        shadow.reader.synchronize()
         start = self.clock()
         if chunks <= 0:
             done = 0
@@ -244,7 +237,7 @@ class Reading:
             done = shadow.reader.advance_batch(batch)
         else:
             done = shadow.reader.advance(session, max_chunks=chunks)
-        _synchronize(shadow.reader)
+        shadow.reader.synchronize()
         end = self.clock()
         seconds = end - start
         with self.lock:

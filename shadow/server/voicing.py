@@ -131,7 +131,8 @@ class Voicing:
         try:
             return drain(steps)
         finally:
-            self._charge(turn, time.perf_counter() - start + self._settle(), 0.0)
+            self._settle()
+            self._charge(turn, time.perf_counter() - start, 0.0)
 
     def _settle(self) -> float:
         shadow = self.host.shadow

@@ -110,7 +110,7 @@ def batch_times(
     sizes = sorted({1, *batches})
     rows = []
     for depth in depths:
-        sessions = _sessions_at(reader, depth, max(sizes))
+        sessions = sessions_at(reader, depth, max(sizes))
         for b in sizes:
             group = sessions[:b]
             if progress:
@@ -130,7 +130,7 @@ def batch_times(
     return rows
 
 
-def _sessions_at(reader: Reader, depth: int, n: int) -> list[Session]:
+def sessions_at(reader: Reader, depth: int, n: int) -> list[Session]:
     """`n` sessions whose read position is `depth`, each with one whole chunk to read after it."""
     out = []
     for k in range(n):
