@@ -87,7 +87,7 @@ def ab(
     if voice:
         lines = summary["status_lines"]
         console.print(f"status lines seen: off {lines['off']}, on {lines['on']}"
-                      + (" [yellow](none in the on runs: is the server's --status-channel off?)[/]" if not lines["on"] else "")
+                      + (" [yellow](none in the on runs: is the server's --status-channel off, or did each run end before its first thinking line, after 15 s of reasoning?)[/]" if not lines["on"] else "")
                       + (" [yellow](lines in the off runs: run serve with --status-channel auto)[/]" if lines["off"] else ""))
     itl = summary["itl"]
     console.print(f"inter-token latency (medians of the runs): off p50 {itl['off']['p50_ms']:.2f} ms, "

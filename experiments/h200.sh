@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
-#   bash experiments/h200.sh sanity tests sweep convsweep pins profile rate512 verify rate attention generator genprofile
+#   bash experiments/h200.sh sanity tests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
 #     timeline abdefault abzero proxy restore voice abvoice doctor verifyspill batchrate
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
@@ -27,6 +27,8 @@ for step in "$@"; do
     tests) start=$(date +%s); timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rfExs --durations=10 tests/test_gpu.py \
              tests/test_piecewise.py tests/test_fused.py tests/test_batch.py > "$OUT/gpu-tests.txt" 2>&1
            echo "pytest exit $? after $(( $(date +%s) - start )) s" >> "$OUT/gpu-tests.txt"; tail -30 "$OUT/gpu-tests.txt" ;;
+    gentest) timeout 300 python3 -m pytest -q -rfExs tests/test_gpu.py -k embedded_generator > "$OUT/gpu-gentest.txt" 2>&1
+             echo "pytest exit $?" >> "$OUT/gpu-gentest.txt"; tail -8 "$OUT/gpu-gentest.txt" ;;
     doctor) start=$(date +%s); timeout 120 shadow doctor --device cuda --json > "$OUT/doctor-h200.txt" 2>&1
             echo "doctor exit $? after $(( $(date +%s) - start )) s" >> "$OUT/doctor-h200.txt"; tail -c 1500 "$OUT/doctor-h200.txt" ;;
     verifyspill) timeout 240 shadow verify-exact --model qwen3.5-0.8b --device cuda --grid 512 --against-grid 0 --cap-gib 1.8 \
@@ -58,9 +60,10 @@ for step in "$@"; do
              timeout 560 bash experiments/proxy_demo.sh /tmp/proxy 2>&1 | tail -8
            cp /tmp/proxy/ab.json "$OUT/ab-proxy.json"; cp /tmp/proxy/ab.csv "$OUT/ab-proxy.csv"; cp /tmp/proxy/proxy-status.json "$OUT/" ;;
     sanity) timeout 200 shadow verify-exact --model qwen3.5-0.8b --device cuda --against-grid 0 --json 2>&1 | tail -c 600 ;;
-    abvoice) for m in ${SHADOWS:-qwen3.5-0.8b qwen3.5-2b}; do
-               MODEL=$m GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-2048} RUNS=${RUNS:-6} NO_EVAL=1 \
-                 TEMPLATE=.carry/qwen3.5.jinja VOICE=1 AB_TIMEOUT=240 timeout 280 bash experiments/serve_demo.sh \
+    abvoice) # 4,600 tokens (about 18 s) a run: the first thinking line, and its phrase, come after 15 s of reasoning
+             for m in ${SHADOWS:-qwen3.5-0.8b qwen3.5-2b}; do
+               MODEL=$m GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-4600} RUNS=${RUNS:-6} NO_EVAL=1 \
+                 TEMPLATE=.carry/qwen3.5.jinja VOICE=1 SERVE_ARGS="--max-tokens 8192" AB_TIMEOUT=400 timeout 450 bash experiments/serve_demo.sh \
                  "/tmp/abvoice-$m" 2>&1 | tail -6; tail -n 5 "/tmp/abvoice-$m/ab.log"; cp "/tmp/abvoice-$m/ab.json" "$OUT/abvoice-$m.json"
                cp "/tmp/abvoice-$m/ab.csv" "$OUT/abvoice-$m.csv"; cp "/tmp/abvoice-$m/journal.jsonl" "$OUT/abvoice-$m-journal.jsonl"
                cp "/tmp/abvoice-$m/status.json" "$OUT/abvoice-$m-status.json"; done ;;

@@ -141,10 +141,12 @@ def test_with_random_weights_the_lines_go_out_without_a_phrase(tiny, tmp_path):
     assert tried and all(not p["said"] and p["reason"] in REASONS for p in tried)
 
 
-def embedded_thinking_turn(journal, voice: type[Voice] = Voice) -> tuple[list[str], list[dict]]:
+def embedded_thinking_turn(journal, voice: type[Voice] = Voice, seen: list | None = None
+                           ) -> tuple[list[str], list[dict]]:
     """One streamed turn of the embedded `tiny` engine under the Qwen3.5 template (its prompt opens
     a think block, so the turn thinks; thinking lines from 0.5 s): the lines the client got and
-    the lines the journal kept; the session is bit-equal to a fresh prefill after it."""
+    the lines the journal kept (`seen`: given every event of the stream, in order); the session is
+    bit-equal to a fresh prefill after it."""
     from conftest import shared_file
     from serving import assert_exact, wait_until_read
     from shadow.text.chat_template import ChatRenderer, default_hf_tokenizer, read_template
@@ -167,6 +169,8 @@ def embedded_thinking_turn(journal, voice: type[Voice] = Voice) -> tuple[list[st
         wait_until_read(service, ["own"])
         assert_exact(service, "own")
     assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    if seen is not None:
+        seen += events
     shown = [e["choices"][0]["delta"]["reasoning_content"] for e in events
              if e.get("choices") and "thinking" in (e["choices"][0]["delta"].get("reasoning_content") or "")]
     kept = [x for r in map(json.loads, journal.read_text().splitlines()) for x in r.get("status_lines", [])]
@@ -181,6 +185,40 @@ def test_embedded_the_voice_writes_between_the_engines_rounds_and_random_weights
     assert shown and all(":" not in x.split("thinking", 1)[1] for x in shown)
     tried = [x["phrase"] for x in kept if x.get("phrase")]
     assert tried and all(not p["said"] and p["reason"] in REASONS and p["seconds"] > 0 for p in tried), kept
+
+
+class SteppedVoice(Voice):
+    """A phrase of six forwards, a step a round; the session's length at its first and last step."""
+
+    lengths: list[int] = []
+
+    def phrase_steps(self, session, *args, **kwargs):
+        from shadow.voice.voice import Phrase
+
+        SteppedVoice.lengths.append(len(session.ids))
+        for _ in range(5):
+            yield
+        SteppedVoice.lengths.append(len(session.ids))
+        return Phrase(None, "noise", "unread words", 0.01, 5)
+
+
+def test_embedded_the_stream_goes_on_while_a_phrase_is_written_and_its_line_follows(tmp_path):
+    """The tokens generated while the turn's rounds write a phrase reach the client before the
+    phrase's line does: the stream never waits for the voice. The line follows, with its phrase."""
+    SteppedVoice.lengths.clear()
+    events: list = []
+    shown, kept = embedded_thinking_turn(tmp_path / "j.jsonl", SteppedVoice, seen=events)
+    assert len(SteppedVoice.lengths) >= 2 and shown
+    (turn,) = [r for r in map(json.loads, (tmp_path / "j.jsonl").read_text().splitlines()) if r.get("kind") == "turn"]
+    first_line = next(k for k, e in enumerate(events) if e.get("choices")
+                      and "thinking" in (e["choices"][0]["delta"].get("reasoning_content") or ""))
+    tokens_before = sum(1 for e in events[:first_line] if e.get("choices") and "content" in e["choices"][0]["delta"])
+    start, end = SteppedVoice.lengths[:2]
+    assert end - start >= 5  # a token a round while it was written
+    # every token of the rounds before its last step went out before the line (the last round's may follow it)
+    assert tokens_before >= end - turn["prompt_ids"] - 1
+    tried = [x["phrase"] for x in kept if x.get("phrase")]
+    assert tried and tried[0]["raw"] == "noise" and tried[0]["reason"] == "unread words"
 
 
 def test_a_phrase_that_started_between_rounds_is_kept_when_it_outlasts_the_wait(tiny):

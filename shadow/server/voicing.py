@@ -51,13 +51,14 @@ class Voicing:
         except Exception:  # noqa: BLE001 - unmeasured, a phrase asks for a whole slice
             log.exception("the voice's cost could not be measured at load; it is measured by its first phrase")
 
-    def phrase(self, turn: ServedTurn, kind: str, extra: Sequence[int] = (), recent: Sequence[str] = (),
-               lang: str = "en", wait_s: float = 0.3) -> Phrase | None:
-        """A voice phrase for a status line of this turn, if the turn's voice budget holds one and
-        the device can write it now: at once where the device is free (proxy mode), else between
-        two of the turn's own rounds (embedded), waiting at most `wait_s` for it to start (one
-        that started is waited for and kept: its time is spent). None: nothing tried, or the
-        voice failed (logged); it never raises, so a stream goes on without its phrase."""
+    def request(self, turn: ServedTurn, kind: str, extra: Sequence[int] = (), recent: Sequence[str] = (),
+                lang: str = "en") -> Future | None:
+        """A voice phrase for a status line of this turn, begun if the turn's voice budget holds
+        one: written at once where the device is free (proxy mode; the future comes back done),
+        else queued for the turn's own rounds to write a forward between each two (embedded; the
+        future is answered when it is written, or cancelled by `drop_waiting`). Its result is the
+        Phrase, or None where it could not be written; an exception where the voice failed. None:
+        nothing tried. It never raises."""
         shared = self.shared
         with shared.lock:
             voice, shadow = self.voice, self.host.shadow
@@ -68,20 +69,42 @@ class Voicing:
             if not turn.voice.allows(turn.first_token, shared.clock(), cost):
                 return None
         steps = lambda: self._write_steps(voice, turn, kind, extra, recent, lang)  # noqa: E731
+        request: Future = Future()
         try:
             ran, result = shared.device.run_if_idle(lambda: self._run_whole(turn, steps()), "voice")
             if ran:
-                return result
+                request.set_result(result)
+                return request
             if turn.embedded:  # the turn's own rounds hold the device: it serves phrases between them
-                request = Future()
                 turn.phrases.append((steps, request))
-                try:
-                    return request.result(timeout=wait_s)
-                except FutureTimeout:
-                    return None if request.cancel() else request.result()
+                return request
         except Exception:  # noqa: BLE001 - the line goes out with its facts alone
             log.exception("turn %s: the voice failed; its %s line goes out without a phrase", turn.id, kind)
         return None
+
+    def phrase(self, turn: ServedTurn, kind: str, extra: Sequence[int] = (), recent: Sequence[str] = (),
+               lang: str = "en", wait_s: float = 0.3) -> Phrase | None:
+        """`request`, waited for: at most `wait_s` for it to start (one that started is waited for
+        and kept: its time is spent). None: nothing tried, or the voice failed (logged)."""
+        request = self.request(turn, kind, extra, recent, lang)
+        if request is None:
+            return None
+        try:
+            try:
+                return request.result(timeout=wait_s)
+            except FutureTimeout:
+                return None if request.cancel() else request.result()
+        except Exception:  # noqa: BLE001 - the line goes out with its facts alone
+            log.exception("turn %s: the voice failed; its %s line goes out without a phrase", turn.id, kind)
+        return None
+
+    @staticmethod
+    def drop_waiting(turn: ServedTurn) -> None:
+        """The turn's rounds are over: phrases it asked for and never began are cancelled (their
+        streams go on without them)."""
+        while turn.phrases:
+            _, request = turn.phrases.popleft()
+            request.cancel()
 
     def serve_phrases(self, turn: ServedTurn) -> None:
         """Between two rounds of a turn, on the device: one step of the phrase being written (its

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 from fastapi.responses import JSONResponse, Response
@@ -40,6 +42,8 @@ from shadow.text.chat import Message, render_prompt
 from shadow.text.chat_template import ChatRenderer
 from shadow.text.tokenizer import Tokenizer
 from shadow.voice.checks import request_language
+
+log = logging.getLogger("shadow.serve")
 
 
 class EmbeddedCompletions:
@@ -106,7 +110,7 @@ class EmbeddedCompletions:
             writer = LineWriter(channel, TurnStatus(time.monotonic(), new_tokens=len(prompt), **self.timing), self.load,
                                 turn)
             writer.like = {"id": rid, "created": created, "model": self.model_name}
-            lines = TokenLines(writer, prompt, self.tokenizer, self.service, request_language(body))
+            lines = TokenLines(writer, prompt, self.tokenizer, self.service, events, request_language(body))
         run = Generation(self, turn, prompt, max_tokens, stop_ids, events)
         threading.Thread(target=run.serve, name="shadow-turn", daemon=True).start()
         options = body.get("stream_options")
@@ -181,6 +185,7 @@ class Generation:
                 slots.release()
             if self.steps is not None:
                 self.steps.close()
+            self.service.voicing.drop_waiting(self.turn)
             self.service.end_turn(self.turn)
 
     def _slice(self) -> bool:
@@ -217,6 +222,7 @@ class Generation:
         """Its last event and its check: its own engine, so its ids are the ones read (as far as the
         shadow took them: a cancelled request's prompt before its first token, not at all)."""
         out, eos = self.out, self.engine.eos
+        self.service.voicing.drop_waiting(self.turn)  # its rounds are over: no phrase begins now
         if self.turn.cancelled:
             self.events.put(("error", "the request was cancelled: its client went away"))
         else:
@@ -245,23 +251,70 @@ class TokenLines:
     <tool_call> and </tool_call> (its text kept, to read its action and target), else content."""
 
     def __init__(self, writer: LineWriter, prompt: list[int], tokenizer: Tokenizer, service: ShadowService,
-                 lang: str = "en"):
+                 events: queue.Queue, lang: str = "en"):
+        """`events`: the stream's queue, told ("lines", None) when a phrase held is written."""
         self.writer, self.tokenizer, self.service, self.lang = writer, tokenizer, service, lang
+        self.events = events
         tail = prompt[-2:]
         self.thinking = THINK in tail and END_THINK not in tail
         self.tool_ids: list[int] | None = None
+        self.held: deque = deque()  # (line, its phrase's task or None), in the order they were due
 
-    async def voice(self, said: list) -> list:
-        """The voice's phrase after each line that takes one, written between the turn's rounds."""
+    def hold(self, said: list) -> None:
+        """Lines due, in order, each that takes a phrase with the voice's phrase begun: the stream
+        goes on while the turn's rounds write it, and the line goes out once it is written."""
         for line in said:
-            if line.takes_phrase:
+            task = None
+            if line.takes_phrase and self.service.voicing.voice is not None:
                 recent = [x.text for x in self.writer.status.lines if x is not line][-4:]
-                phrase = await asyncio.to_thread(self.service.voicing.phrase, self.writer.turn, line.kind, (), recent,
-                                                 self.lang)
-                if phrase is not None:
-                    line.with_phrase(phrase.text, {"said": phrase.text is not None, "raw": phrase.raw,
-                                                   "reason": phrase.reason, "seconds": round(phrase.seconds, 4)})
-        return said
+                task = asyncio.ensure_future(self._phrase(line, recent))
+                task.add_done_callback(self._wake)
+            self.held.append((line, task))
+
+    def ready(self) -> list:
+        """The lines held whose phrases are written (or not tried), in order: a line waits for
+        the ones before it."""
+        out = []
+        while self.held and (self.held[0][1] is None or self.held[0][1].done()):
+            line, task = self.held.popleft()
+            phrase = None if task is None or task.cancelled() else task.result()
+            if phrase is not None:
+                line.with_phrase(phrase.text, {"said": phrase.text is not None, "raw": phrase.raw,
+                                               "reason": phrase.reason, "seconds": round(phrase.seconds, 4)})
+            out.append(line)
+        return out
+
+    async def rest(self, wait_s: float = 1.0) -> list:
+        """At the turn's last event: the phrases still being written waited for (at most `wait_s`),
+        then every line held; a phrase not written by then is given up (its line goes without it)."""
+        tasks = [task for _, task in self.held if task is not None and not task.done()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=wait_s)
+        self.close()
+        return self.ready()
+
+    def close(self) -> None:
+        """The stream is over: the phrases still held are given up."""
+        for _, task in self.held:
+            if task is not None:
+                task.cancel()
+
+    def _wake(self, _task) -> None:
+        self.events.put(("lines", None))
+
+    async def _phrase(self, line, recent: list[str]):
+        voicing, turn = self.service.voicing, self.writer.turn
+        request = await asyncio.to_thread(voicing.request, turn, line.kind, (), recent, self.lang)
+        if request is None:
+            return None
+        try:
+            return await asyncio.wrap_future(request)
+        except asyncio.CancelledError:  # never begun before the turn's rounds ended, or the stream closed
+            request.cancel()
+            return None
+        except Exception:  # noqa: BLE001 - the line goes out with its facts alone
+            log.exception("turn %s: the voice failed; its %s line goes out without a phrase", turn.id, line.kind)
+            return None
 
     def before(self, kind: str, value, now: float) -> tuple[list, str]:
         """The lines due before this event, and the event's kind (reasoning, content, tool, end)."""
@@ -331,6 +384,9 @@ class Completion:
         return f"data: {json.dumps(error_body(value, 'server_error'))}\n\ndata: [DONE]\n\n", True
 
     async def sse(self, events: queue.Queue, lines: TokenLines | None = None, ended=lambda: None):
+        """The stream's SSE text. Status lines go out before the delta they are due with; a line
+        that takes a phrase is held while the turn's rounds write it (the tokens go on), and goes
+        out when it is written, in order; at the last event every line still held goes out."""
         out: list[int] = []
         try:
             while True:
@@ -338,8 +394,8 @@ class Completion:
                     batch = [await asyncio.to_thread(events.get, True, 1.0)]
                 except queue.Empty:  # the engine is silent (a long prefill): lines that are due
                     if lines is not None:
-                        said = await lines.voice(lines.writer.due(time.monotonic()))
-                        yield b"".join(lines.writer.encode(said))
+                        lines.hold(lines.writer.due(time.monotonic()))
+                        yield b"".join(lines.writer.encode(lines.ready()))
                     continue
                 while True:  # whatever else is queued goes in the same write
                     try:
@@ -348,10 +404,15 @@ class Completion:
                         break
                 text = []
                 for kind, value in batch:
+                    if kind == "lines":  # a phrase held is written
+                        if lines is not None:
+                            text.append(b"".join(lines.writer.encode(lines.ready())).decode())
+                        continue
                     if lines is not None:
                         said, delta = lines.before(kind, value, time.monotonic())
-                        said = await lines.voice(said)
-                        text.append(b"".join(lines.writer.encode(said) + lines.writer.resume(delta)).decode())
+                        lines.hold(said)
+                        ready = lines.ready() if kind == "token" else await lines.rest()
+                        text.append(b"".join(lines.writer.encode(ready) + lines.writer.resume(delta)).decode())
                     line, last = self.event(kind, value, out, first=not out)
                     text.append(line)
                     if last:
@@ -359,6 +420,8 @@ class Completion:
                         return
                 yield "".join(text)
         finally:
+            if lines is not None:
+                lines.close()
             ended()
 
     def whole(self, out: list[int], finish: str) -> dict:
