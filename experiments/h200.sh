@@ -60,7 +60,8 @@ for step in "$@"; do
              timeout 560 bash experiments/proxy_demo.sh /tmp/proxy 2>&1 | tail -8
            cp /tmp/proxy/ab.json "$OUT/ab-proxy.json"; cp /tmp/proxy/ab.csv "$OUT/ab-proxy.csv"; cp /tmp/proxy/proxy-status.json "$OUT/" ;;
     sanity) timeout 200 shadow verify-exact --model qwen3.5-0.8b --device cuda --against-grid 0 --json 2>&1 | tail -c 600 ;;
-    abvoice) # 4,600 tokens (about 18 s) a run: the first thinking line, and its phrase, come after 15 s of reasoning
+    abvoice) # 4,600 tokens (about 18 s) a run: the first thinking line, and its phrase, come after 15 s of reasoning;
+             # about 290 s a shadow with RUNS=6 (serve comes up in about 100 s): one device call a shadow
              for m in ${SHADOWS:-qwen3.5-0.8b qwen3.5-2b}; do
                MODEL=$m GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=4000 OUTPUT=${OUTPUT:-4600} RUNS=${RUNS:-6} NO_EVAL=1 \
                  TEMPLATE=.carry/qwen3.5.jinja VOICE=1 SERVE_ARGS="--max-tokens 8192" AB_TIMEOUT=400 timeout 450 bash experiments/serve_demo.sh \
