@@ -221,6 +221,38 @@ def test_embedded_the_stream_goes_on_while_a_phrase_is_written_and_its_line_foll
     assert tried and tried[0]["raw"] == "noise" and tried[0]["reason"] == "unread words"
 
 
+def test_at_a_streams_end_a_line_whose_phrase_is_not_written_goes_out_without_it(tiny):
+    """The last event waits a bounded time for a phrase being written, then sends every line held,
+    in order: one whose phrase never came goes with its facts alone (none is lost behind it)."""
+    import asyncio
+    import queue
+    from concurrent.futures import Future
+
+    from shadow.server.http.channels import Channel, LineWriter
+    from shadow.server.http.embedded import TokenLines
+    from shadow.server.http.lines import Line, TurnStatus
+    from shadow.server.load import EngineLoad
+
+    tokenizer = load_tokenizer(None)
+    with running() as (_, service):
+        turn = service.begin_turn("late", embedded=True)
+        never: Future = Future()  # a phrase the rounds never write
+        service.voicing.voice = Voice(service.reader, tokenizer)
+        service.voicing.request = lambda *args: never
+        writer = LineWriter(Channel("reasoning", True), TurnStatus(started=0.0), EngineLoad(service.turns), turn)
+        lines = TokenLines(writer, [], tokenizer, service, queue.Queue())
+        thinking, reading = Line("thinking", "thinking 15 s", 15.0, False), Line("reading", "reading", 16.0, False)
+
+        async def end_of_stream():
+            lines.hold([thinking, reading])
+            held = lines.ready()
+            return held, await lines.rest(wait_s=0.05)
+
+        held, rest = asyncio.run(end_of_stream())
+        service.end_turn(turn)
+    assert held == [] and rest == [thinking, reading] and thinking.phrase is None and never.cancelled()
+
+
 def test_a_phrase_that_started_between_rounds_is_kept_when_it_outlasts_the_wait(tiny):
     """Embedded: the turn's rounds hold the device and serve phrases between them. A phrase that
     started there but runs past the stream's wait is waited for and returned, its time charged."""

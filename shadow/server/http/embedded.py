@@ -271,13 +271,13 @@ class TokenLines:
                 task.add_done_callback(self._wake)
             self.held.append((line, task))
 
-    def ready(self) -> list:
+    def ready(self, everything: bool = False) -> list:
         """The lines held whose phrases are written (or not tried), in order: a line waits for
-        the ones before it."""
+        the ones before it. `everything`: every line held, one whose phrase is not written without it."""
         out = []
-        while self.held and (self.held[0][1] is None or self.held[0][1].done()):
+        while self.held and (everything or self.held[0][1] is None or self.held[0][1].done()):
             line, task = self.held.popleft()
-            phrase = None if task is None or task.cancelled() else task.result()
+            phrase = task.result() if task is not None and task.done() and not task.cancelled() else None
             if phrase is not None:
                 line.with_phrase(phrase.text, {"said": phrase.text is not None, "raw": phrase.raw,
                                                "reason": phrase.reason, "seconds": round(phrase.seconds, 4)})
@@ -291,7 +291,7 @@ class TokenLines:
         if tasks:
             await asyncio.wait(tasks, timeout=wait_s)
         self.close()
-        return self.ready()
+        return self.ready(everything=True)
 
     def close(self) -> None:
         """The stream is over: the phrases still held are given up."""
