@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
-#     timeline abdefault abzero proxy restore voice abvoice doctor verifyspill batchrate
+#     timeline abdefault abzero proxy restore voice abvoice phrasesteps doctor verifyspill batchrate
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -37,6 +37,8 @@ for step in "$@"; do
                  tail -c 700 "$OUT/verify-exact-h200-spill.txt" ;;
     batchrate) timeout 200 python3 experiments/batch_rate.py --model qwen3.5-0.8b --device cuda --depth 16384 --batches 1,2,4,8 \
                  --repeats 5 2>&1 | tee "$OUT/batch-rate-h200.txt" | tail -6 ;;
+    phrasesteps) timeout 200 python3 experiments/phrase_steps.py --model qwen3.5-0.8b --device cuda --depth 16384 \
+                   2>&1 | tee "$OUT/phrase-steps-h200.txt" | tail -6 ;;
     profile) timeout 300 python3 experiments/profile_chunk.py 2>&1 | tee "$OUT/profile.txt" | tail -45 ;;
     rate512) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,16384,65536 --repeats 5 --also-kernels fla-fused \
                --json 2>&1 | tee "$OUT/read-rate-512.txt" | tail -12 ;;

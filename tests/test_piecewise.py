@@ -163,3 +163,78 @@ def test_a_reader_on_emulated_graphs_keeps_the_contract_through_turns_rollback_a
     assert graphed.decode(g, ids[:20], 4) == eager.decode(e, ids[:20], 4)
     assert compare_states(g.state, graphed.prefill(g.ids[: g.committed]))[1] == []
     assert compare_states(g.state, e.state)[1] == []
+
+
+def test_fork_pieces_are_graphed_sizes_that_sum_to_the_length():
+    """Any length a fork reads is split into graphed row counts, at most one of each below the grid."""
+    from shadow.model.runtime import FORK_SIZES
+
+    class Sized:
+        sizes = {512, *FORK_SIZES}
+
+    reader = Reader.__new__(Reader)
+    reader.forward = Sized()
+    for n in [1, 2, 3, 31, 63, 64, 65, 330, 511, 512, 513, 1023, 1054, 2100]:
+        pieces = reader.fork_pieces(n)
+        assert sum(pieces) == n and set(pieces) <= Sized.sizes, n
+        below = [p for p in pieces if p < 512]
+        assert len(below) == len(set(below)), (n, pieces)
+    assert reader.fork_cover() == 1023 and sorted(reader.fork_pieces(1023)) == sorted(Sized.sizes)
+    reader.forward = object()  # no graphed sizes: one piece
+    assert reader.fork_pieces(330) == [330] and reader.fork_cover() == 0
+
+
+def test_a_fork_decode_reads_only_graphed_row_counts_one_forward_a_step(tiny):
+    """A phrase's steps on a pieced reader: every forward is at a graphed row count (none eager),
+    one forward between two yields, the session bit-equal afterwards and the ids the plain reader's."""
+    from shadow.model.runtime import FORK_SIZES
+
+    sizes = {64, *FORK_SIZES}
+    seen: list[int] = []
+
+    class Recording(PiecewiseForward):
+        def forward_batch(self, ids, states):
+            seen.append(ids.shape[0])
+            return super().forward_batch(ids, states)
+
+    plain = Reader(tiny.model, 64)
+    pieced = Reader(tiny.model, 64, forward=Recording(tiny.model, sizes=sizes, graphs=False))
+    ids = torch.randint(0, 248044, (250,), generator=torch.Generator().manual_seed(3)).tolist()
+    sessions = []
+    for reader in (plain, pieced):
+        s = reader.new_session("a")
+        reader.feed_prompt(s, ids)
+        reader.advance(s)
+        sessions.append(s)
+    before = sessions[1].state.snapshot()
+    seen.clear()
+    steps, yields = pieced.decode_steps(sessions[1], ids[:45], 5), 0
+    while True:
+        calls = len(seen)
+        try:
+            next(steps)
+        except StopIteration as done:
+            out = done.value
+            break
+        yields += 1
+        assert len(seen) - calls == 1  # one forward a step
+    pending = 250 - sessions[1].committed + 45  # 58 + 45 = 103: 64 + 32 + 4 + 2 + 1
+    assert seen[:4] == [64, 32, 4, 2] and seen[4] == 1 and set(seen) <= sizes
+    assert yields == len(pieced.fork_pieces(pending)) + len(out) - 1
+    assert out == plain.decode(sessions[0], ids[:45], 5)
+    assert compare_states(sessions[1].state, sessions[0].state)[1] == []
+    state = sessions[1].state
+    assert state.length == before.position
+    assert torch.equal(state.arena.conv, before.conv) and torch.equal(state.arena.recurrent, before.recurrent)
+
+
+def test_eager_plans_are_kept_only_for_the_last_few_lengths(tiny):
+    """Ungraphed row counts each get a plan (with a session's GDN state); only the last few stay."""
+    from shadow.model.piecewise import EAGER_PLANS
+
+    pieces = PiecewiseForward(tiny.model, sizes={64}, graphs=False)
+    state = tiny.model.new_state()
+    for t in range(1, 12):
+        pieces(torch.zeros(t, dtype=torch.long), state)
+    assert len(pieces._plans) == EAGER_PLANS
+    assert (1, 11) in pieces._plans and (1, 1) not in pieces._plans

@@ -207,7 +207,7 @@ class Reader:
             raise ShadowInputError(f"cannot ask at {end}: the session has read {session.committed} of {len(session.ids)} ids")
         tail = session.ids[session.committed : end]
         with self.fork(session.state) as state:
-            hidden = self._fork_read(tail + question, state, pad=True)
+            hidden = self._fork_read(tail + question, state)
             return self.model.logits(hidden[-1:])[0]
 
     def ask(self, session: Session, question: Sequence[int], choices: Sequence[int], end: int | None = None) -> torch.Tensor:
@@ -232,14 +232,22 @@ class Reader:
         self, session: Session, prompt: Sequence[int], max_new_tokens: int,
         stop: Sequence[int] = (),
     ) -> Generator[None, None, list[int]]:
-        """`decode` one forward at a time: it yields after the fork's prefill and after each token
-        but the last, and returns the ids. Until it is over the fork is open on the session's
-        state: nothing else may read or fork the session (closing it early undoes the fork too)."""
-        prompt = self.check_ids(prompt)
-        tail = session.ids[session.committed :]
+        """`decode` one forward at a time: the pending tail and `prompt` are read in `fork_pieces`
+        (graphed row counts where the forward has them), yielding after each piece and after each
+        token but the last, and it returns the ids. Until it is over the fork is open on the
+        session's state: nothing else may read or fork the session (closing it early undoes the
+        fork too)."""
+        ids = session.ids[session.committed :] + self.check_ids(prompt)
+        if not ids:
+            raise ShadowInputError("nothing to decode from: no pending ids and no prompt")
         out: list[int] = []
         with self.fork(session.state) as state:
-            hidden = self._fork_read(tail + prompt, state, pad=False)
+            lo = 0
+            for size in self.fork_pieces(len(ids)):
+                if lo:
+                    yield
+                hidden = self.forward(self._ids(ids[lo : lo + size]), state)
+                lo += size
             while len(out) < max_new_tokens:
                 yield
                 token = int(self.model.logits(hidden[-1:])[0].argmax())
@@ -249,17 +257,33 @@ class Reader:
                 hidden = self.forward(self._ids([token]), state)
         return out
 
-    def _fork_read(self, ids: list[int], state: ModelState, pad: bool) -> torch.Tensor:
+    def fork_pieces(self, n: int) -> list[int]:
+        """The row counts in which a fork reads `n` ids without padding: the largest graphed size
+        that fits, again and again, and a remainder below every graphed size in one ungraphed
+        piece (no graphed sizes: all `n` in one)."""
+        sizes = sorted(getattr(self.forward, "sizes", ()), reverse=True)
+        pieces = []
+        while n > 0:
+            size = next((s for s in sizes if s <= n), n)
+            pieces.append(size)
+            n -= size
+        return pieces
+
+    def fork_cover(self) -> int:
+        """Ids whose `fork_pieces` are every graphed size once (what warms all of them up)."""
+        return sum(set(getattr(self.forward, "sizes", ())))
+
+    def _fork_read(self, ids: list[int], state: ModelState) -> torch.Tensor:
         """Hidden rows of `ids` read on top of `state` inside a fork. With a graphed forward, in
-        grid-sized pieces, the last one padded at its end to a graphed size when `pad` (only the
-        last row's logits are used then: causal rows never see the padding after them)."""
+        grid-sized pieces, the last one padded at its end to a graphed size (only the last row's
+        logits are used: causal rows never see the padding after them)."""
         sizes = sorted(getattr(self.forward, "sizes", ()))
         if not sizes:
             return self.forward(self._ids(ids), state)
         hidden = []
         for lo in range(0, len(ids), self.grid):
             piece = ids[lo : lo + self.grid]
-            fit = next((s for s in sizes if s >= len(piece)), len(piece)) if pad else len(piece)
+            fit = next((s for s in sizes if s >= len(piece)), len(piece))
             hidden.append(self.forward(self._ids(piece + [0] * (fit - len(piece))), state)[: len(piece)])
         return torch.cat(hidden)
 

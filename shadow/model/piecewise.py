@@ -24,6 +24,9 @@ from shadow.model.qwen35 import Qwen35, attend_each
 from shadow.model.state import DeltaArena, ModelState
 
 
+EAGER_PLANS = 4  # eager (ungraphed) plans kept for reuse
+
+
 class _Plan:
     """Static buffers (and graphs, once captured) for B sessions' chunks of T rows each."""
 
@@ -60,6 +63,7 @@ class PiecewiseForward:
         self.attention_layers = model.config.attention_layers
         self._delta_index = {layer: j for j, layer in enumerate(model.config.linear_layers)}
         self._plans: dict[tuple[int, int], _Plan] = {}
+        self._eager: list[tuple[int, int]] = []  # eager plans' keys, oldest first
         self._pool = None
 
     @torch.no_grad()
@@ -96,11 +100,18 @@ class PiecewiseForward:
         return plan.out.clone()
 
     def _plan(self, t: int, b: int = 1) -> _Plan:
-        plan = self._plans.get((b, t))
+        """The plan for (b, t): kept for good where it is graphed; an eager one is kept among the
+        last `EAGER_PLANS` only (each holds a session's GDN state: one a length would grow without end)."""
+        key = (b, t)
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[(b, t)] = _Plan(self.model, t, b)
+            plan = self._plans[key] = _Plan(self.model, t, b)
             if self.graphs and t in self.sizes and b in self.batches:
                 self._capture(plan)
+            else:
+                self._eager.append(key)
+                if len(self._eager) > EAGER_PLANS:
+                    del self._plans[self._eager.pop(0)]
         return plan
 
     def _piece(self, plan: _Plan, piece: int) -> None:

@@ -16,7 +16,9 @@ from shadow.model.checkpoint import RANDOM_MARKER, LoadedModel, place_weights, r
 from shadow.model.kernels.reference import REFERENCE, Kernels
 from shadow.model.qwen35 import ModuleSteps, Qwen35
 
-FORK_SIZES = (1, 64, 128, 256, 512)  # graphed row counts for fork pieces and decode steps
+# graphed row counts for fork pieces and decode steps: a fork reads any length in at most one of
+# each below the grid (`Reader.fork_pieces`), so no step of a phrase runs an ungraphed forward
+FORK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 BATCHES = (2, 4, 8)  # graphed batches of chunks read at once (`Reader.advance_batch`)
 KERNEL_NAMES = ("auto", "reference", "fast", "fla-triton", "fla-fused", "fla")  # what choose_kernels takes
 MIN_FAST_HEAD_DIM = 64  # fla 0.6.0 at the tiny preset's 16-dim GDN heads was off by ~12% on the H200

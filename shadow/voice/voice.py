@@ -134,10 +134,12 @@ class Voice:
     def warm(self) -> PhraseCost:
         """At load, on the device: phrases on a scratch session, one with nothing unread and one
         with the longest tail a phrase may prefill, after a first that sets up what runs once
-        (kernels, graphs, caches): the line of the phrase cost through the two."""
+        (kernels, and a graph for every row count a fork reads in: `Reader.fork_cover`): the line
+        of the phrase cost through the two."""
         filler = self.question("thinking", "en")
         points = []
-        for tail in (0, 0, self.window if self.own_model else self.max_tail):
+        cover = max(0, self.reader.fork_cover() - self.question_ids)
+        for tail in (cover, 0, self.window if self.own_model else self.max_tail):
             scratch = self.reader.new_session("(voice warm)")
             scratch.ids = (filler * (tail // len(filler) + 1))[:tail]
             seconds = self._write(scratch, "thinking", (), "en")[1]
