@@ -37,8 +37,9 @@ for step in "$@"; do
                  tail -c 700 "$OUT/verify-exact-h200-spill.txt" ;;
     batchrate) timeout 200 python3 experiments/batch_rate.py --model qwen3.5-0.8b --device cuda --depth 16384 --batches 1,2,4,8 \
                  --repeats 5 2>&1 | tee "$OUT/batch-rate-h200.txt" | tail -6 ;;
-    phrasesteps) timeout 200 python3 experiments/phrase_steps.py --model qwen3.5-0.8b --device cuda --depth 16384 \
-                   2>&1 | tee "$OUT/phrase-steps-h200.txt" | tail -6 ;;
+    phrasesteps) for warm in no-warm-kernels warm-kernels; do  # each with a Triton cache of its own, empty
+                   TRITON_CACHE_DIR=/tmp/triton-$warm timeout 200 python3 experiments/phrase_steps.py --model qwen3.5-0.8b \
+                     --device cuda --depth 16384 --$warm 2>&1 | tee "$OUT/phrase-steps-h200-$warm.txt" | tail -7; done ;;
     profile) timeout 300 python3 experiments/profile_chunk.py 2>&1 | tee "$OUT/profile.txt" | tail -45 ;;
     rate512) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,16384,65536 --repeats 5 --also-kernels fla-fused \
                --json 2>&1 | tee "$OUT/read-rate-512.txt" | tail -12 ;;

@@ -1,5 +1,6 @@
-"""The longest step of a phrase, as the embedded stream sees it: a session at `--depth` with an
-unread tail, a 30-id question and 12 greedy tokens from a fork (`Reader.decode_steps`), each step
+"""The longest step of a phrase, as the embedded stream sees it: first the first phrase at depth
+after a load's warm-up (with or without `Reader.warm_kernels`: run each in a process with an empty
+Triton cache to see a first call compile), then a session at `--depth` with an unread tail, a 30-id question and 12 greedy tokens from a fork (`Reader.decode_steps`), each step
 device synchronised. Beside it, the way a fork read its tail and question before: one forward of
 all of them at an ungraphed row count, timed at a length it has not run at before (as each phrase's
 length is new in a live session) and again at that length. Last stdout line: one JSON object.
@@ -61,14 +62,27 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=16384)
     parser.add_argument("--tails", default="0,100,300,500,1000")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warm-kernels", action=argparse.BooleanOptionalAction, default=True,
+                        help="compile the kernels for every depth first (Reader.warm_kernels), as a load does")
     args = parser.parse_args()
     _, reader = open_reader(args.model, grid=512, device=args.device)
+    cover = max(0, reader.fork_cover() - len(QUESTION))
+    scratch = reader.new_session("warm")  # as the voice warms at load: every graphed fork size, at depth 0
+    scratch.ids = [5] * cover
+    stepped(reader, scratch, args.device)
+    start = time.perf_counter()
+    launches = reader.warm_kernels() if args.warm_kernels else 0
+    warm_s = time.perf_counter() - start
     session = sessions_at(reader, args.depth, 1)[0]
     for layer in session.state.attention:
         layer.reserve(args.depth + 2 * reader.grid + 64)
     base = session.ids[: args.depth]
-    session.ids = base + [5] * max(0, reader.fork_cover() - len(QUESTION))
-    stepped(reader, session, args.device)  # warm-up: every graphed fork size captured
+    session.ids = base + [5] * 301  # the first phrase at depth, at lengths no forward has met
+    first = stepped(reader, session, args.device)
+    print(f"first phrase at depth {args.depth} (kernels warmed: {args.warm_kernels}, {launches} launches in "
+          f"{warm_s:.2f} s): longest step {1000 * max(first):.2f} ms, phrase {1000 * sum(first):.2f} ms", flush=True)
+    session.ids = base + [5] * cover
+    stepped(reader, session, args.device)  # every fork size at this depth once
     rows, fresh = [], 0
     for tail in (int(x) for x in args.tails.split(",")):
         session.ids = base + [5] * tail
@@ -92,7 +106,10 @@ def main() -> None:
               f"phrase {row['phrase_ms']} ms | one forward: new length {row['one_forward_new_length_ms']} ms, "
               f"again {row['one_forward_again_ms']} ms", flush=True)
     print(json.dumps({"model": args.model, "device": args.device, "depth": args.depth,
-                      "kernels": reader.model.kernels.name, "rows": rows}))
+                      "kernels": reader.model.kernels.name, "warm_kernels": args.warm_kernels,
+                      "warm_launches": launches, "warm_s": round(warm_s, 3),
+                      "first_phrase": {"longest_step_ms": round(1000 * max(first), 2),
+                                       "phrase_ms": round(1000 * sum(first), 2)}, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -191,6 +191,25 @@ def test_triton_kernels_compile_for_the_h200():
         assert ".entry" in compiled.asm["ptx"], fn.__name__
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+@pytest.mark.parametrize("heads", [1, 8, 16])
+def test_variant_lengths_meet_every_class_a_scan_of_all_lengths_meets(heads):
+    """The lengths a load warms chunk attention at launch each compiled variant (the classes of its
+    integer arguments, and the merge width) that any length up to the longest would."""
+    import triton
+
+    from shadow.model.kernels import triton_attention as ta
+
+    def key(t, length):
+        slices = triton.cdiv(length, ta.slice_rows(t, length, heads, 132, ta.TILES["BM"], ta.TILES["BN"]))
+        return ta._int_class(length), ta._int_class(length - t), ta._int_class(slices), max(2, triton.next_power_of_2(slices))
+
+    for t in (1, 5, 16, 100, 256, 512):
+        lengths = ta.variant_lengths(t, 12000, heads, 132)
+        assert all(t <= n <= 12000 for n in lengths) and len(set(lengths)) == len(lengths)
+        assert {key(t, n) for n in lengths} == {key(t, n) for n in range(t, 12001)}, t
+
+
 def test_a_kernel_set_revision_is_part_of_the_stored_arithmetic(fused):
     from shadow.model.runtime import arithmetic
 

@@ -111,6 +111,28 @@ def test_triton_chunk_attention_matches_reference_and_repeats_its_bits(t, cached
     assert torch.equal(out, chunk_attention(q, k, v, 256 ** -0.5))
 
 
+def test_warmed_chunk_attention_compiles_nothing_at_any_later_length():
+    """After `warm` for the fork and chunk row counts, launches at random depths (as asks and a
+    phrase's pieces meet them) find every kernel compiled: no compile mid-stream."""
+    from shadow.model.kernels import triton_attention as ta
+
+    rows = [16, 32, 64, 128, 256, 512]
+    ta.warm(8, 2, 256, rows, torch.bfloat16, torch.device("cuda"))
+
+    def compiled() -> int:
+        return sum(len(c[0]) for fn in (ta._attention_slice, ta._attention_merge) for c in fn.device_caches.values())
+
+    before = compiled()
+    g = torch.Generator().manual_seed(5)
+    kv = torch.zeros(2, 30000, 256, dtype=torch.bfloat16, device="cuda")
+    for _ in range(60):
+        t = rows[int(torch.randint(len(rows), (1,), generator=g))]
+        length = int(torch.randint(t, 30000, (1,), generator=g))
+        q = torch.zeros(t, 8, 256, dtype=torch.bfloat16, device="cuda").transpose(0, 1)
+        ta.chunk_attention(q, kv[:, :length], kv[:, :length], 256 ** -0.5)
+    assert before > 0 and compiled() == before
+
+
 @pytest.fixture(scope="module", params=[sets.FAST, sets.FUSED, sets.TRITON], ids=["fla", "fused", "triton"])
 def tiny_cuda(request):
     return load_model("tiny", dtype=torch.bfloat16, device="cuda", kernels=request.param)

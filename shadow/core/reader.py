@@ -17,7 +17,7 @@ import torch
 from shadow.errors import ShadowInputError
 from shadow.model.checkpoint import LoadedModel
 from shadow.model.qwen35 import Qwen35
-from shadow.model.runtime import BATCHES, FORK_SIZES, forward_for, load_model
+from shadow.model.runtime import BATCHES, FORK_SIZES, forward_for, load_model, warm_kernels
 from shadow.model.state import DeltaSnapshot, ModelState
 
 T = TypeVar("T")
@@ -268,6 +268,11 @@ class Reader:
             pieces.append(size)
             n -= size
         return pieces
+
+    def warm_kernels(self) -> int:
+        """The kernels' first-call compiles for every row count the forward has graphs for, at any
+        depth, done now (`runtime.warm_kernels`: on a GPU only); the launches it made."""
+        return warm_kernels(self.model, getattr(self.forward, "sizes", ()))
 
     def fork_cover(self) -> int:
         """Ids whose `fork_pieces` are every graphed size once (what warms all of them up)."""

@@ -113,6 +113,17 @@ def forward_for(model: Qwen35, sizes: Iterable[int], graphs: bool = True, batche
     return PiecewiseForward(model, sizes=set(sizes), batches=set(batches))
 
 
+def warm_kernels(model: Qwen35, rows: Iterable[int]) -> int:
+    """On a GPU, the compiles a kernel set's first calls would do for forwards of `rows` rows at any
+    depth, done now (a first call at a new key-length class compiles for a tenth of a second or
+    more: never mid-stream). Returns the launches it made (0 where there is nothing to compile)."""
+    warm = model.kernels.warm_attention
+    if warm is None or model.device.type != "cuda":
+        return 0
+    c = model.config
+    return warm(c.num_attention_heads, c.num_key_value_heads, c.head_dim, list(rows), model.dtype, model.device)
+
+
 def arithmetic(model: Qwen35) -> str:
     """The name of a model's arithmetic: the kernel set (with its revision, if any) and dtype, e.g.
     'reference/float32' or 'fla-triton.2/bfloat16'."""

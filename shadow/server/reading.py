@@ -166,7 +166,9 @@ class Reading:
 
     def warm(self, shadow: Shadow) -> None:
         """At load, on the loading thread: the scheduler takes the shadow's grid and its chunk costs
-        measured on a scratch session (`measure_chunks`)."""
+        measured on a scratch session (`measure_chunks`), after the kernels' compiles for every
+        depth a chunk, an ask or a fork may read at are done (`Reader.warm_kernels`)."""
+        shadow.reader.warm_kernels()
         measured = measure_chunks(shadow.reader, self.clock, self.warm_depths)
         with self.lock:
             self.sched.grid = shadow.grid

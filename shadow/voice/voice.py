@@ -134,8 +134,9 @@ class Voice:
     def warm(self) -> PhraseCost:
         """At load, on the device: phrases on a scratch session, one with nothing unread and one
         with the longest tail a phrase may prefill, after a first that sets up what runs once
-        (kernels, and a graph for every row count a fork reads in: `Reader.fork_cover`): the line
-        of the phrase cost through the two."""
+        (kernels at every depth: `Reader.warm_kernels`; a graph for every row count a fork reads in:
+        `Reader.fork_cover`): the line of the phrase cost through the two."""
+        self.reader.warm_kernels()  # no compile at a new depth mid-phrase (the shadow's own reader: done already)
         filler = self.question("thinking", "en")
         points = []
         cover = max(0, self.reader.fork_cover() - self.question_ids)

@@ -41,3 +41,14 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     from shadow.model.kernels.triton_attention import chunk_attention
 
     return chunk_attention(q, k, v, scale)
+
+
+def warm_attention_triton(heads: int, kv_heads: int, head_dim: int, rows, dtype: torch.dtype,
+                          device: torch.device) -> int:
+    """`attention_triton`'s kernels compiled for every row count in `rows` it runs Triton at, at
+    every key-length class (`triton_attention.variant_lengths`), so no first call at a new length
+    compiles mid-stream. Returns the launches."""
+    from shadow.model.kernels import triton_attention
+
+    chunked = sorted(t for t in set(rows) if t >= CHUNK_ATTENTION_ROWS)
+    return triton_attention.warm(heads, kv_heads, head_dim, chunked, dtype, device)

@@ -193,6 +193,9 @@ class Kernels:
     gdn_gated: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_gated_reference
     fused: bool = False  # the forward runs `fused.FusedSteps` (merged projections, one-launch kernels)
     revision: int = 0  # raised whenever the set's arithmetic changes, so state stored by an older one is not read
+    # (heads, kv_heads, head_dim, rows, dtype, device) -> launches: the attention's kernels compiled
+    # for every key length it may meet with those query rows (None: nothing to compile)
+    warm_attention: Callable[..., int] | None = None
 
 
 REFERENCE = Kernels(name="reference", gdn=gdn_reference, conv=causal_conv, attention=attention_online)

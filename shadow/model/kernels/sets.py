@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shadow.model.kernels.attention import attention_sdpa, attention_triton
+from shadow.model.kernels.attention import attention_sdpa, attention_triton, warm_attention_triton
 from shadow.model.kernels.fla import gated_rms_norm_fla, gdn_fla, gdn_fla_gated
 from shadow.model.kernels.reference import REFERENCE, Kernels
 from shadow.model.kernels.torch_ops import causal_conv_rows, rms_norm_fused
@@ -18,6 +18,7 @@ FAST = Kernels(
 # `fused.FusedSteps` on these kernels; revision 2: also residual adds fused with the norms that read
 # them, the attention gate in one kernel
 FUSED = dataclasses.replace(FAST, name="fla-fused", fused=True, revision=2)
-TRITON = dataclasses.replace(FUSED, name="fla-triton", attention=attention_triton)  # and Triton chunk attention
+TRITON = dataclasses.replace(FUSED, name="fla-triton", attention=attention_triton,  # and Triton chunk attention
+                             warm_attention=warm_attention_triton)
 SETS = {"fast": TRITON, "fla-triton": TRITON, "fla-fused": FUSED, "fla": FAST}
 BY_NAME = {"reference": REFERENCE, **SETS}

@@ -128,3 +128,46 @@ def chunk_attention(
     out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     _attention_merge[(t, hq)](o_part, m_part, l_part, out, t, slices, D=d, BS=max(2, triton.next_power_of_2(slices)))
     return out
+
+
+def _int_class(n: int) -> int:
+    """How Triton specialises an integer argument: 1, a multiple of 16, or neither (each compiles apart)."""
+    return 1 if n == 1 else 16 if n % 16 == 0 else 0
+
+
+def variant_lengths(t: int, longest: int, heads: int, sm_count: int, tiles: dict[str, int] | None = None) -> list[int]:
+    """Key lengths L (t <= L <= longest) at which `chunk_attention` of t query rows launches every
+    compiled variant of its two kernels: Triton compiles one per class of its integer arguments
+    (L, L - t, the slice count) and per merge width BS, and a first launch in a new class compiles
+    for a tenth of a second or more; these lengths let a load run them all first. The slice count
+    is fixed within a key block, so each block's first lengths, its first L and L - t that are multiples of 16 (and
+    t + 1, where L - t is 1) stand for all of it."""
+    tiles = TILES if tiles is None else tiles
+    bn = tiles["BN"]
+    seen, out = set(), []
+    for block in range(-(-t // bn), -(-longest // bn) + 1):
+        lo, hi = max(t, (block - 1) * bn + 1), min(longest, block * bn)
+        firsts = {lo, lo + 1, lo + 2, lo + -lo % 16, lo + (t - lo) % 16, t + 1}
+        for length in sorted(n for n in firsts if lo <= n <= hi):
+            slices = triton.cdiv(length, slice_rows(t, length, heads, sm_count, tiles["BM"], bn, tiles.get("waves", 1)))
+            key = (_int_class(length), _int_class(length - t), _int_class(slices), max(2, triton.next_power_of_2(slices)))
+            if key not in seen:
+                seen.add(key)
+                out.append(length)
+    return out
+
+
+def warm(heads: int, kv_heads: int, head_dim: int, rows: list[int], dtype: torch.dtype, device: torch.device,
+         longest: int = 32768) -> int:
+    """Run `chunk_attention` once in every compiled variant for each of `rows` query rows (of at
+    least 1), on zeros laid out as the model's are; returns the launches. What it computes is dropped."""
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    launches = 0
+    for t in rows:
+        lengths = variant_lengths(t, max(t, longest), heads, sm_count)
+        kv = torch.zeros(kv_heads, max(lengths), head_dim, dtype=dtype, device=device)
+        q = torch.zeros(t, heads, head_dim, dtype=dtype, device=device).transpose(0, 1)
+        for length in lengths:
+            chunk_attention(q, kv[:, :length], kv[:, :length], head_dim ** -0.5)
+            launches += 1
+    return launches
