@@ -630,6 +630,11 @@ def test_ab_with_the_voice_switches_shadow_and_voice_per_arm_and_back(embedded, 
     assert all(r["tokens"] == 5 for r in runs)  # status lines are never counted as tokens
     assert all(r["lines"] == 0 for r in runs if r["arm"] == "off") and doc["status_lines"]["off"] == 0
     assert all(r["share_s"] == 0 for r in runs if r["arm"] == "off")
+    for r in runs:  # where the longest gap and the first line came, after the first token
+        assert (r["line_at_s"] is None) == (r["lines"] == 0)
+        assert 0 < r["itl_max_at_s"] <= (r["tokens"] - 1) / r["decode_tok_s"] + 1e-6
+        assert 0 <= r["gaps_over_10ms"] <= r["tokens"] - 1
+    assert doc["itl"]["on"]["gaps_over_10ms"] == sum(r["gaps_over_10ms"] for r in runs if r["arm"] == "on")
     assert service.shared.switch.shadow is True and service.shared.switch.voice is True  # switched back
     assert csv_path.read_text().splitlines()[0].startswith("arm,pair,ttft_s,decode_tok_s,tokens,share_s,lines,voice")
 

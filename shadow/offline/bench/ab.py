@@ -49,6 +49,9 @@ class Run:
     itl_p50_ms: float = 0.0  # gaps between streamed tokens' arrivals
     itl_p99_ms: float = 0.0
     itl_max_ms: float = 0.0
+    itl_max_at_s: float = 0.0  # when the longest gap ended, seconds after the first token
+    gaps_over_10ms: int = 0
+    line_at_s: float | None = None  # when the first status line came, seconds after the first token (< 0: before it)
     voice_s: float | None = None  # the server's voice phrases charged during the run
 
     @property
@@ -75,7 +78,7 @@ def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, ses
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "min_tokens": max_tokens, "return_token_ids": True}
     headers = {"x-session-id": session} | ({STATUS_HEADER: session} if status_lines else {})
-    times, count, lines = [], 0, 0
+    times, count, lines, line_at = [], 0, 0, None
     start = time.perf_counter()
     with client.stream("POST", base + "/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
@@ -84,13 +87,12 @@ def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, ses
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            if "event" in event:  # an Open WebUI status event
-                lines += 1
-                continue
             choice = (event.get("choices") or [{}])[0]
             delta = choice.get("delta") or {}
-            if MARK in (delta.get("reasoning_content") or "") + (delta.get("content") or ""):
-                lines += 1  # a framed status line: not a token
+            # an Open WebUI status event, or a framed status line: not a token
+            if "event" in event or MARK in (delta.get("reasoning_content") or "") + (delta.get("content") or ""):
+                lines += 1
+                line_at = line_at if line_at is not None else time.perf_counter()
                 continue
             n = len(choice.get("token_ids") or []) or (1 if delta.get("content") else 0)
             if n:
@@ -98,10 +100,15 @@ def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, ses
                 count += n
     if count < 2:
         raise RuntimeError("fewer than two tokens streamed: no decode rate")
-    gaps = sorted(b - a for a, b in zip(times, times[1:])) or [0.0]
+    steps = [b - a for a, b in zip(times, times[1:])] or [0.0]
+    gaps = sorted(steps)
     p = lambda q: 1000 * gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
+    longest = max(range(len(steps)), key=steps.__getitem__)
     return Run(arm, pair, times[0] - start, (count - 1) / (times[-1] - times[0]), count, lines=lines,
-               itl_p50_ms=p(0.5), itl_p99_ms=p(0.99), itl_max_ms=1000 * gaps[-1])
+               itl_p50_ms=p(0.5), itl_p99_ms=p(0.99), itl_max_ms=1000 * gaps[-1],
+               itl_max_at_s=times[min(longest + 1, len(times) - 1)] - times[0],
+               gaps_over_10ms=sum(g > 0.010 for g in steps),
+               line_at_s=None if line_at is None else line_at - times[0])
 
 
 def _refusal(status: int, body: bytes) -> Exception:
@@ -188,7 +195,8 @@ def summarize(runs: list[Run], gate_pct: float) -> dict:
     `share_pct`: the median over "on" runs of the reading the server charged to shares, as a % of
     the run's decode time (None when the server does not report it); a slowdown beyond it is
     cost the share does not account for; `voice_pct` the same for the voice's phrases; `itl`: per arm
-    the medians of the runs' inter-token p50 and p99 (ms) and the longest gap of any run;
+    the medians of the runs' inter-token p50 and p99 (ms), the longest gap of any run and the gaps
+    over 10 ms in all;
     `status_lines`: the lines each arm's runs saw."""
     arms = {a: [r for r in runs if r.arm == a] for a in ("off", "on")}
     decode = {a: statistics.median(r.decode_tok_s for r in rs) for a, rs in arms.items()}
@@ -203,7 +211,8 @@ def summarize(runs: list[Run], gate_pct: float) -> dict:
     charged = [100 * r.share_s / r.decode_s for r in arms["on"] if r.share_s is not None]
     spoken = [100 * r.voice_s / r.decode_s for r in arms["on"] if r.voice_s is not None]
     itl = {a: {"p50_ms": statistics.median(r.itl_p50_ms for r in rs), "p99_ms": statistics.median(r.itl_p99_ms for r in rs),
-               "max_ms": max(r.itl_max_ms for r in rs)} for a, rs in arms.items()}
+               "max_ms": max(r.itl_max_ms for r in rs), "gaps_over_10ms": sum(r.gaps_over_10ms for r in rs)}
+           for a, rs in arms.items()}
     return {"runs": len(pairs), "decode_tok_s": decode, "ttft_s": ttft, "delta_pct": delta,
             "paired_deltas_pct": paired, "share_pct": statistics.median(charged) if charged else None,
             "voice_pct": statistics.median(spoken) if spoken else None, "itl": itl,
