@@ -191,11 +191,17 @@ def _run(app, listener, host: str, port: int) -> None:
     """uvicorn on the bound socket; says when it listens (the service says what it wrote at the stop)."""
     import uvicorn
 
+    from shadow.server import gcpauses
+
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets=sockets)
             if self.started:
-                log.info("listening on http://%s:%d", host if ":" not in host else f"[{host}]", port)
+                # what the load made lives as long as the process: out of the collector's walks
+                # (a full collection of it stalls every stream for tens of milliseconds)
+                frozen = gcpauses.freeze()
+                log.info("listening on http://%s:%d (%d objects of the load frozen out of garbage collection)",
+                         host if ":" not in host else f"[{host}]", port, frozen)
 
     server = Server(uvicorn.Config(app, log_level="warning", log_config=None))  # its lines in the one format
     try:

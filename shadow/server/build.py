@@ -16,6 +16,7 @@ from shadow.core.store import SessionStore
 from shadow.engines.dialects import DIALECTS
 from shadow.model.checkpoint import RANDOM_MARKER, read_config, resolve_checkpoint
 from shadow.model.runtime import choose_kernels, load_model
+from shadow.server import gcpauses
 from shadow.server.generator import Generator
 from shadow.server.host import Shadow
 from shadow.server.http.app import ShadowApp
@@ -51,6 +52,7 @@ def store_for(settings: ServeSettings, reader: Reader, weights_hash: str) -> Ses
 def build(settings: ServeSettings) -> Built:
     """The app for `settings` (checked first), and whether the shadow's weights are random."""
     check(settings)
+    gcpauses.install()  # status shows the collector's pauses
     m = settings.model
     check_grid(m.grid)
     folder = resolve_checkpoint(m.model)

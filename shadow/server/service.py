@@ -32,6 +32,7 @@ from shadow.core.store import SessionStore
 from shadow.engines.idcheck import SessionChecks, TurnCheck, TurnIds
 from shadow.errors import ShadowInputError, ShadowNotExact
 from shadow.model.config import ModelConfig
+from shadow.server import gcpauses
 from shadow.server.asking import Asking
 from shadow.server.host import Loader, ModelHost, Shadow
 from shadow.server.load import EngineLoad
@@ -555,4 +556,5 @@ class ShadowService:
                 "reading": self.reading.status(),
                 "idle_reader": self.reading.idle_status(),
                 "last_answers": list(c.last_answers),
+                "gc": None if gcpauses.installed() is None else gcpauses.installed().status(),
             }

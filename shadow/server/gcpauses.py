@@ -1,0 +1,66 @@
+"""Python's garbage collector in a long-running server. A full collection walks every object the
+process holds; after a load (torch, the tokenizer's tables, the models' modules: a few hundred
+thousand objects) that takes tens of milliseconds on a fast host and more on a slow one, and it
+runs on whichever thread allocated last: a stall in every stream. `freeze` moves what exists
+now out of its reach (the load's objects live as long as the process); `GcPauses` times every
+collection by generation, for status."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+
+
+class GcPauses:
+    """Collections counted and timed by generation (0, 1, 2), from `gc.callbacks`."""
+
+    def __init__(self):
+        self.collections = [0, 0, 0]
+        self.longest_ms = [0.0, 0.0, 0.0]
+        self.total_s = 0.0
+        self._started = threading.local()  # a collection runs on the thread that triggered it
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started.at = time.perf_counter()
+            return
+        start = getattr(self._started, "at", None)
+        if start is None:
+            return
+        self._started.at = None
+        seconds = time.perf_counter() - start
+        g = min(2, int(info.get("generation", 2)))
+        self.collections[g] += 1
+        self.longest_ms[g] = max(self.longest_ms[g], 1000 * seconds)
+        self.total_s += seconds
+
+    def status(self) -> dict:
+        return {"collections": list(self.collections), "longest_ms": [round(x, 3) for x in self.longest_ms],
+                "total_s": round(self.total_s, 6), "frozen": gc.get_freeze_count()}
+
+
+_pauses: GcPauses | None = None
+_lock = threading.Lock()
+
+
+def install() -> GcPauses:
+    """The process's collection timer, registered once."""
+    global _pauses
+    with _lock:
+        if _pauses is None:
+            _pauses = GcPauses()
+            gc.callbacks.append(_pauses)
+        return _pauses
+
+
+def installed() -> GcPauses | None:
+    return _pauses
+
+
+def freeze() -> int:
+    """Collect what is garbage now, then freeze every object left (never collected again, never
+    walked by a collection); the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
