@@ -355,3 +355,52 @@ def thinking_engine(seconds: float):
     """An engine that streams reasoning for `seconds`, then an answer."""
     steps = [(0.1, {"reasoning_content": f" step {k} of the grid reader"}, None) for k in range(int(seconds / 0.1))]
     return scripted_stream([*steps, (0, {"content": "done"}, "stop")])
+
+
+def test_a_phrase_request_that_arrives_after_its_stream_closed_is_cancelled(tiny):
+    """The stream closes while its phrase request is still being made (the service's lock held
+    elsewhere): the request, when it arrives, is cancelled, so no round writes a phrase for nobody."""
+    import asyncio
+    import queue
+    import threading
+    from concurrent.futures import Future
+
+    from shadow.server.http.channels import Channel, LineWriter
+    from shadow.server.http.embedded import TokenLines
+    from shadow.server.http.lines import Line, TurnStatus
+    from shadow.server.load import EngineLoad
+
+    tokenizer = load_tokenizer(None)
+    with running() as (_, service):
+        turn = service.begin_turn("closed", embedded=True)
+        made: list[Future] = []
+        release = threading.Event()
+
+        def slow_request(*args):  # the request is made while the stream closes
+            release.wait(5)
+            made.append(Future())
+            return made[-1]
+
+        service.voicing.voice = Voice(service.reader, tokenizer)
+        service.voicing.request = slow_request
+        writer = LineWriter(Channel("reasoning", True), TurnStatus(started=0.0), EngineLoad(service.turns), turn)
+        lines = TokenLines(writer, [], tokenizer, service, queue.Queue())
+        thinking = Line("thinking", "thinking 15 s", 15.0, False)
+
+        async def close_while_asking():
+            lines.hold([thinking])
+            await asyncio.sleep(0.05)
+            lines.close()  # the client went away
+            (_, task), = lines.held
+            await asyncio.sleep(0)
+            release.set()
+            for _ in range(100):  # the request arrives on its thread
+                if made:
+                    break
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.05)
+            return task
+
+        task = asyncio.run(close_while_asking())
+        service.end_turn(turn)
+    assert task.done() and made and made[0].cancelled()

@@ -24,6 +24,11 @@ from shadow.voice.voice import Phrase, Voice
 log = logging.getLogger("shadow.serve")
 
 
+def voice_failed(turn: ServedTurn, kind: str) -> None:
+    """Log the exception being handled: the voice failed, and the line goes out with its facts alone."""
+    log.exception("turn %s: the voice failed; its %s line goes out without a phrase", turn.id, kind)
+
+
 @dataclass(frozen=True)
 class VoiceParts:
     """What the voice is made of: the tokenizer it writes with, and a model of its own (`reader`,
@@ -79,7 +84,7 @@ class Voicing:
                 turn.phrases.append((steps, request))
                 return request
         except Exception:  # noqa: BLE001 - the line goes out with its facts alone
-            log.exception("turn %s: the voice failed; its %s line goes out without a phrase", turn.id, kind)
+            voice_failed(turn, kind)
         return None
 
     def phrase(self, turn: ServedTurn, kind: str, extra: Sequence[int] = (), recent: Sequence[str] = (),
@@ -95,7 +100,7 @@ class Voicing:
             except FutureTimeout:
                 return None if request.cancel() else request.result()
         except Exception:  # noqa: BLE001 - the line goes out with its facts alone
-            log.exception("turn %s: the voice failed; its %s line goes out without a phrase", turn.id, kind)
+            voice_failed(turn, kind)
         return None
 
     @staticmethod

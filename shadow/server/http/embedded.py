@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import queue
 import threading
 import time
@@ -38,12 +37,11 @@ from shadow.server.http.lines import TurnStatus, said
 from shadow.server.service import ShadowService
 from shadow.server.settings import ServeSettings
 from shadow.server.turn import ServedTurn
+from shadow.server.voicing import voice_failed
 from shadow.text.chat import Message, render_prompt
 from shadow.text.chat_template import ChatRenderer
 from shadow.text.tokenizer import Tokenizer
 from shadow.voice.checks import request_language
-
-log = logging.getLogger("shadow.serve")
 
 
 class EmbeddedCompletions:
@@ -238,6 +236,12 @@ class Generation:
         self.service.record_turn(self.turn, check_turn(ids), ids)
 
 
+def _cancel_arrived(asked: asyncio.Future) -> None:
+    """A phrase request that arrived after its stream closed: cancelled (dropped if not begun)."""
+    if not asked.cancelled() and asked.exception() is None and asked.result() is not None:
+        asked.result().cancel()
+
+
 END = object()  # the generator's steps are over
 SLICE_S = 0.1  # how long a generation holds the device while another job waits, before it gives way
 
@@ -304,7 +308,12 @@ class TokenLines:
 
     async def _phrase(self, line, recent: list[str]):
         voicing, turn = self.service.voicing, self.writer.turn
-        request = await asyncio.to_thread(voicing.request, turn, line.kind, (), recent, self.lang)
+        asked = asyncio.ensure_future(asyncio.to_thread(voicing.request, turn, line.kind, (), recent, self.lang))
+        try:
+            request = await asyncio.shield(asked)  # a request on its way is cancelled when it arrives
+        except asyncio.CancelledError:  # the stream closed while the request was being made
+            asked.add_done_callback(_cancel_arrived)
+            return None
         if request is None:
             return None
         try:
@@ -313,7 +322,7 @@ class TokenLines:
             request.cancel()
             return None
         except Exception:  # noqa: BLE001 - the line goes out with its facts alone
-            log.exception("turn %s: the voice failed; its %s line goes out without a phrase", turn.id, line.kind)
+            voice_failed(turn, line.kind)
             return None
 
     def before(self, kind: str, value, now: float) -> tuple[list, str]:
