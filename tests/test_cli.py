@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -633,6 +634,7 @@ def test_ab_with_the_voice_switches_shadow_and_voice_per_arm_and_back(embedded, 
     for r in runs:  # where the longest gap and the first line came, after the first token
         assert (r["line_at_s"] is None) == (r["lines"] == 0)
         assert 0 < r["itl_max_at_s"] <= (r["tokens"] - 1) / r["decode_tok_s"] + 1e-6
+        assert abs(r["itl_max_at"] - time.time()) < 600
         assert 0 <= r["gaps_over_10ms"] <= r["tokens"] - 1
     assert doc["itl"]["on"]["gaps_over_10ms"] == sum(r["gaps_over_10ms"] for r in runs if r["arm"] == "on")
     assert service.shared.switch.shadow is True and service.shared.switch.voice is True  # switched back

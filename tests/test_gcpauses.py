@@ -20,7 +20,22 @@ def test_collections_are_timed_by_generation_and_status_shows_them(tiny):
     with running() as (client, _):
         shown = client.get("/v1/shadow/status").json()["gc"]
     assert shown["collections"][2] >= before[2] + 1 and shown["longest_ms"][2] > 0
-    assert set(shown) == {"collections", "longest_ms", "total_s", "frozen"}
+    assert set(shown) == {"collections", "longest_ms", "total_s", "frozen", "long_pauses"}
+    assert all(p["ms"] >= gcpauses.GcPauses.LONG_MS and p["at"] > 1e9 for p in shown["long_pauses"])
+
+
+def test_a_long_pause_is_kept_with_when_it_ended():
+    import time
+
+    pauses = gcpauses.GcPauses()
+    pauses("start", {"generation": 1})
+    time.sleep(0.01)
+    pauses("stop", {"generation": 1})
+    pauses("start", {"generation": 0})
+    pauses("stop", {"generation": 0})  # short: counted, not kept
+    (at, generation, ms), = pauses.long
+    assert generation == 1 and ms >= 10 and abs(at - time.time()) < 5
+    assert pauses.collections == [1, 1, 0] and pauses.status()["long_pauses"][0]["generation"] == 1
 
 
 def test_freeze_takes_what_exists_out_of_the_collectors_walks():

@@ -3,22 +3,27 @@ process holds; after a load (torch, the tokenizer's tables, the models' modules:
 thousand objects) that takes tens of milliseconds on a fast host and more on a slow one, and it
 runs on whichever thread allocated last: a stall in every stream. `freeze` moves what exists
 now out of its reach (the load's objects live as long as the process); `GcPauses` times every
-collection by generation, for status."""
+collection by generation, for status, and keeps when the long ones came."""
 
 from __future__ import annotations
 
 import gc
 import threading
 import time
+from collections import deque
 
 
 class GcPauses:
     """Collections counted and timed by generation (0, 1, 2), from `gc.callbacks`."""
 
+    LONG_MS = 5.0  # a pause this long is kept with its time (the last `KEEP` of them)
+    KEEP = 32
+
     def __init__(self):
         self.collections = [0, 0, 0]
         self.longest_ms = [0.0, 0.0, 0.0]
         self.total_s = 0.0
+        self.long: deque = deque(maxlen=self.KEEP)  # (wall-clock end, generation, ms)
         self._started = threading.local()  # a collection runs on the thread that triggered it
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -34,10 +39,15 @@ class GcPauses:
         self.collections[g] += 1
         self.longest_ms[g] = max(self.longest_ms[g], 1000 * seconds)
         self.total_s += seconds
+        if 1000 * seconds >= self.LONG_MS:
+            self.long.append((time.time(), g, 1000 * seconds))
 
     def status(self) -> dict:
+        """Counts and longest pauses by generation, and the last long pauses with when they ended
+        (seconds since the epoch: to set beside a client's stall)."""
         return {"collections": list(self.collections), "longest_ms": [round(x, 3) for x in self.longest_ms],
-                "total_s": round(self.total_s, 6), "frozen": gc.get_freeze_count()}
+                "total_s": round(self.total_s, 6), "frozen": gc.get_freeze_count(),
+                "long_pauses": [{"at": round(at, 3), "generation": g, "ms": round(ms, 3)} for at, g, ms in self.long]}
 
 
 _pauses: GcPauses | None = None

@@ -50,6 +50,7 @@ class Run:
     itl_p99_ms: float = 0.0
     itl_max_ms: float = 0.0
     itl_max_at_s: float = 0.0  # when the longest gap ended, seconds after the first token
+    itl_max_at: float = 0.0  # the same, seconds since the epoch (to set beside the server's own times)
     gaps_over_10ms: int = 0
     line_at_s: float | None = None  # when the first status line came, seconds after the first token (< 0: before it)
     voice_s: float | None = None  # the server's voice phrases charged during the run
@@ -79,7 +80,7 @@ def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, ses
             "ignore_eos": True, "min_tokens": max_tokens, "return_token_ids": True}
     headers = {"x-session-id": session} | ({STATUS_HEADER: session} if status_lines else {})
     times, count, lines, line_at = [], 0, 0, None
-    start = time.perf_counter()
+    start, wall = time.perf_counter(), time.time()
     with client.stream("POST", base + "/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             raise _refusal(r.status_code, r.read())
@@ -107,6 +108,7 @@ def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, ses
     return Run(arm, pair, times[0] - start, (count - 1) / (times[-1] - times[0]), count, lines=lines,
                itl_p50_ms=p(0.5), itl_p99_ms=p(0.99), itl_max_ms=1000 * gaps[-1],
                itl_max_at_s=times[min(longest + 1, len(times) - 1)] - times[0],
+               itl_max_at=wall + times[min(longest + 1, len(times) - 1)] - start,
                gaps_over_10ms=sum(g > 0.010 for g in steps),
                line_at_s=None if line_at is None else line_at - times[0])
 
