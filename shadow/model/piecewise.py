@@ -100,8 +100,8 @@ class PiecewiseForward:
         return plan.out.clone()
 
     def _plan(self, t: int, b: int = 1) -> _Plan:
-        """The plan for (b, t): kept for good where it is graphed; an eager one is kept among the
-        last `EAGER_PLANS` only (each holds a session's GDN state: one a length would grow without end)."""
+        """The plan for (b, t): kept for good where it is graphed; an eager one only among the last
+        `EAGER_PLANS` (each holds a session's GDN state: one for every length met would grow without end)."""
         key = (b, t)
         plan = self._plans.get(key)
         if plan is None:

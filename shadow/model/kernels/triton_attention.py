@@ -140,8 +140,8 @@ def variant_lengths(t: int, longest: int, heads: int, sm_count: int, tiles: dict
     compiled variant of its two kernels: Triton compiles one per class of its integer arguments
     (L, L - t, the slice count) and per merge width BS, and a first launch in a new class compiles
     for a tenth of a second or more; these lengths let a load run them all first. The slice count
-    is fixed within a key block, so each block's first lengths, its first L and L - t that are multiples of 16 (and
-    t + 1, where L - t is 1) stand for all of it."""
+    is fixed within a key block, so each block's first lengths, its first L and first L - t that
+    are multiples of 16 (and t + 1, where L - t is 1) stand for all of it."""
     tiles = TILES if tiles is None else tiles
     bn = tiles["BN"]
     seen, out = set(), []
