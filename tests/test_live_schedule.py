@@ -259,18 +259,25 @@ def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same
 class TimedStore:
     """The store's restores and writes as the test's hook: each costs the cost table's seconds of
     its file's bytes on the clock, under the service's lock (what happens meanwhile waits for
-    it); the restore rate it learns is the table's."""
+    it), but a prompt's restore, read before the lock; the restore rate it learns is the table's."""
 
     def __init__(self, store: SessionStore, costs: CostTable, clock: Clock):
         self.store, self.costs, self.clock, self.driver = store, costs, clock, None
-        self.restore, self.write = store._restore, store._write
-        store._restore, store._write = self._restore, self._write
+        self.restore, self.write, self.ahead = store._restore, store._write, store.restore_ahead
+        store._restore, store._write, store.restore_ahead = self._restore, self._write, self._restore_ahead
         rate = store.restore_rate
         store.restore_rate.observe = lambda nbytes, seconds: RestoreRate.observe(rate, nbytes, costs.restore_s(nbytes))
 
-    def _spend(self, seconds: float) -> None:
+    def _spend(self, seconds: float, locked: bool = True) -> None:
         self.clock.t += seconds
-        self.driver.lock_free = self.clock.t
+        if locked:
+            self.driver.lock_free = self.clock.t
+
+    def _restore_ahead(self, name):  # a prompt's restore: before the service takes its lock
+        restored = self.ahead(name)
+        if restored is not None:
+            self._spend(self.costs.restore_s(file_bytes(restored.session)), locked=False)
+        return restored
 
     def _restore(self, name):
         session = self.restore(name)

@@ -78,6 +78,36 @@ def test_spill_and_restore_are_bit_exact_and_reading_continues(reader, tmp_path)
     assert all(torch.equal(x, fresh.tensors()[k]) for k, x in back.state.tensors().items())
 
 
+def test_a_file_read_ahead_is_taken_by_get_only_while_it_is_still_the_file(reader, tmp_path):
+    """`restore_ahead` reads a spilled session without changing the store; `get` takes it (one
+    restore counted, bit-equal) while its file is unchanged, and reads the file again when the file
+    was written anew in between."""
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
+    before = fingerprint(fed(store, reader, "a", seed=1))
+    fed(store, reader, "b", seed=2)
+    store.settle(keep="b")
+    assert store.restore_ahead("b") is None  # resident: nothing to read
+    assert store.restore_ahead("nobody") is None  # no file
+    ahead = store.restore_ahead("a")
+    assert ahead is not None and store.counters.restores == 0 and "a" not in store._resident
+    back = store.get("a", ahead)
+    assert back is ahead.session and store.counters.restores == 1
+    assert_same(before, fingerprint(back))
+
+    reader.feed_output(back, ids(70, 4))  # a changes, and its file is written anew after the read ahead
+    reader.advance(back)
+    changed = fingerprint(back)
+    store.get("b")
+    store.settle(keep="b")
+    stale = store.restore_ahead("a")
+    store.get("a")
+    store.get("b")
+    store.settle(keep="b")  # "a" spilled again: its file is a new one
+    again = store.get("a", stale)
+    assert again is not stale.session and store.counters.restores == 3
+    assert_same(changed, fingerprint(again))
+
+
 def test_least_recently_used_goes_first(reader, tmp_path):
     store = SessionStore(reader, "h", cap_gib=None, disk=tmp_path)
     for name in "abc":

@@ -11,6 +11,7 @@ import torch
 
 from serving import GRID, long_text, running, scripted_stream, serving, settled
 from shadow.server.settings import VoiceSettings
+from shadow.text.framing import MARK
 from shadow.text.tokenizer import load_tokenizer
 from shadow.voice.checks import REASONS, check, language
 from shadow.voice.voice import PhraseCost, Voice, VoiceBudget
@@ -216,7 +217,9 @@ def test_embedded_the_stream_goes_on_while_a_phrase_is_written_and_its_line_foll
     start, end = SteppedVoice.lengths[:2]
     assert end > start  # tokens were generated while it was written (a token a round; fewer where a slice gave way)
     # every token of the rounds before its last step went out before the line (the last round's may follow it)
-    assert tokens_before >= end - turn["prompt_ids"] - 1
+    lines_at = [sum(1 for e in events[:k] if e.get("choices") and "content" in e["choices"][0]["delta"])
+                for k, e in enumerate(events) if e.get("choices") and MARK in (e["choices"][0]["delta"].get("reasoning_content") or "")]
+    assert tokens_before >= end - turn["prompt_ids"] - 1, (SteppedVoice.lengths, turn["prompt_ids"], lines_at)
     tried = [x["phrase"] for x in kept if x.get("phrase")]
     assert tried and tried[0]["raw"] == "noise" and tried[0]["reason"] == "unread words"
 

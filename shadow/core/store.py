@@ -172,12 +172,14 @@ class SessionStore:
 
     # sessions ---------------------------------------------------------------------------
 
-    def get(self, name: str) -> Session:
+    def get(self, name: str, ahead: Restored | None = None) -> Session:
         """The session `name`, resident and most recently used: as it was, restored from disk, or new.
-        A bad file is refused (reported once) and the session starts over; a bad file never raises."""
+        A bad file is refused (reported once) and the session starts over; a bad file never raises.
+        `ahead`: its file as `restore_ahead` read it, taken if the file is still the one read."""
         session = self._resident.get(name)
         if session is None:
-            session = self._restore(name) or self.reader.new_session(name)
+            session = (self._adopt(name, ahead) if ahead is not None else None) or self._restore(name) \
+                or self.reader.new_session(name)
             self._resident[name] = session
         self._resident.move_to_end(name)
         self._last_use[name] = self.clock()
@@ -314,6 +316,43 @@ class SessionStore:
         self.counters.spill_seconds += time.perf_counter() - start
         return None
 
+    def restore_ahead(self, name: str) -> Restored | None:
+        """The file of `name`, read (and checked) without changing the store, so that the caller
+        can read it without its lock and hand it to `get` under the lock; None where there is no
+        file to take (not spilled, none, refused, or bad: `get` reports a bad one)."""
+        if not self.disk or name in self._resident:
+            return None
+        path = self.path_of(name)
+        try:
+            st = path.lstat()
+        except OSError:
+            return None
+        key = (path.name, st.st_ino, st.st_mtime_ns, st.st_size)
+        if not stat.S_ISREG(st.st_mode) or key in self._refused:
+            return None
+        start = time.perf_counter()
+        try:
+            session = read_session(path, self.identity, self.reader.model.new_state(), self.reader.max_checkpoints,
+                                   key=self.key, direct=self.direct)
+        except SessionFileError:
+            return None
+        if session.name != name:
+            return None
+        self.reader.synchronize()
+        return Restored(session, key, time.perf_counter() - start)
+
+    def _adopt(self, name: str, ahead: Restored) -> Session | None:
+        """`ahead`'s session, if its file is still the one it was read from (else None: read it again)."""
+        path = self.path_of(name)
+        try:
+            st = path.lstat()
+        except OSError:
+            return None
+        if (path.name, st.st_ino, st.st_mtime_ns, st.st_size) != ahead.key or ahead.session.name != name:
+            return None
+        self._restored(name, st.st_size, ahead.seconds)
+        return ahead.session
+
     def _restore(self, name: str) -> Session | None:
         if not self.disk:
             return None
@@ -335,13 +374,15 @@ class SessionStore:
             self._reject(path, key, str(e))
             return None
         self.reader.synchronize()
-        seconds = time.perf_counter() - start
-        self.counters.restore_seconds += seconds
-        self.counters.bytes_restored += st.st_size
-        self.counters.restores += 1
-        self.restore_rate.observe(st.st_size, seconds)
-        self._spilled_why.pop(name, None)
+        self._restored(name, st.st_size, time.perf_counter() - start)
         return session
+
+    def _restored(self, name: str, size: int, seconds: float) -> None:
+        self.counters.restore_seconds += seconds
+        self.counters.bytes_restored += size
+        self.counters.restores += 1
+        self.restore_rate.observe(size, seconds)
+        self._spilled_why.pop(name, None)
 
     def measure_restore(self, gib: float = 0.25) -> float | None:
         """Measure the restore rate here (GiB/s) and take it as the store's estimate: a scratch
@@ -484,6 +525,16 @@ class SessionStore:
                 rows.append(SessionRow(h.name, h.committed, h.tokens - h.committed, st.st_size,
                                        len(h.checkpoints), False, h.last_use, None, self._spilled_why.get(h.name)))
         return sorted(rows, key=lambda r: r.name)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A session file read ahead of `SessionStore.get` (`restore_ahead`): the session, the file's
+    (name, inode, mtime, size) when read, and the seconds the read took."""
+
+    session: Session
+    key: tuple[str, int, int, int]
+    seconds: float
 
 
 def _make_folder(folder: Path) -> None:

@@ -259,10 +259,12 @@ class EngineReplay:
             return self._end_turn(job[1], t)
         return self._ask(job[1], job[2], t)
 
-    def _get(self, s: str, t: float):
+    def _get(self, s: str, t: float, locked: bool = True):
+        """The session, restored if on disk: under the service's lock, or (`locked` False: a
+        prompt's feed, which reads the file before it takes the lock) with events at their times."""
         h, seconds = self.store.get(s)
         if seconds:
-            t = self._busy(t, seconds, locked=True)
+            t = self._busy(t, seconds, locked=locked)
         return h, t
 
     def _feed_prompt(self, i: int, t: float) -> float:
@@ -270,7 +272,7 @@ class EngineReplay:
         if self.latest.get(s, -1) > self.order[i]:
             return t  # a newer turn of the session fed its prompt first: this one came too late
         self.latest[s] = self.order[i]
-        h, t = self._get(s, t)
+        h, t = self._get(s, t, locked=False)
         before = h.committed
         if self.store.feed_prompt(h, r.prompt_tokens, r.prompt_tokens - r.new_prompt_tokens):
             self.tally.rollbacks += 1

@@ -42,6 +42,7 @@ import torch
 
 from shadow.core.reader import Reader, Session
 from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, graphed_batch
+from shadow.core.store import Restored
 from shadow.server.host import ModelHost, Shadow
 from shadow.server.shared import Shared
 
@@ -192,9 +193,10 @@ class Reading:
         elif told is not None and told.resident:
             self.sched.update(name, told.committed, told.known, now, resident=False)
 
-    def get(self, shadow: Shadow, name: str) -> Session:
-        """The session, resident (restored from disk or new), told to the scheduler."""
-        session = shadow.store.get(name)
+    def get(self, shadow: Shadow, name: str, ahead: Restored | None = None) -> Session:
+        """The session, resident (restored from disk or new, `ahead` its file read before the
+        lock: `SessionStore.restore_ahead`), told to the scheduler."""
+        session = shadow.store.get(name, ahead)
         self.sync(shadow, name)
         return session
 

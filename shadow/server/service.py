@@ -197,18 +197,23 @@ class ShadowService:
 
     def set_prompt(self, turn: ServedTurn, prompt_ids: Sequence[int]) -> None:
         """On the device thread: feed the turn's prompt (rolling back where it differs from what
-        the session held); a shadow an idle burst let go is loaded again first. Ids outside the
-        vocabulary are refused (ShadowInputError) before anything changes."""
+        the session held); a shadow an idle burst let go is loaded again first; a spilled session is
+        read from disk without the state lock held. Ids outside the vocabulary are refused
+        (ShadowInputError) before anything changes."""
         shadow = self.host.loaded() if self.shared.switch.shadow else None
         if shadow is None:  # no shadow (it failed to load), or switched off
             return
         ids = shadow.reader.check_ids(prompt_ids)
         name = self.name_turn(turn, ids)
+        if self._latest.get(name, 0) > turn.id:
+            return  # a newer turn of this session has fed already (only this thread feeds prompts)
+        # a spilled session's file is read before the lock: no other request or status call waits on the disk
+        ahead = shadow.store.restore_ahead(name)
         with self.state_lock:
             if self._latest.get(name, 0) > turn.id:
                 return  # a newer turn of this session has fed already: this one came too late
             self._latest[name] = turn.id
-            session = self.reading.get(shadow, name)
+            session = self.reading.get(shadow, name, ahead)
             behind = len(session.ids) - session.committed
             known = len(session.ids)
             feed = shadow.reader.feed_prompt(session, ids)
