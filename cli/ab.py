@@ -93,12 +93,17 @@ def ab(
     console.print(f"inter-token latency (medians of the runs): off p50 {itl['off']['p50_ms']:.2f} ms, "
                   f"p99 {itl['off']['p99_ms']:.2f} ms, longest {itl['off']['max_ms']:.1f} ms; on p50 "
                   f"{itl['on']['p50_ms']:.2f} ms, p99 {itl['on']['p99_ms']:.2f} ms, longest {itl['on']['max_ms']:.1f} ms")
+    gaps = summary["server_gaps"]
+    if any(gaps[a]["round"] or gaps[a]["write"] for a in gaps):
+        console.print(f"the server's own gaps of 10 ms or more (status gaps, each in --json with what ran in it): "
+                      f"off {gaps['off']['round']} on the device thread, {gaps['off']['write']} in the stream's writes; "
+                      f"on {gaps['on']['round']} and {gaps['on']['write']}")
     if summary["share_pct"] is not None:
         console.print(f"the shadow read inside the decode for {summary['share_pct']:.2f} % of it "
                       "(the share it was charged, median of the on runs)"
                       + (f"; the voice spoke for {summary['voice_pct']:.2f} %" if voice and summary["voice_pct"] is not None else ""))
     if csv:
-        write_csv(csv, [dataclasses.asdict(r) for r in results])
+        write_csv(csv, [dataclasses.asdict(r) | {"server_gaps": len(r.server_gaps)} for r in results])
     if plot:
         _plot(plot, results, f"shadow ab · {prompt_tokens:,} prompt tokens, {output_tokens} out")
     if json_out:

@@ -637,6 +637,10 @@ def test_ab_with_the_voice_switches_shadow_and_voice_per_arm_and_back(embedded, 
         assert abs(r["itl_max_at"] - time.time()) < 600
         assert 0 <= r["gaps_over_10ms"] <= r["tokens"] - 1
     assert doc["itl"]["on"]["gaps_over_10ms"] == sum(r["gaps_over_10ms"] for r in runs if r["arm"] == "on")
+    for arm in ("off", "on"):  # the server's own long gaps, each inside its run, counted by place
+        kept = [g for r in runs if r["arm"] == arm for g in r["server_gaps"]]
+        assert all(g["place"] in ("round", "write") and g["ms"] >= 10 for g in kept)
+        assert doc["server_gaps"][arm] == {p: sum(g["place"] == p for g in kept) for p in ("round", "write")}
     assert service.shared.switch.shadow is True and service.shared.switch.voice is True  # switched back
     assert csv_path.read_text().splitlines()[0].startswith("arm,pair,ttft_s,decode_tok_s,tokens,share_s,lines,voice")
 

@@ -1,10 +1,13 @@
 """The live service's counters: one plain object its parts add to (under the service's lock) and
-`status` shows; and the bookkeeping time of the rounds (`RoundTimes`)."""
+`status` shows; the bookkeeping time of the rounds (`RoundTimes`), and the streams' long gaps
+(`gaps.LongGaps`)."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+
+from shadow.server.gaps import LongGaps
 
 
 @dataclass
@@ -37,6 +40,7 @@ class Counters:
     idle_last_error: str | None = None
     last_answers: deque = field(default_factory=lambda: deque(maxlen=20))
     rounds: "RoundTimes" = field(default_factory=lambda: RoundTimes())
+    gaps: LongGaps = field(default_factory=LongGaps)  # the streams' long gaps, placed and taken apart
 
 
 class RoundTimes:

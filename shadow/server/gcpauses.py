@@ -68,6 +68,11 @@ def installed() -> GcPauses | None:
     return _pauses
 
 
+def collected_s() -> float:
+    """Seconds the process's collections have taken so far (0 while no timer is installed)."""
+    return 0.0 if _pauses is None else _pauses.total_s
+
+
 def freeze() -> int:
     """Collect what is garbage now, then freeze every object left (never collected again, never
     walked by a collection); the objects frozen."""

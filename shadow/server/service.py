@@ -562,4 +562,5 @@ class ShadowService:
                 "idle_reader": self.reading.idle_status(),
                 "last_answers": list(c.last_answers),
                 "gc": None if gcpauses.installed() is None else gcpauses.installed().status(),
+                "gaps": c.gaps.status(),
             }

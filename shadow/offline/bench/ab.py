@@ -54,6 +54,9 @@ class Run:
     gaps_over_10ms: int = 0
     line_at_s: float | None = None  # when the first status line came, seconds after the first token (< 0: before it)
     voice_s: float | None = None  # the server's voice phrases charged during the run
+    # the server's own long gaps that ended during the run (status `gaps`: each with its place,
+    # "round" or "write", when it ended, its ms and what ran in it); empty where it reports none
+    server_gaps: tuple = ()
 
     @property
     def decode_s(self) -> float:
@@ -123,14 +126,18 @@ def _refusal(status: int, body: bytes) -> Exception:
     return RuntimeError(f"the server failed ({status}): {message}")
 
 
-def charged_seconds(client: httpx.Client, base: str) -> tuple[float | None, float | None]:
+def server_counts(client: httpx.Client, base: str) -> tuple[float | None, float | None, list[dict]]:
     """The server's `share_s` and `voice_s` counters (seconds read inside turns' shares, seconds of
-    voice phrases), where it reports them."""
+    voice phrases), where it reports them, and the long gaps it kept (each with its place)."""
     r = client.get(base + "/shadow/status")
     if r.status_code != 200:
         raise _refusal(r.status_code, r.content)
-    counters = r.json().get("counters", {})
-    return counters.get("share_s"), counters.get("voice_s")
+    status = r.json()
+    counters = status.get("counters", {})
+    gaps = status.get("gaps") if isinstance(status.get("gaps"), dict) else {}
+    kept = [{"place": place, **gap} for place in ("round", "write") for gap in (gaps.get(place) or {}).get("last", ())
+            if isinstance(gap, dict) and isinstance(gap.get("at"), (int, float))]
+    return counters.get("share_s"), counters.get("voice_s"), kept
 
 
 def switch(client: httpx.Client, base: str, on: bool, voice: bool | None = None) -> dict:
@@ -160,12 +167,16 @@ def run_ab(base: str, tokenizer: Tokenizer, prompt_tokens: int, output_tokens: i
                     on = arm == "on"
                     state = switch(client, base, on, voice=on and voice)
                     tag = uuid.uuid4().hex[:12]
-                    before = charged_seconds(client, base)
+                    before = server_counts(client, base)
+                    begun = time.time()
                     run = stream_once(client, base, prompt_text(tokenizer, prompt_tokens, tag), output_tokens,
                                       f"ab-{tag}", arm, pair, status_lines=on and voice)
-                    after = charged_seconds(client, base)
-                    share, spoken = (None if a is None or b is None else b - a for a, b in zip(before, after))
-                    out.append(dataclasses.replace(run, share_s=share, voice_s=spoken, voice=state.get("voice")))
+                    ended = time.time()
+                    after = server_counts(client, base)
+                    share, spoken = (None if a is None or b is None else b - a for a, b in zip(before[:2], after[:2]))
+                    gaps = tuple(g for g in after[2] if begun <= g["at"] <= ended)
+                    out.append(dataclasses.replace(run, share_s=share, voice_s=spoken, voice=state.get("voice"),
+                                                   server_gaps=gaps))
                     if progress:
                         progress(len(out), 2 * runs, out[-1])
                     time.sleep(pause_s)
@@ -198,7 +209,8 @@ def summarize(runs: list[Run], gate_pct: float) -> dict:
     the run's decode time (None when the server does not report it); a slowdown beyond it is
     cost the share does not account for; `voice_pct` the same for the voice's phrases; `itl`: per arm
     the medians of the runs' inter-token p50 and p99 (ms), the longest gap of any run and the gaps
-    over 10 ms in all;
+    over 10 ms in all; `server_gaps`: per arm the server's own long gaps in the runs by place
+    (`round`: on the engine's device thread, `write`: in the stream's writes);
     `status_lines`: the lines each arm's runs saw."""
     arms = {a: [r for r in runs if r.arm == a] for a in ("off", "on")}
     decode = {a: statistics.median(r.decode_tok_s for r in rs) for a, rs in arms.items()}
@@ -215,8 +227,10 @@ def summarize(runs: list[Run], gate_pct: float) -> dict:
     itl = {a: {"p50_ms": statistics.median(r.itl_p50_ms for r in rs), "p99_ms": statistics.median(r.itl_p99_ms for r in rs),
                "max_ms": max(r.itl_max_ms for r in rs), "gaps_over_10ms": sum(r.gaps_over_10ms for r in rs)}
            for a, rs in arms.items()}
+    server_gaps = {a: {place: sum(g["place"] == place for r in rs for g in r.server_gaps) for place in ("round", "write")}
+                   for a, rs in arms.items()}
     return {"runs": len(pairs), "decode_tok_s": decode, "ttft_s": ttft, "delta_pct": delta,
             "paired_deltas_pct": paired, "share_pct": statistics.median(charged) if charged else None,
-            "voice_pct": statistics.median(spoken) if spoken else None, "itl": itl,
+            "voice_pct": statistics.median(spoken) if spoken else None, "itl": itl, "server_gaps": server_gaps,
             "status_lines": {a: sum(r.lines for r in rs) for a, rs in arms.items()},
             "gate_pct": gate_pct, "passed": -delta <= gate_pct}

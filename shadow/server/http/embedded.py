@@ -29,6 +29,8 @@ from fastapi.responses import JSONResponse, Response
 from shadow.engines.dialects import as_carried
 from shadow.engines.idcheck import TurnIds, check_turn
 from shadow.errors import ShadowInputError
+from shadow.server import gcpauses
+from shadow.server.gaps import RoundClock
 from shadow.server.generator import Generator
 from shadow.server.http.channels import Channel, LineWriter
 from shadow.server.http.closing import ClosingStream
@@ -161,6 +163,7 @@ class Generation:
         self.steps = None
         self.out: list[int] = []
         self.over = False  # its last event is out
+        self.clock = RoundClock(self.service.counters.gaps, gcpauses.collected_s)  # its long gaps, taken apart
 
     def serve(self) -> None:
         """On its own thread: wait for a slot (giving up if the client goes away), then hand the
@@ -194,9 +197,12 @@ class Generation:
         turn, service, device = self.turn, self.service, self.service.device
         if self.steps is None:
             self.steps = self.engine.generator.steps(self.prompt, self.max_tokens, self.stop_ids)
-        start = time.perf_counter()
+        clock, perf = self.clock, time.perf_counter
+        start = perf()
+        clock.back()
         try:
             while not turn.cancelled:
+                stepped = perf()
                 token = next(self.steps, END)
                 if token is END:
                     break
@@ -206,10 +212,14 @@ class Generation:
                         service.first_token(turn)
                     self.out.append(token)
                     self.events.put(("token", token))
+                    clock.token(perf() - stepped)
                     # between two rounds: the output so far readable in the share, the share's slice, a
                     # step of the voice's phrase (its rounds hold the device: the voice is served between them)
+                    begun, read, spoken = perf(), turn.share_used, turn.voice.used_s
                     service.between_rounds(turn, (token,))
-                if device.queued() and time.perf_counter() - start >= SLICE_S:
+                    clock.after(perf() - begun, turn.share_used - read, turn.voice.used_s - spoken)
+                if device.queued() and perf() - start >= SLICE_S:
+                    clock.away()
                     return False
         finally:  # the device goes to another job, or the turn ends: no phrase's fork is left open
             service.voicing.finish_phrases(turn)
@@ -397,6 +407,7 @@ class Completion:
         that takes a phrase is held while the turn's rounds write it (the tokens go on), and goes
         out when it is written, in order; at the last event every line still held goes out."""
         out: list[int] = []
+        gaps, wrote = self.engine.service.counters.gaps, None  # the last write that carried tokens
         try:
             while True:
                 try:
@@ -427,6 +438,11 @@ class Completion:
                     if last:
                         yield "".join(text)
                         return
+                if any(kind == "token" for kind, _ in batch):
+                    now = time.perf_counter()
+                    if wrote is not None:
+                        gaps.add("write", now - wrote)
+                    wrote = now
                 yield "".join(text)
         finally:
             if lines is not None:

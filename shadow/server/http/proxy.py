@@ -284,6 +284,7 @@ class Proxy:
 
         pumping = asyncio.ensure_future(pump())
         buffer, boundary = b"", True
+        gaps, wrote, fed = self.service.counters.gaps, None, 0.0  # the last write of events; the last feed's seconds
         try:
             while True:
                 try:
@@ -291,6 +292,7 @@ class Proxy:
                     piece = await asyncio.wait_for(pieces.get(), timeout=wait)
                 except asyncio.TimeoutError:
                     piece = b""
+                arrived = time.perf_counter()
                 if piece is None:
                     break
                 if isinstance(piece, httpx.HTTPError):  # the engine broke off mid-stream: the client is told
@@ -299,9 +301,10 @@ class Proxy:
                     break
                 buffer += piece
                 *complete, buffer = buffer.split(b"\n")
-                out = []
+                out, carried = [], False  # carried: an event among the lines
                 for line in complete:
                     event = _event(line)
+                    carried = carried or event is not None
                     if lines is not None and event is not None and boundary:
                         said, kind = lines.before_event(event, turn.reply, time.monotonic())
                         out += lines.encode(await self._voice(said, turn, lines, body)) + lines.resume(kind)
@@ -312,8 +315,15 @@ class Proxy:
                 if lines is not None and boundary:
                     out += lines.encode(await self._voice(lines.due(time.monotonic()), turn, lines, body))
                 if out:
+                    if carried:
+                        now = time.perf_counter()  # a gap: the engine's, what the proxy held, its last feed
+                        if wrote is not None:
+                            gaps.add("write", now - wrote, {"held": now - arrived, "feed": fed})
+                        wrote = now
                     yield b"".join(out)
+                fed = time.perf_counter()
                 await self._feed(turn, before)
+                fed = time.perf_counter() - fed
             if buffer:
                 yield self._line(buffer, _event(buffer), turn, added, body, chat).rstrip(b"\n")
         finally:
