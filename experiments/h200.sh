@@ -19,7 +19,7 @@ D=.carry/data
 ab_run() {  # the embedded 4B engine with its 0.8B shadow, `shadow ab` over HTTP; $1 a tag, $2 serve's --share (empty: default)
   MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=${RUNS:-6} AB_TIMEOUT=380 NO_EVAL=1 \
     SHARE=$2 timeout 560 bash experiments/serve_demo.sh "/tmp/ab-$1" 2>&1 | tail -8
-  cp "/tmp/ab-$1/ab.json" "$OUT/ab-$1.json"; cp "/tmp/ab-$1/ab.csv" "$OUT/ab-$1.csv"
+  cp "/tmp/ab-$1/ab.json" "$OUT/ab-$1.json"; cp "/tmp/ab-$1/ab.csv" "$OUT/ab-$1.csv"; cp "/tmp/ab-$1/status.json" "$OUT/ab-$1-status.json"
 }
 for step in "$@"; do
   echo "== $step"
