@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
-#   bash experiments/h200.sh sanity tests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
+#   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
 #     timeline abdefault abzero proxy restore voice abvoice phrasesteps doctor verifyspill batchrate
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
@@ -27,6 +27,8 @@ for step in "$@"; do
     tests) start=$(date +%s); timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rfExs --durations=10 tests/test_gpu.py \
              tests/test_piecewise.py tests/test_fused.py tests/test_batch.py > "$OUT/gpu-tests.txt" 2>&1
            echo "pytest exit $? after $(( $(date +%s) - start )) s" >> "$OUT/gpu-tests.txt"; tail -30 "$OUT/gpu-tests.txt" ;;
+    batchtests) timeout 300 python3 -m pytest -q -rfExs tests/test_gpu.py tests/test_batch.py -k "batch or twins_on_cuda or graphed" \
+                  > "$OUT/gpu-batch-tests.txt" 2>&1; echo "pytest exit $?" >> "$OUT/gpu-batch-tests.txt"; tail -12 "$OUT/gpu-batch-tests.txt" ;;
     gentest) timeout 300 python3 -m pytest -q -rfExs tests/test_gpu.py -k embedded_generator > "$OUT/gpu-gentest.txt" 2>&1
              echo "pytest exit $?" >> "$OUT/gpu-gentest.txt"; tail -8 "$OUT/gpu-gentest.txt" ;;
     doctor) start=$(date +%s); timeout 120 shadow doctor --device cuda --json > "$OUT/doctor-h200.txt" 2>&1
@@ -35,8 +37,9 @@ for step in "$@"; do
                    --disk /var/tmp/shadow-verify-spill --conversation $D/django__django-16950.traj.json \
                    --conversation $D/pytest-dev__pytest-6197.traj.json --json > "$OUT/verify-exact-h200-spill.txt" 2>&1
                  tail -c 700 "$OUT/verify-exact-h200-spill.txt" ;;
-    batchrate) timeout 200 python3 experiments/batch_rate.py --model qwen3.5-0.8b --device cuda --depth 16384 --batches 1,2,4,8 \
-                 --repeats 5 2>&1 | tee "$OUT/batch-rate-h200.txt" | tail -6 ;;
+    batchrate) for depth in ${DEPTHS:-16384}; do
+                 timeout 200 python3 experiments/batch_rate.py --model qwen3.5-0.8b --device cuda --depth $depth --batches 1,2,4,8 \
+                   --repeats 5 2>&1 | tee "$OUT/batch-rate-h200-depth$depth.txt" | tail -6; done ;;
     phrasesteps) for warm in no-warm-kernels warm-kernels; do  # each with a Triton cache of its own, empty
                    TRITON_CACHE_DIR=/tmp/triton-$warm timeout 200 python3 experiments/phrase_steps.py --model qwen3.5-0.8b \
                      --device cuda --depth 16384 --$warm 2>&1 | tee "$OUT/phrase-steps-h200-$warm.txt" | tail -7; done ;;

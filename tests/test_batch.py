@@ -11,15 +11,18 @@ import pytest
 import torch
 
 from shadow.core.reader import Reader
-from shadow.model.kernels.reference import REFERENCE
+from shadow.model.kernels.reference import REFERENCE, gdn_gated_each
 from shadow.model.runtime import load_model
 from shadow.offline.verify import compare_states
 
 GRID = 512
 FUSED_REFERENCE = dataclasses.replace(REFERENCE, name="reference-fused", fused=True)
+# the fused steps' batched GDN path (one conv launch for the batch, the states gathered and given back)
+BATCHED_REFERENCE = dataclasses.replace(FUSED_REFERENCE, name="reference-fused-batched", gdn_gated_batch=gdn_gated_each)
 
 
-@pytest.fixture(scope="module", params=[REFERENCE, FUSED_REFERENCE], ids=["reference", "fused"])
+@pytest.fixture(scope="module", params=[REFERENCE, FUSED_REFERENCE, BATCHED_REFERENCE],
+                ids=["reference", "fused", "fused-batched"])
 def reader(request, shadow_cache):
     return Reader(load_model("tiny", kernels=request.param).model, GRID)
 
@@ -54,6 +57,21 @@ def test_a_batched_read_is_bit_equal_to_reading_each_chunk_alone(reader, b):
                    for c, d in zip(x.checkpoints, y.checkpoints))
         depths.add(x.committed - GRID)
     assert b < 3 or len(depths) >= 3  # mixed depths
+
+
+def test_the_batched_rule_takes_the_whole_batch_in_one_call_a_layer(shadow_cache):
+    calls = []
+
+    def counting(q, *rest):
+        calls.append(q.shape[:2])
+        return gdn_gated_each(q, *rest)
+
+    kernels = dataclasses.replace(FUSED_REFERENCE, name="counting", gdn_gated_batch=counting)
+    reader = Reader(load_model("tiny", kernels=kernels).model, GRID)
+    _, batched = pairs(reader, 3, seed=11)
+    calls.clear()
+    assert reader.advance_batch(batched) == 3
+    assert calls == [(3, GRID)] * len(reader.model.config.linear_layers)
 
 
 def test_a_batch_is_refused_when_a_session_has_no_whole_chunk_or_comes_twice(reader):

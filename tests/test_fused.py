@@ -115,6 +115,15 @@ def test_triton_kernels_match_their_twins_under_the_interpreter():
             y, s = reference.causal_conv(proj[:, :96], state, w)
             worst = max(worst, (torch.cat(got[:3], -1) - y).abs().max().item(), (got[6] - s).abs().max().item())
             assert torch.equal(torch.cat(got[3:6], -1), proj[:, 96:])  # z, b, a: the projection's bits
+        # three sessions' rows stacked, each convolved on its own state: the bits each gives alone
+        proj, states = torch.randn(3 * 70, 170)[:, :136], torch.randn(3, 96, 3)
+        stacked, twins = tri.conv_split(proj, states, w, 16, 32, 4), twin.conv_split(proj, states, w, 16, 32, 4)
+        assert all(g.shape == h.shape for g, h in zip(stacked, twins)) and stacked[6].shape == (3, 96, 3)
+        for j in range(3):
+            alone = tri.conv_split(proj[j * 70 : (j + 1) * 70], states[j].contiguous(), w, 16, 32, 4)
+            assert all(torch.equal(g[j * 70 : (j + 1) * 70], h) for g, h in zip(stacked[:6], alone[:6]))
+            assert torch.equal(stacked[6][j], alone[6])
+        worst = max(worst, *((a - b).abs().max().item() for a, b in zip(stacked, twins)))
         gu = torch.randn(5, 600)
         worst = max(worst, (tri.swiglu(gu) - twin.swiglu(gu)).abs().max().item())
         h, d, weight = torch.randn(7, 100)[:, :96], torch.randn(7, 96), torch.rand(96) + 0.5  # a strided x, D < block

@@ -53,6 +53,22 @@ def test_fla_gate_in_kernel_matches_the_reference_gate():
         assert rel(out, ref_out) < 2e-2 and rel(new, ref_new) < 2e-2, t
 
 
+def test_fla_batched_rule_gives_each_session_its_bits_alone():
+    """The 0.8B's GDN shapes (16 key and value heads of 128), B = 1 to 8 sessions' 512-row chunks
+    in one call against one call each: outputs and states bit-equal, with the autotuning pinned."""
+    runtime.pin_autotuning()
+    g = torch.Generator(device="cuda").manual_seed(8)
+    a_log, dt_bias = torch.rand(16, device="cuda", generator=g), torch.rand(16, device="cuda", generator=g)
+    for b in (1, 2, 3, 4, 8):
+        q, k, v = (torch.randn(b, 512, 16, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
+        gates, betas = (torch.randn(b, 512, 16, device="cuda", generator=g).bfloat16() for _ in range(2))
+        states = torch.randn(b, 16, 128, 128, device="cuda", generator=g) * 0.1
+        out, new = fla.gdn_fla_gated_batch(q, k, v, gates, betas, a_log, dt_bias, states)
+        for j in range(b):
+            alone, alone_new = fla.gdn_fla_gated(q[j], k[j], v[j], gates[j], betas[j], a_log, dt_bias, states[j])
+            assert torch.equal(out[j], alone) and torch.equal(new[j], alone_new), (b, j)
+
+
 def test_triton_kernels_match_their_twins_on_cuda():
     from shadow.model.kernels import triton as tri
     from shadow.model.kernels import twins as twin
@@ -66,6 +82,13 @@ def test_triton_kernels_match_their_twins_on_cuda():
         for a, b in zip(got, twin.conv_split(proj, state, w, 2048, 2048, 16)):
             assert a.shape == b.shape and a.is_contiguous() and rel(a, b) < 1e-2
         assert torch.equal(torch.cat(got[3:6], -1), proj[:, 6144:])
+    proj = torch.randn(3 * 512, 8224, device="cuda", generator=g).bfloat16()  # three sessions' rows, one launch
+    states = torch.randn(3, 6144, 3, device="cuda", generator=g).bfloat16()
+    stacked = tri.conv_split(proj, states, w, 2048, 2048, 16)
+    for j in range(3):
+        alone = tri.conv_split(proj[j * 512 : (j + 1) * 512], states[j], w, 2048, 2048, 16)
+        assert all(torch.equal(x[j * 512 : (j + 1) * 512], y) for x, y in zip(stacked[:6], alone[:6]))
+        assert torch.equal(stacked[6][j], alone[6])
     gu = torch.randn(512, 2 * 3584, device="cuda", generator=g).bfloat16()
     assert rel(tri.swiglu(gu), twin.swiglu(gu)) < 1e-2
     x = torch.randn(512, 8, 512, device="cuda", generator=g).bfloat16()[..., :256]
@@ -233,12 +256,16 @@ def test_graphed_pieces_equal_eager_pieces_bit_for_bit(kernels, eight_layers):
 @pytest.mark.parametrize("kernels", [sets.FAST, sets.FUSED, sets.TRITON], ids=["fla", "fused", "triton"])
 def test_batched_reads_equal_graphed_reads_alone_bit_for_bit(kernels, eight_layers):
     """B = 1, 2, 4, 8 sessions at mixed depths (0 to 3 chunks read): one batched forward of their
-    next chunks (rows stacked, state per session) against each chunk read alone through the graphed
-    reader; every state tensor and checkpoint bit-equal."""
+    next chunks (rows stacked, state per session; run eagerly, and replayed from batch graphs)
+    against each chunk read alone through the graphed reader; every state tensor and checkpoint
+    bit-equal."""
     model = load_model(str(eight_layers), dtype=torch.bfloat16, device="cuda", kernels=kernels).model
     graphed = Reader(model, 512, forward=PiecewiseForward(model, sizes={512, 1, 64, 128, 256}))
+    # the same batches replayed from graphs of their own (the live reader's path); 3 runs eagerly
+    batch_graphs = Reader(model, 512, forward=PiecewiseForward(model, sizes={512, 1, 64, 128, 256}, batches={2, 4, 8}))
     g = torch.Generator().manual_seed(3)
-    for b in (1, 2, 4, 8):
+    for b, batching in ((1, graphed), (2, graphed), (4, graphed), (8, graphed), (2, batch_graphs), (3, batch_graphs),
+                        (8, batch_graphs)):
         alone, batched = [], []
         for k in range(b):
             ids = torch.randint(1000, 200000, ((k % 4 + 1) * 512 + 37,), generator=g).tolist()
@@ -250,7 +277,7 @@ def test_batched_reads_equal_graphed_reads_alone_bit_for_bit(kernels, eight_laye
                 group.append(s)
         for s in alone:
             graphed.advance(s, max_chunks=1)
-        graphed.advance_batch(batched)
+        batching.advance_batch(batched)
         for x, y in zip(alone, batched):
             compared, mismatched, _ = compare_states(x.state, y.state)
             assert compared > 0 and mismatched == [], (b, x.name, mismatched)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shadow.model.kernels.reference import GDN_BATCH_HEAD_ROWS
 from shadow.model.qwen35 import blocks
 from shadow.model.rope import rope_tables
 from shadow.model.state import DeltaState
@@ -145,11 +146,18 @@ class FusedSteps:
         return x
 
     def gdn(self, i: int, x: torch.Tensor, states: list[DeltaState]) -> torch.Tensor:
-        """x [B*T, hidden]: B sessions' rows stacked; the conv and the gated delta rule run per
-        session on its own state (replaced in place), everything else on the stacked rows."""
+        """x [B*T, hidden]: B sessions' rows stacked; the conv and the gated delta rule run on
+        each session's own state (replaced in place), everything else on the stacked rows. Where
+        the kernels have a batched rule (and the batch fits it), the sessions' convs are one
+        launch and their rules one call; otherwise both run once a session."""
         c, w = self.c, self.layers[i]
         proj = F.linear(self._norm(x, w.input_norm), w.in_proj)
         hv = c.linear_num_value_heads
+        b = len(states)
+        if b > 1 and self.kernels.gdn_gated_batch is not None and \
+                x.shape[0] * max(hv, c.linear_num_key_heads) <= GDN_BATCH_HEAD_ROWS:
+            out = self._gdn_batch(w, proj, states)
+            return self._residual_and_mlp(i, x, F.linear(out, w.out_proj))
         outs = []
         for proj_b, state in zip(blocks(proj, len(states)), states):
             t = proj_b.shape[0]
@@ -167,6 +175,26 @@ class FusedSteps:
                                                 w.norm_weight, c.rms_norm_eps))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self._residual_and_mlp(i, x, F.linear(out.reshape(x.shape[0], c.value_dim), w.out_proj))
+
+    def _gdn_batch(self, w, proj: torch.Tensor, states: list[DeltaState]) -> torch.Tensor:
+        """`gdn`'s conv, rule and gated norm for B sessions' stacked rows in one conv launch and
+        one rule call (the states gathered, and written back to each session); [B*T, value_dim]."""
+        c, b = self.c, len(states)
+        t, hv, hk = proj.shape[0] // b, c.linear_num_value_heads, c.linear_num_key_heads
+        q, k, v, z, beta, a, conv = self.one_launch.conv_split(proj, torch.stack([s.conv for s in states]),
+                                                               w.conv_weight, self.key_dim, c.value_dim, hv)
+        out, recurrent = self.kernels.gdn_gated_batch(
+            q.view(b, t, hk, c.linear_key_head_dim), k.view(b, t, hk, c.linear_key_head_dim),
+            v.view(b, t, hv, c.linear_value_head_dim), a.view(b, t, hv), beta.view(b, t, hv), w.a_log, w.dt_bias,
+            torch.stack([s.recurrent for s in states]),
+        )
+        for j, state in enumerate(states):
+            state.conv.copy_(conv[j])
+            state.recurrent.copy_(recurrent[j])
+        # normed per session (its rows' bits do not depend on the row count it is given with)
+        z = z.view(b, t, hv, c.linear_value_head_dim)
+        return torch.cat([self.kernels.gated_norm(out[j].to(proj.dtype), z[j], w.norm_weight, c.rms_norm_eps)
+                          for j in range(b)]).reshape(b * t, c.value_dim)
 
     def attention_in(self, i: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
         c, w, t = self.c, self.layers[i], x.shape[0]

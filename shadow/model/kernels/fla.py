@@ -62,6 +62,24 @@ def gdn_fla_gated(
     return out[0], new[0]
 
 
+def gdn_fla_gated_batch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gdn_fla_gated` for B sessions' chunks in one call, the session as fla's batch dimension
+    (q [B, T, H, K], state [B, Hv, K, V]). fla's programs each take one (session, head) or one
+    (session, chunk, head), and its autotuning keys hold neither B nor T, so a session's bits do
+    not depend on the others while the in-kernel l2norm and gate stay in one row bucket (B * T
+    * H up to 65,536: `reference.GDN_BATCH_HEAD_ROWS`); tests/test_gpu.py checks it bit for bit."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    rule = chunk_gated_delta_rule if q.shape[1] >= 64 else fused_recurrent_gated_delta_rule
+    return rule(
+        q, k, v, g=a, beta=b, initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True,
+    )
+
+
 def gated_rms_norm_fla(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`reference.gated_rms_norm`'s contract as one fla kernel (norm, weight, silu gate)."""
     from fla.modules.norm.fused_norm_gate import rms_norm_gated

@@ -118,6 +118,16 @@ def gdn_gated_reference(
     return gdn_reference(q, k, v, g, b.float().sigmoid(), state)
 
 
+def gdn_gated_each(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+    a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`Kernels.gdn_gated_batch`'s contract by `gdn_gated_reference` once a session (the plain
+    path beside fla's one call, for the batched steps' tests)."""
+    each = [gdn_gated_reference(q[j], k[j], v[j], a[j], b[j], a_log, dt_bias, state[j]) for j in range(q.shape[0])]
+    return torch.stack([o for o, _ in each]), torch.stack([s for _, s in each])
+
+
 def gdn_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     state: torch.Tensor,
@@ -180,6 +190,9 @@ def attention_online(
     return (acc / total).to(v.dtype).view(hq, t, d).transpose(0, 1)
 
 
+GDN_BATCH_HEAD_ROWS = 65_536  # B * T * heads a batched GDN call takes at most (one row bucket of fla's l2norm)
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The kernels the model calls; the reference set, or a fast set with the same contracts."""
@@ -191,6 +204,11 @@ class Kernels:
     norm: Callable[..., torch.Tensor] = rms_norm
     gated_norm: Callable[..., torch.Tensor] = gated_rms_norm
     gdn_gated: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_gated_reference
+    # `gdn_gated` for B sessions' chunks of T rows at once: q, k [B, T, H, Dk], v [B, T, Hv, Dv],
+    # a, b [B, T, Hv], state [B, Hv, Dk, Dv] -> (out [B, T, Hv, Dv], new states), each session's
+    # bits what `gdn_gated` gives it alone, up to `GDN_BATCH_HEAD_ROWS` (B T H) in all (None: none, the
+    # fused steps call `gdn_gated` once a session)
+    gdn_gated_batch: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     fused: bool = False  # the forward runs `fused.FusedSteps` (merged projections, one-launch kernels)
     revision: int = 0  # raised whenever the set's arithmetic changes, so state stored by an older one is not read
     # (heads, kv_heads, head_dim, rows, dtype, device) -> launches: the attention's kernels compiled

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from shadow.model.kernels.attention import attention_sdpa, attention_triton, warm_attention_triton
-from shadow.model.kernels.fla import gated_rms_norm_fla, gdn_fla, gdn_fla_gated
+from shadow.model.kernels.fla import gated_rms_norm_fla, gdn_fla, gdn_fla_gated, gdn_fla_gated_batch
 from shadow.model.kernels.reference import REFERENCE, Kernels
 from shadow.model.kernels.torch_ops import causal_conv_rows, rms_norm_fused
 
@@ -16,8 +16,9 @@ FAST = Kernels(
     norm=rms_norm_fused, gated_norm=gated_rms_norm_fla, gdn_gated=gdn_fla_gated, revision=1,
 )
 # `fused.FusedSteps` on these kernels; revision 2: also residual adds fused with the norms that read
-# them, the attention gate in one kernel
-FUSED = dataclasses.replace(FAST, name="fla-fused", fused=True, revision=2)
+# them, the attention gate in one kernel; a batched read's sessions in one GDN call a layer (the
+# same bits as one call each)
+FUSED = dataclasses.replace(FAST, name="fla-fused", fused=True, revision=2, gdn_gated_batch=gdn_fla_gated_batch)
 TRITON = dataclasses.replace(FUSED, name="fla-triton", attention=attention_triton,  # and Triton chunk attention
                              warm_attention=warm_attention_triton)
 SETS = {"fast": TRITON, "fla-triton": TRITON, "fla-fused": FUSED, "fla": FAST}

@@ -21,7 +21,17 @@ def _conv_kernel(
     # Programs pid_c < CONV_BLOCKS convolve BC of the C channels; the rest copy z, b, a out.
     # Every branch below is on program ids, so a program runs straight-line code: no stores
     # masked off for most of its elements (the cost of one kernel doing every part at once).
-    pid_t, pid_c = tl.program_id(0), tl.program_id(1)
+    # Program axis 2 is the session: its T rows, its state, its rows of every output.
+    pid_t, pid_c, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    x += pid_s * T * x_row
+    state += pid_s * C * (K - 1)
+    new_state += pid_s * C * (K - 1)
+    q += pid_s * T * KEY
+    k += pid_s * T * KEY
+    v += pid_s * T * VALUE
+    z += pid_s * T * Z
+    b += pid_s * T * H
+    a += pid_s * T * H
     rows = pid_t * BT + tl.arange(0, BT)[:, None]  # [BT, 1]
     in_rows = rows < T
     if pid_c < CONV_BLOCKS:
@@ -84,21 +94,30 @@ def conv_split(
     weight: [C, K] contiguous. Returns q, k [T, key_dim], v [T, C - 2 key_dim], z [T, z_dim],
     b, a [T, heads] (contiguous, proj's dtype; z, b, a are proj's values bit for bit) and the new
     state [C, K-1]. `tiles` overrides CONV_TILES (tile sweeps).
+
+    Several sessions at once: state [B, C, K-1] (contiguous), proj B sessions' T rows each
+    stacked; the outputs stacked the same way, the new states [B, C, K-1]; each session's rows
+    and state are what it alone gives (its programs run the same code on its own rows).
     """
     tiles = CONV_TILES if tiles is None else tiles
-    t = proj.shape[0]
     c, kk = weight.shape
-    if proj.shape[1] != c + z_dim + 2 * heads or proj.stride(1) != 1:
-        raise ValueError("proj must hold the conv's channels, z, b and a, with unit column stride")
+    sessions = state.shape[0] if state.dim() == 3 else 1
+    t = proj.shape[0] // sessions
+    if proj.shape[1] != c + z_dim + 2 * heads or proj.stride(1) != 1 or t * sessions != proj.shape[0]:
+        raise ValueError("proj must hold the conv's channels, z, b and a, with unit column stride, "
+                         "and one number of rows a session")
+    if not state.is_contiguous():
+        raise ValueError("the conv state must be contiguous")
     value_dim = c - 2 * key_dim
     out = {"dtype": proj.dtype, "device": proj.device}
-    q, k = torch.empty(t, key_dim, **out), torch.empty(t, key_dim, **out)
-    v, z = torch.empty(t, value_dim, **out), torch.empty(t, z_dim, **out)
-    b, a = torch.empty(t, heads, **out), torch.empty(t, heads, **out)
+    rows = t * sessions
+    q, k = torch.empty(rows, key_dim, **out), torch.empty(rows, key_dim, **out)
+    v, z = torch.empty(rows, value_dim, **out), torch.empty(rows, z_dim, **out)
+    b, a = torch.empty(rows, heads, **out), torch.empty(rows, heads, **out)
     new_state = torch.empty_like(state)
     bt, bc = tiles["BT"], tiles["BC"]
     conv_blocks = triton.cdiv(c, bc)
-    grid = (triton.cdiv(t, bt), conv_blocks + triton.cdiv(z_dim + 2 * heads, bc))
+    grid = (triton.cdiv(t, bt), conv_blocks + triton.cdiv(z_dim + 2 * heads, bc), sessions)
     _conv_kernel[grid](proj, proj.stride(0), state, weight, q, k, v, z, b, a, new_state, t, c, key_dim, value_dim,
                        z_dim, heads, conv_blocks, K=kk, BT=bt, BC=bc, num_warps=tiles["num_warps"])
     return q, k, v, z, b, a, new_state

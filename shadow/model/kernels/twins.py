@@ -15,7 +15,13 @@ def conv_split(
 ) -> tuple[torch.Tensor, ...]:
     """The GDN causal conv with silu over proj's first C channels (state [C, K-1], weight [C, K]),
     split into q, k [T, key_dim] and v; then z [T, z_dim], b, a [T, heads] copied from the
-    columns after them; and the new state [C, K-1]. All contiguous."""
+    columns after them; and the new state [C, K-1]. All contiguous. With state [B, C, K-1]: B
+    sessions' rows stacked in proj, each convolved on its own state, the outputs stacked."""
+    if state.dim() == 3:
+        rows = proj.shape[0] // state.shape[0]
+        each = [conv_split(proj[j * rows : (j + 1) * rows], state[j], weight, key_dim, z_dim, heads)
+                for j in range(state.shape[0])]
+        return (*(torch.cat(part) for part in list(zip(*each))[:6]), torch.stack([e[6] for e in each]))
     c, kk = weight.shape
     x, rest = proj[:, :c], proj[:, c:]
     seq = torch.cat([state.t().float(), x.float()], dim=0)
