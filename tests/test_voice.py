@@ -256,6 +256,81 @@ def test_at_a_streams_end_a_line_whose_phrase_is_not_written_goes_out_without_it
     assert held == [] and rest == [thinking, reading] and thinking.phrase is None and never.cancelled()
 
 
+def test_the_tokens_before_a_streams_end_go_out_before_the_end_waits_for_its_lines_phrases(tiny):
+    """The last token and the end arrive together while a line's phrase is still being written:
+    the tokens are written first, and only the end (its finish, the lines held) waits for the
+    phrase. A user sees no stall in the tokens for a phrase at the end of a thought."""
+    import asyncio
+    import queue
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from shadow.server.http.channels import Channel, LineWriter
+    from shadow.server.http.embedded import Completion, TokenLines
+    from shadow.server.http.lines import Line, TurnStatus
+    from shadow.server.load import EngineLoad
+
+    tokenizer = load_tokenizer(None)
+    order: list = []
+    with running() as (_, service):
+        turn = service.begin_turn("end", embedded=True)
+        never: Future = Future()  # a phrase still being written when the stream ends
+        service.voicing.voice = Voice(service.reader, tokenizer)
+        service.voicing.request = lambda *args: never
+        writer = LineWriter(Channel("reasoning", True), TurnStatus(started=0.0), EngineLoad(service.turns), turn)
+        events: queue.Queue = queue.Queue()
+        lines = TokenLines(writer, [], tokenizer, service, events)
+        rest = lines.rest
+
+        async def recorded_rest(wait_s: float = 1.0):
+            order.append("rest")
+            return await rest(wait_s=0.05)
+
+        lines.rest = recorded_rest
+        engine = SimpleNamespace(tokenizer=tokenizer, eos=set(), model_name="tiny", service=service)
+        completion = Completion(engine, "chatcmpl-end", 0, True, True, [1, 2])
+        for event in (("token", 1000), ("token", 1001), ("done", "length")):  # one batch
+            events.put(event)
+
+        async def consume():
+            lines.hold([Line("thinking", "thinking 15 s", 15.0, False)])
+            async for chunk in completion.sse(events, lines):
+                order.append(chunk)
+
+        asyncio.run(consume())
+        service.end_turn(turn)
+    first, marker, last = order
+    assert '"token_ids": [1000]' in first and '"token_ids": [1001]' in first and '"finish_reason": "length"' not in first
+    assert marker == "rest" and '"finish_reason": "length"' in last and "thinking 15 s" in last and never.cancelled()
+
+
+def test_a_phrase_asked_for_after_the_turns_rounds_are_over_is_never_queued_for_them(tiny):
+    """Embedded: once its rounds are over nothing serves a turn's queue. A phrase asked for then
+    (a thought's end, at the stream's last event) is written at once where the device is free,
+    and else not tried: never a request left waiting for rounds that will not come."""
+    import threading
+
+    tokenizer = load_tokenizer(None)
+    with running() as (_, service):
+        service.voicing.voice = Voice(service.reader, tokenizer)
+        service.voicing.voice.cost = PhraseCost(0.01, 0.0)
+        turn = service.begin_turn("over", embedded=True)
+        service.device.run(lambda: service.set_prompt(turn, tokenizer.encode(long_text(6, 50))))
+        service.first_token(turn)
+        turn.first_token -= 10.0  # 10 s into its decode: budget for a phrase
+        service.voicing.drop_waiting(turn)  # its rounds are over
+        release = threading.Event()
+        busy = service.device.submit(release.wait)  # another job holds the device
+        try:
+            assert service.voicing.request(turn, "decided") is None and not turn.phrases
+        finally:
+            release.set()
+            busy.result()
+        done = service.voicing.request(turn, "decided")  # the device is free: written whole, at once
+        service.end_turn(turn)
+    assert done is not None and done.done() and not turn.phrases
+
+
 def test_a_phrase_that_started_between_rounds_is_kept_when_it_outlasts_the_wait(tiny):
     """Embedded: the turn's rounds hold the device and serve phrases between them. A phrase that
     started there but runs past the stream's wait is waited for and returned, its time charged."""

@@ -28,6 +28,7 @@ class ServedTurn(Turn):
     engine_wait_s: float = 0.0  # seconds its reads and phrases first waited for the engine's round in flight
     voice: VoiceBudget = field(default_factory=VoiceBudget)
     phrases: deque = field(default_factory=deque)  # phrase requests waiting for the turn's rounds (embedded)
+    rounds_over: bool = False  # its rounds are over (embedded): a phrase asked for now waits for none
     phrase: tuple | None = None  # (steps, request): the phrase being written between its rounds, a step a round
     # the engine's load (status lines): when the engine got it, the ids it must read, its first piece
     sent: float | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -81,7 +82,10 @@ class Voicing:
                 request.set_result(result)
                 return request
             if turn.embedded:  # the turn's own rounds hold the device: it serves phrases between them
-                turn.phrases.append((steps, request))
+                with shared.lock:
+                    if turn.rounds_over:  # and none is left to serve it (the device is another's)
+                        return None
+                    turn.phrases.append((steps, request))
                 return request
         except Exception:  # noqa: BLE001 - the line goes out with its facts alone
             voice_failed(turn, kind)
@@ -103,12 +107,14 @@ class Voicing:
             voice_failed(turn, kind)
         return None
 
-    @staticmethod
-    def drop_waiting(turn: ServedTurn) -> None:
+    def drop_waiting(self, turn: ServedTurn) -> None:
         """The turn's rounds are over: phrases it asked for and never began are cancelled (their
-        streams go on without them)."""
-        while turn.phrases:
-            _, request = turn.phrases.popleft()
+        streams go on without them), and one asked for from now on is written only where the
+        device is free (`request`), never queued for rounds that will not come."""
+        with self.shared.lock:
+            turn.rounds_over = True
+            waiting, turn.phrases = list(turn.phrases), deque()
+        for _, request in waiting:
             request.cancel()
 
     def serve_phrases(self, turn: ServedTurn) -> None:

@@ -30,7 +30,7 @@ from shadow.engines.dialects import as_carried
 from shadow.engines.idcheck import TurnIds, check_turn
 from shadow.errors import ShadowInputError
 from shadow.server import gcpauses
-from shadow.server.gaps import RoundClock
+from shadow.server.gaps import LongGaps, RoundClock
 from shadow.server.generator import Generator
 from shadow.server.http.channels import Channel, LineWriter
 from shadow.server.http.closing import ClosingStream
@@ -246,6 +246,14 @@ class Generation:
         self.service.record_turn(self.turn, check_turn(ids), ids)
 
 
+def _wrote(gaps: LongGaps, wrote: float | None) -> float:
+    """A write of tokens now: the gap since the one before (`wrote`) to `gaps`; now."""
+    now = time.perf_counter()
+    if wrote is not None:
+        gaps.add("write", now - wrote)
+    return now
+
+
 def _cancel_arrived(asked: asyncio.Future) -> None:
     """A phrase request that arrived after its stream closed: cancelled (dropped if not begun)."""
     if not asked.cancelled() and asked.exception() is None and asked.result() is not None:
@@ -422,7 +430,7 @@ class Completion:
                         batch.append(events.get_nowait())
                     except queue.Empty:
                         break
-                text = []
+                text, tokens = [], False  # tokens: the text holds a token
                 for kind, value in batch:
                     if kind == "lines":  # a phrase held is written
                         if lines is not None:
@@ -431,18 +439,22 @@ class Completion:
                     if lines is not None:
                         said, delta = lines.before(kind, value, time.monotonic())
                         lines.hold(said)
+                        if kind != "token" and tokens:  # the tokens before the end go out now: only the
+                            wrote = _wrote(gaps, wrote)  # end waits for its lines' phrases
+                            yield "".join(text)
+                            text, tokens = [], False
                         ready = lines.ready() if kind == "token" else await lines.rest()
                         text.append(b"".join(lines.writer.encode(ready) + lines.writer.resume(delta)).decode())
                     line, last = self.event(kind, value, out, first=not out)
                     text.append(line)
+                    tokens = tokens or kind == "token"
                     if last:
+                        if tokens:
+                            wrote = _wrote(gaps, wrote)
                         yield "".join(text)
                         return
-                if any(kind == "token" for kind, _ in batch):
-                    now = time.perf_counter()
-                    if wrote is not None:
-                        gaps.add("write", now - wrote)
-                    wrote = now
+                if tokens:
+                    wrote = _wrote(gaps, wrote)
                 yield "".join(text)
         finally:
             if lines is not None:
