@@ -81,7 +81,8 @@ def ab(
     show(table)
     d, t = summary["decode_tok_s"], summary["ttft_s"]
     console.print(f"decode tok/s median: off {d['off']:.2f}, on {d['on']:.2f} ({summary['delta_pct']:+.2f} %); "
-                  f"paired: {', '.join(f'{x:+.1f}' for x in summary['paired_deltas_pct'])} %; "
+                  f"paired: {', '.join(f'{x:+.1f}' for x in summary['paired_deltas_pct'])} % "
+                  f"(median {summary['paired_median_pct']:+.2f} %); "
                   f"TTFT median off {t['off']:.3f} s, on {t['on']:.3f} s; gate {gate_pct:g} %: "
                   + ("[green]passed[/]" if summary["passed"] else "[red]failed[/]"))
     if voice:

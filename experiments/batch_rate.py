@@ -1,7 +1,9 @@
 """Tokens read per GPU-second by batch size: B sessions at the same context depth, their next chunks
 read one session at a time (the graphed reader) or all in one batched forward (`advance_batch`),
 device synchronised, median of `--repeats`. The sessions' rows are zeros at the depth (a chunk's
-cost depends on its depth and shape, not on the values). Last stdout line: one JSON object.
+cost depends on its depth and shape, not on the values). `--profile B` then profiles one batched read
+of B sessions without graphs (the torch profiler's GPU kernels, top 20 by time). Last stdout line: one
+JSON object.
 
     python3 experiments/batch_rate.py --model qwen3.5-0.8b --device cuda --depth 16384 --batches 1,2,4,8
 """
@@ -15,7 +17,7 @@ import time
 
 import torch
 
-from shadow.core.reader import open_reader
+from shadow.core.reader import open_reader, reader_for
 from shadow.offline.bench.readrate import sessions_at
 
 
@@ -41,6 +43,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=16384)
     parser.add_argument("--batches", default="1,2,4,8")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--profile", type=int, default=0, help="profile one ungraphed batched read of this many sessions")
     args = parser.parse_args()
     loaded, reader = open_reader(args.model, grid=512, device=args.device)
     rows = []
@@ -55,8 +58,33 @@ def main() -> None:
         print(f"B={b}: alone {1000 * one:.2f} ms ({b * reader.grid / one:,.0f} tok/s), batched {1000 * many:.2f} ms "
               f"({b * reader.grid / many:,.0f} tok/s), x{one / many:.2f}", flush=True)
         del ss
+    profiled = profile_batch(loaded, args.depth, args.profile, args.device) if args.profile else None
     print(json.dumps({"model": args.model, "device": args.device, "depth": args.depth,
-                      "kernels": loaded.model.kernels.name, "rows": rows}))
+                      "kernels": loaded.model.kernels.name, "rows": rows,
+                      "profile": profiled}))
+
+
+def profile_batch(loaded, depth: int, b: int, device: str) -> dict:
+    """One batched read of `b` sessions at `depth` under the torch profiler, graphs off (so that every
+    kernel shows): prints the top kernels; returns the GPU busy ms and the wall ms of that read."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    reader = reader_for(loaded, 512, graphs=False)
+    ss = sessions_at(reader, depth, b)
+    eager = timed(reader.advance_batch, ss, depth, 3, device)
+    for s in ss:
+        s.state.length = depth
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])) as prof:
+        reader.advance_batch(ss)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    # the kernels' own rows (an op's row repeats its kernels' time): what the table's "Self CUDA time total" sums
+    busy = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1000
+    print(f"B={b} ungraphed: wall {1000 * eager:.2f} ms, GPU busy {busy:.2f} ms")
+    print(events.table(sort_by="self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total", row_limit=20, max_name_column_width=70))
+    return {"batch": b, "ungraphed_ms": round(1000 * eager, 3), "gpu_busy_ms": round(busy, 3)}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -307,6 +308,7 @@ def test_ab_against_an_embedded_server(server, tmp_path):
     doc = json.loads(result.output.strip().splitlines()[-1])
     assert doc["runs"] == 2 and set(doc["decode_tok_s"]) == {"off", "on"} and set(doc["ttft_s"]) == {"off", "on"}
     assert len(doc["paired_deltas_pct"]) == 2 and doc["gate_pct"] == 1000 and doc["passed"] is True
+    assert doc["paired_median_pct"] == statistics.median(doc["paired_deltas_pct"])
     assert all(r["tokens"] == 6 for r in doc["per_run"])
     assert all(r["share_s"] == 0 for r in doc["per_run"] if r["arm"] == "off")  # switched off: no reading
     assert all(r["share_s"] >= 0 for r in doc["per_run"]) and doc["share_pct"] >= 0

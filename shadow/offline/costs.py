@@ -99,15 +99,15 @@ class ChunkTable:
         return self(depth) * 1e6 / grid
 
 
-# Batched reads of the same shape on the H200 (fla-triton, CUDA graphs per batch): ms of one forward
-# reading the next chunk of B sessions all at one depth, B = 1, 2, 4, 8: `python3
-# experiments/batch_rate.py --model qwen3.5-0.8b --device cuda --depth D --batches 1,2,4,8 --repeats 5`
-# (docs/results/batch/batch-rate-h200-depth0.txt, batch-rate-h200-graphed.txt at 16,384 and
-# batch-rate-h200-depth65536.txt; two device sessions).
+# Batched reads of the same shape on the H200 (fla-triton, CUDA graphs per batch; the sessions' GDN
+# convs in one launch and their gated delta rules in one call a layer): ms of one forward reading
+# the next chunk of B sessions all at one depth, B = 1, 2, 4, 8: `python3 experiments/batch_rate.py
+# --model qwen3.5-0.8b --device cuda --depth D --batches 1,2,4,8 --repeats 5`
+# (docs/results/batch/batch-rate-h200-depth{0,16384,65536}.txt, one device session, 2026-12-03).
 H200_BATCH_MS = {
-    0: {1: 3.203, 2: 5.774, 4: 10.574, 8: 20.27},
-    16384: {1: 3.82, 2: 7.24, 4: 13.72, 8: 26.34},
-    65536: {1: 6.237, 2: 12.159, 4: 23.496, 8: 45.83},
+    0: {1: 2.952, 2: 4.683, 4: 8.476, 8: 15.964},
+    16384: {1: 3.892, 2: 6.579, 4: 12.075, 8: 22.86},
+    65536: {1: 6.142, 2: 11.063, 4: 21.237, 8: 41.355},
 }
 
 

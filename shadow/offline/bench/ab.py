@@ -204,7 +204,7 @@ def interrupts_held():
 
 
 def summarize(runs: list[Run], gate_pct: float) -> dict:
-    """Medians per arm, the change in decode rate (on vs off, %), paired deltas, the verdict, and
+    """Medians per arm, the change in decode rate (on vs off, %), paired deltas and their median, the verdict, and
     `share_pct`: the median over "on" runs of the reading the server charged to shares, as a % of
     the run's decode time (None when the server does not report it); a slowdown beyond it is
     cost the share does not account for; `voice_pct` the same for the voice's phrases; `itl`: per arm
@@ -230,7 +230,8 @@ def summarize(runs: list[Run], gate_pct: float) -> dict:
     server_gaps = {a: {place: sum(g["place"] == place for r in rs for g in r.server_gaps) for place in ("round", "write")}
                    for a, rs in arms.items()}
     return {"runs": len(pairs), "decode_tok_s": decode, "ttft_s": ttft, "delta_pct": delta,
-            "paired_deltas_pct": paired, "share_pct": statistics.median(charged) if charged else None,
+            "paired_deltas_pct": paired,
+            "paired_median_pct": statistics.median(paired) if paired else None, "share_pct": statistics.median(charged) if charged else None,
             "voice_pct": statistics.median(spoken) if spoken else None, "itl": itl, "server_gaps": server_gaps,
             "status_lines": {a: sum(r.lines for r in rs) for a, rs in arms.items()},
             "gate_pct": gate_pct, "passed": -delta <= gate_pct}
