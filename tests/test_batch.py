@@ -101,13 +101,18 @@ def test_batched_pieces_equal_the_batched_forward_bit_for_bit(reader):
 
 
 def test_the_live_idle_reader_reads_batches_and_every_session_stays_exact(shadow_cache):
-    """A service whose rule batches up to 4 sessions: requests to four sessions, then the idle
-    window reads their backlogs in batched reads; every session bit-equal to a fresh prefill."""
+    """A service whose rule batches up to 4 sessions: its load measures batched reads of 2 and 4
+    at the warm depths; requests to four sessions, then the idle window reads their backlogs in
+    batched reads; every session bit-equal to a fresh prefill."""
     from serving import assert_exact, long_text, running, wait_until_read
 
     from shadow.core.schedule import BandwidthRule
 
     with running(rule=BandwidthRule(batch=4, batch_s=10.0)) as (client, service):
+        from shadow.core.schedule import WARM_DEPTHS
+
+        warmed = {size: costs.table() for size, costs in service.sched.batch_costs.items()}
+        assert sorted(warmed) == [2, 4] and all(sorted(t) == list(WARM_DEPTHS) for t in warmed.values())
         service.reading.stop_event.set()  # the idle thread waits: the backlogs pile up first
         names = [f"b{k}" for k in range(4)]
         for k, name in enumerate(names):
@@ -120,6 +125,8 @@ def test_the_live_idle_reader_reads_batches_and_every_session_stays_exact(shadow
                 break
             service.reading.idle_once(rule.next_poll(service.clock()))
         wait_until_read(service, names)
-        assert service.sched.batch_costs  # batched reads were made (their costs learned by size)
+        learned = {size: costs.table() for size, costs in service.sched.batch_costs.items()}
+        assert learned != warmed  # batched reads were made (their costs learned by size)
+        assert service.status()["counters"]["batched_reads"]["idle"] >= 1
         for name in names:
             assert_exact(service, name)

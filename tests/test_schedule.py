@@ -294,3 +294,37 @@ def test_a_batch_is_cut_to_a_size_the_reader_has_graphs_for():
 
     assert [graphed_batch(n) for n in range(1, 10)] == [1, 2, 2, 4, 4, 4, 4, 8, 8]
     assert graphed_batch(0) == 1
+
+
+def test_in_the_share_a_batch_is_paid_whole_within_batch_s_and_waited_for():
+    """With batches on, a share slice holds one batched read: the next sessions' chunks join while
+    the batch's estimate stays within `batch_s`, and the budget pays for the whole batch before it
+    is read (until then the answer is a Wait for that budget, not a single chunk). A size warmed
+    at load (`warm_batch`) is estimated by its own cost."""
+    s = scheduler(chunk_s=0.004, batch=8, batch_s=0.0125)
+    for k in range(5):
+        s.update(f"s{k}", 0, 3 * G, now=0.0)
+    s.turn_started("t", "s0", 0.0)
+    s.first_token("t", 1.0)
+    wait = s.next_read(1.25, between_rounds=True)  # 5 ms of budget: one chunk, not the batch of two (8 ms)
+    assert wait == Wait(pytest.approx(1.0 + 0.008 / 0.02))
+    read = s.next_read(1.4, between_rounds=True)
+    assert isinstance(read, Read) and read.window == "share" and read.batch == 2
+    assert read.estimate_s == pytest.approx(0.008)
+    s.read_done(read, 2, 0.006, 1.406)
+    assert s.share_used == pytest.approx(0.006)
+    s.warm_batch(4, 0, 0.010)  # four chunks in 10 ms, within 12.5: a batch of four
+    read = s.next_read(2.0, between_rounds=True)  # 20 ms of budget less the 6 used
+    assert read.batch == 4 and read.estimate_s == pytest.approx(0.010)
+    alone = scheduler(chunk_s=0.004)  # without batches: a chunk as soon as the budget pays for one
+    for k in range(5):
+        alone.update(f"s{k}", 0, 3 * G, now=0.0)
+    alone.turn_started("t", "s0", 0.0)
+    alone.first_token("t", 1.0)
+    read = alone.next_read(1.25, between_rounds=True)
+    assert isinstance(read, Read) and read.batch == 1 and read.chunks == 1
+    lone = scheduler(chunk_s=0.004, batch=8)  # one session with a backlog: a chunk a slice, as without batches
+    lone.update("a", 0, 3 * G, now=0.0)
+    lone.turn_started("t", "a", 0.0)
+    lone.first_token("t", 1.0)
+    assert lone.next_read(1.25, between_rounds=True).batch == 1

@@ -38,9 +38,11 @@ between every two rounds may skip asking (O(1) a round: `between_rounds_due`).
 of 2, 4, 8 ... sessions, up to `batch`: the sizes a reader has CUDA graphs for)
 (`Reader.advance_batch`): in the idle window while the batch's estimated seconds stay within
 `batch_s` (the first chunk is read whatever its cost; a request that comes waits for one read), and
-in a share slice while they fit the slice and the budget. A batch's cost is estimated per batch
-size (`batch_costs`, learned from its reads); a size never read is estimated as that many single
-chunks.
+in the share while they stay within `batch_s` and the slice: the budget then pays for the whole
+batch before it is read (a share slice holds one batched read, at most `batch_s`, instead of one
+chunk; a session alone is read a chunk a slice as without batches). A batch's cost is estimated
+per batch size (`batch_costs`, warmed at load by `warm_batch` and learned from its reads); a size
+never measured is estimated as that many single chunks.
 
 Which session: among resident sessions with a whole chunk to read, by the `Priorities` steps in
 order (each switchable): a pending ask or standing question first, then sessions with a turn in
@@ -212,6 +214,11 @@ class ChunkCosts:
 def graphed_batch(n: int) -> int:
     """The largest batch of at most `n` sessions a reader has CUDA graphs for: 1, 2, 4, 8, ..."""
     return 1 << max(0, n.bit_length() - 1)
+
+
+def batch_sizes(batch: int) -> list[int]:
+    """The graphed batch sizes of 2 sessions or more that a rule with `batch` may read: 2, 4, ..."""
+    return sorted({graphed_batch(n) for n in range(2, batch + 1)})
 
 
 @dataclass(frozen=True)
@@ -489,6 +496,12 @@ class ReadScheduler:
             heapq.heappush(heap, entry)
         return found
 
+    def warm_batch(self, size: int, depth: int, seconds: float) -> None:
+        """Set the estimate of a batched read of `size` sessions' chunks at `depth` outright (a
+        scratch batch read at load, or a replay's known rate)."""
+        self.batch_costs.setdefault(size, ChunkCosts(self.costs.bucket_tokens)).warm(depth, seconds)
+        self.changes += 1
+
     def batch_estimate(self, depths: list[int]) -> float | None:
         """Estimated seconds of one read of one chunk at each of `depths`, together: the batch size's
         own estimate at the deepest, else that many single chunks."""
@@ -572,15 +585,26 @@ class ReadScheduler:
             if est is None or total + est > room:
                 break
             chunks, total = chunks + 1, total + est
-        if chunks == 1 and self.rule.batch > 1:
-            others, batch_est = self._batch(s, room, fits)
-            if others:
-                return Read(s.name, 1, "share", s.committed, batch_est, others)
+        if chunks <= 1 and self.rule.batch > 1:
+            batch = self._share_batch(s, now, budget, fits)
+            if batch is not None:
+                return batch
         if chunks:
             return Read(s.name, chunks, "share", s.committed, total)
         first = self.costs.estimate(s.committed)
         ready = self.stretch_start + (self.share_used + first) / self.rule.share
         return Wait(max(ready, now + EPS))
+
+    def _share_batch(self, first: _Session, now: float, budget: float, fits) -> Read | Wait | None:
+        """With batches on, in the share: `first`'s chunk and the next sessions' (one each, in rank
+        order) while the batch's estimate stays within min(`slice_s`, `batch_s`), read when the
+        budget pays for the whole batch and waited for until then; None where no batch forms."""
+        others, est = self._batch(first, min(self.rule.slice_s, self.rule.batch_s), fits)
+        if not others or est is None:
+            return None
+        if est <= budget + 1e-12:
+            return Read(first.name, 1, "share", first.committed, est, others)
+        return Wait(max(self.stretch_start + (self.share_used + est) / self.rule.share, now + EPS))
 
     def read_done(self, read: Read, chunks: int, seconds: float, now: float) -> None:
         """`chunks` of `read` were read in `seconds` (device synchronised), ending at `now`. Moves the

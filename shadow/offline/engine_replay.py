@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, graphed_batch
+from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, batch_sizes, graphed_batch
 from shadow.offline.costs import CostTable, ReadTime
 from shadow.offline.held import HeldSessions
 from shadow.offline.ledger import Request
@@ -104,6 +104,8 @@ class EngineReplay:
         self.read_time = ReadTime(costs.chunk, g)
         for depth in WARM_DEPTHS:  # as live: measured at load
             sched.costs.warm(depth, costs.chunk(depth))
+            for size in batch_sizes(sched.rule.batch):
+                sched.warm_batch(size, depth, costs.batch_s([depth] * size))
         self.store = HeldSessions(g, limits.state, limits.cap_bytes, limits.disk, costs,
                                   self._reread_estimate)
         self.req = dict(requests)

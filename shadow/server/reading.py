@@ -41,7 +41,7 @@ from contextlib import contextmanager
 import torch
 
 from shadow.core.reader import Reader, Session
-from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, graphed_batch
+from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, batch_sizes, graphed_batch
 from shadow.core.store import Restored
 from shadow.server.host import ModelHost, Shadow
 from shadow.server.shared import Shared
@@ -74,6 +74,23 @@ def scratch_chunk_s(reader: Reader, depth: int, clock: Callable[[], float]) -> f
     return clock() - start
 
 
+def scratch_batch_s(reader: Reader, depth: int, size: int, clock: Callable[[], float]) -> float:
+    """Seconds of one batched read of `size` scratch sessions' chunks, each first row at `depth`
+    (as `scratch_chunk_s`), device synchronised before and after."""
+    grid = reader.grid
+    scratch = [reader.new_session(f"(warm {k})") for k in range(size)]
+    for s in scratch:
+        for layer in s.state.attention:
+            layer.reserve(depth + grid)
+        s.state.length = depth
+        s.ids = [0] * (depth + grid)
+    reader.synchronize()
+    start = clock()
+    reader.advance_batch(scratch)
+    reader.synchronize()
+    return clock() - start
+
+
 def measure_chunks(reader: Reader, clock: Callable[[], float], depths: Sequence[int] = WARM_DEPTHS
                    ) -> list[tuple[int, float]]:
     """(depth, seconds of one chunk) at each depth; a first chunk is read before and left out."""
@@ -81,6 +98,19 @@ def measure_chunks(reader: Reader, clock: Callable[[], float], depths: Sequence[
     out = [(depth, scratch_chunk_s(reader, depth, clock)) for depth in depths]
     if reader.model.device.type == "cuda":
         torch.cuda.empty_cache()  # the scratch rows are not the sessions' memory
+    return out
+
+
+def measure_batches(reader: Reader, clock: Callable[[], float], sizes: Sequence[int],
+                    depths: Sequence[int] = WARM_DEPTHS) -> list[tuple[int, int, float]]:
+    """(size, depth, seconds of one batched read) for each batch size at each depth; a first
+    batch of each size is read before and left out (its graphs are captured there)."""
+    out = []
+    for size in sizes:
+        scratch_batch_s(reader, 0, size, clock)
+        out += [(size, depth, scratch_batch_s(reader, depth, size, clock)) for depth in depths]
+        if reader.model.device.type == "cuda":
+            torch.cuda.empty_cache()
     return out
 
 
@@ -167,14 +197,18 @@ class Reading:
 
     def warm(self, shadow: Shadow) -> None:
         """At load, on the loading thread: the scheduler takes the shadow's grid and its chunk costs
-        measured on a scratch session (`measure_chunks`), after the kernels' compiles for every
-        depth a chunk, an ask or a fork may read at are done (`Reader.warm_kernels`)."""
+        measured on a scratch session (`measure_chunks`), and with batches on each batch size's
+        (`measure_batches`), after the kernels' compiles for every depth a chunk, an ask or a fork
+        may read at are done (`Reader.warm_kernels`)."""
         shadow.reader.warm_kernels()
         measured = measure_chunks(shadow.reader, self.clock, self.warm_depths)
+        batched = measure_batches(shadow.reader, self.clock, batch_sizes(self.sched.rule.batch), self.warm_depths)
         with self.lock:
             self.sched.grid = shadow.grid
             for depth, seconds in measured:
                 self.sched.costs.warm(depth, seconds)
+            for size, depth, seconds in batched:
+                self.sched.warm_batch(size, depth, seconds)
             self.sched.changes += 1
             # the store drops a session that is cheaper to read again than to restore
             shadow.store.estimate_reread(self.sched.costs.estimate, shadow.grid)
@@ -252,6 +286,8 @@ class Reading:
             if done:
                 c.last_chunk_ms = seconds * 1000 / done
                 self.last_read_at = end
+            if done and len(batch) > 1 and read.window in c.batched_reads:
+                c.batched_reads[read.window] += 1
             if read.window == "idle":
                 c.chunks_idle += done
                 c.idle_s += seconds
