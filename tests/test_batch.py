@@ -113,6 +113,8 @@ def test_the_live_idle_reader_reads_batches_and_every_session_stays_exact(shadow
 
         warmed = {size: costs.table() for size, costs in service.sched.batch_costs.items()}
         assert sorted(warmed) == [2, 4] and all(sorted(t) == list(WARM_DEPTHS) for t in warmed.values())
+        shown = service.status()["reading"]["batch_ms_by_depth"]
+        assert shown == {str(b): {str(d): round(1000 * x, 3) for d, x in t.items()} for b, t in warmed.items()}
         service.reading.stop_event.set()  # the idle thread waits: the backlogs pile up first
         names = [f"b{k}" for k in range(4)]
         for k, name in enumerate(names):

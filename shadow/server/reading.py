@@ -451,12 +451,15 @@ class Reading:
     # status (the caller holds the lock) ------------------------------------------------------
 
     def status(self) -> dict:
-        """The scheduler's estimates (ms a chunk by the depth of its first row), the share the
-        engine's decode stretch holds now, and what it knows of the engine."""
+        """The scheduler's estimates (ms a chunk by the depth of its first row; with batches, ms of a
+        batched read by batch size, then depth), the share the engine's decode stretch holds now,
+        and what it knows of the engine."""
         now = self.clock()
         sched = self.sched
         return {
             "chunk_ms_by_depth": {str(d): round(s * 1000, 3) for d, s in sched.costs.table().items()},
+            "batch_ms_by_depth": {str(b): {str(d): round(s * 1000, 3) for d, s in costs.table().items()}
+                                  for b, costs in sorted(sched.batch_costs.items())},
             "share_left_s": round(sched.share_left(now), 6), "share_used_s": round(sched.share_used, 6),
             "decoding": sched.decoding, "busy": sched.busy, "backlog": sched.has_backlog(),
             "questions": self.questions.names(),
