@@ -132,3 +132,29 @@ def test_the_live_idle_reader_reads_batches_and_every_session_stays_exact(shadow
         assert service.status()["counters"]["batched_reads"]["idle"] >= 1
         for name in names:
             assert_exact(service, name)
+
+
+def test_the_share_reads_batches_between_the_engines_rounds_and_every_session_stays_exact(shadow_cache):
+    """A service whose rule batches up to 4 sessions, with a share large enough to pay for a batch:
+    four sessions' backlogs wait (the idle thread held), then a decode on a fifth session; between
+    its rounds the share reads several sessions' chunks in one read; every session bit-equal to a
+    fresh prefill of what it read."""
+    from serving import assert_exact, long_text, running
+
+    from shadow.core.schedule import BandwidthRule
+
+    with running(rule=BandwidthRule(share=0.9, slice_s=10.0, batch=4, batch_s=10.0)) as (client, service):
+        service.reading.stop_event.set()  # the idle thread waits: only the share reads
+        names = [f"q{k}" for k in range(4)]
+        for k, name in enumerate(names):
+            r = client.post("/v1/chat/completions", headers={"x-session-id": name},
+                            json={"messages": [{"role": "user", "content": long_text(40 + k, 500)}], "max_tokens": 1})
+            assert r.status_code == 200
+        before = service.status()["counters"]["batched_reads"]["share"]
+        r = client.post("/v1/chat/completions", headers={"x-session-id": "d"},
+                        json={"messages": [{"role": "user", "content": long_text(50, 300)}], "max_tokens": 64})
+        assert r.status_code == 200
+        counters = service.status()["counters"]
+        assert counters["batched_reads"]["share"] > before and counters["share_s"] > 0
+        for name in [*names, "d"]:
+            assert_exact(service, name)
