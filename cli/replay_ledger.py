@@ -429,13 +429,10 @@ def _detect(path: Path) -> str:
 
 def _table_from(path: Path, grid: int):
     """The chunk table of a `read-rate --json` output, and its batch table (None: no batch rows)."""
-    from shadow.offline.costs import BatchTable, ChunkTable
+    from shadow.offline.costs import BatchTable, ChunkTable, read_rate_document
 
     try:
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        doc = json.loads(lines[-1])
-        if not isinstance(doc, dict):
-            raise TypeError("not an object")
+        doc = read_rate_document(path.read_text())
         return ChunkTable.from_read_rate(doc, grid, path.name), BatchTable.from_read_rate(doc, grid, path.name)
     except (OSError, IndexError, KeyError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
         raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__}: {e})") from None

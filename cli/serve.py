@@ -14,7 +14,7 @@ import typer
 
 from cli.common import (
     console, device_name, dtype_name, grid_size, input_file, kernels_name, model_name, parse_dtype, readable_path,
-    template_kwargs, tokenizer_path, user_errors,
+    template_kwargs, tokenizer_path, user_errors, user_text_file,
 )
 from shadow.core.schedule import BandwidthRule
 from shadow.errors import ShadowInputError
@@ -76,6 +76,7 @@ def serve(
     share: Annotated[float, typer.Option(envvar=_env("share"), help="In-turn share of the time since the first token the shadow may read (0.02 is 2 %).", rich_help_panel=READING)] = 0.02,
     slice_ms: Annotated[float, typer.Option(envvar=_env("slice_ms"), min=0.001, help="The longest a share slice may hold the device between two rounds, ms (whole chunks by their estimated cost).", rich_help_panel=READING)] = 150.0,
     batch: Annotated[int, typer.Option(envvar=_env("batch"), min=1, max=8, help="Sessions whose next chunks one read may take together (2, 4 or 8: one forward, each session's state bit-equal to reading its chunk alone; 1: one session a read), in the idle window and in the share, a batched read at most 10 ms (a share slice then holds one batch, not one chunk). On the H200 8 sessions at 16k read 30 % more tokens a second than one at a time.", rich_help_panel=READING)] = 1,
+    read_rate_json: Annotated[Path | None, typer.Option(envvar=_env("read_rate_json"), callback=input_file, help="A `shadow read-rate --json` output of this model at this grid (e.g. with --contexts 0,16384,65536,100352 and --batches 2,4,8): the scheduler starts from its chunk costs by depth and its batched reads' costs, so a session deeper than the load measures (0, 8k, 32k) is estimated by its own depth before its first read; the load's measurements and every read replace them.", rich_help_panel=READING)] = None,
     upstream: Annotated[str | None, typer.Option(envvar=_env("upstream"), help="Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1). Without it: embedded mode.", rich_help_panel=ENGINE)] = None,
     engine: Annotated[str, typer.Option(envvar=_env("engine"), help="The engine's dialect (where the ids it read and wrote come from): vllm, sglang, llamacpp, transformers, openai; auto probes the engine.", rich_help_panel=ENGINE)] = "auto",
     chat_template: Annotated[Path | None, typer.Option(envvar=_env("chat_template"), callback=readable_path, help="The big model's chat template: a .jinja file, a tokenizer_config.json, or its checkpoint folder (default: the --tokenizer folder's, else the shadow checkpoint's).", rich_help_panel=ENGINE)] = None,
@@ -127,6 +128,7 @@ def serve(
         model=ModelSettings(model, generator_model, grid, device, dtype, kernels),
         store=StoreSettings(cap_gib, disk, disk_cap_gib, unload_slack_gib, store_key),
         schedule=BandwidthRule(share=share, slice_s=slice_ms / 1000, batch=batch),
+        read_costs=None if read_rate_json is None else _read_costs(read_rate_json, model, grid),
         engine=EngineSettings(upstream, engine, chat_template, tokenizer_path, template_kwargs(chat_template_kwargs),
                               upstream_api_key, label_from_upstream),
         sessions=SessionSettings(tuple(h.strip() for h in session_headers.split(",") if h.strip()), prefix_match),
@@ -208,3 +210,19 @@ def _run(app, listener, host: str, port: int) -> None:
         server.run(sockets=[listener])
     finally:
         listener.close()
+
+
+def _read_costs(path: Path, model: str, grid: int):
+    """The costs a `read-rate --json` output gives the scheduler to start from, checked: the same
+    model and grid as this serve's, positive costs."""
+    from shadow.offline.costs import known_costs, read_rate_document
+
+    try:
+        doc = user_text_file(path, lambda p: read_rate_document(p.read_text(encoding="utf-8")))
+        if doc.get("model") != model:
+            raise ShadowInputError(f"{path}: measured for model {doc.get('model')!r}, not this serve's {model!r}")
+        return known_costs(doc, grid, path.name)
+    except ShadowInputError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise ShadowInputError(f"{path}: not a read-rate --json output at grid {grid} ({type(e).__name__}: {e})") from None

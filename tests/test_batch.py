@@ -158,3 +158,20 @@ def test_the_share_reads_batches_between_the_engines_rounds_and_every_session_st
         assert counters["batched_reads"]["share"] > before and counters["share_s"] > 0
         for name in [*names, "d"]:
             assert_exact(service, name)
+
+
+def test_a_service_starts_from_known_costs_and_its_load_measures_over_them(shadow_cache):
+    """Settings with costs measured elsewhere (`--read-rate-json`): the scheduler holds them from
+    the start at their depths, and the load's own measurements replace them at the depths it
+    measures; status says where they came from."""
+    from serving import running
+
+    from shadow.core.schedule import WARM_DEPTHS, BandwidthRule, KnownCosts
+
+    known = KnownCosts(chunks=((0, 9.0), (65536, 7.0)), batches=((2, 65536, 11.0),), label="rate.json")
+    with running(rule=BandwidthRule(batch=2), read_costs=known) as (client, service):
+        table = service.sched.costs.table()
+        assert table[65536] == 7.0 and table[0] != 9.0  # the file's deep chunk; the load's own at depth 0
+        assert set(WARM_DEPTHS) <= set(table)
+        assert service.sched.batch_costs[2].table()[65536] == 11.0
+        assert service.status()["reading"]["known_costs"] == "rate.json"

@@ -285,6 +285,28 @@ def test_serve_help_and_config_errors(tmp_path):
     assert result.exit_code == 2 and "no checkpoint folder" in result.output  # ... the variable wins over it
 
 
+def test_serve_refuses_a_read_rate_file_it_cannot_start_from(tmp_path):
+    """--read-rate-json must be a read-rate --json output of the serve's model at its grid, with
+    positive costs; anything else exits 2 naming the file, before anything loads or binds."""
+    rate = tmp_path / "rate.json"
+    row = {"grid": 512, "context": 0, "ms_per_chunk": 3.0}
+    cases = [
+        ("not json", "not readable JSON"),
+        (json.dumps([1, 2]), "its last line is not a JSON object"),
+        (json.dumps({"model": "qwen3.5-0.8b", "rows": [row]}), "measured for model 'qwen3.5-0.8b', not this serve's 'tiny'"),
+        (json.dumps({"model": "tiny", "rows": [{**row, "grid": 256}]}), "no rows at grid 512"),
+        (json.dumps({"model": "tiny", "rows": [{**row, "ms_per_chunk": -1}]}), "costs are positive"),
+        (json.dumps({"model": "tiny", "rows": [row], "batch_rows": [{"grid": 512, "context": 0, "batch": 2}]}),
+         "not a read-rate --json output at grid 512 (KeyError"),
+    ]
+    for text, message in cases:
+        rate.write_text(text + "\n")
+        result = runner.invoke(app, ["serve", "--read-rate-json", str(rate)])
+        assert result.exit_code == 2 and message in result.output, (text, result.output)
+    result = runner.invoke(app, ["serve", "--read-rate-json", str(tmp_path / "none.json")])
+    assert result.exit_code == 2 and "no such file" in result.output
+
+
 def test_serve_refuses_an_unload_slack_it_cannot_honour(tmp_path):
     result = runner.invoke(app, ["serve", "--unload-slack-gib", "2"])  # embedded: the generator needs the model
     assert result.exit_code == 2 and "--unload-slack-gib needs proxy mode" in result.output

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from shadow.core.schedule import BandwidthRule, ChunkCosts, Priorities, Read, ReadScheduler, Wait
+from shadow.core.schedule import BandwidthRule, ChunkCosts, KnownCosts, Priorities, Read, ReadScheduler, Wait
 
 G = 512
 
@@ -328,3 +328,15 @@ def test_in_the_share_a_batch_is_paid_whole_within_batch_s_and_waited_for():
     lone.turn_started("t", "a", 0.0)
     lone.first_token("t", 1.0)
     assert lone.next_read(1.25, between_rounds=True).batch == 1
+
+
+def test_known_costs_are_where_a_scheduler_starts_and_its_own_measures_replace_them():
+    """Costs measured elsewhere seed the estimates at their depths (a deep chunk is estimated by
+    its own depth, not the deepest the load measured); batch sizes the rule may not read are
+    left out; a later warm or read replaces a bucket."""
+    s = scheduler(chunk_s=None, batch=4)
+    s.warm_known(KnownCosts(chunks=((0, 0.003), (65536, 0.006)), batches=((2, 0, 0.005), (8, 0, 0.016)), label="f"))
+    assert s.costs.estimate(65536) == pytest.approx(0.006) and s.costs.estimate(100_000) == pytest.approx(0.006)
+    assert sorted(s.batch_costs) == [2] and s.batch_estimate([0, 0]) == pytest.approx(0.005)
+    s.costs.warm(0, 0.004)  # the load's own measure at depth 0
+    assert s.costs.estimate(0) == pytest.approx(0.004) and s.costs.estimate(65536) == pytest.approx(0.006)

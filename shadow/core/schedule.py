@@ -264,6 +264,17 @@ class _Session:
     ranked_whole: int = -1  # its whole chunks when last ranked (the `fewest` step ranks by them)
 
 
+@dataclass(frozen=True)
+class KnownCosts:
+    """Costs measured elsewhere (a `shadow read-rate --json` run) that a scheduler starts from:
+    seconds of one chunk by depth, and of one batched read by (batch size, depth); `label` says
+    where they came from. A live load's own measurements and every read after correct them."""
+
+    chunks: tuple[tuple[int, float], ...] = ()
+    batches: tuple[tuple[int, int, float], ...] = ()
+    label: str = ""
+
+
 class ReadScheduler:
     """The one read scheduler (see the module docstring). Not thread-safe: a live caller holds its
     own lock around every call. Turn ids are the caller's (any hashable); `turns` is the table of
@@ -495,6 +506,17 @@ class ReadScheduler:
         for entry in taken:
             heapq.heappush(heap, entry)
         return found
+
+    def warm_known(self, known: KnownCosts) -> None:
+        """Start from `known`: each chunk cost at its depth, and each batched read's of a size this
+        rule may read (`batch_sizes`); later warms and reads replace them bucket by bucket."""
+        for depth, seconds in known.chunks:
+            self.costs.warm(depth, seconds)
+        sizes = set(batch_sizes(self.rule.batch))
+        for size, depth, seconds in known.batches:
+            if size in sizes:
+                self.warm_batch(size, depth, seconds)
+        self.changes += 1
 
     def warm_batch(self, size: int, depth: int, seconds: float) -> None:
         """Set the estimate of a batched read of `size` sessions' chunks at `depth` outright (a

@@ -4,14 +4,17 @@ tokenisation of a prompt the engine does not show.
 
 The defaults are measurements, each named with the run it comes from (docs/BENCHMARKS.md,
 docs/STORE.md); a user replaces them with their own (`ChunkTable.from_read_rate` takes a
-`shadow read-rate --json` line).
+`shadow read-rate --json` line), and `known_costs` gives a live scheduler the same line's costs.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import math
 from dataclasses import dataclass, field, replace
+
+from shadow.core.schedule import KnownCosts
 
 GIB = 1 << 30
 
@@ -109,6 +112,36 @@ H200_BATCH_MS = {
     16384: {1: 3.892, 2: 6.579, 4: 12.075, 8: 22.86},
     65536: {1: 6.142, 2: 11.063, 4: 21.237, 8: 41.355},
 }
+
+
+def read_rate_document(text: str) -> dict:
+    """The `--json` document of a `shadow read-rate` run: its output's last line that is not
+    blank, a JSON object. ValueError otherwise."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError("it is empty")
+    doc = json.loads(lines[-1])
+    if not isinstance(doc, dict):
+        raise ValueError("its last line is not a JSON object")
+    return doc
+
+
+def known_costs(doc: dict, grid: int, label: str) -> KnownCosts:
+    """What a live scheduler starts from, of a read-rate document at `grid` (its own model's and
+    kernels' rows): each chunk's seconds by depth, and each batched read's by size and depth.
+    ValueError when it has no chunk rows at that grid or rows it cannot use."""
+    table = ChunkTable.from_read_rate(doc, grid, label)
+    batches = []
+    for row in doc.get("batch_rows") or []:
+        if not isinstance(row, dict) or row.get("grid", grid) != grid or int(row.get("batch", 1)) < 2:
+            continue
+        if any(row.get(k, doc.get(k)) != doc.get(k) for k in ("model", "kernels")):
+            continue
+        ms = float(row["ms_per_read"])
+        if not math.isfinite(ms) or ms <= 0:
+            raise ValueError(f"a batch row's ms_per_read is not a positive number ({ms})")
+        batches.append((int(row["batch"]), int(row["context"]), ms / 1000))
+    return KnownCosts(tuple(zip(table.depths, table.seconds)), tuple(batches), label)
 
 
 @dataclass(frozen=True)

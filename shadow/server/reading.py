@@ -464,6 +464,7 @@ class Reading:
             "decoding": sched.decoding, "busy": sched.busy, "backlog": sched.has_backlog(),
             "questions": self.questions.names(),
             "bookkeeping_us": self.counters.rounds.summary(),
+            "known_costs": None if self.shared.settings.read_costs is None else self.shared.settings.read_costs.label,
             "last_decision": None if self.last is None else type(self.last).__name__.lower(),
         }
 

@@ -66,6 +66,8 @@ class ShadowService:
         self.device, self.state_lock, self.clock = shared.device, shared.lock, clock
         self.turns, self.counters = shared.turns, shared.counters
         self.sched = ReadScheduler(settings.schedule, settings.model.grid, turns=shared.turns)
+        if settings.read_costs is not None:  # the load's own measurements replace them where it measures
+            self.sched.warm_known(settings.read_costs)
         self.questions = Questions(self.sched, shared)
         self.answers = Standing(shared, standing, self.questions.hold)
         self.host = ModelHost(shared.device, source, on_load=self._on_load)

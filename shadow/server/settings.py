@@ -6,6 +6,7 @@ that need no file, model or network (`check`). The CLI maps its options onto it 
       model     ModelSettings     the shadow's checkpoint, the embedded generator's, grid, device
       store     StoreSettings     resident cap, disk, disk cap, unload slack
       schedule  BandwidthRule     idle window and in-turn share (`core.schedule`)
+      read_costs KnownCosts       chunk and batch costs measured elsewhere, to start from (or None)
       engine    EngineSettings    proxy mode: the upstream, its dialect, the big model's template
       sessions  SessionSettings   which headers name a session, prefix matching, side branches
       status    StatusSettings    where status lines go, engine slots, line timing
@@ -23,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shadow.core.schedule import BandwidthRule
+from shadow.core.schedule import BandwidthRule, KnownCosts
 from shadow.errors import ShadowInputError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -187,6 +188,7 @@ class ServeSettings:
     model: ModelSettings = ModelSettings()
     store: StoreSettings = StoreSettings()
     schedule: BandwidthRule = BandwidthRule()
+    read_costs: KnownCosts | None = None  # costs measured elsewhere the scheduler starts from (`--read-rate-json`)
     engine: EngineSettings = EngineSettings()
     sessions: SessionSettings = SessionSettings()
     status: StatusSettings = StatusSettings()
