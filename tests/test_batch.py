@@ -151,10 +151,13 @@ def test_the_share_reads_batches_between_the_engines_rounds_and_every_session_st
                             json={"messages": [{"role": "user", "content": long_text(40 + k, 500)}], "max_tokens": 1})
             assert r.status_code == 200
         before = service.status()["counters"]["batched_reads"]["share"]
-        r = client.post("/v1/chat/completions", headers={"x-session-id": "d"},
-                        json={"messages": [{"role": "user", "content": long_text(50, 300)}], "max_tokens": 64})
-        assert r.status_code == 200
-        counters = service.status()["counters"]
+        for turn in range(4):  # each decode adds to the share's budget (a busy machine's load may estimate high)
+            r = client.post("/v1/chat/completions", headers={"x-session-id": "d"},
+                            json={"messages": [{"role": "user", "content": long_text(50 + turn, 300)}], "max_tokens": 64})
+            assert r.status_code == 200
+            counters = service.status()["counters"]
+            if counters["batched_reads"]["share"] > before:
+                break
         assert counters["batched_reads"]["share"] > before and counters["share_s"] > 0
         for name in [*names, "d"]:
             assert_exact(service, name)
