@@ -17,7 +17,7 @@ def row(doc: dict) -> str:
     d, itl = doc["decode_tok_s"], doc["itl"]
     paired = doc["paired_deltas_pct"]
     charged = f"{doc['share_pct']:.2f} %" if doc.get("share_pct") is not None else "n/a"
-    if doc.get("voice"):
+    if doc.get("voice") and doc.get("share_pct") is not None and doc.get("voice_pct") is not None:
         charged = f"{doc['share_pct']:.2f} + {doc['voice_pct']:.2f} = {doc['share_pct'] + doc['voice_pct']:.2f} %"
     gaps = doc.get("server_gaps", {}).get("on", {})
     over = {a: itl[a].get("gaps_over_10ms", "n/a") for a in ("off", "on")}

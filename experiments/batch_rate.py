@@ -66,7 +66,8 @@ def main() -> None:
 
 def profile_batch(loaded, depth: int, b: int, device: str) -> dict:
     """One batched read of `b` sessions at `depth` under the torch profiler, graphs off (so that every
-    kernel shows): prints the top kernels; returns the GPU busy ms and the wall ms of that read."""
+    kernel shows): prints the top kernels; returns the kernels' busy ms in that read and the
+    ungraphed read's wall ms (median of 3)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

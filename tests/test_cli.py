@@ -298,6 +298,8 @@ def test_serve_refuses_a_read_rate_file_it_cannot_start_from(tmp_path):
         (json.dumps({"model": "tiny", "rows": [{**row, "ms_per_chunk": -1}]}), "costs are positive"),
         (json.dumps({"model": "tiny", "rows": [row], "batch_rows": [{"grid": 512, "context": 0, "batch": 2}]}),
          "not a read-rate --json output at grid 512 (KeyError"),
+        (json.dumps({"model": "tiny", "rows": [row],
+                     "batch_rows": [{"grid": 512, "context": -512, "batch": 2, "ms_per_read": 5.0}]}), "its context is negative"),
     ]
     for text, message in cases:
         rate.write_text(text + "\n")
@@ -305,6 +307,8 @@ def test_serve_refuses_a_read_rate_file_it_cannot_start_from(tmp_path):
         assert result.exit_code == 2 and message in result.output, (text, result.output)
     result = runner.invoke(app, ["serve", "--read-rate-json", str(tmp_path / "none.json")])
     assert result.exit_code == 2 and "no such file" in result.output
+    result = runner.invoke(app, ["serve", "--batch", "3"])
+    assert result.exit_code == 2 and "--batch is 1, 2, 4 or 8" in result.output
 
 
 def test_serve_refuses_an_unload_slack_it_cannot_honour(tmp_path):

@@ -137,10 +137,10 @@ def known_costs(doc: dict, grid: int, label: str) -> KnownCosts:
             continue
         if any(row.get(k, doc.get(k)) != doc.get(k) for k in ("model", "kernels")):
             continue
-        ms = float(row["ms_per_read"])
-        if not math.isfinite(ms) or ms <= 0:
-            raise ValueError(f"a batch row's ms_per_read is not a positive number ({ms})")
-        batches.append((int(row["batch"]), int(row["context"]), ms / 1000))
+        ms, context = float(row["ms_per_read"]), int(row["context"])
+        if not math.isfinite(ms) or ms <= 0 or context < 0:
+            raise ValueError(f"a batch row's ms_per_read is not a positive number or its context is negative ({row})")
+        batches.append((int(row["batch"]), context, ms / 1000))
     return KnownCosts(tuple(zip(table.depths, table.seconds)), tuple(batches), label)
 
 

@@ -57,28 +57,13 @@ def settle_device(reader: Reader) -> float:
     return time.perf_counter() - start
 
 
-def scratch_chunk_s(reader: Reader, depth: int, clock: Callable[[], float]) -> float:
-    """Seconds of one chunk whose first row sits at `depth`, read on a scratch session whose state
-    is set `depth` rows deep (its rows are zeros: a chunk's cost depends on its depth and shape,
-    not on the values), device synchronised before and after."""
+def scratch_read_s(reader: Reader, depth: int, clock: Callable[[], float], sessions: int = 1) -> float:
+    """Seconds of one read of a chunk whose first row sits at `depth`, of each of `sessions`
+    scratch sessions set `depth` rows deep (one: `Reader.advance`; more: one batched forward,
+    `Reader.advance_batch`). Their rows are zeros: a chunk's cost depends on its depth and shape,
+    not on the values. Device synchronised before and after."""
     grid = reader.grid
-    scratch = reader.new_session("(warm)")
-    for layer in scratch.state.attention:
-        layer.reserve(depth + grid)
-    scratch.state.length = depth
-    scratch.ids = [0] * (depth + grid)
-    reader.synchronize()
-    start = clock()
-    reader.advance(scratch, max_chunks=1)
-    reader.synchronize()
-    return clock() - start
-
-
-def scratch_batch_s(reader: Reader, depth: int, size: int, clock: Callable[[], float]) -> float:
-    """Seconds of one batched read of `size` scratch sessions' chunks, each first row at `depth`
-    (as `scratch_chunk_s`), device synchronised before and after."""
-    grid = reader.grid
-    scratch = [reader.new_session(f"(warm {k})") for k in range(size)]
+    scratch = [reader.new_session(f"(warm {k})") for k in range(sessions)]
     for s in scratch:
         for layer in s.state.attention:
             layer.reserve(depth + grid)
@@ -91,27 +76,22 @@ def scratch_batch_s(reader: Reader, depth: int, size: int, clock: Callable[[], f
     return clock() - start
 
 
-def measure_chunks(reader: Reader, clock: Callable[[], float], depths: Sequence[int] = WARM_DEPTHS
-                   ) -> list[tuple[int, float]]:
-    """(depth, seconds of one chunk) at each depth; a first chunk is read before and left out."""
-    scratch_chunk_s(reader, 0, clock)
-    out = [(depth, scratch_chunk_s(reader, depth, clock)) for depth in depths]
-    if reader.model.device.type == "cuda":
-        torch.cuda.empty_cache()  # the scratch rows are not the sessions' memory
-    return out
-
-
-def measure_batches(reader: Reader, clock: Callable[[], float], sizes: Sequence[int],
-                    depths: Sequence[int] = WARM_DEPTHS) -> list[tuple[int, int, float]]:
-    """(size, depth, seconds of one batched read) for each batch size at each depth; a first
-    batch of each size is read before and left out (its graphs are captured there)."""
-    out = []
-    for size in sizes:
-        scratch_batch_s(reader, 0, size, clock)
-        out += [(size, depth, scratch_batch_s(reader, depth, size, clock)) for depth in depths]
+def measure_chunks(reader: Reader, clock: Callable[[], float], depths: Sequence[int] = WARM_DEPTHS,
+                   sizes: Sequence[int] = ()) -> tuple[list[tuple[int, float]], list[tuple[int, int, float]]]:
+    """(depth, seconds of one chunk) at each depth, and (size, depth, seconds of one batched read)
+    for each batch size in `sizes` at each depth; a first read of each size is made before and
+    left out (a batch size's graphs are captured there)."""
+    chunks, batches = [], []
+    for size in (1, *sizes):
+        scratch_read_s(reader, 0, clock, size)
+        times = [(depth, scratch_read_s(reader, depth, clock, size)) for depth in depths]
+        if size == 1:
+            chunks = times
+        else:
+            batches += [(size, depth, seconds) for depth, seconds in times]
         if reader.model.device.type == "cuda":
-            torch.cuda.empty_cache()
-    return out
+            torch.cuda.empty_cache()  # the scratch rows are not the sessions' memory
+    return chunks, batches
 
 
 class Answers(Protocol):
@@ -197,12 +177,12 @@ class Reading:
 
     def warm(self, shadow: Shadow) -> None:
         """At load, on the loading thread: the scheduler takes the shadow's grid and its chunk costs
-        measured on a scratch session (`measure_chunks`), and with batches on each batch size's
-        (`measure_batches`), after the kernels' compiles for every depth a chunk, an ask or a fork
-        may read at are done (`Reader.warm_kernels`)."""
+        measured on a scratch session, and with batches on each batch size's (`measure_chunks`),
+        after the kernels' compiles for every depth a chunk, an ask or a fork may read at are done
+        (`Reader.warm_kernels`)."""
         shadow.reader.warm_kernels()
-        measured = measure_chunks(shadow.reader, self.clock, self.warm_depths)
-        batched = measure_batches(shadow.reader, self.clock, batch_sizes(self.sched.rule.batch), self.warm_depths)
+        measured, batched = measure_chunks(shadow.reader, self.clock, self.warm_depths,
+                                           batch_sizes(self.sched.rule.batch))
         with self.lock:
             self.sched.grid = shadow.grid
             for depth, seconds in measured:

@@ -218,6 +218,8 @@ def check(s: ServeSettings) -> None:
         raise ShadowInputError("--share must be between 0 and 1 (a fraction: 0.02 is 2 %)")
     if not (math.isfinite(s.schedule.slice_s) and s.schedule.slice_s > 0):
         raise ShadowInputError("--slice-ms must be a positive number")
+    if s.schedule.batch not in (1, 2, 4, 8):
+        raise ShadowInputError(f"--batch is 1, 2, 4 or 8 (the batch sizes a reader has CUDA graphs for; got {s.schedule.batch})")
     if s.engine.label_from_upstream and (not s.proxy or s.standing_question is None):
         raise ShadowInputError("--label-from-upstream needs proxy mode (--upstream) and a --standing-question")
     if s.store.unload_slack_gib is not None and (not s.proxy or s.store.disk is None):
