@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", type=int, default=0, help="profile one ungraphed batched read of this many sessions")
     args = parser.parse_args()
+    if args.profile < 0:
+        parser.error("--profile is a number of sessions (0: no profile)")
     loaded, reader = open_reader(args.model, grid=512, device=args.device)
     rows = []
     for b in (int(x) for x in args.batches.split(",")):
