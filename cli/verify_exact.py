@@ -31,6 +31,7 @@ def verify_exact(
     cap_gib: Annotated[float | None, typer.Option(callback=bounds(ge=0), help="Resident cap in GiB; past it the least recently used sessions are spilled to --disk (or dropped and read again). Default: no cap.")] = None,
     disk: Annotated[Path | None, typer.Option(callback=folder_to_write, help="Folder for spilled sessions (one safetensors file each).")] = None,
     disk_cap_gib: Annotated[float, typer.Option(callback=bounds(gt=0), help="Disk cap in GiB; the oldest files past it are removed.")] = 64.0,
+    batch: Annotated[int, typer.Option(callback=bounds(ge=1, le=8), help="Read up to this many conversations' chunks in one forward (each a session at its own depth, as `shadow serve --batch`); every state is then still compared with its own fresh prefill. Not with --cap-gib. 1: one session a forward.")] = 1,
     seed: Annotated[int, typer.Option(callback=seed_bounds, help="Seed of the random preset weights and of the sample session (0 to 2**63 - 1).")] = 0,
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
@@ -40,7 +41,8 @@ def verify_exact(
     robin, through a session store (with --cap-gib and --disk, sessions spill to disk and come
     back between turns). Then compare each state with a fresh prefill of the same ids on the same
     grid (every tensor, bit for bit) and on another grid (largest differences, question probes).
-    Exit code 1 when a state is not bit-equal."""
+    With --batch B, a round's turns are read B sessions a forward. Exit code 1 when a state is
+    not bit-equal."""
     from shadow.text.conversations import load_conversation
     from shadow.core.reader import open_reader
     from shadow.text.sample import sample_conversation
@@ -49,6 +51,9 @@ def verify_exact(
     from shadow.offline.verify import KINDS, verify
 
     check_kernels(kernels, device)
+    if batch > 1 and cap_gib is not None:
+        raise typer.BadParameter("batched reads keep a round's sessions resident together; give --batch without --cap-gib",
+                                 param_hint="--batch")
     conversations = ([user_text_file(p, load_conversation) for p in conversation] if conversation
                      else [sample_conversation(seed)])
     started = time.perf_counter()
@@ -64,13 +69,14 @@ def verify_exact(
         def step(done: int, total: int, stage: str) -> None:
             bar.update(task, completed=done, total=total, description=stage)
 
-        verdicts = verify(reader, tokenizer, conversations, against_grid or None, store, step)
+        verdicts = verify(reader, tokenizer, conversations, against_grid or None, store, step, batch)
     store.close()
     counters = store.counters
     seconds = time.perf_counter() - started
 
     rows = [_row(v) for v in verdicts]
-    table = Table(title=f"verify-exact · {model} ({loaded.weights_label} weights) · grid {grid} · {device}")
+    table = Table(title=f"verify-exact · {model} ({loaded.weights_label} weights) · grid {grid}"
+                  + (f" · batches of {batch}" if batch > 1 else "") + f" · {device}")
     for key in rows[0]:
         table.add_column(key.replace("_", " "), justify="left" if key == "conversation" else "right",
                          overflow="fold")
@@ -96,7 +102,7 @@ def verify_exact(
         emit_json({
             "command": "verify-exact", "model": model, "weights": loaded.weights_label,
             "weights_hash": loaded.weights_hash, "device": device, "kernels": loaded.model.kernels.name, "autotune_pins": runtime.pinned(), "dtype": str(loaded.model.dtype).removeprefix("torch."),
-            "grid": grid, "turns": sum(v.turns for v in verdicts), "tokens": sum(v.tokens for v in verdicts),
+            "grid": grid, "batch": batch, "turns": sum(v.turns for v in verdicts), "tokens": sum(v.tokens for v in verdicts),
             "rollbacks": sum(v.rollbacks for v in verdicts), "ids_reread": sum(v.ids_reread for v in verdicts),
             "same_grid_bit_equal": equal, "tensors_compared": sum(v.tensors_compared for v in verdicts),
             "other_grid": {
@@ -136,7 +142,7 @@ def _row(v) -> dict:
     o = v.other_grid
     return {
         "conversation": v.name, "turns": v.turns, "tokens": v.tokens, "rollbacks": v.rollbacks,
-        "reread": v.ids_reread, "bit_equal": v.same_grid_bit_equal,
+        "reread": v.ids_reread, "batched": v.chunks_batched, "bit_equal": v.same_grid_bit_equal,
         "other_grid": o.grid if o else None,
         "max_diff_k": o.max_abs_diff["k"] if o else None,
         "max_diff_rec": o.max_abs_diff["recurrent"] if o else None,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
-#     timeline abdefault abzero abbatch proxy restore voice abvoice phrasesteps doctor verifyspill batchrate
+#     timeline abdefault abzero abbatch proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch verifybatch
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -27,10 +27,16 @@ for step in "$@"; do
     tests) start=$(date +%s); timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rfExs --durations=10 tests/test_gpu.py \
              tests/test_piecewise.py tests/test_fused.py tests/test_batch.py > "$OUT/gpu-tests.txt" 2>&1
            echo "pytest exit $? after $(( $(date +%s) - start )) s" >> "$OUT/gpu-tests.txt"; tail -30 "$OUT/gpu-tests.txt" ;;
-    batchtests) timeout 300 python3 -m pytest -q -rfExs tests/test_gpu.py tests/test_batch.py -k "batch or twins_on_cuda or graphed" \
+    batchtests) timeout 300 python3 -m pytest -q -rfExs tests/test_gpu.py tests/test_batch.py -k "batch or twins_on_cuda or graphed or chunk_attention" \
                   > "$OUT/gpu-batch-tests.txt" 2>&1; echo "pytest exit $?" >> "$OUT/gpu-batch-tests.txt"; tail -12 "$OUT/gpu-batch-tests.txt" ;;
     gentest) timeout 300 python3 -m pytest -q -rfExs tests/test_gpu.py -k embedded_generator > "$OUT/gpu-gentest.txt" 2>&1
              echo "pytest exit $?" >> "$OUT/gpu-gentest.txt"; tail -8 "$OUT/gpu-gentest.txt" ;;
+    attnbatch) timeout 200 python3 experiments/attention_batch.py --old .carry/old_triton_attention.py --tiles "${TILES_JSON:-[]}" \
+                 2>&1 | tee "$OUT/attention-batch-h200.txt" | grep -v '^{"rows"' | cut -c1-600 ;;
+    verifybatch) timeout 300 shadow verify-exact --model qwen3.5-0.8b --device cuda --grid 512 --against-grid 0 --batch 4 \
+                   --conversation $D/django__django-16950.traj.json --conversation $D/pytest-dev__pytest-6197.traj.json \
+                   --conversation $D/sympy__sympy-13031.traj.json --conversation $D/scikit-learn__scikit-learn-12682.traj.json \
+                   --json > "$OUT/verify-exact-h200-batch4.txt" 2>&1; echo "verify exit $?"; tail -c 900 "$OUT/verify-exact-h200-batch4.txt" ;;
     doctor) start=$(date +%s); timeout 120 shadow doctor --device cuda --json > "$OUT/doctor-h200.txt" 2>&1
             echo "doctor exit $? after $(( $(date +%s) - start )) s" >> "$OUT/doctor-h200.txt"; tail -c 1500 "$OUT/doctor-h200.txt" ;;
     verifyspill) timeout 240 shadow verify-exact --model qwen3.5-0.8b --device cuda --grid 512 --against-grid 0 --cap-gib 1.8 \

@@ -206,6 +206,20 @@ def test_verify_exact_spills_and_restores_three_real_conversations_exactly(tmp_p
     assert sorted(f["session"] for f in files_doc["files"]) == sorted(p.name.split(".")[0] for p in files)
 
 
+def test_verify_exact_batched_reads_of_three_real_conversations_stay_bit_equal():
+    """Three real conversations' chunks read up to four sessions a forward, each at its own depth:
+    every state bit-equal to its fresh prefill, as one session a forward gives."""
+    args = ["verify-exact", "--batch", "4", "--against-grid", "0", "--json"]
+    for n in ("pydata__xarray-4629", "django__django-14559", "django__django-13401"):
+        args += ["--conversation", str(shared_file("trajectories", "mini-swe-agent", f"{n}.traj.json"))]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    doc = last_json(result.output)
+    assert doc["same_grid_bit_equal"] is True and doc["batch"] == 4 and len(doc["conversations"]) == 3
+    assert all(c["same_grid_bit_equal"] and c["tensors_compared"] == 8 for c in doc["conversations"])
+    assert all(c["chunks_batched"] > 0 for c in doc["conversations"]) and "batches of 4" in result.output
+
+
 def test_verify_exact_refuses_a_disk_that_holds_its_sessions_and_changes_nothing(small_conversation, tmp_path):
     """A second run into the same folder would continue the first run's session (and add its counters)."""
     args = ["verify-exact", "-c", str(small_conversation), "--against-grid", "0", "--cap-gib", "0",
@@ -381,8 +395,12 @@ def one_line_app():
     (["--disk-cap-gib", "-1"], "--disk-cap-gib must be > 0"),
     (["--kernels", "fast"], "--kernels fast needs --device cuda"),
     (["--device", "gpu"], "--device 'gpu': not a device"),
+    (["--batch", "0"], "--batch must be >= 1 and <= 8 (got 0)"),
+    (["--batch", "9"], "--batch must be >= 1 and <= 8 (got 9)"),
+    (["--batch", "2", "--cap-gib", "1"], "give --batch without --cap-gib"),
 ], ids=["messages-not-objects", "history-not-objects", "disk-is-a-file", "disk-under-a-file", "csv-folder",
-        "csv-no-parent", "negative-cap", "nan-cap", "negative-disk-cap", "fast-kernels-on-cpu", "unknown-device"])
+        "csv-no-parent", "negative-cap", "nan-cap", "negative-disk-cap", "fast-kernels-on-cpu", "unknown-device",
+        "batch-zero", "batch-nine", "batch-with-cap"])
 def test_verify_exact_refuses_before_any_work(workdir, args, message):
     refused(["verify-exact", *args], workdir, message)
 

@@ -93,7 +93,7 @@ class PiecewiseForward:
             if piece < len(self.attention_layers):
                 layer = self.attention_layers[piece]
                 q, k, v = plan.handoff[piece][:3]
-                plan.attended.copy_(attend_each([s.layers[layer] for s in states], starts, q, k, v, self.model.kernels))
+                attend_each([s.layers[layer] for s in states], starts, q, k, v, self.model.kernels, out=plan.attended)
         for arena, state, start in zip(plan.arenas, states, starts):
             state.arena.copy_(arena)
             state.length = start + t

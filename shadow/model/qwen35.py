@@ -10,12 +10,14 @@ every row-wise step (projections, norms, MLPs) runs on the stacked rows and ever
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shadow.model.config import ModelConfig
-from shadow.model.kernels.reference import REFERENCE, Kernels, rms_norm
+from shadow.model.kernels.reference import REFERENCE, Kernels, attention_batch_each, rms_norm
 from shadow.model.rope import apply_rope, rope_tables
 from shadow.model.state import AttentionState, DeltaState, ModelState
 
@@ -118,25 +120,18 @@ def blocks(x: torch.Tensor, b: int, dim: int = 0) -> list[torch.Tensor]:
     return [x] if b == 1 else list(x.chunk(b, dim=dim))
 
 
-def attend(
-    state: AttentionState, start: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    kernels: Kernels,
-) -> torch.Tensor:
-    """Store the new rows' k, v at rows start.. of the session's buffer and attend over exactly
-    the valid rows. Never inside a CUDA graph: the buffer is the session's and may move."""
-    state.write(start, k, v)
-    end = start + q.shape[1]
-    return kernels.attention(q, state.k[:, :end], state.v[:, :end], q.shape[-1] ** -0.5)
-
-
 def attend_each(states: list[AttentionState], starts: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kernels: Kernels) -> torch.Tensor:
-    """`attend` for B sessions' stacked rows (q [Hq, B*T, D], k, v [Hkv, B*T, D]), each on its own
-    buffer; the attended rows [B*T, Hq, D] stacked in the same order."""
-    if len(states) == 1:
-        return attend(states[0], starts[0], q, k, v, kernels)
-    parts = zip(blocks(q, len(states), 1), blocks(k, len(states), 1), blocks(v, len(states), 1))
-    return torch.cat([attend(s, start, q_b, k_b, v_b, kernels) for s, start, (q_b, k_b, v_b) in zip(states, starts, parts)])
+                kernels: Kernels, out: torch.Tensor | None = None) -> torch.Tensor:
+    """B sessions' stacked rows (q [Hq, B*T, D], k, v [Hkv, B*T, D]): each session's new k, v stored
+    at rows start.. of its own buffer, then its rows attended over exactly its valid rows; the
+    attended rows [B*T, Hq, D] stacked in the same order (into `out` where given). Never inside a
+    CUDA graph: a buffer is its session's and may move when it grows."""
+    t = q.shape[1] // len(states)
+    for state, start in zip(states, starts, strict=True):
+        state.reserve(start + t)
+    batch = kernels.attention_batch or partial(attention_batch_each, kernels.attention)
+    return batch(q, [s.k for s in states], [s.v for s in states], [start + t for start in starts],
+                 q.shape[-1] ** -0.5, (k, v), out)
 
 
 class Layer(nn.Module):

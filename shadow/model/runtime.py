@@ -126,6 +126,6 @@ def warm_kernels(model: Qwen35, rows: Iterable[int]) -> int:
 
 def arithmetic(model: Qwen35) -> str:
     """The name of a model's arithmetic: the kernel set (with its revision, if any) and dtype, e.g.
-    'reference/float32' or 'fla-triton.2/bfloat16'."""
+    'reference/float32' or 'fla-triton.3/bfloat16'."""
     revision = f".{model.kernels.revision}" if model.kernels.revision else ""
     return f"{model.kernels.name}{revision}/{str(model.dtype).removeprefix('torch.')}"

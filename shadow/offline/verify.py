@@ -7,6 +7,7 @@ difference per tensor kind) and question probes asked of both states (top token,
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -52,22 +53,40 @@ class Verdict:
     tensors_compared: int
     mismatched: list[str] = field(default_factory=list)
     other_grid: OtherGrid | None = None
+    chunks_batched: int = 0  # of its chunks, those read in one forward with other sessions' (`batch` > 1)
 
 
 def replay(
     reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation], store: SessionStore,
-    on_turn: Callable[[], None] | None = None,
+    on_turn: Callable[[], None] | None = None, batch: int = 1, batched: Counter | None = None,
 ) -> dict[str, list[int]]:
     """Feed every request of every conversation (its re-rendered prompt, then its output) and read
     after each, the conversations' turns interleaved round robin through `store` (which may
-    spill or drop sessions between turns). Returns each conversation's final ids."""
+    spill or drop sessions between turns). With `batch` > 1 a round's turns are fed side by side
+    and their chunks read up to `batch` sessions a forward (`Reader.advance_batch`), the sessions
+    at their own depths; the store must then keep them all resident (no cap), and `batched`
+    counts each conversation's chunks read beside another's. Returns each conversation's final ids."""
     pending = {c.name: list(c.requests()) for c in conversations}
     final: dict[str, list[int]] = {}
     for turn in range(max(len(r) for r in pending.values())):
-        for name, requests in pending.items():
-            if turn >= len(requests):
-                continue
-            history, output = requests[turn]
+        names = [name for name, requests in pending.items() if turn < len(requests)]
+        if batch > 1:
+            sessions = [store.get(name) for name in names]
+            for part in (0, 1):
+                for name, session in zip(names, sessions):
+                    history, output = pending[name][turn]
+                    if part == 0:
+                        reader.feed_prompt(session, tokenizer.encode(render_prompt(history)))
+                    else:
+                        reader.feed_output(session, tokenizer.encode(render_output(output)))
+                read_batched(reader, sessions, batch, batched)
+            for name, session in zip(names, sessions):
+                final[name] = list(session.ids)
+                if on_turn:
+                    on_turn()
+            continue
+        for name in names:
+            history, output = pending[name][turn]
             session = store.get(name)
             reader.feed_prompt(session, tokenizer.encode(render_prompt(history)))
             reader.advance(session)
@@ -78,6 +97,21 @@ def replay(
             if on_turn:
                 on_turn()
     return final
+
+
+def read_batched(reader: Reader, sessions: Sequence[Session], batch: int, batched: Counter | None = None) -> int:
+    """Every whole chunk of `sessions`, read in forwards of up to `batch` sessions' next chunks
+    (those with a chunk to read, in their order); `batched` counts, by session name, the chunks
+    read beside another session's. Returns the forwards run."""
+    forwards = 0
+    while True:
+        ready = [s for s in sessions if s.committed + reader.grid <= len(s.ids)][:batch]
+        if not ready:
+            return forwards
+        reader.advance_batch(ready)
+        forwards += 1
+        if batched is not None and len(ready) > 1:
+            batched.update(s.name for s in ready)
 
 
 def compare_states(a: ModelState, b: ModelState) -> tuple[int, list[str], dict[str, float]]:
@@ -114,14 +148,20 @@ def probe_agreement(
 def verify(
     reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation],
     against_grid: int | None = None, store: SessionStore | None = None,
-    progress: Callable[[int, int, str], None] | None = None,
+    progress: Callable[[int, int, str], None] | None = None, batch: int = 1,
 ) -> list[Verdict]:
     """Replay `conversations` (interleaved, through `store`; default: one with no cap), then
     compare each final state with fresh prefills. ShadowInputError, before anything is read or
     written, when `store` already holds a session named like a conversation. progress(done, total, stage) is called as it
-    goes (total = all turns + 2 per conversation)."""
+    goes (total = all turns + 2 per conversation). `batch` > 1: chunks read several sessions a
+    forward (`replay`); ShadowInputError where `store` has a cap, which could spill a session
+    between its feed and its read."""
     if against_grid is not None:
         check_grid(against_grid)
+    if not isinstance(batch, int) or batch < 1:
+        raise ShadowInputError(f"batch must be a whole number of sessions from 1 up, got {batch!r}")
+    if batch > 1 and store is not None and store.cap is not None:
+        raise ShadowInputError("batched reads keep a round's sessions resident together: give no cap with a batch")
     names = [c.name for c in conversations]
     if len(set(names)) != len(names):
         raise ShadowInputError(f"two conversations share a name: {min(n for n in names if names.count(n) > 1)}")
@@ -141,7 +181,8 @@ def verify(
         done += 1
         report(done, total, "replay")
 
-    final = replay(reader, tokenizer, conversations, store, turn_done)
+    batched = Counter()
+    final = replay(reader, tokenizer, conversations, store, turn_done, batch, batched)
     verdicts = []
     for conv in conversations:
         session = store.get(conv.name)
@@ -157,6 +198,7 @@ def verify(
             name=conv.name, turns=turns[conv.name], tokens=len(session.ids), committed=committed,
             rollbacks=session.rollbacks, ids_reread=session.ids_reread,
             same_grid_bit_equal=not mismatched, tensors_compared=compared, mismatched=mismatched,
+            chunks_batched=batched[conv.name],
         )
         if against_grid is not None:
             other = reader.prefill(session.ids[:committed], chunk=against_grid)

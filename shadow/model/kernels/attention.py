@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from shadow.model.kernels import reference
+
 
 SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]  # never cuDNN (attention_sdpa)
 CHUNK_ATTENTION_ROWS = 16  # from this many query rows up, attention_triton runs the Triton chunk kernel
@@ -43,11 +45,24 @@ def attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return chunk_attention(q, k, v, scale)
 
 
+def attention_batch_triton(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], lengths: list[int],
+                           scale: float, new: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """`Kernels.attention_batch`'s contract: from CHUNK_ATTENTION_ROWS rows a session up, all the
+    sessions' new rows written and attended in one launch each (`triton_attention.attend_sessions`,
+    a session's bits what `attention_triton` gives it alone); below, each on its own as there."""
+    t = q.shape[1] // len(ks)
+    if t >= CHUNK_ATTENTION_ROWS:
+        from shadow.model.kernels.triton_attention import attend_sessions
+
+        return attend_sessions(q, ks, vs, lengths, scale, new=new, out=out)
+    return reference.attention_batch_each(attention_triton, q, ks, vs, lengths, scale, new, out)
+
+
 def warm_attention_triton(heads: int, kv_heads: int, head_dim: int, rows, dtype: torch.dtype,
                           device: torch.device) -> int:
     """`attention_triton`'s kernels compiled for every row count in `rows` it runs Triton at, at
-    every key-length class (`triton_attention.variant_lengths`), so no first call at a new length
-    compiles mid-stream. Returns the launches."""
+    every key length (the kernels specialise on the row count alone), so no first call at a new
+    length compiles mid-stream. Returns the launches."""
     from shadow.model.kernels import triton_attention
 
     chunked = sorted(t for t in set(rows) if t >= CHUNK_ATTENTION_ROWS)

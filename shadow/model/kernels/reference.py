@@ -193,6 +193,24 @@ def attention_online(
 GDN_BATCH_HEAD_ROWS = 65_536  # B * T * heads a batched GDN call takes at most (one row bucket of fla's l2norm)
 
 
+def attention_batch_each(attention, q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], lengths: list[int],
+                         scale: float, new: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """`Kernels.attention_batch`'s contract on a one-session `attention`: each session's new rows
+    copied into its buffers, then attended alone; the rows stacked (into `out` where given)."""
+    t = q.shape[1] // len(ks)
+    k_new, v_new = new
+    parts = []
+    for j, (k, v, length) in enumerate(zip(ks, vs, lengths, strict=True)):
+        rows = slice(j * t, (j + 1) * t)
+        k[:, length - t : length] = k_new[:, rows]
+        v[:, length - t : length] = v_new[:, rows]
+        parts.append(attention(q[:, rows], k[:, :length], v[:, :length], scale))
+    if out is None:
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+    torch.cat(parts, out=out)
+    return out
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The kernels the model calls; the reference set, or a fast set with the same contracts."""
@@ -209,6 +227,11 @@ class Kernels:
     # bits what `gdn_gated` gives it alone, up to `GDN_BATCH_HEAD_ROWS` (B T H) in all (None: none, the
     # fused steps call `gdn_gated` once a session)
     gdn_gated_batch: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+    # B sessions' chunks of T rows at once: (q [Hq, B*T, D], key buffers, value buffers, lengths,
+    # scale, new (k, v) [Hkv, B*T, D], out) -> [B*T, Hq, D]: each session's new rows written at rows
+    # L - T .. L of its buffers, then attended; its bits what `attention` gives it alone (None:
+    # `attention_batch_each` on `attention`)
+    attention_batch: Callable[..., torch.Tensor] | None = None
     fused: bool = False  # the forward runs `fused.FusedSteps` (merged projections, one-launch kernels)
     revision: int = 0  # raised whenever the set's arithmetic changes, so state stored by an older one is not read
     # (heads, kv_heads, head_dim, rows, dtype, device) -> launches: the attention's kernels compiled

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from shadow.model.kernels.attention import attention_sdpa, attention_triton, warm_attention_triton
+from shadow.model.kernels.attention import attention_batch_triton, attention_sdpa, attention_triton, warm_attention_triton
 from shadow.model.kernels.fla import gated_rms_norm_fla, gdn_fla, gdn_fla_gated, gdn_fla_gated_batch
 from shadow.model.kernels.reference import REFERENCE, Kernels
 from shadow.model.kernels.torch_ops import causal_conv_rows, rms_norm_fused
@@ -19,7 +19,9 @@ FAST = Kernels(
 # them, the attention gate in one kernel; a batched read's sessions in one GDN call a layer (the
 # same bits as one call each)
 FUSED = dataclasses.replace(FAST, name="fla-fused", fused=True, revision=2, gdn_gated_batch=gdn_fla_gated_batch)
-TRITON = dataclasses.replace(FUSED, name="fla-triton", attention=attention_triton,  # and Triton chunk attention
-                             warm_attention=warm_attention_triton)
+# and Triton chunk attention; revision 3: GQA-packed, a batched read's sessions in one launch a layer, a
+# row's slices merged one after another
+TRITON = dataclasses.replace(FUSED, name="fla-triton", attention=attention_triton, attention_batch=attention_batch_triton,
+                             warm_attention=warm_attention_triton, revision=3)
 SETS = {"fast": TRITON, "fla-triton": TRITON, "fla-fused": FUSED, "fla": FAST}
 BY_NAME = {"reference": REFERENCE, **SETS}
