@@ -191,10 +191,12 @@ class FusedSteps:
         for j, state in enumerate(states):
             state.conv.copy_(conv[j])
             state.recurrent.copy_(recurrent[j])
-        # normed per session (its rows' bits do not depend on the row count it is given with)
-        z = z.view(b, t, hv, c.linear_value_head_dim)
-        return torch.cat([self.kernels.gated_norm(out[j].to(proj.dtype), z[j], w.norm_weight, c.rms_norm_eps)
-                          for j in range(b)]).reshape(b * t, c.value_dim)
+        # normed in one call: a row's bits do not depend on the rows beside it while the batch stays
+        # in the rule's row bucket (fla's gated norm buckets rows as its l2norm does)
+        dv = c.linear_value_head_dim
+        normed = self.kernels.gated_norm(out.reshape(b * t, hv, dv).to(proj.dtype), z.view(b * t, hv, dv),
+                                         w.norm_weight, c.rms_norm_eps)
+        return normed.reshape(b * t, c.value_dim)
 
     def attention_in(self, i: int, x: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
         c, w, t = self.c, self.layers[i], x.shape[0]
