@@ -44,6 +44,10 @@ for step in $steps; do
           run "batch-29-cap$cap-b$b" "$LEDGER" --pack 29 --share 0.02 --cap-gib "$cap" --batch "$b" \
             --solve-share "fresh >= 97 %"
         done
+      done
+      for b in 1 8; do  # charged by an H200 read-rate run's own chunk and batch costs at six depths
+        run "batch-29-cap0-b$b-readrate" "$LEDGER" --pack 29 --share 0.02 --cap-gib 0 --batch "$b" \
+          --read-rate-json docs/results/batch/read-rate-h200-batches.json --solve-share "fresh >= 97 %"
       done ;;
     ablation)  # what each limit costs, one at a time, at 24 and 29 active and a 2 % share
       for k in 24 29; do

@@ -273,7 +273,7 @@ def test_a_batch_table_is_the_batched_reads_time_over_its_chunks_alone():
         BatchTable.measured({0: {2: 6.0}}, "t")
     with pytest.raises(ValueError, match="some depths only"):
         BatchTable.measured({0: {1: 4.0, 2: 6.0}, 1000: {1: 10.0}}, "t")
-    assert BatchTable.h200().ratio(8, 16384) == pytest.approx(22.86 / (8 * 3.892))
+    assert BatchTable.h200().ratio(8, 16384) == pytest.approx(21.623 / (8 * 3.799))
 
 
 def test_a_read_rate_file_gives_its_batch_rows():

@@ -102,15 +102,16 @@ class ChunkTable:
         return self(depth) * 1e6 / grid
 
 
-# Batched reads of the same shape on the H200 (fla-triton, CUDA graphs per batch; the sessions' GDN
-# convs in one launch and their gated delta rules in one call a layer): ms of one forward reading
+# Batched reads of the same shape on the H200 (fla-triton revision 3, CUDA graphs per batch; the
+# sessions' GDN convs in one launch, their gated delta rules in one call and their gated norms in one
+# a layer, their attention in one launch a layer): ms of one forward reading
 # the next chunk of B sessions all at one depth, B = 1, 2, 4, 8: `python3 experiments/batch_rate.py
 # --model qwen3.5-0.8b --device cuda --depth D --batches 1,2,4,8 --repeats 5`
-# (docs/results/batch/batch-rate-h200-depth{0,16384,65536}.txt, one device session, 2026-12-03).
+# (docs/results/batch/batch-rate-h200-depth{0,16384,65536}.txt, one device call, 2026-12-03).
 H200_BATCH_MS = {
-    0: {1: 2.952, 2: 4.683, 4: 8.476, 8: 15.964},
-    16384: {1: 3.892, 2: 6.579, 4: 12.075, 8: 22.86},
-    65536: {1: 6.142, 2: 11.063, 4: 21.237, 8: 41.355},
+    0: {1: 3.117, 2: 4.607, 4: 8.107, 8: 14.947},
+    16384: {1: 3.799, 2: 6.202, 4: 11.34, 8: 21.623},
+    65536: {1: 6.248, 2: 11.111, 4: 20.959, 8: 40.594},
 }
 
 
