@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from shadow.model.kernels import attention, reference, twins
-from shadow.model import triton_attention as ta
+from shadow.model.kernels import triton_attention as ta
 from shadow.model.kernels import triton as tri
 
 HQ, HKV, D, T = 8, 2, 256, 512
