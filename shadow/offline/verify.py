@@ -72,14 +72,12 @@ def replay(
         names = [name for name, requests in pending.items() if turn < len(requests)]
         if batch > 1:
             sessions = [store.get(name) for name in names]
-            for part in (0, 1):
-                for name, session in zip(names, sessions):
-                    history, output = pending[name][turn]
-                    if part == 0:
-                        reader.feed_prompt(session, tokenizer.encode(render_prompt(history)))
-                    else:
-                        reader.feed_output(session, tokenizer.encode(render_output(output)))
-                read_batched(reader, sessions, batch, batched)
+            for name, session in zip(names, sessions):
+                reader.feed_prompt(session, tokenizer.encode(render_prompt(pending[name][turn][0])))
+            read_batched(reader, sessions, batch, batched)
+            for name, session in zip(names, sessions):
+                reader.feed_output(session, tokenizer.encode(render_output(pending[name][turn][1])))
+            read_batched(reader, sessions, batch, batched)
             for name, session in zip(names, sessions):
                 final[name] = list(session.ids)
                 if on_turn:

@@ -27,9 +27,9 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # tiles, warps, pipeline stages and SM waves: chosen on the H200 (docs/BENCHMARKS.md)
 TILES = {"BM": 128, "BN": 64, "num_warps": 8, "num_stages": 2, "waves": 1}
-# a session's row of the table: k and v addresses, their head strides, its length L, the key rows
-# of a slice, its first slice's index among the launch's, its slice count
-FIELDS = 8
+# A session's row of the table, eight int64 fields (the kernels index them by number): k and v
+# addresses, their head strides, its length L, the key rows of a slice, its first slice's index
+# among the launch's, its slice count.
 
 
 @triton.jit
@@ -144,17 +144,19 @@ def slice_rows(t: int, length: int, heads: int, sm_count: int, bm: int, bn: int,
 
 
 def _check_buffers(ks: list[torch.Tensor], vs: list[torch.Tensor], lengths: list[int], q: torch.Tensor) -> None:
-    d = q.shape[-1]
+    d, hkv = q.shape[-1], ks[0].shape[0]
+    if hkv == 0 or q.shape[0] % hkv:
+        raise ValueError("the key heads must divide q's heads")
     for k, v, length in zip(ks, vs, lengths, strict=True):
         for x in (k, v):
-            if x.dtype != q.dtype or x.device != q.device or x.shape[0] * (q.shape[0] // x.shape[0]) != q.shape[0]:
-                raise ValueError("a session's keys and values need q's dtype, device and a divisor of its heads")
+            if x.dtype != q.dtype or x.device != q.device or x.shape[0] != hkv:
+                raise ValueError("every session's keys and values need q's dtype and device and the same key heads")
             if x.shape[-1] != d or x.stride(-1) != 1 or x.stride(1) != d or x.shape[1] < length:
                 raise ValueError("a session's key and value rows must be contiguous rows of q's width, L of them at least")
 
 
 def _tables(ks, vs, lengths, t, heads, device, tiles):
-    """The sessions' table [B, FIELDS] and the work list [Z, 2] of (session, slice), on `device`."""
+    """The sessions' table [B, 8] and the work list [Z, 2] of (session, slice), on `device`."""
     sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
     rows, work = [], []
     for b, (k, v, length) in enumerate(zip(ks, vs, lengths)):
@@ -221,8 +223,7 @@ def chunk_attention(
     return attend_sessions(q, [k], [v], [k.shape[1]], scale, tiles=tiles)
 
 
-def warm(heads: int, kv_heads: int, head_dim: int, rows: list[int], dtype: torch.dtype, device: torch.device,
-         longest: int = 32768) -> int:
+def warm(heads: int, kv_heads: int, head_dim: int, rows: list[int], dtype: torch.dtype, device: torch.device) -> int:
     """Run `chunk_attention` once for each of `rows` query rows (of at least 1), on zeros laid out as
     the model's are, so that its kernels are compiled; returns the launches. Lengths, slices and
     sessions come from a table in device memory, so no length or batch compiles anything anew:
