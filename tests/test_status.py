@@ -116,6 +116,29 @@ def test_channels_carry_a_line_as_their_client_renders_it():
     assert client_kind({"x-session-affinity": "ses_1"}) == "opencode"
 
 
+def test_the_reading_line_counts_the_ids_new_to_the_engine_even_once_the_shadow_holds_them():
+    """Under load the shadow may take a turn's prompt in before its first line is written: the
+    line still counts the ids the engine had to read (those the session held before the feed)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from shadow.server.http.proxy_turn import Lines
+
+    turns = TurnTable()
+    turn = turns.add(ServedTurn(1, 0.0))
+    before = Future()
+    before.set_result(SimpleNamespace(ids=list(range(306))))
+    held_now = lambda ids: len(ids)  # noqa: E731 - the session holds the whole prompt by now
+    turn.engine_held = 6  # what it held when the prompt was fed
+    lines = Lines(Channel("reasoning"), TurnStatus(started=0.0), EngineLoad(turns), turn, before, held_now)
+    lines.refresh(2.0)
+    assert lines.status.new_tokens == 300 and turn.new_tokens == 300
+    fresh = turns.add(ServedTurn(2, 0.0))  # not fed yet: what the session holds now is the engine's
+    lines = Lines(Channel("reasoning"), TurnStatus(started=0.0), EngineLoad(turns), fresh, before, lambda ids: 100)
+    lines.refresh(2.0)
+    assert lines.status.new_tokens == 206
+
+
 def test_inline_lines_close_their_part_before_the_models_reasoning():
     turns = TurnTable()
     turn = turns.add(ServedTurn(1, 0.0))

@@ -297,6 +297,8 @@ class ShadowService:
         def feed() -> None:
             try:
                 if prompt is not None:
+                    if turn.engine_held is None:  # counted before the session takes it in
+                        turn.engine_held = self.cached_prefix(turn.requested or turn.session, prompt)
                     self.set_prompt(turn, prompt)
                 if output:
                     self.add_output(turn, output)

@@ -40,6 +40,9 @@ class ServedTurn(Turn):
     reply: Reply = field(default_factory=Reply)
     fed_prompt: list[int] | None = None
     prompt_due: list[int] | None = None  # known, not yet fed (the device was busy)
+    # of its prompt's ids, those the session held just before the prompt was fed (what the engine's
+    # prefix cache holds for it): the status lines count the rest, even once the session holds them
+    engine_held: int | None = None
     fed_output: int = 0
     held: list[int] = field(default_factory=list)  # output ids not fed yet
     notes: list[str] = field(default_factory=list)  # what happened to the request on its way

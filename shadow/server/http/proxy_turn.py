@@ -43,7 +43,10 @@ class Lines(LineWriter):
         if not self._known and self.before.done() and not self.before.cancelled() and self.before.exception() is None:
             ids = self.before.result().ids
             if ids is not None:
-                new = len(ids) - (self.cached(ids) if self.cached else 0)
+                held = self.cached(ids) if self.cached else 0
+                if self.turn.engine_held is not None:  # the prompt is fed (or being fed): its count from before
+                    held = self.turn.engine_held
+                new = len(ids) - held
                 self.status.new_tokens = new
                 self.load.set_new(self.turn, new)
             self._known = True
