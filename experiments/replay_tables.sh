@@ -48,7 +48,14 @@ for step in $steps; do
       for b in 1 8; do  # charged by an H200 read-rate run's own chunk and batch costs at six depths
         run "batch-29-cap0-b$b-readrate" "$LEDGER" --pack 29 --share 0.02 --cap-gib 0 --batch "$b" \
           --read-rate-json docs/results/batch/read-rate-h200-batches.json --solve-share "fresh >= 97 %"
-      done ;;
+      done
+      for ms in 25 50; do  # batches allowed to hold the device longer (batches of 8 at depth)
+        run "batch-29-cap0-b8-readrate-ms$ms" "$LEDGER" --pack 29 --share 0.02 --cap-gib 0 --batch 8 --batch-ms "$ms" \
+          --read-rate-json docs/results/batch/read-rate-h200-batches.json --solve-share "fresh >= 97 %"
+      done
+      # how fast the share's reads must be: one flat cost a chunk at every depth, no batches
+      run "batch-29-cap0-flat" "$LEDGER" --pack 29 --share 0.02 --cap-gib 0 --read-ms-per-1k 7.3647 \
+        --read-ms-per-1k 6.5 --read-ms-per-1k 6 --read-ms-per-1k 5.5 --read-ms-per-1k 5 --read-ms-per-1k 4 ;;
     ablation)  # what each limit costs, one at a time, at 24 and 29 active and a 2 % share
       for k in 24 29; do
         run "ablation-$k-ideal" "$LEDGER" --pack "$k" --share 0.02 $IDEAL --samples 1000

@@ -168,7 +168,14 @@ def test_read_rate_times_batches_and_the_replay_charges_by_them(tmp_path):
                                    "--samples", "10", "--json"])
     assert replayed.exit_code == 0, replayed.output
     out = last_json(replayed.output)
-    assert out["batch"] == 4 and out["batch_costs"] == "rate.json" and "batches of up to 4 (rate.json)" in replayed.output
+    assert out["batch"] == 4 and out["batch_costs"] == "rate.json" and out["batch_ms"] == 10
+    assert "batches of up to 4, at most 10 ms (rate.json)" in " ".join(replayed.output.split())
+    longer = runner.invoke(app, ["replay-ledger", str(folder), "--read-rate-json", str(rate), "--batch", "4",
+                                 "--batch-ms", "40", "--samples", "10", "--json"])
+    assert longer.exit_code == 0, longer.output
+    assert last_json(longer.output)["batch_ms"] == 40 and "at most 40 ms" in " ".join(longer.output.split())
+    refused = runner.invoke(app, ["replay-ledger", str(folder), "--batch", "4", "--batch-ms", "0"])
+    assert refused.exit_code == 2 and "--batch-ms" in refused.output
 
 
 @pytest.mark.parametrize(
