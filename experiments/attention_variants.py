@@ -11,8 +11,8 @@ merge) with its slice kernel replaced by one whose unmasked key loop can, switch
 - `stages`: the loop's software pipeline depth.
 The masked edge loop is the library's. Each variant is checked against a float32 reference (its
 largest difference), against itself (the same bits twice) and batched against alone (a session's
-bits must not depend on the batch); its bits may differ from the library's, as any change of
-arithmetic does. 20 eager calls between CUDA events after warm-up, median of 5 rounds.
+bits must not depend on the batch) and the library's (a change of arithmetic changes them; a
+change of loads alone need not). 20 eager calls between CUDA events after warm-up, median of 5 rounds.
 
     python3 experiments/attention_variants.py --depths 16384,65536 --batches 1,8
 """
@@ -156,6 +156,9 @@ def gpu_ms(fn, calls: int = 20, rounds: int = 5) -> float:
 VARIANTS = {
     "library": None,
     "plain": {},
+    "desc": {"desc": True},
+    "desc ws": {"desc": True, "ws": True},
+    "desc BN32 stages 3": {"desc": True, "stages": 3, "BN": 32, "num_stages": 3},
     "fma": {"fma": True},
     "acc": {"acc": True},
     "fma+acc": {"fma": True, "acc": True},
@@ -181,6 +184,7 @@ def row(depths: list[int], names: list[str], check: bool) -> dict:
         ref = reference.attention(q[:, :T].float(), ks[0][:, : lengths[0]].float(), vs[0][:, : lengths[0]].float(), SCALE)
     flops = sum(4 * T * (x + T / 2) * D * HQ for x in depths)
     result = {"depths": depths if len(set(depths)) > 1 else f"{depths[0]} x {len(depths)}"}
+    library = None
     for name in names:
         variant = VARIANTS[name]
         if variant is None:
@@ -197,8 +201,12 @@ def row(depths: list[int], names: list[str], check: bool) -> dict:
             result[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             continue
         batched = fn().clone()
+        if variant is None:
+            library = batched
         entry = {"ms": round(ms, 4), "TFLOP/s": round(flops / ms / 1e9, 1),
                  "same bits twice": torch.equal(batched, fn())}
+        if variant is not None and library is not None:
+            entry["library's bits"] = torch.equal(batched, library)
         if len(depths) > 1:
             entry["batched == alone"] = all(torch.equal(batched[j * T:(j + 1) * T], alone_fn(j)) for j in range(len(depths)))
         if ref is not None:

@@ -134,6 +134,26 @@ def test_triton_chunk_attention_matches_reference_and_repeats_its_bits(t, cached
     assert torch.equal(out, chunk_attention(q, k, v, 256 ** -0.5))
 
 
+@pytest.mark.parametrize("depths", [[16384], [0, 4096, 30000, 512], [65536, 100, 20000, 8192, 0, 3000, 41182, 700]])
+def test_chunk_attention_through_descriptors_gives_the_bits_of_plain_loads(depths):
+    """Tensor-descriptor (TMA) loads of the key blocks against plain loads: the same values, so
+    the same bits, alone and batched."""
+    from shadow.model.kernels import triton_attention as ta
+
+    if not ta.descriptors(torch.device("cuda")):
+        pytest.skip("tensor descriptors need Hopper or later")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    t = 512
+    ks = [torch.randn(2, d + t + 1000, 256, device="cuda", generator=g).bfloat16() for d in depths]
+    vs = [torch.randn(2, d + t + 1000, 256, device="cuda", generator=g).bfloat16() for d in depths]
+    q = torch.randn(8, len(depths) * t, 256, device="cuda", generator=g).bfloat16()
+    lengths = [d + t for d in depths]
+    tma = ta.attend_sessions(q, ks, vs, lengths, 256 ** -0.5, tiles={**ta.TILES, "desc": True})
+    plain = ta.attend_sessions(q, ks, vs, lengths, 256 ** -0.5, tiles={**ta.TILES, "desc": False})
+    assert torch.equal(tma, plain)
+    assert torch.equal(tma, ta.attend_sessions(q, ks, vs, lengths, 256 ** -0.5))  # the default on this GPU
+
+
 def test_warmed_chunk_attention_compiles_nothing_at_any_later_length():
     """After `warm` for the fork and chunk row counts, launches at random depths (as asks and a
     phrase's pieces meet them) find every kernel compiled: no compile mid-stream."""

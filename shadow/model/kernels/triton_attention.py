@@ -8,7 +8,8 @@ where they are. Each program takes BM packed query rows of one key head: BM / GR
 times the GROUPS query heads that share it (GQA packing: every key block loaded serves all of
 them), and one slice of one session's key rows; it keeps a running max and sum (flash attention's
 online softmax, base 2) and writes its unnormalised float32 output with them. A second kernel
-merges a row's slices one after another in slice order.
+merges a row's slices one after another in slice order. On Hopper the whole key blocks load
+through tensor descriptors (TMA): the same values as plain loads, so the same bits, faster at depth.
 
 Batch-invariant by construction: a session's slicing, tiles and reduction order are pure
 functions of its own (T, L), the heads and the GPU's SM count, never of the other sessions in
@@ -20,12 +21,17 @@ CPU, and batched with alone on the GPU (`torch.equal`).
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
+
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-# tiles, warps, pipeline stages and SM waves: chosen on the H200 (docs/BENCHMARKS.md)
+# tiles, warps, pipeline stages and SM waves: chosen on the H200 (docs/BENCHMARKS.md); whole blocks
+# load through tensor descriptors where `descriptors` says so
 TILES = {"BM": 128, "BN": 64, "num_warps": 8, "num_stages": 2, "waves": 1}
 # A session's row of the table, eight int64 fields (the kernels index them by number): k and v
 # addresses, their head strides, its length L, the key rows of a slice, its first slice's index
@@ -35,7 +41,7 @@ TILES = {"BM": 128, "BN": 64, "num_warps": 8, "num_stages": 2, "waves": 1}
 @triton.jit
 def _attention_slice(
     q, o_part, m_part, l_part, sessions, work, T, q_head, q_row, qk_scale,
-    GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DESC: tl.constexpr,
 ):
     pid_m, kv, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     heads = tl.num_programs(1) * GROUPS
@@ -64,15 +70,24 @@ def _attention_slice(
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
+    if DESC:  # the whole blocks' keys and values through tensor descriptors (TMA); the same values
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[L, D], strides=[D, 1], block_shape=[BN, D])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[L, D], strides=[D, 1], block_shape=[BN, D])
     for start in range(lo, full_end, BN):  # blocks every row sees whole: no mask
         cols = start + tl.arange(0, BN)
-        kt = tl.load(k_base + cols[:, None] * D + d[None, :])
+        if DESC:
+            kt = k_desc.load([start, 0])
+        else:
+            kt = tl.load(k_base + cols[:, None] * D + d[None, :])
         sc = tl.dot(qt, tl.trans(kt)) * qk_scale
         m_new = tl.maximum(m_i, tl.max(sc, 1))
         p = tl.math.exp2(sc - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_base + cols[:, None] * D + d[None, :])
+        if DESC:
+            vt = v_desc.load([start, 0])
+        else:
+            vt = tl.load(v_base + cols[:, None] * D + d[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
         m_i = m_new
     for start in range(full_end, hi, BN):  # the causal edge and the slice's end: masked
@@ -134,6 +149,31 @@ def _write_rows(k, v, k_head, k_row, v_head, v_row, sessions, T, D: tl.constexpr
     tl.store(v_out + dest * D + d, tl.load(v + kv * v_head + row * v_row + d))
 
 
+@functools.cache
+def descriptors(device: torch.device) -> bool:
+    """Whether the slices load whole key and value blocks through tensor descriptors on `device`:
+    on Hopper and later (TMA), compiled (not under Triton's interpreter). The loads' values, and so
+    the bits, are the same either way (tested on the GPU); only their speed differs."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+_thread = threading.local()
+_scratch: dict[tuple[int, int | None], torch.Tensor] = {}  # (device, stream) -> the descriptors' scratch
+
+
+def _workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory Triton asks for at a launch with tensor descriptors (each program writes its
+    descriptors there): one buffer a device and stream, grown when too small, so no launch
+    allocates; launches on one stream run in order, so they never share it at once."""
+    key = (torch.cuda.current_device(), stream)
+    buf = _scratch.get(key)
+    if buf is None or buf.numel() < size:
+        buf = _scratch[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=key[0])
+    return buf
+
+
 def slice_rows(t: int, length: int, heads: int, sm_count: int, bm: int, bn: int, waves: int = 1) -> int:
     """Key rows per slice (a multiple of bn): as many slices as fill the SMs `waves` times beside
     the row blocks of every head, each at least 4 key blocks long. A pure function of its arguments."""
@@ -180,7 +220,8 @@ def attend_sessions(
     its chunk's rows the last T of its first L_b = lengths[b]. `new` = (k, v) [Hkv, B*T, D]: the
     chunks' own keys and values, first written into each buffer at rows L_b - T .. L_b. Returns
     [B*T, Hq, D] in q's dtype (into `out` where given, contiguous); each session's rows are the
-    bits it gets alone. `tiles` overrides TILES (tests, tile sweeps)."""
+    bits it gets alone. `tiles` overrides TILES (tests, tile sweeps; `desc`: force tensor
+    descriptors on or off)."""
     tiles = TILES if tiles is None else tiles
     hq, rows, d = q.shape
     b = len(ks)
@@ -197,6 +238,10 @@ def attend_sessions(
         _write_rows[(rows, hkv)](k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
                                  table, t, D=d)
     slices = work.shape[0]
+    desc = tiles["desc"] if "desc" in tiles else descriptors(q.device)
+    if desc and getattr(_thread, "allocator", None) is not _workspace:
+        triton.set_allocator(_workspace)  # their scratch; Triton keeps it in this thread's context
+        _thread.allocator = _workspace
     o_part = torch.empty(slices, hq, t, d, dtype=torch.float32, device=q.device)
     m_part = torch.empty(slices, hq, t, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
@@ -204,7 +249,8 @@ def attend_sessions(
     grid = (triton.cdiv(t, tiles["BM"] // groups), hkv, slices)
     _attention_slice[grid](
         q, o_part, m_part, l_part, table, work, t, q.stride(0), q.stride(1), scale * LOG2E,
-        GROUPS=groups, D=d, BM=tiles["BM"], BN=tiles["BN"], num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+        GROUPS=groups, D=d, BM=tiles["BM"], BN=tiles["BN"], DESC=desc,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     if out is None:
         out = torch.empty(rows, hq, d, dtype=q.dtype, device=q.device)
