@@ -196,14 +196,16 @@ def test_triton_kernels_compile_for_the_h200():
     ]
     f32 = "*fp32"
     tiles = ta.TILES
-    kernels += [
+    kernels += [  # the slices with plain loads and through tensor descriptors (TMA, Hopper's default)
         (ta._attention_slice, dict(q=ptr, o_part=f32, m_part=f32, l_part=f32, sessions="*i64", work="*i32", T=i32,
                                    q_head=i32, q_row=i32, qk_scale="fp32"),
-         dict(GROUPS=4, D=256, BM=tiles["BM"], BN=tiles["BN"])),
+         dict(GROUPS=4, D=256, BM=tiles["BM"], BN=tiles["BN"], DESC=desc)) for desc in (False, True)
+    ] + [
         (ta._attention_merge, dict(o_part=f32, m_part=f32, l_part=f32, out=ptr, sessions="*i64", T=i32), dict(D=256)),
         (ta._write_rows, dict(k=ptr, v=ptr, k_head=i32, k_row=i32, v_head=i32, v_row=i32, sessions="*i64", T=i32),
          dict(D=256)),
     ]
+    assert not ta.descriptors(torch.device("cpu"))  # off a GPU (and under the interpreter): plain loads
     options = {ta._attention_slice: dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])}
     for fn, signature, constants in kernels:
         # the launcher marks pointers and strides divisible by 16 as such; so does this compile
@@ -214,6 +216,8 @@ def test_triton_kernels_compile_for_the_h200():
                            constexprs=constants, attrs=aligned)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options.get(fn, {}))
         assert ".entry" in compiled.asm["ptx"], fn.__name__
+        if constants.get("DESC"):
+            assert "tensormap" in compiled.asm["ptx"], "the descriptor slices load by TMA"
 
 
 def test_a_kernel_set_revision_is_part_of_the_stored_arithmetic(fused):
