@@ -56,7 +56,7 @@ def replay_ledger(
     read_ms_per_1k: Annotated[list[float] | None, typer.Option("--read-ms-per-1k", callback=bounds(gt=0), help="A chunk cost of this many ms per 1,000 tokens at every depth (repeatable: a sweep).")] = None,
     read_rate_json: Annotated[Path | None, typer.Option(callback=input_file, help="Chunk cost by depth from `shadow read-rate --json` (its last line: rows with context and ms_per_chunk at --grid, linear between depths; one ms_per_1k_tokens if it has no rows). Default, with no --read-ms-per-1k: the built-in H200 table (0.8B, grid 512).")] = None,
     batch: Annotated[int, typer.Option(callback=bounds(ge=1, le=8), help="Sessions whose next chunks one read may take together, as `shadow serve --batch` (2, 4 or 8; 1: none). A batched read is charged by the batch rows of --read-rate-json (`shadow read-rate --batches 2,4,8`), else by the H200's measured batches.")] = 1,
-    batch_ms: Annotated[float, typer.Option(callback=bounds(gt=0), help="With --batch: the longest a batched read may be estimated to take, ms, as `shadow serve --batch-ms`.")] = 10.0,
+    batch_ms: Annotated[float, typer.Option(callback=bounds(gt=0), help="With --batch: the longest a batched read may be estimated to take, ms (in the share, the lower of this and the slice), as `shadow serve --batch-ms`.")] = 10.0,
     share: Annotated[list[float] | None, typer.Option("--share", callback=bounds(gt=0, lt=1), help="In-turn share(s) of the time since the first token (repeatable). Default 0.02.")] = None,
     grid: GridOpt = 512,
     engines: Annotated[int, typer.Option(callback=bounds(ge=1, says="is at least 1"), help="Engines in the fleet, each with its own idle time, share and shadow.")] = 1,

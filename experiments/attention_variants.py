@@ -162,7 +162,7 @@ VARIANTS = {
     "fma": {"fma": True},
     "acc": {"acc": True},
     "fma+acc": {"fma": True, "acc": True},
-    "fma+acc stages 3": {"fma": True, "acc": True, "stages": 3, "BN": 32, "num_stages": 3},
+    "fma+acc BN32 stages 3": {"fma": True, "acc": True, "stages": 3, "BN": 32, "num_stages": 3},
     "fma+acc ws": {"fma": True, "acc": True, "ws": True},
     "fma+acc desc": {"fma": True, "acc": True, "desc": True},
     "fma+acc desc ws": {"fma": True, "acc": True, "desc": True, "ws": True},

@@ -14,6 +14,7 @@ data=../shared/data
 if [ $# -gt 0 ] && [ -d "$1" ]; then data=$1; shift; fi
 steps=${*:-ledger live batches ablation share-sweep fleet curve trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes}
 RATE=${RATE:-docs/results/batch/read-rate-h200-batches.json}  # a read-rate run's costs by depth and batch (RATE=... to choose)
+RUN=$(basename "$RATE" .json)  # names the outputs charged by it
 H200=7.3647  # ms per 1,000: docs/results/read-rate-512-h200-r2-fixed.json, one chunk at 16k (the idealised runs)
 IDEAL="--ids embedded --cap-gib 0 --voice-share 0 --samples 0 --read-ms-per-1k $H200"
 TRAJ=$data/trajectories/mini-swe-agent
@@ -47,11 +48,11 @@ for step in $steps; do
         done
       done
       for b in 1 8; do  # charged by an H200 read-rate run's own chunk and batch costs at six depths
-        run "batch-29-cap0-b$b-readrate" "$LEDGER" --pack 29 --share 0.02 --cap-gib 0 --batch "$b" \
+        run "batch-29-cap0-b$b-$RUN" "$LEDGER" --pack 29 --share 0.02 --cap-gib 0 --batch "$b" \
           --read-rate-json "$RATE" --solve-share "fresh >= 97 %"
       done
       for ms in 25 50; do  # batches allowed to hold the device longer (batches of 8 at depth)
-        run "batch-29-cap0-b8-readrate-ms$ms" "$LEDGER" --pack 29 --share 0.02 --cap-gib 0 --batch 8 --batch-ms "$ms" \
+        run "batch-29-cap0-b8-$RUN-ms$ms" "$LEDGER" --pack 29 --share 0.02 --cap-gib 0 --batch 8 --batch-ms "$ms" \
           --read-rate-json "$RATE" --solve-share "fresh >= 97 %"
       done
       # how fast the share's reads must be: one flat cost a chunk at every depth, no batches

@@ -101,6 +101,7 @@ def test_triton_kernels_match_their_twins_under_the_interpreter():
         interp._patch_lang_tensor = patched
 
         from shadow.model.kernels import reference, triton as tri, triton_attention as ta, twins as twin
+        assert not ta.descriptors(torch.device("cuda"))  # under the interpreter: plain loads, even for CUDA
         torch.manual_seed(0)
         worst = 0.0
         for t in (1, 3, 70):
@@ -205,7 +206,7 @@ def test_triton_kernels_compile_for_the_h200():
         (ta._write_rows, dict(k=ptr, v=ptr, k_head=i32, k_row=i32, v_head=i32, v_row=i32, sessions="*i64", T=i32),
          dict(D=256)),
     ]
-    assert not ta.descriptors(torch.device("cpu"))  # off a GPU (and under the interpreter): plain loads
+    assert not ta.descriptors(torch.device("cpu"))  # off a GPU: plain loads
     options = {ta._attention_slice: dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])}
     for fn, signature, constants in kernels:
         # the launcher marks pointers and strides divisible by 16 as such; so does this compile
@@ -216,8 +217,8 @@ def test_triton_kernels_compile_for_the_h200():
                            constexprs=constants, attrs=aligned)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options.get(fn, {}))
         assert ".entry" in compiled.asm["ptx"], fn.__name__
-        if constants.get("DESC"):
-            assert "tensormap" in compiled.asm["ptx"], "the descriptor slices load by TMA"
+        if "DESC" in constants:  # TMA bulk tensor copies in the descriptor slices, none in the plain ones
+            assert ("cp.async.bulk.tensor" in compiled.asm["ptx"]) == constants["DESC"], fn.__name__
 
 
 def test_a_kernel_set_revision_is_part_of_the_stored_arithmetic(fused):
@@ -226,3 +227,29 @@ def test_a_kernel_set_revision_is_part_of_the_stored_arithmetic(fused):
     assert arithmetic(fused) == "reference-fused/float32"
     revised = load_model("tiny", kernels=dataclasses.replace(FUSED_REFERENCE, revision=2)).model
     assert arithmetic(revised) == "reference-fused.2/float32"
+
+
+def test_the_descriptor_scratch_allocator_is_set_in_every_context_that_launches():
+    """Triton keeps its allocator in a context variable: a new thread, an asyncio task or a copied
+    context starts without it, so `use_workspace` sets it in each context it runs in."""
+    import asyncio
+    import contextvars
+    import threading
+
+    import triton.runtime._allocation as allocation
+
+    from shadow.model.kernels import triton_attention as ta
+
+    def launch_once() -> bool:
+        ta.use_workspace()
+        return allocation._allocator.get() is ta._workspace
+
+    seen = []
+    thread = threading.Thread(target=lambda: seen.extend(contextvars.copy_context().run(launch_once) for _ in range(3)))
+    thread.start()
+    thread.join()
+
+    async def tasks():
+        return [await asyncio.to_thread(launch_once) for _ in range(3)]
+
+    assert seen == [True, True, True] and asyncio.run(tasks()) == [True, True, True]

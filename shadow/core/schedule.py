@@ -99,7 +99,7 @@ class BandwidthRule:
     slice_s: float = 0.15
     slice_chunks: int = 1
     batch: int = 1  # sessions whose next chunks one read may take (1: no batches)
-    batch_s: float = 0.010  # the longest an idle window's batched read may be estimated to take
+    batch_s: float = 0.010  # the longest a batched read may be estimated to take (in the share: and slice_s)
 
     def next_poll(self, t: float) -> float:
         """The first poll tick at or after t (ticks at multiples of poll_s)."""

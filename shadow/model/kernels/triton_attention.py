@@ -21,9 +21,9 @@ CPU, and batched with alone on the GPU (`torch.equal`).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
-import threading
 
 import torch
 import triton
@@ -149,28 +149,46 @@ def _write_rows(k, v, k_head, k_row, v_head, v_row, sessions, T, D: tl.constexpr
     tl.store(v_out + dest * D + d, tl.load(v + kv * v_head + row * v_row + d))
 
 
-@functools.cache
 def descriptors(device: torch.device) -> bool:
     """Whether the slices load whole key and value blocks through tensor descriptors on `device`:
     on Hopper and later (TMA), compiled (not under Triton's interpreter). The loads' values, and so
     the bits, are the same either way (tested on the GPU); only their speed differs."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _hopper(torch.cuda.current_device() if device.index is None else device.index)
 
 
-_thread = threading.local()
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+# Triton keeps its allocator in a context variable; this one says whether it is ours in the same
+# context (a new thread, an asyncio task or a copied context each start without it)
+_allocator_set: contextvars.ContextVar[bool] = contextvars.ContextVar("shadow_descriptor_allocator", default=False)
 _scratch: dict[tuple[int, int | None], torch.Tensor] = {}  # (device, stream) -> the descriptors' scratch
+
+
+def use_workspace() -> None:
+    """Make `_workspace` Triton's allocator in the current context, once a context."""
+    if not _allocator_set.get():
+        triton.set_allocator(_workspace)
+        _allocator_set.set(True)
 
 
 def _workspace(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global memory Triton asks for at a launch with tensor descriptors (each program writes its
-    descriptors there): one buffer a device and stream, grown when too small, so no launch
-    allocates; launches on one stream run in order, so they never share it at once."""
-    key = (torch.cuda.current_device(), stream)
+    descriptors there), on the current device, where Triton launches: one buffer a device and
+    stream, grown to the next power of two when too small, so launches of a size met before never
+    allocate; launches on one stream run in order, so they never use it at once. Under CUDA graph
+    capture a fresh buffer of the graph's pool (the graph keeps it)."""
+    device = torch.cuda.current_device()
+    if torch.cuda.is_current_stream_capturing():
+        return torch.empty(size, dtype=torch.int8, device=device)
+    key = (device, stream)
     buf = _scratch.get(key)
     if buf is None or buf.numel() < size:
-        buf = _scratch[key] = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=key[0])
+        buf = _scratch[key] = torch.empty(max(1 << 16, 1 << (size - 1).bit_length()), dtype=torch.int8, device=device)
     return buf
 
 
@@ -193,6 +211,8 @@ def _check_buffers(ks: list[torch.Tensor], vs: list[torch.Tensor], lengths: list
                 raise ValueError("every session's keys and values need q's dtype and device and the same key heads")
             if x.shape[-1] != d or x.stride(-1) != 1 or x.stride(1) != d or x.shape[1] < length:
                 raise ValueError("a session's key and value rows must be contiguous rows of q's width, L of them at least")
+            if x.data_ptr() % 16 or x.stride(0) % 16:  # as the kernels assume (and TMA needs)
+                raise ValueError("a session's key and value buffers must be 16-byte aligned, their head strides multiples of 16")
 
 
 def _tables(ks, vs, lengths, t, heads, device, tiles):
@@ -239,9 +259,8 @@ def attend_sessions(
                                  table, t, D=d)
     slices = work.shape[0]
     desc = tiles["desc"] if "desc" in tiles else descriptors(q.device)
-    if desc and getattr(_thread, "allocator", None) is not _workspace:
-        triton.set_allocator(_workspace)  # their scratch; Triton keeps it in this thread's context
-        _thread.allocator = _workspace
+    if desc:
+        use_workspace()
     o_part = torch.empty(slices, hq, t, d, dtype=torch.float32, device=q.device)
     m_part = torch.empty(slices, hq, t, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
