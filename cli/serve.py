@@ -77,6 +77,7 @@ def serve(
     slice_ms: Annotated[float, typer.Option(envvar=_env("slice_ms"), min=0.001, help="The longest a share slice may hold the device between two rounds, ms (whole chunks by their estimated cost).", rich_help_panel=READING)] = 150.0,
     batch: Annotated[int, typer.Option(envvar=_env("batch"), min=1, max=8, help="Sessions whose next chunks one read may take together (2, 4 or 8: one forward, each session's state bit-equal to reading its chunk alone; 1: one session a read), in the idle window and in the share, a batched read at most --batch-ms (a share slice then holds one batch, not one chunk). On the H200 8 sessions at 16k read 37 % more tokens a second than one at a time.", rich_help_panel=READING)] = 1,
     batch_ms: Annotated[float, typer.Option(envvar=_env("batch_ms"), min=0.001, help="With --batch: the longest a batched read may be estimated to take, ms: in the idle window (a request that comes waits for one read), and in the share together with --slice-ms (the lower of the two). Larger batches read more tokens a second but hold the device longer: 8 sessions at 16k take about 21 ms on the H200.", rich_help_panel=READING)] = 10.0,
+    priorities: Annotated[str, typer.Option(envvar=_env("priorities"), help="The order sessions are read in: all (a question first, then turns in flight, the most recent turn, the oldest backlog), none, or steps among question,running,fewest,recent,oldest joined by commas. Adding fewest (the session nearest to fresh first) makes more turn starts fresh when the share cannot keep up, at the cost of the sessions furthest behind (`shadow replay-ledger --priorities` replays both).", rich_help_panel=READING)] = "all",
     read_rate_json: Annotated[Path | None, typer.Option(envvar=_env("read_rate_json"), callback=input_file, help="A `shadow read-rate --json` output of this model at this grid (e.g. with --contexts 0,16384,65536,100352 and --batches 2,4,8): the scheduler starts from its chunk costs by depth and its batched reads' costs, so a session deeper than the load measures (0, 8k, 32k) is estimated by its own depth before its first read; the load's measurements and every read replace them.", rich_help_panel=READING)] = None,
     upstream: Annotated[str | None, typer.Option(envvar=_env("upstream"), help="Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1). Without it: embedded mode.", rich_help_panel=ENGINE)] = None,
     engine: Annotated[str, typer.Option(envvar=_env("engine"), help="The engine's dialect (where the ids it read and wrote come from): vllm, sglang, llamacpp, transformers, openai; auto probes the engine.", rich_help_panel=ENGINE)] = "auto",
@@ -129,6 +130,7 @@ def serve(
         model=ModelSettings(model, generator_model, grid, device, dtype, kernels),
         store=StoreSettings(cap_gib, disk, disk_cap_gib, unload_slack_gib, store_key),
         schedule=BandwidthRule(share=share, slice_s=slice_ms / 1000, batch=batch, batch_s=batch_ms / 1000),
+        priorities=_priorities(priorities),
         read_costs=None if read_rate_json is None else _read_costs(read_rate_json, model, grid),
         engine=EngineSettings(upstream, engine, chat_template, tokenizer_path, template_kwargs(chat_template_kwargs),
                               upstream_api_key, label_from_upstream),
@@ -211,6 +213,15 @@ def _run(app, listener, host: str, port: int) -> None:
         server.run(sockets=[listener])
     finally:
         listener.close()
+
+
+def _priorities(spec: str):
+    from shadow.core.schedule import Priorities
+
+    try:
+        return Priorities.parse(spec)
+    except ValueError as e:
+        raise ShadowInputError(f"--priorities: {e}") from None
 
 
 def _read_costs(path: Path, model: str, grid: int):

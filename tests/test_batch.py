@@ -178,3 +178,18 @@ def test_a_service_starts_from_known_costs_and_its_load_measures_over_them(shado
         assert set(WARM_DEPTHS) <= set(table)
         assert service.sched.batch_costs[2].table()[65536] == 11.0
         assert service.status()["reading"]["known_costs"] == "rate.json"
+
+
+def test_a_service_reads_in_the_order_its_priorities_say_and_shows_them(shadow_cache):
+    """`serve --priorities`: the service's scheduler ranks by the steps it was given, and status
+    names them."""
+    from serving import running
+
+    from shadow.core.schedule import Priorities
+
+    fewest = Priorities.parse("question,running,fewest,recent,oldest")
+    with running(priorities=fewest) as (client, service):
+        assert service.sched.priorities == fewest
+        assert client.get("/v1/shadow/status").json()["reading"]["priorities"] == "question,running,fewest,recent,oldest"
+    with running() as (client, service):
+        assert client.get("/v1/shadow/status").json()["reading"]["priorities"] == "all"

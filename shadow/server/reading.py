@@ -446,6 +446,7 @@ class Reading:
             "bookkeeping_us": self.counters.rounds.summary(),
             "known_costs": None if self.shared.settings.read_costs is None else self.shared.settings.read_costs.label,
             "last_decision": None if self.last is None else type(self.last).__name__.lower(),
+            "priorities": sched.priorities.label,
         }
 
     def idle_status(self) -> dict:

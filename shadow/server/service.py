@@ -65,7 +65,8 @@ class ShadowService:
         self.shared = shared = Shared(settings, clock)
         self.device, self.state_lock, self.clock = shared.device, shared.lock, clock
         self.turns, self.counters = shared.turns, shared.counters
-        self.sched = ReadScheduler(settings.schedule, settings.model.grid, turns=shared.turns)
+        self.sched = ReadScheduler(settings.schedule, settings.model.grid, priorities=settings.priorities,
+                                   turns=shared.turns)
         if settings.read_costs is not None:  # the load's own measurements replace them where it measures
             self.sched.warm_known(settings.read_costs)
         self.questions = Questions(self.sched, shared)

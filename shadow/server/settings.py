@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shadow.core.schedule import BandwidthRule, KnownCosts
+from shadow.core.schedule import BandwidthRule, KnownCosts, Priorities
 from shadow.errors import ShadowInputError
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -188,6 +188,7 @@ class ServeSettings:
     model: ModelSettings = ModelSettings()
     store: StoreSettings = StoreSettings()
     schedule: BandwidthRule = BandwidthRule()
+    priorities: Priorities = Priorities()  # the order sessions are read in (`--priorities`)
     read_costs: KnownCosts | None = None  # costs measured elsewhere the scheduler starts from (`--read-rate-json`)
     engine: EngineSettings = EngineSettings()
     sessions: SessionSettings = SessionSettings()
