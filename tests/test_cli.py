@@ -23,7 +23,9 @@ runner = CliRunner()
 
 
 def last_json(output: str) -> dict:
-    return json.loads(output.strip().splitlines()[-1])
+    """The command's JSON line: the last line of the output that is a JSON object (a library's
+    warning written to stderr after it, where pytest does not capture warnings, is not)."""
+    return json.loads(next(line for line in reversed(output.strip().splitlines()) if line.startswith("{")))
 
 
 @pytest.fixture(scope="module")
