@@ -107,15 +107,14 @@ def grid_size(ctx, param, value):
 
 
 def model_name(ctx, param, value):
-    """A preset or a Qwen3.5 checkpoint folder with a config.json (each of a repeated option)."""
-    from shadow.model.checkpoint import preset_folder, preset_written
+    """A preset or a Qwen3.5 checkpoint folder with a config.json (each of a repeated option). A
+    preset's first use is said when its checkpoint is written (after every check, before the wait)."""
+    from shadow.model import checkpoint
     from shadow.model.config import PRESETS
 
+    checkpoint.before_writing_preset = _first_use
     for v in _each(value):
         if v in PRESETS:
-            if not preset_written(v):  # said before the wait it causes
-                errors.print(f"first use of the {v!r} preset: its random-weight checkpoint is written to "
-                             f"{preset_folder(v)} (once)", markup=False)
             continue
         folder = Path(v)
         if not folder.is_dir():
@@ -123,6 +122,11 @@ def model_name(ctx, param, value):
         if not (folder / "config.json").is_file():
             refuse(param, f"{v}: the checkpoint folder has no config.json")
     return value
+
+
+def _first_use(name: str, folder) -> None:
+    errors.print(f"first use of the {name!r} preset: its random-weight checkpoint is written to {folder} (once)",
+                 markup=False)
 
 
 def device_name(ctx, param, value):

@@ -14,6 +14,7 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,11 @@ class LoadedModel:
         return "random" if self.random else self.weights_hash
 
 
+# Called as (preset, folder) right before a preset's random checkpoint is first written, which
+# takes a while (a CLI tells its user then); None: nobody is told.
+before_writing_preset: Callable[[str, Path], None] | None = None
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("SHADOW_CACHE", Path.home() / ".cache" / "shadow"))
 
@@ -62,6 +68,8 @@ def resolve_checkpoint(name: str, seed: int = 0) -> Path:
     if name in PRESETS:
         folder = preset_folder(name, seed)
         if not (folder / RANDOM_MARKER).exists():
+            if before_writing_preset is not None:
+                before_writing_preset(name, folder)
             dtype = torch.float32 if name == "tiny" else torch.bfloat16
             write_random_checkpoint(folder, PRESETS[name], seed=seed, dtype=dtype, preset=name)
         return folder
