@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import triton
@@ -29,6 +28,8 @@ import triton.language as tl
 
 from shadow.model.kernels import reference
 from shadow.model.kernels import triton_attention as ta
+
+from attention_batch import gpu_ms  # run as a script: experiments/ is on the path
 
 HQ, HKV, D, T = 8, 2, 256, 512
 SCALE = D ** -0.5
@@ -136,21 +137,6 @@ def attend_variant(q, ks, vs, lengths, out, variant: dict) -> torch.Tensor:
     )
     ta._attention_merge[(rows, hq)](o_part, m_part, l_part, out, table, t, D=d)
     return out
-
-
-def gpu_ms(fn, calls: int = 20, rounds: int = 5) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 VARIANTS = {
