@@ -174,6 +174,28 @@ def test_transformers_dialect_hands_the_template_what_transformers_serve_does():
     assert carried[1]["reasoning_content"] == "dropped" and carried[0]["content"] == body["messages"][0]["content"]
 
 
+# the ends of a streamed chat from transformers serve 5.24 (usage always, on the last choice chunk)
+# and from 5.25 (usage only with stream_options.include_usage, in a chunk of its own)
+TRANSFORMERS_524_END = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}}
+TRANSFORMERS_525_END = [{"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+                        {"object": "chat.completion.chunk", "choices": [],
+                         "usage": {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11}}]
+
+
+def test_transformers_dialect_asks_for_a_streams_usage_and_gives_the_client_what_its_engine_would_have():
+    d = Transformers()
+    asked = d.ask({"messages": [], "stream": True}, chat=True)
+    assert asked.body["stream_options"] == {"include_usage": True} and asked.added == {"usage"}
+    assert "logprobs" not in asked.body  # no field outside what the engine accepts
+    for events in ([TRANSFORMERS_524_END], TRANSFORMERS_525_END):
+        assert read_all(events).usage_count("prompt_tokens") == 9  # the proxy counts the prompt either way
+    assert d.clean(TRANSFORMERS_524_END, asked.added, {}) == TRANSFORMERS_524_END  # 5.24 sent it unasked: kept
+    assert d.clean(TRANSFORMERS_525_END[0], asked.added, {}) == TRANSFORMERS_525_END[0]
+    assert d.clean(TRANSFORMERS_525_END[1], asked.added, {}) is None  # asked by the proxy only: dropped
+    assert d.ask({"messages": []}, chat=True).added == frozenset()  # not streamed: usage comes anyway
+
+
 def test_every_dialect_strips_nothing_when_it_added_nothing():
     event = {"choices": [{"index": 0, "delta": {"content": "x"}, "logprobs": None}], "usage": {"prompt_tokens": 1}}
     for cls in DIALECTS.values():

@@ -109,16 +109,24 @@ class LlamaCpp(Dialect):
 
 
 class Transformers(Dialect):
-    """Hugging Face `transformers serve`: it refuses unknown fields, gives no logprobs (so its
-    outputs are not read: text is never re-tokenised into ids), always ends a stream with
-    `usage`, and hands its template the messages after its own conversion
-    (tool-call arguments parsed from JSON, content dropped where tool calls are, content parts
-    joined with spaces, other fields such as `reasoning_content` dropped)."""
+    """Hugging Face `transformers serve`: it refuses fields outside OpenAI's schema, gives no
+    logprobs (so its outputs are not read: text is never re-tokenised into ids), and hands its
+    template the messages after its own conversion (tool-call arguments parsed from JSON,
+    content dropped where tool calls are, content parts joined with spaces, other fields such as
+    `reasoning_content` dropped). A stream's `usage` is asked for with OpenAI's
+    `stream_options.include_usage`: up to 5.24 the engine ignores that field and puts `usage` on
+    its last choice chunk anyway; from 5.25 it sends `usage` only when asked, in a chunk of its own."""
 
     name = "transformers"
     output_source = "none shown: not read (the next prompt brings the reply)"
-    asks_usage = False
     asks_logprobs = False
+
+    def clean(self, event: dict, added: frozenset[str], client_asked: dict) -> dict | None:
+        """As the generic dialect, except that `usage` on a chunk with choices stays: an engine
+        before 5.25 sent it there whether asked or not, so the client had it without the proxy."""
+        if "usage" in added and event.get("choices"):
+            added = added - {"usage"}
+        return super().clean(event, added, client_asked)
 
     def template_messages(self, body: dict) -> tuple[list[dict], list | None, dict]:
         messages, tools, kwargs = as_carried(body)
