@@ -45,7 +45,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def llama_server(gguf_path: Path | str, template_path: Path | str | None = None, *, ctx: int = 16384,
+def llama_server(gguf_path: Path | str | None, template_path: Path | str | None = None, *, ctx: int = 16384,
                  slots: int = 1, threads: int = 2, extra: list[str] | tuple[str, ...] = (),
                  timeout: float = 120.0) -> Iterator[str]:
     """Start `llama-server -m gguf_path --jinja` (plus `--chat-template-file` when given, and
@@ -55,7 +55,8 @@ def llama_server(gguf_path: Path | str, template_path: Path | str | None = None,
     environment are not passed on (they would change the server's options)."""
     exe = require_binary()
     port = free_port()
-    cmd = [str(exe), "-m", str(gguf_path), "--host", "127.0.0.1", "--port", str(port), "--jinja",
+    model = ["-m", str(gguf_path)] if gguf_path is not None else []  # None: a router (`--models-dir` in extra)
+    cmd = [str(exe), *model, "--host", "127.0.0.1", "--port", str(port), "--jinja",
            "-c", str(ctx), "-np", str(slots), "-t", str(threads), "--no-webui"]
     if template_path is not None:
         cmd += ["--chat-template-file", str(template_path)]

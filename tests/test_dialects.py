@@ -106,7 +106,10 @@ def test_sglang_asks_per_request_kind_and_reads_each_shape():
     t = d.turn_ids(read_all([body]), None, {}, chat=True)
     assert (t.prompt, t.output, t.output_source) == ([1, 2, 3], [13347, END], "engine")
     cleaned = d.clean(body, whole.added, {})
-    assert "sglext" not in cleaned and "response_token_ids" not in cleaned["choices"][0]
+    assert "response_token_ids" not in cleaned["choices"][0] and "prompt_token_ids" not in cleaned["choices"][0]
+    # sglext ids on a body the proxy asked only return_token_ids of: the server's own default
+    # (--return-input-ids): the client would have had them, so they stay
+    assert cleaned["sglext"] == body["sglext"]
     # a streamed chat: text chunks, then one chunk with the ids in sglext, then usage
     chunks = [{"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]},
               {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
@@ -116,6 +119,43 @@ def test_sglang_asks_per_request_kind_and_reads_each_shape():
     assert (t.prompt, t.prompt_source, t.output) == ([1, 2, 3], "engine", [13347, END])
     assert check_turn(t).verified is True
     assert [d.clean(c, stream.added, {}) for c in chunks][2:] == [None, None]
+
+
+def test_sglang_takes_off_only_the_ids_the_proxy_asked_for():
+    """A client that asked for one ids flag keeps what it asked for when the proxy adds the other;
+    sglext fields the client had anyway (cached tokens, routed experts) stay, and the sglext chunk
+    goes only when nothing of it was the client's."""
+    d = SGLang()
+    client = {"messages": [], "return_prompt_token_ids": True}
+    asked = d.ask(client, chat=True)
+    assert asked.body["return_token_ids"] and "flag:return_prompt_token_ids" not in asked.added
+    body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop",
+                         "prompt_token_ids": [1, 2, 3], "response_token_ids": [13347, END], "meta_info": {"id": "x"}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+    choice = d.clean(body, asked.added, client)["choices"][0]
+    assert choice["prompt_token_ids"] == [1, 2, 3] and "response_token_ids" not in choice
+    assert choice["meta_info"] == {"id": "x"}  # never asked by the proxy (return_meta_info): the client's
+    stream_client = {"messages": [], "stream": True}
+    stream = d.ask(stream_client, chat=True)
+    ids_and_more = {"id": "c", "object": "chat.completion.chunk", "choices": [],
+                    "sglext": {"input_ids": [1, 2, 3], "output_ids": [[13347, END]],
+                               "cached_tokens_details": {"device": 2}}}
+    assert d.clean(ids_and_more, stream.added, stream_client) == {
+        "id": "c", "object": "chat.completion.chunk", "choices": [], "sglext": {"cached_tokens_details": {"device": 2}}}
+    only_ids = {"id": "c", "object": "chat.completion.chunk", "choices": [], "usage": None,
+                "sglext": {"input_ids": [1, 2, 3], "output_ids": [[13347, END]]}}
+    assert d.clean(only_ids, stream.added, stream_client) is None
+    own = {"messages": [], "stream": True, "return_output_ids_in_sglext": True}
+    mine = d.ask(own, chat=True)
+    assert d.clean(only_ids, mine.added, own)["sglext"] == {"output_ids": [[13347, END]]}
+
+
+def test_llama_cpp_usage_chunk_goes_with_its_timings_when_the_proxy_asked_for_it():
+    d = LlamaCpp()
+    asked = d.ask({"messages": [], "stream": True}, chat=True)
+    last = {"choices": [], "created": 1, "id": "c", "model": "m", "system_fingerprint": "b1", "object": "chat.completion.chunk",
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}, "timings": {"prompt_n": 3}}
+    assert d.clean(last, asked.added, {"stream": True}) is None  # no choice-less chunk the client never asked for
 
 
 def test_sglang_streamed_chat_without_sglext_falls_back_to_the_template_for_the_turn():

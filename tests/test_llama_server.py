@@ -338,6 +338,53 @@ def test_chat_prompt_ids_are_tokenize_of_apply_template(server, tokenizer):
     assert r2["timings"]["prompt_n"] == len(ids2) - common
 
 
+@pytest.mark.parametrize("bos_in_template", [True, False])
+def test_a_vocabulary_that_adds_bos_gets_one_bos_in_the_dialects_prompt(tmp_path, bos_in_template):
+    """A vocabulary that adds a BOS token (Llama's, Gemma's): the server takes the BOS its chat
+    template wrote off the rendered text and adds it back as it tokenises, so the engine reads one
+    BOS either way; the llama.cpp dialect's prompt ids are the engine's, BOS and count."""
+    from shadow.engines.dialects import LlamaCpp
+
+    template = (("{{ bos_token }}" if bos_in_template else "")
+                + "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    path = write_gguf_for(tmp_path / "bos.gguf", template, add_bos=True)
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 1, "temperature": 0}
+    with llama_server(path) as url, httpx.Client() as client:
+        got = LlamaCpp().prompt(client, url, body, chat=True)
+        r = post(url, "/v1/chat/completions", {**body, "model": "bos"}).json()
+        routed = LlamaCpp().prompt(client, url, {**body, "model": "bos"}, chat=True)  # a model named: as before
+    assert got.ids is not None, got.notes
+    assert got.ids[0] == ENDOFTEXT and got.ids.count(ENDOFTEXT) == 1  # this GGUF's BOS, once
+    assert r["usage"]["prompt_tokens"] == len(got.ids) and routed.ids == got.ids
+
+
+def test_a_router_of_models_tokenises_the_prompt_of_the_model_the_request_names(tmp_path, gguf_path):
+    """`llama-server --models-dir` (a router that starts one server a model): /props still says
+    llama.cpp; /tokenize needs the body's `model` (400 without), which the dialect passes on, so the
+    prompt ids are the engine's; a request naming no model gets no ids (a note), never wrong ones."""
+    from shadow.engines.dialects import LlamaCpp, probe
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "tiny.gguf").symlink_to(gguf_path)
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 1, "temperature": 0, "model": "tiny"}
+    with llama_server(None, extra=["--models-dir", str(models)], timeout=240) as url, httpx.Client(timeout=300) as client:
+        assert probe(client, url + "/v1")[0] == "llamacpp"
+        assert post(url, "/tokenize", {"content": "hi"}).status_code == 400  # the router needs a model
+        got = LlamaCpp().prompt(client, url, body, chat=True)
+        r = post(url, "/v1/chat/completions", body).json()
+        unnamed = LlamaCpp().prompt(client, url, {k: v for k, v in body.items() if k != "model"}, chat=True)
+    assert got.ids is not None and r["usage"]["prompt_tokens"] == len(got.ids), (got.notes, r)
+    assert unnamed.ids is None and "did not tokenise" in unnamed.notes[0]
+
+
+def write_gguf_for(path: Path, template: str, **kwargs) -> Path:
+    from shadow.engines.gguf import write_gguf
+
+    return write_gguf(path, template, **kwargs)
+
+
 # ------------------------------------------------------------------------------------ output ids
 
 

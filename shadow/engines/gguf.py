@@ -51,9 +51,10 @@ def vocabulary_lists(vocab: Vocabulary, rows: int = VOCAB_ROWS) -> tuple[list[st
 
 def write_gguf(path: Path | str, chat_template: str, seed: int = 0, hidden: int = 128, layers: int = 2,
                heads: int = 4, kv_heads: int = 2, intermediate: int = 256, rows: int = VOCAB_ROWS,
-               context: int = 262_144, rope_theta: float = 1e7) -> Path:
+               context: int = 262_144, rope_theta: float = 1e7, add_bos: bool = False) -> Path:
     """Write a random-weight `qwen2` GGUF with the Qwen3.5 vocabulary and `chat_template` embedded
-    (`tokenizer.chat_template`); eos `<|im_end|>`, pad and bos `<|endoftext|>`, no BOS added.
+    (`tokenizer.chat_template`); eos `<|im_end|>`, pad and bos `<|endoftext|>`, no BOS added
+    (`add_bos`: a vocabulary that adds it, as Llama's and Gemma's do).
     Weights are f16 (norms f32), seeded: the same arguments give the same bytes. Embeddings are tied
     (no `output.weight`). Returns the path (about 70 MB at the defaults, mostly the embedding)."""
     import gguf
@@ -86,7 +87,7 @@ def write_gguf(path: Path | str, chat_template: str, seed: int = 0, hidden: int 
     w.add_eos_token_id(ids[EOS])
     w.add_bos_token_id(ids[PAD])
     w.add_pad_token_id(ids[PAD])
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(add_bos)
     w.add_chat_template(chat_template)
 
     rng = np.random.default_rng(seed)

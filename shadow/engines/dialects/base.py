@@ -18,6 +18,12 @@ from shadow.engines.reply import Reply
 log = logging.getLogger("shadow.proxy")
 
 
+# what an event with no choices may hold and still be dropped once the proxy's fields are off:
+# the envelope, and llama.cpp's `timings`, which rides on the last chunk (the usage chunk when the
+# proxy asked for usage, else the finish chunk: the one loss, docs/SERVE.md)
+ENVELOPE = frozenset({"id", "object", "created", "model", "system_fingerprint", "choices", "timings"})
+
+
 @dataclass(frozen=True)
 class Asked:
     """The body sent to the engine, and what the proxy added to it (to strip from the response)."""
@@ -103,29 +109,34 @@ class Dialect:
 
     def clean(self, event: dict, added: frozenset[str], client_asked: dict) -> dict | None:
         """The event as the client would have had it without what the proxy added; None drops an
-        event that only carried what the proxy asked for (the usage chunk, SGLang's ids chunk)."""
+        event with no choices that carried nothing else the client would have had (the usage
+        chunk, SGLang's ids chunk). `client_asked` is the client's own request body."""
         if not added:
             return event
         out = dict(event)
+        removed = self._strip(out, added, client_asked)
+        if isinstance(out.get("choices"), list):
+            if not out["choices"] and removed and all(k in ENVELOPE or v is None for k, v in out.items()):
+                return None
+            out["choices"] = [self._clean_choice(c, added, client_asked) for c in out["choices"]]
+        return out
+
+    def _strip(self, out: dict, added: frozenset[str], client_asked: dict) -> bool:
+        """Take the fields the proxy asked for off the event itself (not its choices); whether any was there."""
         removed = False
         if "usage" in added and "usage" in out:
             out.pop("usage")
             removed = True
         if "token_ids" in added:
             removed |= out.pop("prompt_token_ids", None) is not None
-            removed |= out.pop("sglext", None) is not None
-        if isinstance(out.get("choices"), list):
-            if not out["choices"] and removed:
-                return None
-            out["choices"] = [self._clean_choice(c, added) for c in out["choices"]]
-        return out
+        return removed
 
-    def _clean_choice(self, choice, added: frozenset[str]):
+    def _clean_choice(self, choice, added: frozenset[str], client_asked: dict):
         if not isinstance(choice, dict):
             return choice
         c = dict(choice)
         if "token_ids" in added:
-            for key in ("token_ids", "response_token_ids", "prompt_token_ids", "meta_info"):
+            for key in ("token_ids", "prompt_token_ids"):
                 c.pop(key, None)
         if "logprobs" in added and "logprobs" in c:
             c["logprobs"] = None

@@ -25,9 +25,9 @@ def engine_root(upstream: str) -> str:
 
 def probe(client: httpx.Client, upstream: str) -> tuple[str, str]:
     """Which dialect the engine speaks, and the evidence: llama.cpp answers `/props` with its
-    generation settings; SGLang `/get_model_info`; vLLM `/version`; `transformers serve` lists
-    `/load_model` in its OpenAPI paths; a `shadow serve` embedded engine speaks the vLLM dialect.
-    Anything else is a generic OpenAI-compatible engine."""
+    generation settings; SGLang `/model_info` (or, before 2026, `/get_model_info`); vLLM
+    `/version`; `transformers serve` lists `/load_model` in its OpenAPI paths; a `shadow serve`
+    embedded engine speaks the vLLM dialect. Anything else is a generic OpenAI-compatible engine."""
     root = engine_root(upstream)
 
     def get(path: str):
@@ -40,9 +40,10 @@ def probe(client: httpx.Client, upstream: str) -> tuple[str, str]:
     props = get("/props")
     if isinstance(props, dict) and ("default_generation_settings" in props or "build_info" in props):
         return "llamacpp", "/props"
-    info = get("/get_model_info")
-    if isinstance(info, dict) and "model_path" in info:
-        return "sglang", "/get_model_info"
+    for path in ("/model_info", "/get_model_info"):  # the second deprecated in 2026 releases, the only one before
+        info = get(path)
+        if isinstance(info, dict) and "model_path" in info:
+            return "sglang", path
     status = get("/v1/shadow/status")
     if isinstance(status, dict) and "counters" in status:
         return "vllm", "a shadow serve embedded engine (/v1/shadow/status): the vLLM dialect"

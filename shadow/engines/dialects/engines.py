@@ -32,6 +32,13 @@ class VLLM(Dialect):
         return super().turn_ids(reply, before, body, chat)
 
 
+# which request flags make SGLang (2026 releases) send each ids field, in a choice or the event,
+# and in `sglext`
+_CHOICE_FLAGS = {"prompt_token_ids": ("return_prompt_token_ids", "return_token_ids"),
+                 "token_ids": ("return_token_ids",), "response_token_ids": ("return_token_ids",)}
+_SGLEXT_FLAGS = {"input_ids": ("return_input_ids_in_sglext",), "output_ids": ("return_output_ids_in_sglext",)}
+
+
 class SGLang(VLLM):
     """SGLang: non-streamed chat and completions return ids when asked (`return_token_ids`,
     `return_prompt_token_ids`); a streamed chat request refuses those (400), so it asks for the
@@ -53,7 +60,40 @@ class SGLang(VLLM):
         else:
             wanted = ("return_token_ids",)
         extra = {k: True for k in wanted if not body.get(k)}
-        return Asked(asked.body | extra, asked.added | ({"token_ids"} if extra else set()))
+        tags = {"token_ids", *(f"flag:{k}" for k in extra)} if extra else set()
+        return Asked(asked.body | extra, asked.added | tags)
+
+    def _strip(self, out: dict, added: frozenset[str], client_asked: dict) -> bool:
+        removed = Dialect._strip(self, out, added - {"token_ids"}, client_asked)
+        if "token_ids" not in added:
+            return removed
+        if self._proxys("prompt_token_ids", added, client_asked):
+            removed |= out.pop("prompt_token_ids", None) is not None
+        ext = out.get("sglext")
+        if isinstance(ext, dict):  # only the ids the proxy asked for; the rest (cached tokens, experts) stays
+            kept = {k: v for k, v in ext.items() if not (k in _SGLEXT_FLAGS and self._proxys(k, added, client_asked))}
+            if kept != ext:
+                removed = True
+                if kept:
+                    out["sglext"] = kept
+                else:
+                    out.pop("sglext")
+        return removed
+
+    def _clean_choice(self, choice, added: frozenset[str], client_asked: dict):
+        c = Dialect._clean_choice(self, choice, added - {"token_ids"}, client_asked)
+        if "token_ids" in added and isinstance(c, dict):
+            for key in _CHOICE_FLAGS:
+                if self._proxys(key, added, client_asked):
+                    c.pop(key, None)
+        return c
+
+    @staticmethod
+    def _proxys(field: str, added: frozenset[str], client_asked: dict) -> bool:
+        """Whether `field` came only of a flag the proxy added: one of the flags that make SGLang
+        send it was the proxy's, and the client asked for none of them."""
+        flags = _CHOICE_FLAGS.get(field, ()) + _SGLEXT_FLAGS.get(field, ())
+        return any(f"flag:{f}" in added for f in flags) and not any(client_asked.get(f) for f in flags)
 
     def prompt(self, client, root, body, chat) -> Prompt:
         if chat and body.get("stream"):  # the template, in case this release sends no sglext ids
@@ -98,7 +138,13 @@ class LlamaCpp(Dialect):
                     return Prompt(list(text), "engine-tokenize")
                 if not isinstance(text, str):
                     return Prompt(None, None, ["a prompt that is not one string or one list of ids"])
-            r = post(client, root + "/tokenize", {"content": text, "add_special": not chat, "parse_special": True})
+            # as the engine tokenises a prompt: special tokens added (its chat template's output has
+            # the BOS token taken off first, for a vocabulary that adds one), special text parsed; a
+            # router of several models (`--models-dir`) sends /tokenize to the one the body names
+            query = {"content": text, "add_special": True, "parse_special": True}
+            if isinstance(body.get("model"), str):
+                query["model"] = body["model"]
+            r = post(client, root + "/tokenize", query)
             r.raise_for_status()
             ids = r.json()["tokens"]
             if not _ints(ids) and ids != []:
