@@ -171,6 +171,9 @@ def test_llamacpp_output_ids_are_the_ids_beside_the_logprobs():
     d = LlamaCpp(eos_id=END)
     asked = d.ask({"messages": [], "stream": False}, chat=True)
     assert asked.body["logprobs"] is True and "logprobs" in asked.added
+    assert asked.body["top_logprobs"] == 1  # one alternative a token, not the engine's default 20
+    assert d.ask({"messages": [], "top_logprobs": 3}, chat=True).body["top_logprobs"] == 3  # the client's stays
+    assert "top_logprobs" not in d.ask({"prompt": "x"}, chat=False).body  # completions: logprobs is the count
     body = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Hi"},
                          "logprobs": {"content": [{"id": 13347, "token": "Hi", "bytes": [72, 105], "logprob": -0.01,
                                                    "top_logprobs": []}]}}],

@@ -122,6 +122,8 @@ class LlamaCpp(Dialect):
                 added.add("usage")
         if not body.get("logprobs") and not (body.get("stream") and body.get("tools")):
             sent["logprobs"] = True if chat else 1  # (refused with tools on a stream: no output ids then)
+            if chat and "top_logprobs" not in body:
+                sent["top_logprobs"] = 1  # the ids sit beside the logprobs; the engine's default is 20 alternatives
             added.add("logprobs")
         return Asked(sent, frozenset(added))
 
