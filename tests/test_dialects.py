@@ -108,7 +108,7 @@ def test_sglang_asks_per_request_kind_and_reads_each_shape():
     cleaned = d.clean(body, whole.added, {})
     assert "response_token_ids" not in cleaned["choices"][0] and "prompt_token_ids" not in cleaned["choices"][0]
     # sglext ids on a body the proxy asked only return_token_ids of: the server's own default
-    # (--return-input-ids): the client would have had them, so they stay
+    # (its return_input_ids setting): the client would have had them, so they stay
     assert cleaned["sglext"] == body["sglext"]
     # a streamed chat: text chunks, then one chunk with the ids in sglext, then usage
     chunks = [{"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]},

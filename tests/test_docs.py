@@ -47,7 +47,8 @@ def test_every_option_the_docs_name_exists():
     # options of other programs the docs quote (pip, llama-server, vllm, ...) are named in code blocks
     # with their program; what is left must be this CLI's
     allowed = {"--index-url", "--local-dir", "--jinja", "--model-path", "--help", "--ctx-size", "--served-model-name",
-               "--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser", "--parallel", "--metrics"}
+               "--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser", "--parallel", "--metrics",
+               "--models-dir"}
     assert [m for m in missing if m.split(": ")[1] not in allowed] == []
 
 
