@@ -74,27 +74,77 @@ def test_the_batched_rule_takes_the_whole_batch_in_one_call_a_layer(shadow_cache
     assert calls == [(3, GRID)] * len(reader.model.config.linear_layers)
 
 
-def test_a_batch_is_refused_when_a_session_has_no_whole_chunk_or_comes_twice(reader):
-    alone, _ = pairs(reader, 2, seed=5)
-    with pytest.raises(ValueError, match="twice"):
-        reader.advance_batch([alone[0], alone[0]])
+def backlogs(reader: Reader, runs: list[int], seed: int) -> tuple[list, list]:
+    """Two copies of len(runs) sessions at mixed depths, session k with runs[k] whole chunks to read
+    and a checkpoint line past them (its prompt's end), some ids past its last whole chunk."""
+    g = torch.Generator().manual_seed(seed)
+    alone, batched = [], []
+    for k, n in enumerate(runs):
+        read = k % 3
+        ids = torch.randint(1000, 200000, ((read + n) * GRID + 37,), generator=g).tolist()
+        for group in (alone, batched):
+            s = reader.new_session(f"s{k}")
+            reader.feed_prompt(s, ids)
+            reader.advance(s, max_chunks=read)
+            group.append(s)
+    return alone, batched
+
+
+def entries(sessions: list, runs: list[int]) -> list:
+    return [s for s, n in zip(sessions, runs) for _ in range(n)]
+
+
+@pytest.mark.parametrize("runs", [[2], [2, 1], [1, 3], [4], [1, 2, 1], [3, 1, 2, 2], [8]],
+                         ids=lambda r: "runs" + "-".join(map(str, r)))
+def test_a_batch_with_a_sessions_next_chunks_is_bit_equal_to_reading_them_alone(reader, runs):
+    """A batch whose entries hold several consecutive chunks of a session (a run): each session's
+    state, length and checkpoints as reading its chunks one at a time alone leaves them."""
+    alone, batched = backlogs(reader, runs, seed=len(runs) * 10 + runs[0])
+    for s, n in zip(alone, runs):
+        assert reader.advance(s, max_chunks=n) == n
+    assert reader.advance_batch(entries(batched, runs)) == sum(runs)
+    for x, y in zip(alone, batched):
+        compared, mismatched, _ = compare_states(x.state, y.state)
+        assert compared > 0 and mismatched == [] and x.committed == y.committed
+        assert [c.position for c in x.checkpoints] == [c.position for c in y.checkpoints]
+
+
+def test_a_batch_is_refused_when_a_run_is_split_too_long_or_crosses_a_checkpoint_line(reader):
+    alone, _ = backlogs(reader, [2, 1], seed=5)
+    a, b = alone
+    before = [(s.committed, s.state.snapshot()) for s in alone]
+    with pytest.raises(ValueError, match="consecutive"):
+        reader.advance_batch([a, b, a])
+    with pytest.raises(ValueError, match="1 chunk"):
+        reader.advance_batch([a, b, b])
     short = reader.new_session("short")
     reader.feed_prompt(short, list(range(1000, 1100)))
     with pytest.raises(ValueError, match="no whole chunk"):
-        reader.advance_batch([alone[0], short])
-    assert alone[0].committed % GRID == 0 and short.committed == 0  # nothing read
+        reader.advance_batch([a, short])
+    assert reader.run_limit(a) == 2
+    reader.feed_prompt(a, a.ids + list(range(2000, 2000 + GRID)))  # a new prompt end: a line past a's run
+    line = a.marks[-1]
+    reader.feed_prompt(a, a.ids[: a.committed + GRID + 11])  # differs: the line falls inside the first run
+    assert reader.run_limit(a) == 1 and a.marks == [a.committed + GRID] and line > a.marks[0]
+    with pytest.raises(ValueError, match="1 chunk"):
+        reader.advance_batch([a, a])
+    for s, (committed, snap) in zip(alone, before):  # nothing read
+        assert s.committed == committed and torch.equal(s.state.arena.recurrent, snap.recurrent)
+    assert short.committed == 0
 
 
-def test_batched_pieces_equal_the_batched_forward_bit_for_bit(reader):
+@pytest.mark.parametrize("runs", [[1, 1, 1], [2, 1], [1, 3]], ids=lambda r: "runs" + "-".join(map(str, r)))
+def test_batched_pieces_equal_the_batched_forward_bit_for_bit(reader, runs):
     """The piecewise forward (graphs off here: the same pieces a GPU captures) on a batch of
-    chunks gives the bits of the plain batched forward, and of each chunk read alone."""
+    entries gives the bits of the plain batched forward, and of each chunk read alone."""
     from shadow.model.piecewise import PiecewiseForward
 
-    pieces = Reader(reader.model, GRID, forward=PiecewiseForward(reader.model, sizes={GRID}, graphs=False, batches={3}))
-    alone, batched = pairs(pieces, 3, seed=11)
-    for s in alone:
-        reader.advance(s, max_chunks=1)
-    pieces.advance_batch(batched)
+    b = sum(runs)
+    pieces = Reader(reader.model, GRID, forward=PiecewiseForward(reader.model, sizes={GRID}, graphs=False, batches={b}))
+    alone, batched = backlogs(pieces, runs, seed=11)
+    for s, n in zip(alone, runs):
+        reader.advance(s, max_chunks=n)
+    pieces.advance_batch(entries(batched, runs))
     for x, y in zip(alone, batched):
         _, mismatched, _ = compare_states(x.state, y.state)
         assert mismatched == [] and x.committed == y.committed

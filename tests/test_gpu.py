@@ -304,6 +304,37 @@ def test_batched_reads_equal_graphed_reads_alone_bit_for_bit(kernels, eight_laye
             assert all(torch.equal(c.recurrent, d.recurrent) for c, d in zip(x.checkpoints, y.checkpoints))
 
 
+@pytest.mark.parametrize("kernels", [sets.FAST, sets.FUSED, sets.TRITON], ids=["fla", "fused", "triton"])
+def test_batches_of_runs_equal_graphed_reads_alone_bit_for_bit(kernels, eight_layers):
+    """Batches whose entries hold several consecutive chunks of a session (runs: [8], [3, 1, 2, 2],
+    [1, 7], ...), each layout replayed from the one graph set of its batch size where the steps
+    read layouts on the device (the fused sets), eagerly otherwise, and a layout of B sessions
+    alone between them; against each session's chunks read one at a time through the graphed
+    reader: every state tensor and checkpoint bit-equal."""
+    model = load_model(str(eight_layers), dtype=torch.bfloat16, device="cuda", kernels=kernels).model
+    graphed = Reader(model, 512, forward=PiecewiseForward(model, sizes={512, 1, 64, 128, 256}))
+    batching = Reader(model, 512, forward=PiecewiseForward(model, sizes={512, 1, 64, 128, 256}, batches={2, 4, 8}))
+    g = torch.Generator().manual_seed(4)
+    for runs in ([2], [1, 1], [2, 2], [1, 3], [4], [8], [3, 1, 2, 2], [1] * 8, [1, 7], [2, 1, 1, 1, 1, 1, 1]):
+        alone, batched = [], []
+        for k, n in enumerate(runs):
+            ids = torch.randint(1000, 200000, ((k % 3 + n) * 512 + 37,), generator=g).tolist()
+            for group in (alone, batched):
+                s = graphed.new_session(f"s{k}")
+                graphed.feed_prompt(s, ids)
+                graphed.advance(s, max_chunks=k % 3)
+                group.append(s)
+        for s, n in zip(alone, runs):
+            graphed.advance(s, max_chunks=n)
+        batching.advance_batch([s for s, n in zip(batched, runs) for _ in range(n)])
+        for x, y in zip(alone, batched):
+            compared, mismatched, _ = compare_states(x.state, y.state)
+            assert compared > 0 and mismatched == [] and x.committed == y.committed, (runs, x.name, mismatched)
+            assert all(torch.equal(c.recurrent, d.recurrent) for c, d in zip(x.checkpoints, y.checkpoints))
+    of_a_layout = [key for key in batching.forward._plans if len(key) == 3]  # eager plans of one layout
+    assert (of_a_layout == []) == (kernels.gdn_gated_batch is not None)
+
+
 def test_embedded_generator_on_graphs_gives_greedy_decodings_bit_for_bit(tiny_cuda):
     """The generator launches each round before it hands out the token before it; its tokens are
     those of a plain greedy loop on the same graphed forward."""

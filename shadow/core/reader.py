@@ -16,6 +16,7 @@ import torch
 
 from shadow.errors import ShadowInputError
 from shadow.model.checkpoint import LoadedModel
+from shadow.model.layout import Layout
 from shadow.model.qwen35 import Qwen35
 from shadow.model.runtime import BATCHES, FORK_SIZES, forward_for, load_model, warm_kernels
 from shadow.model.state import DeltaSnapshot, ModelState
@@ -143,24 +144,49 @@ class Reader:
         return done
 
     def advance_batch(self, sessions: Sequence[Session]) -> int:
-        """One whole chunk of each session, all in one forward (their rows stacked: `forward_batch`);
-        each session's state comes out as `advance(s, max_chunks=1)` alone would leave it, bit for
-        bit (tested at the shapes the kernel sets run). Every session must have a whole chunk to
-        read and appear once. Returns the chunks read."""
-        if len({id(s) for s in sessions}) != len(sessions):
-            raise ValueError("a session appears twice in one batch")
-        if any(s.committed + self.grid > len(s.ids) for s in sessions):
-            raise ValueError("a session in the batch has no whole chunk to read")
-        if len(sessions) <= 1:
-            return sum(self.advance(s, max_chunks=1) for s in sessions)
-        ids = [i for s in sessions for i in s.ids[s.committed : s.committed + self.grid]]
+        """B entries in one forward (their rows stacked: `forward_batch`): each entry a whole chunk
+        of its session, a session named by consecutive entries read that many chunks on (its
+        next chunks, as a run); each session's state comes out as `advance` of its chunks alone
+        would leave it, bit for bit (tested at the shapes the kernel sets run). A session appears
+        in one run only, and a run ends at or before its next checkpoint line (`run_limit`).
+        Returns the chunks read."""
+        layout = self._check_batch(sessions)
+        if len(sessions) == 1:
+            return self.advance(sessions[0], max_chunks=1)
+        ids = []
+        for first, n in layout.firsts_and_runs:
+            s = sessions[first]
+            ids += s.ids[s.committed : s.committed + n * self.grid]
         forward_batch = getattr(self.forward, "forward_batch", None) or self.model.forward_batch
         forward_batch(self._ids(ids), [s.state for s in sessions])
-        for s in sessions:
+        for first, _ in layout.firsts_and_runs:
+            s = sessions[first]
             if s.marks and s.marks[0] == s.committed:
                 s.marks.pop(0)
                 self._checkpoint(s)
         return len(sessions)
+
+    def run_limit(self, session: Session) -> int:
+        """Whole chunks one run of a batch may read of `session` now: up to its ids' last whole
+        chunk and its next checkpoint line (a checkpoint is taken between two chunks, never inside
+        a forward)."""
+        end = len(session.ids)
+        if session.marks:
+            end = min(end, session.marks[0])
+        return max(0, (end - session.committed) // self.grid)
+
+    def _check_batch(self, sessions: Sequence[Session]) -> Layout:
+        try:
+            layout = Layout.of(sessions)
+        except ValueError:
+            raise ValueError("a session's entries in a batch must be consecutive") from None
+        for first, n in layout.firsts_and_runs:
+            s = sessions[first]
+            if s.committed + self.grid > len(s.ids):
+                raise ValueError(f"session {s.name!r} in the batch has no whole chunk to read")
+            if n > self.run_limit(s):
+                raise ValueError(f"session {s.name!r} has {self.run_limit(s)} chunk(s) to read in one run, not {n}")
+        return layout
 
     def prefill(self, ids: Sequence[int], chunk: int | None = None) -> ModelState:
         """A fresh state of all `ids`, read in chunks of `chunk` rows (default: the grid), the last

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shadow.model.kernels.reference import GDN_BATCH_HEAD_ROWS
+from shadow.model.layout import Layout, LayoutTensors
 from shadow.model.qwen35 import blocks
 from shadow.model.rope import rope_tables
 from shadow.model.state import DeltaState
@@ -145,19 +146,32 @@ class FusedSteps:
         self._normed = (x, following, normed)
         return x
 
-    def gdn(self, i: int, x: torch.Tensor, states: list[DeltaState]) -> torch.Tensor:
-        """x [B*T, hidden]: B sessions' rows stacked; the conv and the gated delta rule run on
-        each session's own state (replaced in place), everything else on the stacked rows. Where
-        the kernels have a batched rule (and the batch fits it), the sessions' convs are one
-        launch and their rules one call; otherwise both run once a session."""
+    def batched_rule(self, rows: int, b: int) -> bool:
+        """Whether a GDN layer of `b` entries and `rows` rows in all runs its convs in one launch and
+        its rules in one call (then a layout reaches the kernels as device tensors, and one CUDA
+        graph serves every layout of `b` entries)."""
+        c = self.c
+        return b > 1 and self.kernels.gdn_gated_batch is not None and \
+            rows * max(c.linear_num_value_heads, c.linear_num_key_heads) <= GDN_BATCH_HEAD_ROWS
+
+    def gdn(self, i: int, x: torch.Tensor, states: list[DeltaState], layout: LayoutTensors | None = None) -> torch.Tensor:
+        """x [B*T, hidden]: B entries' rows stacked; the conv and the gated delta rule run on each
+        session's own state (replaced in place), an entry after the entries before it in its run,
+        everything else on the stacked rows. `states`: one an entry (a session's consecutive
+        entries share its object); with `layout`, one slot an entry, a session's state in its run's
+        first slot, the others spare (`ModuleSteps.gdn`). Where the kernels have a batched rule
+        (`batched_rule`), the entries' convs are one launch and their rules one call; otherwise
+        both run once an entry."""
         c, w = self.c, self.layers[i]
         proj = F.linear(self._norm(x, w.input_norm), w.in_proj)
         hv = c.linear_num_value_heads
-        b = len(states)
-        if b > 1 and self.kernels.gdn_gated_batch is not None and \
-                x.shape[0] * max(hv, c.linear_num_key_heads) <= GDN_BATCH_HEAD_ROWS:
-            out = self._gdn_batch(w, proj, states)
+        if self.batched_rule(x.shape[0], len(states)):
+            if layout is None:
+                states, layout = slots_for(states, x.shape[0] // len(states), x.device)
+            out = self._gdn_batch(w, proj, states, layout)
             return self._residual_and_mlp(i, x, F.linear(out, w.out_proj))
+        if layout is not None:
+            states = [states[h] for h in layout.layout.home]
         outs = []
         for proj_b, state in zip(blocks(proj, len(states)), states):
             t = proj_b.shape[0]
@@ -170,25 +184,36 @@ class FusedSteps:
             )
             state.conv.copy_(conv)
             state.recurrent.copy_(recurrent)
-            # normed per session, on its output as the rule left it (see `GatedDeltaNet.forward`)
+            # normed per entry, on its output as the rule left it (see `GatedDeltaNet.forward`)
             outs.append(self.kernels.gated_norm(out.to(x.dtype), z.reshape(t, hv, c.linear_value_head_dim),
                                                 w.norm_weight, c.rms_norm_eps))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         return self._residual_and_mlp(i, x, F.linear(out.reshape(x.shape[0], c.value_dim), w.out_proj))
 
-    def _gdn_batch(self, w, proj: torch.Tensor, states: list[DeltaState]) -> torch.Tensor:
-        """`gdn`'s conv, rule and gated norm for B sessions' stacked rows in one conv launch and
-        one rule call (the states gathered, and written back to each session); [B*T, value_dim]."""
-        c, b = self.c, len(states)
+    def _gdn_batch(self, w, proj: torch.Tensor, slots: list[DeltaState], layout: LayoutTensors) -> torch.Tensor:
+        """`gdn`'s conv, rule and gated norm for B entries' stacked rows in one conv launch and one
+        rule call; `slots` and `layout` as `gdn` takes them. An entry that continues its run
+        convolves from the last rows of the entry before it (what that entry's conv state would
+        hold); each run's rule starts from its first slot's state, and its final conv and
+        recurrent state go back there. Every step reads the layout as device tensors (no host
+        value), so a CUDA graph of it serves every layout. Returns [B*T, value_dim]."""
+        c, b = self.c, len(slots)
         t, hv, hk = proj.shape[0] // b, c.linear_num_value_heads, c.linear_num_key_heads
-        q, k, v, z, beta, a, conv = self.one_launch.conv_split(proj, torch.stack([s.conv for s in states]),
-                                                               w.conv_weight, self.key_dim, c.value_dim, hv)
+        width = c.linear_conv_kernel_dim - 1
+        conv_state = torch.stack([s.conv for s in slots])
+        before = proj[:, : c.conv_dim].view(b, t, c.conv_dim)[:, t - width :].roll(1, 0).transpose(1, 2)
+        conv_state = torch.where(layout.continues.bool(), before, conv_state)
+        q, k, v, z, beta, a, conv = self.one_launch.conv_split(proj, conv_state.contiguous(), w.conv_weight,
+                                                               self.key_dim, c.value_dim, hv)
+        start = torch.stack([s.recurrent for s in slots]).index_select(0, layout.start_slot)
         out, recurrent = self.kernels.gdn_gated_batch(
             q.view(b, t, hk, c.linear_key_head_dim), k.view(b, t, hk, c.linear_key_head_dim),
             v.view(b, t, hv, c.linear_value_head_dim), a.view(b, t, hv), beta.view(b, t, hv), w.a_log, w.dt_bias,
-            torch.stack([s.recurrent for s in states]),
+            start, layout,
         )
-        for j, state in enumerate(states):
+        recurrent = torch.empty_like(recurrent).index_copy_(0, layout.start_slot, recurrent)
+        conv = torch.empty_like(conv).index_copy_(0, layout.start_slot, conv.index_select(0, layout.last_entry))
+        for j, state in enumerate(slots):
             state.conv.copy_(conv[j])
             state.recurrent.copy_(recurrent[j])
         # normed in one call: a row's bits do not depend on the rows beside it while the batch stays
@@ -215,3 +240,16 @@ class FusedSteps:
     def final(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x, self.final_norm)
 
+
+
+def slots_for(states: list[DeltaState], t: int, device: torch.device) -> tuple[list[DeltaState], LayoutTensors]:
+    """One slot an entry for `states` (one an entry, a session's consecutive entries sharing its
+    object): a session's own state in its run's first slot, a scratch state in each spare one;
+    and their layout as device tensors (an eager forward's; the piecewise forward keeps both)."""
+    layout = Layout.of(states)
+    tensors = LayoutTensors(len(states), t, device)
+    tensors.set(layout)
+    homes = {first for first, _ in layout.firsts_and_runs}
+    slots = [state if e in homes else DeltaState(torch.zeros_like(state.conv), torch.zeros_like(state.recurrent))
+             for e, state in enumerate(states)]
+    return slots, tensors

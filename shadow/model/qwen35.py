@@ -3,9 +3,10 @@
 Parameter names follow the Hugging Face text model (`embed_tokens`, `layers.N.linear_attn.*`,
 `layers.N.self_attn.*`, `layers.N.mlp.*`, `norm`, `lm_head`), so a checkpoint loads with
 `load_state_dict` once its prefix is stripped. No batch dimension: the rows of one session, or of
-several sessions' chunks stacked (`forward_batch`: B chunks of T rows each, B states), for which
-every row-wise step (projections, norms, MLPs) runs on the stacked rows and every step with state
-(the GDN conv and recurrence, attention over the session's own rows) runs per session.
+several chunks stacked (`forward_batch`: B entries of T rows each, an entry one session's chunk,
+a session's consecutive entries its next chunks), for which every row-wise step (projections,
+norms, MLPs) runs on the stacked rows and every step with state (the GDN conv and recurrence,
+attention over the session's own rows) runs per entry, in order along a session.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from shadow.model.config import ModelConfig
 from shadow.model.kernels.reference import REFERENCE, Kernels, attention_batch_each, rms_norm
+from shadow.model.layout import Layout, LayoutTensors
 from shadow.model.rope import apply_rope, rope_tables
 from shadow.model.state import AttentionState, DeltaState, ModelState
 
@@ -63,8 +65,9 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(c.value_dim, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, states: list[DeltaState], kernels: Kernels) -> torch.Tensor:
-        """x [B*T, hidden]: B sessions' rows stacked, `states` theirs in order; each session's conv
-        and recurrence run on its own rows from its own state (replaced in place)."""
+        """x [B*T, hidden]: B entries' rows stacked, `states` theirs in order (a session's
+        consecutive entries share its state object); each entry's conv and recurrence run on its
+        own rows from its session's state as the entries before it left it (replaced in place)."""
         c, n = self.c, x.shape[0]
         qkv = self.in_proj_qkv(x)
         beta = self.in_proj_b(x).sigmoid()
@@ -115,6 +118,13 @@ class Attention(nn.Module):
         return self.o_proj(attended.reshape(gate.shape) * torch.sigmoid(gate))
 
 
+def entry_starts(states: list, t: int) -> list[int]:
+    """The first row of each entry: a state's `length` for its first entry, T rows further for each
+    next one of its run (`layout.Layout.of` refuses a state in two runs)."""
+    layout = Layout.of(states)
+    return [states[first].length + offset for (first, n) in layout.firsts_and_runs for offset in range(0, n * t, t)]
+
+
 def blocks(x: torch.Tensor, b: int, dim: int = 0) -> list[torch.Tensor]:
     """`x` cut along `dim` into `b` equal blocks of rows (one session's each); [x] itself for one."""
     return [x] if b == 1 else list(x.chunk(b, dim=dim))
@@ -122,10 +132,11 @@ def blocks(x: torch.Tensor, b: int, dim: int = 0) -> list[torch.Tensor]:
 
 def attend_each(states: list[AttentionState], starts: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kernels: Kernels, out: torch.Tensor | None = None) -> torch.Tensor:
-    """B sessions' stacked rows (q [Hq, B*T, D], k, v [Hkv, B*T, D]): each session's new k, v stored
-    at rows start.. of its own buffer, then its rows attended over exactly its valid rows; the
-    attended rows [B*T, Hq, D] stacked in the same order (into `out` where given). Never inside a
-    CUDA graph: a buffer is its session's and may move when it grows."""
+    """B entries' stacked rows (q [Hq, B*T, D], k, v [Hkv, B*T, D]): each entry's new k, v stored
+    at rows start.. of its session's buffer, then its rows attended over exactly the rows valid up
+    to its own (a session's later entry sees its earlier ones' new rows); the attended rows
+    [B*T, Hq, D] stacked in the same order (into `out` where given). Never inside a CUDA graph: a
+    buffer is its session's and may move when it grows."""
     t = q.shape[1] // len(states)
     for state, start in zip(states, starts, strict=True):
         state.reserve(start + t)
@@ -162,9 +173,13 @@ class ModuleSteps:
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(self.model.config, positions, self.model.dtype)
 
-    def gdn(self, i: int, x: torch.Tensor, states: list[DeltaState]) -> torch.Tensor:
-        """Layer i (a GDN layer) whole: x [B*T, hidden] -> x (B sessions' rows, `states` theirs);
-        replaces each one's conv and recurrent state."""
+    def gdn(self, i: int, x: torch.Tensor, states: list[DeltaState], layout: LayoutTensors | None = None) -> torch.Tensor:
+        """Layer i (a GDN layer) whole: x [B*T, hidden] -> x (B entries' rows); replaces each
+        session's conv and recurrent state. `states`: one an entry (a session's consecutive
+        entries share its object); with `layout`, one slot an entry, a session's state in its
+        run's first slot (`layout.Layout.home`), the others spare."""
+        if layout is not None:
+            states = [states[h] for h in layout.layout.home]
         layer = self.model.layers[i]
         x = x + layer.linear_attn(layer.input_layernorm(x), states, self.model.kernels)
         return x + layer.mlp(layer.post_attention_layernorm(x))
@@ -225,16 +240,18 @@ class Qwen35(nn.Module):
 
     @torch.no_grad()
     def forward_batch(self, ids: torch.Tensor, states: list[ModelState]) -> torch.Tensor:
-        """B sessions' next T ids each, stacked (ids [B*T], `states` in the same order), read at
-        each one's own rows state.length .. +T: the final-norm hidden rows [B*T, hidden], stacked.
-        Each state comes out as `forward` of its own ids alone would leave it, as long as every
-        row-wise kernel gives a row the same bits with B*T rows as with T (the kernel sets are
-        tested so at the shapes they run)."""
+        """B entries of T ids each, stacked (ids [B*T], `states` in the same order): an entry is a
+        session's next T ids, and a state named by consecutive entries reads their ids one after
+        another (its next chunks). Each entry is read at its own rows (a session's first at
+        state.length, its next T rows on): the final-norm hidden rows [B*T, hidden], stacked.
+        Each state comes out as `forward` of its own ids, chunk by chunk, alone would leave it,
+        as long as every row-wise kernel gives a row the same bits with B*T rows as with T (the
+        kernel sets are tested so at the shapes they run)."""
         steps, b = self.steps, len(states)
         t = ids.shape[0] // b
         if t * b != ids.shape[0]:
             raise ValueError(f"{ids.shape[0]} ids do not split into {b} chunks of one length")
-        starts = [s.length for s in states]
+        starts = entry_starts(states, t)
         x = steps.embed(ids)
         positions = [torch.arange(start, start + t, device=ids.device) for start in starts]
         rope = steps.rope(positions[0] if b == 1 else torch.cat(positions))
@@ -245,7 +262,7 @@ class Qwen35(nn.Module):
                 x = steps.attention_out(i, x, attend_each(layer_states, starts, q, k, v, self.kernels), gate)
             else:
                 x = steps.gdn(i, x, layer_states)
-        for s, start in zip(states, starts):
+        for s, start in zip(states, starts):  # a session's last entry sets its length
             s.length = start + t
         return steps.final(x)
 

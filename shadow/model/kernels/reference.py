@@ -120,12 +120,22 @@ def gdn_gated_reference(
 
 def gdn_gated_each(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-    a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor,
+    a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, layout=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`Kernels.gdn_gated_batch`'s contract by `gdn_gated_reference` once a session (the plain
-    path beside fla's one call, for the batched steps' tests)."""
-    each = [gdn_gated_reference(q[j], k[j], v[j], a[j], b[j], a_log, dt_bias, state[j]) for j in range(q.shape[0])]
-    return torch.stack([o for o, _ in each]), torch.stack([s for _, s in each])
+    """`Kernels.gdn_gated_batch`'s contract by `gdn_gated_reference` once an entry, a run's
+    entries one after another from the state the one before left (the plain path beside fla's
+    one call, for the batched steps' tests)."""
+    runs = (1,) * q.shape[0] if layout is None else layout.layout.runs
+    outs, finals = [], list(state.unbind(0))
+    entry = 0
+    for j, n in enumerate(runs):
+        s = state[j]
+        for e in range(entry, entry + n):
+            o, s = gdn_gated_reference(q[e], k[e], v[e], a[e], b[e], a_log, dt_bias, s)
+            outs.append(o)
+        finals[j] = s
+        entry += n
+    return torch.stack(outs), torch.stack(finals)
 
 
 def gdn_recurrent(
@@ -222,10 +232,13 @@ class Kernels:
     norm: Callable[..., torch.Tensor] = rms_norm
     gated_norm: Callable[..., torch.Tensor] = gated_rms_norm
     gdn_gated: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_gated_reference
-    # `gdn_gated` for B sessions' chunks of T rows at once: q, k [B, T, H, Dk], v [B, T, Hv, Dv],
-    # a, b [B, T, Hv], state [B, Hv, Dk, Dv] -> (out [B, T, Hv, Dv], new states), each session's
-    # bits what `gdn_gated` gives it alone, up to `GDN_BATCH_HEAD_ROWS` (B T H) in all (None: none, the
-    # fused steps call `gdn_gated` once a session)
+    # `gdn_gated` for B entries of T rows at once (`layout.Layout`: an entry is a session's chunk,
+    # a run of entries one session's next chunks): q, k [B, T, H, Dk], v [B, T, Hv, Dv], a, b
+    # [B, T, Hv], state [B, Hv, Dk, Dv] (sequence j's initial state: run j, then empty sequences),
+    # layout (a `layout.LayoutTensors`, or None: every entry its own run) -> (out [B, T, Hv, Dv],
+    # each sequence's final state [B, ...], an empty one's its initial), each entry's bits what
+    # `gdn_gated` gives it read alone after the entries before it in its run, up to
+    # `GDN_BATCH_HEAD_ROWS` (B T H) in all (None: none, the fused steps call `gdn_gated` once an entry)
     gdn_gated_batch: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
     # B sessions' chunks of T rows at once: (q [Hq, B*T, D], key buffers, value buffers, lengths,
     # scale, new (k, v) [Hkv, B*T, D], out) -> [B*T, Hq, D]: each session's new rows written at rows
