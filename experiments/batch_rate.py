@@ -1,6 +1,7 @@
 """Tokens read per GPU-second by batch size: B sessions at the same context depth, their next chunks
 read one session at a time (the graphed reader) or all in one batched forward (`advance_batch`),
-device synchronised, median of `--repeats`. The sessions' rows are zeros at the depth (a chunk's
+device synchronised, median of `--repeats`; with `--runs`, also one session's next B chunks in one
+batched forward (a run: its GDN layers read them as one sequence) against reading them one at a time. The sessions' rows are zeros at the depth (a chunk's
 cost depends on its depth and shape, not on the values). `--profile B` then profiles one batched read
 of B sessions without graphs (the torch profiler's GPU kernels, top 20 by time). Last stdout line: one
 JSON object.
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,2,4,8")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", type=int, default=0, help="profile one ungraphed batched read of this many sessions")
+    parser.add_argument("--runs", action="store_true", help="also time one session's next B chunks as one run")
     args = parser.parse_args()
     if args.profile < 0:
         parser.error("--profile is a number of sessions (0: no profile)")
@@ -54,12 +56,21 @@ def main() -> None:
         one = timed(lambda group: [reader.advance(s, max_chunks=1) for s in group], ss, args.depth, args.repeats,
                     args.device)
         many = timed(reader.advance_batch, ss, args.depth, args.repeats, args.device)
-        rows.append({"batch": b, "alone_ms": round(1000 * one, 3), "batched_ms": round(1000 * many, 3),
-                     "alone_tok_s": round(b * reader.grid / one), "batched_tok_s": round(b * reader.grid / many),
-                     "speedup": round(one / many, 3)})
+        row = {"batch": b, "alone_ms": round(1000 * one, 3), "batched_ms": round(1000 * many, 3),
+               "alone_tok_s": round(b * reader.grid / one), "batched_tok_s": round(b * reader.grid / many),
+               "speedup": round(one / many, 3)}
         print(f"B={b}: alone {1000 * one:.2f} ms ({b * reader.grid / one:,.0f} tok/s), batched {1000 * many:.2f} ms "
               f"({b * reader.grid / many:,.0f} tok/s), x{one / many:.2f}", flush=True)
         del ss
+        if args.runs and b > 1:  # one session's b chunks: one at a time, then as one run of a batch
+            run = sessions_at(reader, args.depth, 1, chunks=b)
+            chunked = timed(lambda group: reader.advance(group[0], max_chunks=b), run, args.depth, args.repeats, args.device)
+            as_run = timed(lambda group: reader.advance_batch(group * b), run, args.depth, args.repeats, args.device)
+            row.update(run_chunked_ms=round(1000 * chunked, 3), run_batched_ms=round(1000 * as_run, 3))
+            print(f"   one session's {b} chunks: one at a time {1000 * chunked:.2f} ms, as one run {1000 * as_run:.2f} ms "
+                  f"({b * reader.grid / as_run:,.0f} tok/s), x{chunked / as_run:.2f}", flush=True)
+            del run
+        rows.append(row)
     profiled = profile_batch(loaded, args.depth, args.profile, args.device) if args.profile else None
     print(json.dumps({"model": args.model, "device": args.device, "depth": args.depth,
                       "kernels": loaded.model.kernels.name, "rows": rows,

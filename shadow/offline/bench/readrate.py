@@ -130,15 +130,15 @@ def batch_times(
     return rows
 
 
-def sessions_at(reader: Reader, depth: int, n: int) -> list[Session]:
-    """`n` sessions whose read position is `depth`, each with one whole chunk to read after it."""
+def sessions_at(reader: Reader, depth: int, n: int, chunks: int = 1) -> list[Session]:
+    """`n` sessions whose read position is `depth`, each with `chunks` whole chunks to read after it."""
     out = []
     for k in range(n):
         s = reader.new_session(f"read-rate batch {k}")
         for layer in s.state.attention:
-            layer.reserve(depth + reader.grid)
+            layer.reserve(depth + chunks * reader.grid)
         s.state.length = depth
-        s.ids = [1000 + k] * (depth + reader.grid)
+        s.ids = [1000 + k] * (depth + chunks * reader.grid)
         out.append(s)
     return out
 
