@@ -45,7 +45,7 @@ for step in "$@"; do
                  tail -c 700 "$OUT/verify-exact-h200-spill.txt" ;;
     batchrate) for depth in ${DEPTHS:-16384}; do
                  timeout 200 python3 experiments/batch_rate.py --model qwen3.5-0.8b --device cuda --depth $depth --batches 1,2,4,8 \
-                   --repeats 5 ${BATCH_PROFILE:+--profile $BATCH_PROFILE} ${BATCH_RUNS:+--runs} 2>&1 | tee "$OUT/batch-rate-h200-depth$depth.txt" | grep -E '^B=' ; done ;;
+                   --repeats 5 ${BATCH_PROFILE:+--profile $BATCH_PROFILE} ${BATCH_RUNS:+--runs} 2>&1 | tee "$OUT/batch-rate-h200-depth$depth.txt" | grep -E '^B=|one session' ; done ;;
     phrasesteps) for warm in no-warm-kernels warm-kernels; do  # each with a Triton cache of its own, empty
                    TRITON_CACHE_DIR=/tmp/triton-$warm timeout 200 python3 experiments/phrase_steps.py --model qwen3.5-0.8b \
                      --device cuda --depth 16384 --$warm 2>&1 | tee "$OUT/phrase-steps-h200-$warm.txt" | tail -7; done ;;
