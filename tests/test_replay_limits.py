@@ -290,8 +290,9 @@ def test_batched_idle_reads_take_several_sessions_chunks_in_one_read():
     """Four sessions of 1,024 ids each end their turn at 0.2 s, a poll tick; their eight chunks
     (0.1 s each alone) are read in the idle window from then. One at a time, session by session,
     they are fresh at 0.4, 0.6, 0.8 and 1.0 s (the last after its next turn began); in batches of 4 at half the time a chunk, two reads
-    of 0.2 s, all fresh at 0.6 s. The next turns at 0.9 s find every session fresh with batches,
-    and without, the last one's second chunk in flight."""
+    of 0.2 s, each of two sessions' runs of two chunks: a and b fresh at 0.4 s, c and d at 0.6 s. The
+    next turns at 0.9 s find every session fresh with batches, and without, the last one's second
+    chunk in flight."""
     reqs = [Request(s, 0.0, 0.1, 0.2, 1024, 1024, 0) for s in "abcd"]
     reqs += [Request(s, 0.9, 1.0, 1.1, 1124, 100, 0) for s in "abcd"]
     halves = BatchTable((0,), {2: (0.75,), 4: (0.5,)}, "halves")
@@ -301,5 +302,5 @@ def test_batched_idle_reads_take_several_sessions_chunks_in_one_read():
     assert alone.chunks_idle == batched.chunks_idle == 8
     assert [t.seconds for t in alone.to_fresh[:4]] == pytest.approx([0.4, 0.6, 0.8, 0.9])
     assert [t.censored for t in alone.to_fresh[:4]] == [False, False, False, True]  # not fresh by its next turn
-    assert [t.seconds for t in batched.to_fresh[:4]] == pytest.approx([0.6] * 4)
+    assert [t.seconds for t in batched.to_fresh[:4]] == pytest.approx([0.4, 0.4, 0.6, 0.6])
     assert [t.behind for t in alone.turns] == [0, 0, 0, 512] and all(t.fresh for t in batched.turns)

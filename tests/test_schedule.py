@@ -268,25 +268,42 @@ def test_the_fewest_step_reads_the_session_nearest_to_fresh_first():
     assert Priorities().label == "all" and not Priorities().fewest
 
 
-def test_batches_take_the_next_sessions_in_rank_order_within_the_bound():
-    """With `batch`, an idle read names more sessions, one chunk each, in batches of 2, 4, ...,
-    while the batch's estimate stays within `batch_s`; a batch's reported seconds move every
-    session on and teach the batch size's own estimate."""
+def test_batches_take_chunks_in_rank_order_a_sessions_run_first_within_the_bound():
+    """With `batch`, an idle read names more chunks, in batches of 2, 4, ..., while the batch's
+    estimate stays within `batch_s`: the first session's next chunks (a run), then the next
+    session's; a batch's reported seconds move every session on by its chunks and teach the
+    batch size's own estimate."""
     s = scheduler(chunk_s=0.004, batch=8, batch_s=0.0125)
     for k in range(5):
         s.update(f"s{k}", 0, 3 * G, now=float(k))
     read = s.next_read(10.0)
     assert isinstance(read, Read) and read.chunks == 1 and read.batch == 2  # three chunks fit 12.5 ms: a batch of 2
-    assert [name for name, _ in read.others] == ["s1"] and read.estimate_s == pytest.approx(0.008)
+    assert read.session == "s0" and read.others == (("s0", G),) and read.estimate_s == pytest.approx(0.008)
     s.read_done(read, 2, 0.005, 10.005)  # faster than two singles: the batch size's estimate learns it
-    assert s.sessions["s0"].committed == G and s.sessions["s1"].committed == G
+    assert s.sessions["s0"].committed == 2 * G and s.sessions["s1"].committed == 0
     assert s.batch_estimate([G, G]) == pytest.approx(0.005)
-    read = s.next_read(10.005)
-    assert read.batch == 2 and {n for n, _ in read.others} | {read.session} <= {f"s{k}" for k in range(5)}
+    read = s.next_read(10.005)  # s0's last chunk, then s1's first: a run of one, then the next session's
+    assert read.batch == 2 and (read.session, read.depth) == ("s0", 2 * G) and read.others == (("s1", 0),)
+    s.read_done(read, 2, 0.005, 10.01)
+    assert s.sessions["s0"].committed == 3 * G and s.sessions["s1"].committed == G
     one = scheduler(chunk_s=0.004)
     one.update("a", 0, 3 * G, now=0.0)
     one.update("b", 0, 3 * G, now=0.0)
     assert one.next_read(1.0).others == ()  # batch 1 (the default): one session a read
+
+
+def test_a_sessions_run_ends_at_its_next_checkpoint_line():
+    """A checkpoint is taken between two chunks, never inside a forward: a session's run in a batch
+    stops at the line it was told (`update(mark=...)`), and the next session's chunks follow."""
+    s = scheduler(chunk_s=0.001, batch=8, batch_s=1.0)
+    s.update("a", 0, 6 * G, now=0.0, mark=2 * G)
+    s.update("b", 0, 6 * G, now=1.0)
+    read = s.next_read(2.0)
+    assert [(read.session, read.depth), *read.others] == [("a", 0), ("a", G), *(("b", k * G) for k in range(6))]
+    s.read_done(read, 8, 0.008, 2.008)
+    s.update("a", 2 * G, 6 * G, now=2.008)  # the line reached: no mark past it
+    read = s.next_read(2.2)
+    assert [(read.session, read.depth), *read.others][:4] == [("a", 2 * G), ("a", 3 * G), ("a", 4 * G), ("a", 5 * G)]
 
 
 def test_a_batch_is_cut_to_a_size_the_reader_has_graphs_for():
@@ -316,6 +333,7 @@ def test_in_the_share_a_batch_is_paid_whole_within_batch_s_and_waited_for():
     s.warm_batch(4, 0, 0.010)  # four chunks in 10 ms, within 12.5: a batch of four
     read = s.next_read(2.0, between_rounds=True)  # 20 ms of budget less the 6 used
     assert read.batch == 4 and read.estimate_s == pytest.approx(0.010)
+    assert [n for n, _ in ((read.session, 0), *read.others)] == ["s0", "s1", "s1", "s1"]  # s0's last chunk, then s1's run
     alone = scheduler(chunk_s=0.004)  # without batches: a chunk as soon as the budget pays for one
     for k in range(5):
         alone.update(f"s{k}", 0, 3 * G, now=0.0)
@@ -323,11 +341,18 @@ def test_in_the_share_a_batch_is_paid_whole_within_batch_s_and_waited_for():
     alone.first_token("t", 1.0)
     read = alone.next_read(1.25, between_rounds=True)
     assert isinstance(read, Read) and read.batch == 1 and read.chunks == 1
-    lone = scheduler(chunk_s=0.004, batch=8)  # one session with a backlog: a chunk a slice, as without batches
+    lone = scheduler(chunk_s=0.004, batch=8)  # one session with a backlog: its run, paid whole
     lone.update("a", 0, 3 * G, now=0.0)
     lone.turn_started("t", "a", 0.0)
     lone.first_token("t", 1.0)
-    assert lone.next_read(1.25, between_rounds=True).batch == 1
+    assert lone.next_read(1.25, between_rounds=True) == Wait(pytest.approx(1.0 + 0.008 / 0.02))
+    read = lone.next_read(1.4, between_rounds=True)
+    assert read.batch == 2 and read.others == (("a", G),)
+    single = scheduler(chunk_s=0.004, batch=8)  # a session with one whole chunk: a chunk a slice
+    single.update("a", 0, G + 5, now=0.0)
+    single.turn_started("t", "a", 0.0)
+    single.first_token("t", 1.0)
+    assert single.next_read(1.25, between_rounds=True).batch == 1
 
 
 def test_known_costs_are_where_a_scheduler_starts_and_its_own_measures_replace_them():

@@ -33,16 +33,18 @@ rank, a turn event, a question, a read, the requests waiting); a `Wait(until)` a
 rounds stays the answer while `changes` is the same and the clock is before `until`, so a caller
 between every two rounds may skip asking (O(1) a round: `between_rounds_due`).
 
-**Batches** (`BandwidthRule.batch` > 1; off by default): a one-chunk `Read` may name more sessions
-(`others`), the next ones in rank order, one chunk each, all read in one forward (in batches
-of 2, 4, 8 ... sessions, up to `batch`: the sizes a reader has CUDA graphs for)
-(`Reader.advance_batch`): in the idle window while the batch's estimated seconds stay within
-`batch_s` (the first chunk is read whatever its cost; a request that comes waits for one read), and
-in the share while they stay within `batch_s` and the slice: the budget then pays for the whole
-batch before it is read (a share slice holds one batched read, at most `batch_s`, instead of one
-chunk; a session alone is read a chunk a slice as without batches). A batch's cost is estimated
-per batch size (`batch_costs`, warmed at load by `warm_batch` and learned from its reads); a size
-never measured is estimated as that many single chunks.
+**Batches** (`BandwidthRule.batch` > 1; off by default): a one-chunk `Read` may name more chunks
+(`others`), all read in one forward (`Reader.advance_batch`), in batches of 2, 4, 8 ... entries,
+up to `batch` (the sizes a reader has CUDA graphs for). They are taken chunk by chunk in rank
+order: the first session's next whole chunks (a run, read as one sequence), then the next
+session's, and so on, a session's run ending at its next checkpoint line (`update(mark=...)`: a
+checkpoint is taken between two chunks, never inside a forward). In the idle window a batch grows
+while its estimated seconds stay within `batch_s` (the first chunk is read whatever its cost; a
+request that comes waits for one read), and in the share while they stay within `batch_s` and the
+slice: the budget then pays for the whole batch before it is read (a share slice holds one batched
+read, at most `batch_s`, instead of one chunk). A batch's cost is estimated per batch size
+(`batch_costs`, warmed at load by `warm_batch` and learned from its reads) at its deepest entry; a
+size never measured is estimated as that many single chunks.
 
 Which session: among resident sessions with a whole chunk to read, by the `Priorities` steps in
 order (each switchable): a pending ask or standing question first, then sessions with a turn in
@@ -225,8 +227,9 @@ def batch_sizes(batch: int) -> list[int]:
 class Read:
     """Read `chunks` whole chunks of `session` now, from read position `depth`; `window` is 'idle',
     'share' or 'ask'; `estimate_s` the chunks' estimated seconds (None: no estimate). `others`:
-    more sessions, (name, read position), one chunk each, read in the same forward as
-    `session`'s one chunk (a batch; `chunks` is 1 then)."""
+    more chunks, (session, its read position then), read in the same forward as `session`'s one
+    chunk (a batch; `chunks` is 1 then): a session's chunks consecutive and in order (a run; the
+    first session's next chunks come first)."""
 
     session: str
     chunks: int
@@ -260,6 +263,7 @@ class _Session:
     backlog_since: float | None = None  # when it last came to have a whole chunk to read
     question: bool = False
     stop: int | None = None  # a standing question's grid line: read no further until answered
+    mark: int | None = None  # its next checkpoint line: a batch's run of it ends there
     version: int = 0  # bumped whenever its rank changes: older heap entries are stale
     ranked_whole: int = -1  # its whole chunks when last ranked (the `fewest` step ranks by them)
 
@@ -304,17 +308,19 @@ class ReadScheduler:
 
     # the sessions ----------------------------------------------------------------------------
 
-    def update(self, name: str, committed: int, known: int, now: float, resident: bool = True) -> None:
+    def update(self, name: str, committed: int, known: int, now: float, resident: bool = True,
+               mark: int | None = None) -> None:
         """A session's read position (`committed`, a grid multiple), the ids known for it (read or
-        not) and whether its state is resident (spilled sessions are not read until fed again)."""
+        not), whether its state is resident (spilled sessions are not read until fed again) and
+        its next checkpoint line past `committed` (None: none), where a batch's run of it ends."""
         s = self.sessions.get(name)
         if s is None:
             self._seen += 1
             s = self.sessions[name] = _Session(name, self._seen)
             self.changes += 1
-        before = (s.committed, s.resident, self._whole(s))
-        s.committed, s.known, s.resident = committed, known, resident
-        if (s.committed, s.resident, self._whole(s)) != before:
+        before = (s.committed, s.resident, self._whole(s), s.mark)
+        s.committed, s.known, s.resident, s.mark = committed, known, resident, mark
+        if (s.committed, s.resident, self._whole(s), s.mark) != before:
             self.changes += 1
         self._refresh(s, now)
 
@@ -354,6 +360,13 @@ class ReadScheduler:
         n = max(0, (s.known - s.committed) // self.grid)
         if s.stop is not None and s.committed <= s.stop:  # held at the line until answered
             n = min(n, (s.stop - s.committed) // self.grid)
+        return n
+
+    def _run_chunks(self, s: _Session) -> int:
+        """Whole chunks one run of a batch may take of `s`: up to its next checkpoint line."""
+        n = self._whole(s)
+        if s.mark is not None and s.mark > s.committed:
+            n = min(n, (s.mark - s.committed) // self.grid)
         return n
 
     def _refresh(self, s: _Session, now: float, rerank: bool = False) -> None:
@@ -537,25 +550,32 @@ class ReadScheduler:
         return None if any(x is None for x in singles) else sum(singles)
 
     def _batch(self, first: _Session, limit_s: float, fits=None) -> tuple[tuple[tuple[str, int], ...], float | None]:
-        """More sessions to read with `first`'s chunk, one chunk each, the next in rank order, while
-        the batch's estimate stays within `limit_s`: (others, the batch's estimate)."""
+        """More chunks to read with `first`'s next one, chunk by chunk in rank order (the rest of
+        `first`'s run, then the next session's run, ...), while the batch's estimate stays within
+        `limit_s`, cut to a graphed size: (others, the batch's estimate)."""
         est = self.batch_estimate([first.committed])
         if self.rule.batch <= 1:
             return (), est
-        picked: list[_Session] = []
-        for s in self._ranked(self.rule.batch, fits):
-            if s is first or len(picked) + 1 >= self.rule.batch:
+        entries: list[tuple[str, int]] = []
+        depths = [first.committed]
+        sessions = [first] + [s for s in self._ranked(self.rule.batch, fits) if s is not first]
+        for s in sessions:
+            for k in range(1 if s is first else 0, self._run_chunks(s)):
+                depth = s.committed + k * self.grid
+                total = None if len(entries) + 1 >= self.rule.batch else self.batch_estimate([*depths, depth])
+                if total is None or total > limit_s + 1e-12:
+                    break
+                entries.append((s.name, depth))
+                depths.append(depth)
+                est = total
+            else:
                 continue
-            total = self.batch_estimate([first.committed, *(x.committed for x in picked), s.committed])
-            if total is None or total > limit_s + 1e-12:
-                break
-            picked.append(s)
-            est = total
-        size = graphed_batch(len(picked) + 1)
-        if size != len(picked) + 1:
-            picked = picked[: size - 1]
-            est = self.batch_estimate([first.committed, *(x.committed for x in picked)])
-        return tuple((s.name, s.committed) for s in picked), est
+            break
+        size = graphed_batch(len(entries) + 1)
+        if size != len(entries) + 1:
+            entries = entries[: size - 1]
+            est = self.batch_estimate(depths[:size])
+        return tuple(entries), est
 
     def next_read(self, now: float, between_rounds: bool = False) -> Read | Wait:
         """What to read now. Idle engine: one chunk of the first session in priority order, inside
@@ -634,17 +654,15 @@ class ReadScheduler:
         estimate at that depth, and charges a share read to the stretch's budget."""
         s = self.sessions.get(read.session)
         self.changes += 1
-        if chunks > 0 and read.others:  # a batch: one chunk of each session, read together
+        if chunks > 0 and read.others:  # a batch: its entries' chunks, read together, in order
             costs = self.batch_costs.setdefault(read.batch, ChunkCosts(self.costs.bucket_tokens))
             costs.observe(max(read.depth, *(d for _, d in read.others)), seconds)
-            for name, depth in read.others:
+            for name, depth in ((read.session, read.depth), *read.others):
                 other = self.sessions.get(name)
                 if other is not None:
                     if other.committed == depth:
                         other.committed += self.grid
                     self._refresh(other, now)
-            if s is not None and s.committed == read.depth:
-                s.committed += self.grid
         elif chunks > 0:
             self.costs.observe(read.depth + (chunks - 1) * self.grid // 2, seconds / chunks)
             if s is not None and s.committed == read.depth:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, batch_sizes, graphed_batch
 from shadow.offline.costs import CostTable, ReadTime
-from shadow.offline.held import HeldSessions
+from shadow.offline.held import Held, HeldSessions
 from shadow.offline.ledger import Request
 from shadow.offline.limits import LINE_EVERY_S, LINE_QUIET_S, Limits
 from shadow.offline.timelines import readable, time_readable
@@ -171,7 +171,7 @@ class EngineReplay:
     def _tell(self, s: str, t: float) -> None:
         h = self.store.peek(s)
         if h is not None:
-            self.sched.update(s, h.committed, h.ids, t)
+            self.sched.update(s, h.committed, h.ids, t, mark=h.marks[0] if h.marks else None)
         elif s in self.sched.sessions and self.sched.sessions[s].resident:
             told = self.sched.sessions[s]
             self.sched.update(s, told.committed, told.known, t, resident=False)
@@ -341,24 +341,29 @@ class EngineReplay:
         return done, t
 
     def _batch(self, read: Read, t: float) -> tuple[Read, int, float]:
-        """A batched read: one chunk of its session and of each of `read.others` still resident at
-        its read position with a whole chunk, as many as make a graphed batch size, in one forward
-        charged `costs.batch_s` (as `Reading.read`: the others left out are dropped from the read
-        told to the scheduler)."""
-        first = self.store.peek(read.session)
-        if first is None or first.committed != read.depth or first.committed + self.grid > first.ids:
-            return replace(read, others=()), 0, t
-        batch = [first]
-        for name, depth in read.others:
+        """A batched read: its entries still readable, each a resident session's next whole chunk
+        after the entries of it before (a run, up to its next checkpoint line), as many as make a
+        graphed batch size, in one forward charged `costs.batch_s` (as `Reading.read`: the entries
+        left out are dropped from the read told to the scheduler)."""
+        batch: list[tuple[Held, int]] = []
+        taken: dict[str, int] = {}
+        for name, depth in ((read.session, read.depth), *read.others):
             h = self.store.peek(name)
-            if h is not None and h.committed == depth and depth + self.grid <= h.ids:
-                batch.append(h)
+            k = taken.get(name, 0)
+            line = None if h is None or not h.marks else h.marks[0]
+            if h is None or h.committed + k * self.grid != depth or depth + self.grid > h.ids \
+                    or (line is not None and depth + self.grid > line) or (k and batch[-1][0] is not h):
+                if not batch:
+                    return replace(read, others=()), 0, t
+                continue
+            taken[name] = k + 1
+            batch.append((h, depth))
         batch = batch[: graphed_batch(len(batch))]
-        t = self._busy(t, self.costs.batch_s([h.committed for h in batch]))
-        for h in batch:
+        t = self._busy(t, self.costs.batch_s([d for _, d in batch]))
+        for h, _ in batch:
             self.store.advance(h)
         if len(batch) - 1 != len(read.others):
-            read = replace(read, others=tuple((h.name, h.committed - self.grid) for h in batch[1:]))
+            read = replace(read, others=tuple((h.name, d) for h, d in batch[1:]))
         return read, len(batch), t
 
     def _read(self, read: Read, t: float) -> float:

@@ -49,6 +49,17 @@ from shadow.server.shared import Shared
 log = logging.getLogger("shadow.serve")
 
 
+def entry_depths(batch: Sequence[Session], grid: int) -> list[tuple[str, int]]:
+    """(session, read position) of each entry of a batch: a run's k-th entry k chunks on."""
+    taken: dict[str, int] = {}
+    out = []
+    for s in batch:
+        k = taken.get(s.name, 0)
+        taken[s.name] = k + 1
+        out.append((s.name, s.committed + k * grid))
+    return out
+
+
 def settle_device(reader: Reader) -> float:
     """`reader.synchronize()`, and the seconds it waited (0 off a GPU, where nothing runs ahead
     of the host)."""
@@ -201,7 +212,7 @@ class Reading:
         s, now = shadow.store.peek(name), self.clock()
         told = self.sched.sessions.get(name)
         if s is not None:
-            self.sched.update(name, s.committed, len(s.ids), now)
+            self.sched.update(name, s.committed, len(s.ids), now, mark=s.marks[0] if s.marks else None)
             if told is None and self.questions.waiting(name):
                 self.questions.tell(name)
         elif told is not None and told.resident:
@@ -235,23 +246,23 @@ class Reading:
 
     def read(self, shadow: Shadow, session: Session, read: Read) -> tuple[int, float]:
         """Read `read.chunks` whole chunks of `session` (fewer at a standing question's line), or,
-        for a batch, one chunk of it and of each of `read.others` still resident at their read
-        positions (as many as make a graphed batch size), in one forward; device synchronised before and after; report `read_done` and
-        the sessions' true state; answer a question a read reached. Returns (chunks read, seconds)."""
+        for a batch, its entries still readable (`_entries`: as many as make a graphed batch size)
+        in one forward; device synchronised before and after; report `read_done` and the sessions'
+        true state; answer a question a read reached. Returns (chunks read, seconds)."""
         grid = shadow.grid
         with self.lock:
-            batch = [session, *self._batched(shadow, read)]
-            batch = batch[: graphed_batch(len(batch))]  # those that left the batch leave a graphed size
-            if len(batch) - 1 != len(read.others):
-                read = dataclasses.replace(read, others=tuple((s.name, s.committed) for s in batch[1:]))
-            lines = [self.answers.line(s.name, grid) for s in batch]
-        line = lines[0]
+            batch = self._entries(shadow, session, read) if read.others else [session]
+            if read.others and len(batch) - 1 != len(read.others):
+                read = dataclasses.replace(read, others=tuple(entry_depths(batch, grid)[1:]))
+            names = list(dict.fromkeys(s.name for s in batch))
+            lines = {name: self.answers.line(name, grid) for name in names}
+        line = lines[session.name]
         chunks = read.chunks if line is None else min(read.chunks, max(0, (line - session.committed) // grid))
         shadow.reader.synchronize()
         start = self.clock()
-        if chunks <= 0:
+        if chunks <= 0 or not batch:
             done = 0
-        elif read.others:
+        elif len(batch) > 1:
             done = shadow.reader.advance_batch(batch)
         else:
             done = shadow.reader.advance(session, max_chunks=chunks)
@@ -260,8 +271,8 @@ class Reading:
         seconds = end - start
         with self.lock:
             self.sched.read_done(read, done, seconds, end)
-            for s in batch:
-                self.sync(shadow, s.name)
+            for name in names:
+                self.sync(shadow, name)
             c = self.counters
             if done:
                 c.last_chunk_ms = seconds * 1000 / done
@@ -277,22 +288,31 @@ class Reading:
             else:
                 c.chunks_ask += done
                 c.ask_s += seconds
-        for s, held in zip(batch, lines):
-            if held is not None:
-                self.answers.answer_if_ready(shadow, s)
+        for name in names:
+            if lines[name] is not None:
+                s = shadow.store.peek(name)
+                if s is not None:
+                    self.answers.answer_if_ready(shadow, s)
         return done, seconds
 
-    def _batched(self, shadow: Shadow, read: Read) -> list[Session]:
-        """The sessions of `read.others` still resident at their read positions with a whole chunk
-        to read, short of a standing question's line (the caller holds the lock)."""
-        out = []
-        for name, depth in read.others:
-            s = shadow.store.peek(name)
-            line = self.answers.line(name, shadow.grid)
-            if s is not None and s.committed == depth and depth + shadow.grid <= len(s.ids) \
-                    and (line is None or depth + shadow.grid <= line):
-                out.append(s)
-        return out
+    def _entries(self, shadow: Shadow, first: Session, read: Read) -> list[Session]:
+        """A batch's entries still readable, in its order (the caller holds the lock): each a
+        resident session's next chunk after the entries of it before (a run), within the chunks
+        one run may read (`Reader.run_limit`) and short of a standing question's line; none if
+        the first cannot be read; cut to a graphed size."""
+        grid, out, taken = shadow.grid, [], {}
+        for name, depth in ((read.session, read.depth), *read.others):
+            s = first if not out and name == first.name else shadow.store.peek(name)
+            k = taken.get(name, 0)
+            line = self.answers.line(name, grid)
+            if s is None or s.committed + k * grid != depth or k >= shadow.reader.run_limit(s) \
+                    or (line is not None and depth + grid > line) or (k and out[-1] is not s):
+                if not out:
+                    return []
+                continue
+            taken[name] = k + 1
+            out.append(s)
+        return out[: graphed_batch(len(out))]
 
     def _decided(self, shadow: Shadow, decision: Read | Wait) -> Session | None:
         """The session a Read names, resident (the caller holds the lock); None for a Wait, or if
