@@ -56,7 +56,10 @@ def replay_ledger(
     read_ms_per_1k: Annotated[list[float] | None, typer.Option("--read-ms-per-1k", callback=bounds(gt=0), help="A chunk cost of this many ms per 1,000 tokens at every depth (repeatable: a sweep).")] = None,
     read_rate_json: Annotated[Path | None, typer.Option(callback=input_file, help="Chunk cost by depth from `shadow read-rate --json` (its last line: rows with context and ms_per_chunk at --grid, linear between depths; one ms_per_1k_tokens if it has no rows). Default, with no --read-ms-per-1k: the built-in H200 table (0.8B, grid 512).")] = None,
     batch: Annotated[int, typer.Option(callback=bounds(ge=1, le=8), help="Sessions whose next chunks one read may take together, as `shadow serve --batch` (2, 4 or 8; 1: none). A batched read is charged by the batch rows of --read-rate-json (`shadow read-rate --batches 2,4,8`), else by the H200's measured batches.")] = 1,
-    batch_ms: Annotated[float, typer.Option(callback=bounds(gt=0), help="With --batch: the longest a batched read may be estimated to take, ms (in the share, the lower of this and the slice), as `shadow serve --batch-ms`.")] = 10.0,
+    batch_ms: Annotated[float, typer.Option(callback=bounds(gt=0), help="With --batch: the longest a batched read may hold the device at once, by estimate, ms (in the share, the lower of this and the slice), as `shadow serve --batch-ms`.")] = 10.0,
+    batch_read_ms: Annotated[float | None, typer.Option(callback=bounds(gt=0), help="With --batch: the longest a batched read in the share may take in all, ms, read in pieces of at most --batch-ms between rounds, as `shadow serve --batch-read-ms` (default: --batch-ms, one piece).")] = None,
+    batch_wait_ms: Annotated[float, typer.Option(callback=bounds(ge=0), help="With --batch: while the share is busy (--batch-busy), how long a batch short of --batch waits for more chunks, ms, as `shadow serve --batch-wait-ms` (0: never).")] = 0.0,
+    batch_busy: Annotated[float, typer.Option(callback=bounds(gt=0, le=1), help="With --batch-wait-ms: the share is busy when its reads of the last 10 s used at least this part of the share of those 10 s and less than 4 s of its budget is left, as `shadow serve --batch-busy`.")] = 0.4,
     share: Annotated[list[float] | None, typer.Option("--share", callback=bounds(gt=0, lt=1), help="In-turn share(s) of the time since the first token (repeatable). Default 0.02.")] = None,
     grid: GridOpt = 512,
     engines: Annotated[int, typer.Option(callback=bounds(ge=1, says="is at least 1"), help="Engines in the fleet, each with its own idle time, share and shadow.")] = 1,
@@ -171,7 +174,9 @@ def replay_ledger(
             reqs, eo = fleets[n]
             costs = CostTable(table, restore_gib_s, spill_gib_s, ask_ms / 1000, phrase_ms / 1000,
                               tokenize_ms_per_1k / 1000, batch_table)
-            rule = BandwidthRule(share=s or 0.02, batch=batch, batch_s=batch_ms / 1000)
+            rule = BandwidthRule(share=s or 0.02, batch=batch, batch_s=batch_ms / 1000,
+                                 batch_read_s=None if batch_read_ms is None else batch_read_ms / 1000,
+                                 batch_wait_s=batch_wait_ms / 1000, batch_busy=batch_busy)
             arm = replay(reqs, None, grid, rule, use_share=bool(s), name=_share_name(s), engines=n, route=route,
                          engine_of=eo, priorities=prio, costs=costs, limits=limits, samples=samples, seed=seed)
             if table.depths == (0,):
@@ -229,7 +234,7 @@ def replay_ledger(
     console.print("checks: more share never less fresh, faster reads never less fresh: "
                   + ("[green]hold[/]" if checks["ok"] else "[bold red]FAIL[/]"))
     console.print(_limits_line(limits, tables, restore_gib_s, spill_gib_s, ask_ms, phrase_ms, tokenize_ms_per_1k,
-                               batch, batch_table.label, batch_ms))
+                               batch, batch_table.label, _batch_words(batch_ms, batch_read_ms, batch_wait_ms, batch_busy)))
     if any(kind != "ledger" for kind in kinds.values()):
         console.print(f"service model (where the trace has no first-token or end times): prefill {prefill_tok_s:g} tok/s, "
                       f"decode {decode_tok_s:g} tok/s per request, {slots} slots an engine (Mooncake); trajectories: "
@@ -247,6 +252,8 @@ def replay_ledger(
             "costs": [{"label": t.label, "depths": list(t.depths), "ms_per_chunk": [round(x * 1000, 6) for x in t.seconds]}
                       for t in tables],
             "shares": shares, "batch": batch, "batch_ms": batch_ms if batch > 1 else None,
+            "batch_read_ms": (batch_read_ms or batch_ms) if batch > 1 else None,
+            "batch_wait_ms": batch_wait_ms if batch > 1 else None, "batch_busy": batch_busy if batch > 1 and batch_wait_ms else None,
             "batch_costs": batch_table.label if batch > 1 else None,
             "engines": engines, "route": route, "pack": pack_to,
             "priorities": [p.label for p in prio_sets],
@@ -388,10 +395,19 @@ def _print_fleet(f: dict) -> None:
         console.print(f"  {r['session']}: {r['turns']} turn start(s), {r['why']}")
 
 
+def _batch_words(batch_ms: float, read_ms: float | None, wait_ms: float, busy: float) -> str:
+    """How batches are bounded, in words: 'at most 10 ms', '50 ms in pieces of 10 ms', with the wait."""
+    words = f"at most {batch_ms:g} ms" if read_ms is None or read_ms <= batch_ms else \
+        f"up to {read_ms:g} ms in pieces of {batch_ms:g} ms between rounds"
+    if wait_ms:
+        words += f", a batch short of the most waiting up to {wait_ms:g} ms for more while the share is {busy:.0%} used and its budget low"
+    return words
+
+
 def _limits_line(limits, tables, restore, spill, ask, phrase, tokenize, batch, batch_label, batch_ms) -> str:
     cap = f"cap {limits.cap_gib:g} GiB a shadow ({'spill to disk' if limits.disk else 'no disk: dropped past it'})" \
         if limits.cap_gib else "no cap"
-    batches = f"batches of up to {batch}, at most {batch_ms:g} ms ({batch_label})" if batch > 1 else "no batches"
+    batches = f"batches of up to {batch}, {batch_ms} ({batch_label})" if batch > 1 else "no batches"
     return (f"live limits: ids {limits.ids}; {cap}; voice share {limits.voice_share:g}; label {limits.label_s * 1000:g} ms; "
             f"asks {limits.asks_per_hour:g}/h a session; {batches}. costs: chunk {', '.join(t.label for t in tables)}; restore "
             f"{restore:g} GiB/s, spill {spill:g} GiB/s, ask {ask:g} ms, phrase {phrase:g} ms, tokenizer {tokenize:g} "

@@ -7,6 +7,7 @@ a fresh prefill of the same ids on the same grid, bit for bit.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ class Reader:
         self.grid = grid
         self.max_checkpoints = max_checkpoints
         self.forward = forward or model
+        self.open: BatchRead | None = None  # a batched read under way (`begin_batch`)
 
     def new_session(self, name: str) -> Session:
         return Session(name=name, state=self.model.new_state())
@@ -83,6 +85,7 @@ class Reader:
         checkpoint at or below the first difference (or to the start); mark a checkpoint at the
         last grid line at or below the prompt's end."""
         ids = self.check_ids(ids)
+        self.settle()
         known = session.ids
         same = common_prefix(known, ids)
         feed = Feed(None, None, 0)
@@ -131,6 +134,7 @@ class Reader:
     ) -> int:
         """Read whole grid chunks from C while ids allow; stop early at max_chunks or when
         should_stop() says so (it is asked before every chunk). Returns the chunks read."""
+        self.settle()
         done = 0
         while session.committed + self.grid <= len(session.ids):
             if (max_chunks is not None and done >= max_chunks) or (should_stop and should_stop()):
@@ -150,21 +154,49 @@ class Reader:
         would leave it, bit for bit (tested at the shapes the kernel sets run). A session appears
         in one run only, and a run ends at or before its next checkpoint line (`run_limit`).
         Returns the chunks read."""
-        layout = self._check_batch(sessions)
         if len(sessions) == 1:
+            self._check_batch(sessions)
             return self.advance(sessions[0], max_chunks=1)
+        read = self.begin_batch(sessions)
+        read.finish()
+        return read.chunks
+
+    def begin_batch(self, sessions: Sequence[Session]) -> BatchRead:
+        """`advance_batch` begun, to be read a piece at a time (`BatchRead.step`): until it is over
+        its sessions are half read. It stays open on the reader: any other read, feed of a prompt,
+        fork or prefill finishes it first (`settle`), so nothing ever sees a half-read state;
+        ids fed as output meanwhile wait past it (they only append)."""
+        self.settle()
+        layout = self._check_batch(sessions)
         ids = []
         for first, n in layout.firsts_and_runs:
             s = sessions[first]
             ids += s.ids[s.committed : s.committed + n * self.grid]
-        forward_batch = getattr(self.forward, "forward_batch", None) or self.model.forward_batch
-        forward_batch(self._ids(ids), [s.state for s in sessions])
-        for first, _ in layout.firsts_and_runs:
-            s = sessions[first]
+        states = [s.state for s in sessions]
+        passes = getattr(self.forward, "passes", None)
+        pieces = getattr(self.forward, "pieces", 1) if passes is not None else 1
+        if passes is not None:
+            steps = passes(self._ids(ids), states)
+        else:
+            forward_batch = getattr(self.forward, "forward_batch", None) or self.model.forward_batch
+            steps = _at_once(forward_batch, self._ids(ids), states)
+        self.open = BatchRead(self, list(sessions), layout, steps, pieces)
+        return self.open
+
+    def settle(self) -> None:
+        """Finish the batched read under way, if one is (`begin_batch`)."""
+        if self.open is not None:
+            self.open.finish()
+
+    def _batch_done(self, read: BatchRead) -> None:
+        """A batched read is over: its sessions' checkpoints at the lines their runs reached."""
+        if self.open is read:
+            self.open = None
+        for first, _ in read.layout.firsts_and_runs:
+            s = read.sessions[first]
             if s.marks and s.marks[0] == s.committed:
                 s.marks.pop(0)
                 self._checkpoint(s)
-        return len(sessions)
 
     def run_limit(self, session: Session) -> int:
         """Whole chunks one run of a batch may read of `session` now: up to its ids' last whole
@@ -193,6 +225,7 @@ class Reader:
         chunk possibly shorter. With the default and len(ids) a grid multiple, this is the state
         the contract compares a session against."""
         ids = self.check_ids(ids)
+        self.settle()
         chunk = chunk or self.grid
         state = self.model.new_state()
         for start in range(0, len(ids), chunk):
@@ -216,6 +249,7 @@ class Reader:
     @contextmanager
     def fork(self, state: ModelState):
         """Run anything on top of `state`; afterwards its GDN state and length are as before, bit for bit."""
+        self.settle()
         snap = state.snapshot()
         try:
             yield state
@@ -327,6 +361,62 @@ class Reader:
         if bad is not None:
             raise ShadowInputError(f"token id {bad} is outside the vocabulary (0 .. {vocab - 1})")
         return out
+
+
+class BatchRead:
+    """A batched read under way (`Reader.begin_batch`), a piece of the forward at a time: `step`
+    runs pieces, device synchronised, and counts their seconds (`seconds`, whoever ran them: a
+    `Reader.settle` too); `over` once every piece ran and the reader took its checkpoints."""
+
+    def __init__(self, reader: Reader, sessions: list[Session], layout: Layout,
+                 steps: Generator[None, None, object], pieces: int):
+        self.reader, self.sessions, self.layout, self._steps = reader, sessions, layout, steps
+        self.pieces = pieces  # pieces in all (`step` runs them in order)
+        self.ran = 0
+        self.seconds = 0.0
+        self.over = False
+
+    @property
+    def chunks(self) -> int:
+        return len(self.sessions)
+
+    def step(self, pieces: int = 1) -> bool:
+        """Run up to `pieces` more pieces (at least one), device synchronised before and after; True
+        once the read is over."""
+        if self.over:
+            return True
+        self.reader.synchronize()
+        start = time.perf_counter()
+        try:
+            for _ in range(max(1, pieces)):
+                try:
+                    next(self._steps)
+                except StopIteration:
+                    self.over = True
+                    break
+                self.ran += 1
+        except BaseException:
+            self.over = True  # a failed forward leaves nothing open
+            if self.reader.open is self:
+                self.reader.open = None
+            raise
+        self.reader.synchronize()
+        self.seconds += time.perf_counter() - start
+        if self.over:
+            self.ran = self.pieces
+            self.reader._batch_done(self)
+        return self.over
+
+    def finish(self) -> None:
+        """Run every piece left."""
+        while not self.step(self.pieces):
+            pass
+
+
+def _at_once(forward_batch, ids: torch.Tensor, states: list[ModelState]) -> Generator[None, None, torch.Tensor]:
+    """A forward with no pieces as steps: all of it at the first."""
+    return forward_batch(ids, states)
+    yield  # noqa: unreachable - makes this a generator
 
 
 def drain(steps: Generator[None, None, T]) -> T:

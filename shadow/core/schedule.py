@@ -42,9 +42,19 @@ checkpoint is taken between two chunks, never inside a forward). In the idle win
 while its estimated seconds stay within `batch_s` (the first chunk is read whatever its cost; a
 request that comes waits for one read), and in the share while they stay within `batch_s` and the
 slice: the budget then pays for the whole batch before it is read (a share slice holds one batched
-read, at most `batch_s`, instead of one chunk). A batch's cost is estimated per batch size
+read, at most `batch_s`, instead of one chunk). With `batch_read_s` above `batch_s`, a batched read
+in the share may take up to `batch_read_s` in all: its caller reads it in pieces of at most
+`batch_s` by estimate between rounds (no other read begins until it is done), so a batch of 8 at
+depth costs the stream no longer a gap than one chunk. A batch's cost is estimated per batch size
 (`batch_costs`, warmed at load by `warm_batch` and learned from its reads) at its deepest entry; a
 size never measured is estimated as that many single chunks.
+
+**Waiting for a fuller batch** (`batch_wait_s` > 0; off by default): a batch's chunks cost less
+each the more there are, and when the share is the limit every millisecond should buy the most
+tokens. So while the share is busy (its reads over the last `busy_window_s` used at least
+`batch_busy` of the share of that window), a batch that could take more entries than are ready
+waits for more chunks, up to `batch_wait_s` from its oldest backlog, unless the stretch's budget
+holds `batch_bank_s` or more (enough to read at once); a share that is not busy reads at once.
 
 Which session: among resident sessions with a whole chunk to read, by the `Priorities` steps in
 order (each switchable): a pending ask or standing question first, then sessions with a turn in
@@ -81,6 +91,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
+from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass, fields
 
@@ -100,8 +111,20 @@ class BandwidthRule:
     share: float = 0.02
     slice_s: float = 0.15
     slice_chunks: int = 1
-    batch: int = 1  # sessions whose next chunks one read may take (1: no batches)
-    batch_s: float = 0.010  # the longest a batched read may be estimated to take (in the share: and slice_s)
+    batch: int = 1  # chunks one read may take (1: no batches)
+    batch_s: float = 0.010  # the longest a batched read may hold the device at once, by estimate (and slice_s)
+    # the longest a batched read in the share may take in all, read in pieces of at most batch_s
+    # between rounds (None: batch_s, one piece)
+    batch_read_s: float | None = None
+    batch_wait_s: float = 0.0  # while the share is busy, how long a batch short of `batch` waits for more chunks
+    batch_busy: float = 0.4  # the share's use over the last busy_window_s, of its income there, that makes it busy
+    busy_window_s: float = 10.0
+    batch_bank_s: float = 4.0  # ... with less than this left in the stretch's budget (more: it can afford to read at once)
+
+    @property
+    def share_batch_s(self) -> float:
+        """The longest a batched read in the share may take in all, by estimate."""
+        return min(self.slice_s, self.batch_s if self.batch_read_s is None else self.batch_read_s)
 
     def next_poll(self, t: float) -> float:
         """The first poll tick at or after t (ticks at multiples of poll_s)."""
@@ -305,6 +328,8 @@ class ReadScheduler:
         self.changes = 0  # bumped by every change that can move a decision
         self.decode_s = 0.0  # seconds of decode stretches ended so far
         self._between: tuple[int, float] | None = None  # (changes, until) of the last between-rounds Wait
+        self._share_reads: deque[tuple[float, float]] = deque()  # (end, seconds) of recent share reads
+        self._share_used_recently = 0.0
 
     # the sessions ----------------------------------------------------------------------------
 
@@ -549,33 +574,36 @@ class ReadScheduler:
         singles = [self.costs.estimate(d) for d in depths]
         return None if any(x is None for x in singles) else sum(singles)
 
-    def _batch(self, first: _Session, limit_s: float, fits=None) -> tuple[tuple[tuple[str, int], ...], float | None]:
+    def _batch(self, first: _Session, limit_s: float, fits=None) -> tuple[tuple[tuple[str, int], ...], float | None, bool]:
         """More chunks to read with `first`'s next one, chunk by chunk in rank order (the rest of
         `first`'s run, then the next session's run, ...), while the batch's estimate stays within
-        `limit_s`, cut to a graphed size: (others, the batch's estimate)."""
+        `limit_s`, cut to a graphed size: (others, the batch's estimate, whether it is full: no
+        more entries would fit, for the size or the bound, rather than no more chunks to take)."""
         est = self.batch_estimate([first.committed])
         if self.rule.batch <= 1:
-            return (), est
+            return (), est, True
         entries: list[tuple[str, int]] = []
         depths = [first.committed]
         sessions = [first] + [s for s in self._ranked(self.rule.batch, fits) if s is not first]
+        full = False
         for s in sessions:
             for k in range(1 if s is first else 0, self._run_chunks(s)):
                 depth = s.committed + k * self.grid
                 total = None if len(entries) + 1 >= self.rule.batch else self.batch_estimate([*depths, depth])
                 if total is None or total > limit_s + 1e-12:
+                    full = True
                     break
                 entries.append((s.name, depth))
                 depths.append(depth)
                 est = total
-            else:
-                continue
-            break
+            if full:
+                break
+        full = full or len(entries) + 1 >= self.rule.batch
         size = graphed_batch(len(entries) + 1)
         if size != len(entries) + 1:
             entries = entries[: size - 1]
             est = self.batch_estimate(depths[:size])
-        return tuple(entries), est
+        return tuple(entries), est, full
 
     def next_read(self, now: float, between_rounds: bool = False) -> Read | Wait:
         """What to read now. Idle engine: one chunk of the first session in priority order, inside
@@ -606,7 +634,7 @@ class ReadScheduler:
             if tick > now + EPS:
                 return Wait(tick)
             self._burst_start, self._burst_chunks = now, 0  # a burst's first chunk is read whatever its cost
-        others, batch_est = self._batch(s, self.rule.batch_s)
+        others, batch_est, _ = self._batch(s, self.rule.batch_s)
         return Read(s.name, 1, "idle", s.committed, batch_est if others else est, others)
 
     def _share(self, now: float) -> Read | Wait:
@@ -638,15 +666,34 @@ class ReadScheduler:
         return Wait(max(ready, now + EPS))
 
     def _share_batch(self, first: _Session, now: float, budget: float, fits) -> Read | Wait | None:
-        """With batches on, in the share: `first`'s chunk and the next sessions' (one each, in rank
-        order) while the batch's estimate stays within min(`slice_s`, `batch_s`), read when the
-        budget pays for the whole batch and waited for until then; None where no batch forms."""
-        others, est = self._batch(first, min(self.rule.slice_s, self.rule.batch_s), fits)
-        if not others or est is None:
+        """With batches on, in the share: `first`'s chunk and the next ones (`_batch`) while the
+        batch's estimate stays within `share_batch_s`, read when the budget pays for the whole
+        batch and waited for until then. While the share is busy (`share_busy`), a batch that is not
+        full waits up to `batch_wait_s` from its oldest backlog for more chunks. None where no
+        batch forms (and none is waited for)."""
+        others, est, full = self._batch(first, self.rule.share_batch_s, fits)
+        if est is None:
+            return None
+        if not full and self.rule.batch_wait_s > 0 and self.share_busy(now):
+            names = {first.name, *(name for name, _ in others)}
+            since = min(self.sessions[n].backlog_since for n in names if self.sessions[n].backlog_since is not None)
+            if now + EPS < since + self.rule.batch_wait_s:
+                return Wait(since + self.rule.batch_wait_s)
+        if not others:
             return None
         if est <= budget + 1e-12:
             return Read(first.name, 1, "share", first.committed, est, others)
         return Wait(max(self.stretch_start + (self.share_used + est) / self.rule.share, now + EPS))
+
+    def share_busy(self, now: float) -> bool:
+        """Whether the share is busy: its reads over the last `busy_window_s` used at least
+        `batch_busy` of the share of that window, and the stretch's budget holds less than
+        `batch_bank_s` (amortised O(1))."""
+        window, reads = self.rule.busy_window_s, self._share_reads
+        while reads and reads[0][0] < now - window:
+            self._share_used_recently -= reads.popleft()[1]
+        return self._share_used_recently >= self.rule.batch_busy * self.rule.share * window - 1e-12 \
+            and self.share_left(now) < self.rule.batch_bank_s
 
     def read_done(self, read: Read, chunks: int, seconds: float, now: float) -> None:
         """`chunks` of `read` were read in `seconds` (device synchronised), ending at `now`. Moves the
@@ -669,6 +716,9 @@ class ReadScheduler:
                 s.committed += chunks * self.grid
         if read.window == "share" and self.stretch_start is not None:
             self.share_used += seconds
+        if read.window == "share":
+            self._share_reads.append((now, seconds))
+            self._share_used_recently += seconds
         if read.window == "idle" and self._burst_start is not None:
             self._burst_chunks += 1
         if s is not None:

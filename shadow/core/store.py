@@ -213,6 +213,7 @@ class SessionStore:
         the settle."""
         if self.cap is None:
             return
+        self.reader.settle()  # no session leaves memory half read
         now = self.clock()
         waiting = {n for n, t in self._retry_at.items() if now < t}
         plan = Settle([(n, session_bytes(s)) for n, s in self._resident.items()], self.cap, keep, waiting)
@@ -228,6 +229,7 @@ class SessionStore:
         Returns (session, reason) for each one it could not write; those stay resident."""
         if not self.disk:
             return []
+        self.reader.settle()
         failed = []
         for name, session in list(self._resident.items()):
             if self._write(session) is not None:

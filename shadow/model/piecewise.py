@@ -95,6 +95,7 @@ class PiecewiseForward:
             except StopIteration as done:
                 return done.value
 
+    @torch.no_grad()
     def passes(self, ids: torch.Tensor, states: list[ModelState]) -> Generator[None, None, torch.Tensor]:
         """`forward_batch` a piece at a time: yields after each piece but the last, returns the
         hidden rows. Until it returns, its sessions are half read (nothing else may read, fork or

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, batch_sizes, graphed_batch
+from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, batch_sizes, graphed_batch
 from shadow.offline.costs import CostTable, ReadTime
 from shadow.offline.held import Held, HeldSessions
 from shadow.offline.ledger import Request
@@ -69,6 +69,17 @@ class ToFresh:
     seconds: float
     censored: bool
     engine: int = 0
+
+
+@dataclass
+class Flight:
+    """A batched read of the share under way, read in pieces between rounds: its read, entries
+    (session, depth), cost in all, and the pieces run so far."""
+
+    read: Read
+    batch: list
+    cost: float
+    ran: int = 0
 
 
 @dataclass
@@ -132,6 +143,7 @@ class EngineReplay:
         self.line_at: dict[int, float] = {}  # decoding request -> when its next status line is due
         self.pending_fresh: dict[str, tuple[int, float]] = {}  # session -> (its turn, target line)
         self.next_round = -math.inf
+        self.flight: Flight | None = None  # a share batch read in pieces between rounds
         self.tally = Tally()
         self.starts: list[TurnStart] = []
         self.probes: list[Probe] = []
@@ -340,11 +352,10 @@ class EngineReplay:
             done += 1
         return done, t
 
-    def _batch(self, read: Read, t: float) -> tuple[Read, int, float]:
-        """A batched read: its entries still readable, each a resident session's next whole chunk
-        after the entries of it before (a run, up to its next checkpoint line), as many as make a
-        graphed batch size, in one forward charged `costs.batch_s` (as `Reading.read`: the entries
-        left out are dropped from the read told to the scheduler)."""
+    def _entries(self, read: Read) -> list[tuple[Held, int]]:
+        """A batch's entries still readable, as `Reading._entries` takes them: each a resident
+        session's next whole chunk after the entries of it before (a run, up to its next
+        checkpoint line); none if the first cannot be read; cut to a graphed size."""
         batch: list[tuple[Held, int]] = []
         taken: dict[str, int] = {}
         for name, depth in ((read.session, read.depth), *read.others):
@@ -354,11 +365,19 @@ class EngineReplay:
             if h is None or h.committed + k * self.grid != depth or depth + self.grid > h.ids \
                     or (line is not None and depth + self.grid > line) or (k and batch[-1][0] is not h):
                 if not batch:
-                    return replace(read, others=()), 0, t
+                    return []
                 continue
             taken[name] = k + 1
             batch.append((h, depth))
-        batch = batch[: graphed_batch(len(batch))]
+        return batch[: graphed_batch(len(batch))]
+
+    def _batch(self, read: Read, t: float) -> tuple[Read, int, float]:
+        """A batched read of its entries still readable (`_entries`) in one forward charged
+        `costs.batch_s` (as `Reading.read`: the entries left out are dropped from the read told to
+        the scheduler)."""
+        batch = self._entries(read)
+        if not batch:
+            return replace(read, others=()), 0, t
         t = self._busy(t, self.costs.batch_s([d for _, d in batch]))
         for h, _ in batch:
             self.store.advance(h)
@@ -366,8 +385,54 @@ class EngineReplay:
             read = replace(read, others=tuple((h.name, d) for h, d in batch[1:]))
         return read, len(batch), t
 
+    # a batched read of the share in pieces (`BandwidthRule.batch_read_s`) ----------------------
+
+    def _begin_flight(self, read: Read, t: float) -> float:
+        """A share batch estimated past `batch_s`: read in pieces between rounds (as `Reading.share`),
+        its first ones now. Returns the device's time after them."""
+        batch = self._entries(read)
+        if not batch:
+            self.sched.read_done(replace(read, others=()), 0, 0.0, t)
+            return t
+        if len(batch) - 1 != len(read.others):
+            read = replace(read, others=tuple((h.name, d) for h, d in batch[1:]))
+        self.flight = Flight(read, batch, self.costs.batch_s([d for _, d in batch]))
+        return self._fly(t)
+
+    def _fly(self, t: float, every: bool = False) -> float:
+        """The batch under way: the next pieces, as many as fit `batch_s` by its estimate a piece
+        (`every`: all that are left, as anything else on the device finishes it first); over, its
+        sessions move on and the scheduler is told."""
+        f = self.flight
+        pieces = self.limits.pieces
+        per_piece = (f.read.estimate_s or 0.0) / pieces
+        fit = max(1, int(self.sched.rule.batch_s / per_piece)) if per_piece > 0 else pieces
+        n = pieces - f.ran if every else min(fit, pieces - f.ran)
+        start, t = t, self._busy(t, f.cost * n / pieces)
+        f.ran += n
+        self.tally.share_s += t - start
+        if not every:  # a gap between two rounds (the rest, read out by other work, is that work's)
+            self.tally.longest_slice_s = max(self.tally.longest_slice_s, t - start)
+        if f.ran < pieces:
+            return t
+        self.flight = None
+        for h, _ in f.batch:
+            self.store.advance(h)
+        self.tally.chunks_share += len(f.batch)
+        self.sched.read_done(f.read, len(f.batch), f.cost, t)
+        for name in dict.fromkeys(h.name for h, _ in f.batch):
+            self._tell(name, t)
+        return t
+
+    def _land(self, t: float) -> float:
+        """Anything else that takes the device finishes the batch under way first."""
+        return self._fly(t, every=True) if self.flight is not None else t
+
     def _read(self, read: Read, t: float) -> float:
         start = t
+        if read.window == "share" and read.others and read.estimate_s is not None \
+                and read.estimate_s > self.sched.rule.batch_s + 1e-9:
+            return self._begin_flight(read, t)
         if read.others:
             read, done, t = self._batch(read, t)
         else:
@@ -415,6 +480,7 @@ class EngineReplay:
             self.line_at[i] = t + LINE_EVERY_S
             used = self.voice_used.get(i, 0.0)
             if self.limits.voice_share * max(0.0, t - r.first_token) - used >= cost - 1e-9:
+                t = self._land(t)  # a phrase's fork finishes the batch under way first
                 self.voice_used[i] = used + cost
                 self.tally.voice_s += cost
                 self.tally.phrases += 1
@@ -432,6 +498,7 @@ class EngineReplay:
         while True:
             self._events(t, inclusive=True)
             if self.jobs:
+                t = self._land(t)
                 t = self._job(self.jobs.popleft(), t)
                 continue
             if not self.heap:  # every event handled: what the shadow reads after the timeline counts for none
@@ -443,7 +510,11 @@ class EngineReplay:
                     break
             else:
                 between = self.use_share and bool(self.decoding) and t >= self.next_round
-                decision = sched.next_read(t, between_rounds=between)
+                if self.flight is not None and (between or not sched.busy):
+                    t = self._fly(t, every=not between)  # a round's pieces, or (the engine idle) the rest
+                    self.next_round = t + self._round_s()
+                    continue
+                decision = Wait(math.inf) if self.flight is not None else sched.next_read(t, between_rounds=between)
                 if isinstance(decision, Read):
                     t = self._read(decision, t)
                     if decision.window == "share":

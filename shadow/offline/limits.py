@@ -49,7 +49,8 @@ class Limits:
     `label_s`: after each turn, the
     engine asked a standing question's label; `asks_per_hour`: asks per active session (Poisson,
     seeded by `seed`), each reading its session to its end and one forward, its question
-    `ask_tokens` ids long."""
+    `ask_tokens` ids long. `pieces`: the pieces of the shadow's forward (`PiecewiseForward`), in
+    which a share batch longer than `batch_s` is read between rounds."""
 
     ids: str = "embedded"
     cap_gib: float | None = None
@@ -60,13 +61,14 @@ class Limits:
     asks_per_hour: float = 0.0
     ask_tokens: int = 64
     seed: int = 0
+    pieces: int = 7  # pieces a shadow's forward runs in, read between rounds (attention layers + 1: the 0.8B's 7)
 
     def __post_init__(self) -> None:
         if self.ids not in IDS:
             raise ValueError(f"ids is one of {', '.join(IDS)} (got {self.ids!r})")
         if self.cap_gib is not None and (self.state is None or self.cap_gib <= 0):
             raise ValueError("a cap is positive and needs the sessions' state sizes")
-        if min(self.voice_share, self.label_s, self.asks_per_hour) < 0 or self.ask_tokens < 1:
+        if min(self.voice_share, self.label_s, self.asks_per_hour) < 0 or self.ask_tokens < 1 or self.pieces < 1:
             raise ValueError("voice share, label seconds and asks per hour are not negative")
 
     @property
@@ -91,5 +93,6 @@ def live(ids: str = "engine", cap_gib: float | None = LIVE_CAP_GIB, model: str =
     """The live service's defaults: a 4 GiB cap of the 0.8B's sessions (bf16) with no disk (past
     the cap a session is dropped and read again), proxy mode beside an engine that shows its ids,
     the voice at its 3 % share."""
-    return Limits(ids=ids, cap_gib=cap_gib, state=StateSize.of(PRESETS[model], 2), disk=disk,
-                  voice_share=voice_share, **rest)
+    config = PRESETS[model]
+    rest.setdefault("pieces", len(config.attention_layers) + 1)
+    return Limits(ids=ids, cap_gib=cap_gib, state=StateSize.of(config, 2), disk=disk, voice_share=voice_share, **rest)

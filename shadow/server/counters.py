@@ -20,7 +20,8 @@ class Counters:
     idle_s: float = 0.0  # seconds read in the idle window
     ask_s: float = 0.0  # seconds read for asks
     chunks_ask: int = 0
-    batched_reads: dict = field(default_factory=lambda: {"idle": 0, "share": 0})  # reads of several sessions' chunks, by window
+    batched_reads: dict = field(default_factory=lambda: {"idle": 0, "share": 0})  # reads of several chunks, by window
+    read_pieces: int = 0  # slices of a batched read in the share read between two rounds (`--batch-read-ms`)
     rollbacks: int = 0  # prompts that went back to a checkpoint (or the start), every session
     ids_reread: int = 0  # ids those rollbacks read again
     upstream_errors: dict = field(default_factory=dict)  # kind -> count (proxy mode)

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 
 import torch
 
-from shadow.core.reader import Reader, Session
+from shadow.core.reader import BatchRead, Reader, Session
 from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, batch_sizes, graphed_batch
 from shadow.core.store import Restored
 from shadow.server.host import ModelHost, Shadow
@@ -103,6 +103,17 @@ def measure_chunks(reader: Reader, clock: Callable[[], float], depths: Sequence[
         if reader.model.device.type == "cuda":
             torch.cuda.empty_cache()  # the scratch rows are not the sessions' memory
     return chunks, batches
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A batched read of the share under way: what `Reading._report` tells when it is over."""
+
+    shadow: Shadow
+    read: Read
+    batch: list[Session]
+    lines: dict
+    batch_read: BatchRead
 
 
 class Answers(Protocol):
@@ -177,6 +188,7 @@ class Reading:
         self.last: Read | Wait | None = None  # the scheduler's last answer
         self.stop_event = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="shadow-idle", daemon=True)
+        self.in_flight: InFlight | None = None  # a batched read in the share, read a piece a round (device thread)
         self.state = "not started"
         self.rounds = 0
         self.last_read_at: float | None = None
@@ -249,15 +261,7 @@ class Reading:
         for a batch, its entries still readable (`_entries`: as many as make a graphed batch size)
         in one forward; device synchronised before and after; report `read_done` and the sessions'
         true state; answer a question a read reached. Returns (chunks read, seconds)."""
-        grid = shadow.grid
-        with self.lock:
-            batch = self._entries(shadow, session, read) if read.others else [session]
-            if read.others and len(batch) - 1 != len(read.others):
-                read = dataclasses.replace(read, others=tuple(entry_depths(batch, grid)[1:]))
-            names = list(dict.fromkeys(s.name for s in batch))
-            lines = {name: self.answers.line(name, grid) for name in names}
-        line = lines[session.name]
-        chunks = read.chunks if line is None else min(read.chunks, max(0, (line - session.committed) // grid))
+        read, batch, lines, chunks = self._prepare(shadow, session, read)
         shadow.reader.synchronize()
         start = self.clock()
         if chunks <= 0 or not batch:
@@ -267,11 +271,30 @@ class Reading:
         else:
             done = shadow.reader.advance(session, max_chunks=chunks)
         shadow.reader.synchronize()
+        seconds = self.clock() - start
+        self._report(shadow, read, batch, lines, done, seconds)
+        return done, seconds
+
+    def _prepare(self, shadow: Shadow, session: Session, read: Read) -> tuple[Read, list[Session], dict, int]:
+        """(the read as it can be made now, its entries, the standing questions' lines of its
+        sessions, the chunks of `session` to read when it is no batch)."""
+        grid = shadow.grid
+        with self.lock:
+            batch = self._entries(shadow, session, read) if read.others else [session]
+            if read.others and len(batch) - 1 != len(read.others):
+                read = dataclasses.replace(read, others=tuple(entry_depths(batch, grid)[1:]))
+            lines = {name: self.answers.line(name, grid) for name in dict.fromkeys(s.name for s in batch)}
+        line = lines.get(session.name)
+        chunks = read.chunks if line is None else min(read.chunks, max(0, (line - session.committed) // grid))
+        return read, batch, lines, chunks
+
+    def _report(self, shadow: Shadow, read: Read, batch: list[Session], lines: dict, done: int, seconds: float) -> None:
+        """A read is over: `read_done` (its chunks, seconds), the sessions' true state, the counters;
+        a question a read reached answered."""
         end = self.clock()
-        seconds = end - start
         with self.lock:
             self.sched.read_done(read, done, seconds, end)
-            for name in names:
+            for name in lines:
                 self.sync(shadow, name)
             c = self.counters
             if done:
@@ -288,12 +311,11 @@ class Reading:
             else:
                 c.chunks_ask += done
                 c.ask_s += seconds
-        for name in names:
-            if lines[name] is not None:
+        for name, line in lines.items():
+            if line is not None:
                 s = shadow.store.peek(name)
                 if s is not None:
                     self.answers.answer_if_ready(shadow, s)
-        return done, seconds
 
     def _entries(self, shadow: Shadow, first: Session, read: Read) -> list[Session]:
         """A batch's entries still readable, in its order (the caller holds the lock): each a
@@ -330,6 +352,7 @@ class Reading:
         caller woke for, else now) and, for a Read, its one chunk; the cap enforced after it."""
 
         def job() -> Read | Wait:
+            self.finish_in_flight()  # a batch begun in the share, the engine idle since: read it out first
             with self.lock:
                 shadow = self.host.shadow
                 if shadow is None or not self.enabled():
@@ -347,12 +370,16 @@ class Reading:
 
     def share(self) -> tuple[int, float, float]:
         """Between two rounds of the engine (or two streamed deltas), on the device thread: the
-        chunks the scheduler grants the share now, of whichever session it picks. O(1) while the
+        chunks the scheduler grants the engine's share now, of whichever session it picks. O(1) while the
         scheduler's last answer between rounds still holds (`between_rounds_due`). Before a read
         the device finishes what is queued on it (the embedded engine's next round, launched
-        before its token was handed out): that wait is the engine's, not the read's. Returns
-        (chunks read, their seconds, seconds waited for the device first)."""
+        before its token was handed out): that wait is the engine's, not the read's. A batched read
+        estimated past `batch_s` is read in pieces, as many a round as fit `batch_s` by estimate
+        (`_piece`), and no other read begins until it is over. Returns (chunks read, their seconds,
+        seconds waited for the device first); a piece's chunks count when its read is over."""
         sched = self.sched
+        if self.in_flight is not None:
+            return self._piece()
         if not sched.between_rounds_due(self.clock()):  # nothing changed, and not yet due: no lock, no look
             return 0, 0.0, 0.0
         with self.lock:
@@ -364,12 +391,56 @@ class Reading:
         if session is None:
             return 0, 0.0, 0.0
         waited = settle_device(shadow.reader)
+        if decision.others and decision.estimate_s is not None and decision.estimate_s > sched.rule.batch_s + 1e-9:
+            read, batch, lines, _ = self._prepare(shadow, session, decision)
+            if len(batch) > 1:
+                self.in_flight = InFlight(shadow, read, batch, lines, shadow.reader.begin_batch(batch))
+                done, seconds, _ = self._piece()
+                return done, seconds, waited
+            return (*self.read(shadow, session, read), waited)
         return (*self.read(shadow, session, decision), waited)
+
+    def _piece(self) -> tuple[int, float, float]:
+        """The next pieces of the batched read under way, as many as fit `batch_s` by its estimate a
+        piece (at least one); reported once it is over (whoever finished it: a feed, a fork or a
+        settle of the reader finishes it first). Returns (chunks, seconds, 0) like `share`."""
+        flight = self.in_flight
+        assert flight is not None
+        before = flight.batch_read.seconds
+        if not flight.batch_read.over:
+            per_piece = (flight.read.estimate_s or 0.0) / flight.batch_read.pieces
+            fit = max(1, int(self.sched.rule.batch_s / per_piece)) if per_piece > 0 else flight.batch_read.pieces
+            flight.batch_read.step(fit)
+            with self.lock:
+                self.counters.read_pieces += 1
+        seconds = flight.batch_read.seconds - before
+        if not flight.batch_read.over:
+            return 0, seconds, 0.0
+        return self.collect(), seconds, 0.0
+
+    def collect(self) -> int:
+        """Report the batched read under way if it is over (read to its end by this reader or by
+        anything that settled the reader first); the chunks it read (0: none over)."""
+        flight = self.in_flight
+        if flight is None or not flight.batch_read.over:
+            return 0
+        self.in_flight = None
+        done = flight.batch_read.chunks
+        self._report(flight.shadow, flight.read, flight.batch, flight.lines, done, flight.batch_read.seconds)
+        return done
+
+    def finish_in_flight(self) -> None:
+        """Read the batched read under way to its end and report it (outside the share's rounds:
+        the idle window, an ask, a stop)."""
+        if self.in_flight is not None:
+            self.in_flight.batch_read.finish()
+            self.collect()
 
     def read_to_end(self, shadow: Shadow, name: str, timeout_s: float, started: float) -> tuple[Session, int, int]:
         """For an ask, on the device thread: read `name` to its last whole chunk, a chunk at a time
         (answering standing questions on the way), until timeout_s after `started`; returns
         (session, ids unread before, chunks read)."""
+        self.finish_in_flight()
         with self.lock:
             s = self.get(shadow, name)
             behind = len(s.ids) - s.committed

@@ -128,6 +128,7 @@ class ShadowService:
         self.reading.stop()
 
         def close() -> tuple[SessionStore | None, int, list[tuple[str, str]]]:
+            self.reading.finish_in_flight()
             with self.state_lock:
                 shadow = self.host.shadow
                 if shadow is None:
@@ -501,6 +502,7 @@ class ShadowService:
         if (shadow is None or shadow.store.disk is None or self.busy() or self.pending
                 or self._pool_free() <= self.unload_slack):
             return
+        self.reading.finish_in_flight()
         with self.state_lock:
             if self.sched.has_backlog() or shadow.store.close():  # a session not written stays: no unload
                 return
@@ -552,7 +554,7 @@ class ShadowService:
                     "requests": c.requests, "chunks_idle": c.chunks_idle, "chunks_share": c.chunks_share,
                     "share_s": round(c.share_s, 6), "voice_s": round(c.voice_s, 6),
                     "decode_s": round(self.sched.decoded_s(self.clock()), 6),
-                    "chunks_ask": c.chunks_ask, "batched_reads": dict(c.batched_reads), "asks": c.asks, "last_chunk_ms": round(c.last_chunk_ms, 3),
+                    "chunks_ask": c.chunks_ask, "batched_reads": dict(c.batched_reads), "read_pieces": c.read_pieces, "asks": c.asks, "last_chunk_ms": round(c.last_chunk_ms, 3),
                     "idle_s": round(c.idle_s, 6), "ask_s": round(c.ask_s, 6),
                     "rollbacks": c.rollbacks, "ids_reread": c.ids_reread,
                     "upstream_errors": dict(c.upstream_errors),
