@@ -75,8 +75,11 @@ def serve(
     store_key: Annotated[str | None, typer.Option(envvar="SHADOW_STORE_KEY", help="A secret for the session files in --disk: each carries a keyed digest (HMAC-SHA256) made with it, and a file without that digest (planted by someone without the key) is refused.", rich_help_panel=STORE)] = None,
     share: Annotated[float, typer.Option(envvar=_env("share"), help="In-turn share of the time since the first token the shadow may read (0.02 is 2 %).", rich_help_panel=READING)] = 0.02,
     slice_ms: Annotated[float, typer.Option(envvar=_env("slice_ms"), min=0.001, help="The longest a share slice may hold the device between two rounds, ms (whole chunks by their estimated cost).", rich_help_panel=READING)] = 150.0,
-    batch: Annotated[int, typer.Option(envvar=_env("batch"), min=1, max=8, help="Sessions whose next chunks one read may take together (2, 4 or 8: one forward, each session's state bit-equal to reading its chunk alone; 1: one session a read), in the idle window and in the share, a batched read at most --batch-ms (a share slice then holds one batch, not one chunk). On the H200 8 sessions at 16k read 37 % more tokens a second than one at a time.", rich_help_panel=READING)] = 1,
-    batch_ms: Annotated[float, typer.Option(envvar=_env("batch_ms"), min=0.001, help="With --batch: the longest a batched read may be estimated to take, ms: in the idle window (a request that comes waits for one read), and in the share together with --slice-ms (the lower of the two). Larger batches read more tokens a second but hold the device longer: 8 sessions at 16k take about 21 ms on the H200.", rich_help_panel=READING)] = 10.0,
+    batch: Annotated[int, typer.Option(envvar=_env("batch"), min=1, max=8, help="Chunks one read may take together (2, 4 or 8: one forward, each session's state bit-equal to reading its chunks alone; 1: one chunk a read), in the idle window and in the share: taken in the order sessions are read, a session's next chunks first (read as one run), then the next session's. On the H200 8 sessions at 16k read 33 % more tokens a second than one at a time, one session's 8 chunks 31 % more.", rich_help_panel=READING)] = 1,
+    batch_ms: Annotated[float, typer.Option(envvar=_env("batch_ms"), min=0.001, help="With --batch: the longest a batched read may hold the device at once, by estimate, ms: in the idle window (a request that comes waits for one read), and between two rounds in the share (the lower of this and --slice-ms). 8 sessions at 16k take about 21 ms on the H200.", rich_help_panel=READING)] = 10.0,
+    batch_read_ms: Annotated[float | None, typer.Option(envvar=_env("batch_read_ms"), min=0.001, help="With --batch: the longest a batched read in the share may take in all, ms, read in pieces of at most --batch-ms between two rounds (the forward's pieces between its attention layers): a batch of 8 at depth costs a stream no longer a gap than --batch-ms. Default: --batch-ms (one piece).", rich_help_panel=READING)] = None,
+    batch_wait_ms: Annotated[float, typer.Option(envvar=_env("batch_wait_ms"), min=0.0, help="With --batch: while the share is busy (--batch-busy), a batch that could take more chunks than are ready waits up to this long for them, ms: when the share is what limits the shadow, fuller batches read more tokens for it (0: never wait).", rich_help_panel=READING)] = 0.0,
+    batch_busy: Annotated[float, typer.Option(envvar=_env("batch_busy"), min=0.001, max=1.0, help="With --batch-wait-ms: the share is busy when its reads of the last 10 s used at least this part of the share of those 10 s and less than 4 s of its budget is left.", rich_help_panel=READING)] = 0.4,
     priorities: Annotated[str, typer.Option(envvar=_env("priorities"), help="The order sessions are read in: all (a question first, then turns in flight, the most recent turn, the oldest backlog), none, or steps among question,running,fewest,recent,oldest joined by commas. Adding fewest (the session nearest to fresh first) makes more turn starts fresh when the share cannot keep up, at the cost of the sessions furthest behind (`shadow replay-ledger --priorities` replays both).", rich_help_panel=READING)] = "all",
     read_rate_json: Annotated[Path | None, typer.Option(envvar=_env("read_rate_json"), callback=input_file, help="A `shadow read-rate --json` output of this model at this grid (e.g. with --contexts 0,16384,65536,100352 and --batches 2,4,8): the scheduler starts from its chunk costs by depth and its batched reads' costs, so a session deeper than the load measures (0, 8k, 32k) is estimated by its own depth before its first read; the load's measurements and every read replace them.", rich_help_panel=READING)] = None,
     upstream: Annotated[str | None, typer.Option(envvar=_env("upstream"), help="Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1). Without it: embedded mode.", rich_help_panel=ENGINE)] = None,
@@ -121,7 +124,9 @@ def serve(
 
     # every option is checked before any work: nothing is loaded, written or bound on bad input
     for name, value in (("--max-body-mb", max_body_mb), ("--cap-gib", cap_gib), ("--disk-cap-gib", disk_cap_gib),
-                        ("--share", share), ("--slice-ms", slice_ms), ("--batch-ms", batch_ms), ("--voice-share", voice_share),
+                        ("--share", share), ("--slice-ms", slice_ms), ("--batch-ms", batch_ms),
+                        ("--batch-read-ms", batch_ms if batch_read_ms is None else batch_read_ms),
+                        ("--batch-wait-ms", batch_wait_ms), ("--batch-busy", batch_busy), ("--voice-share", voice_share),
                         ("--health-stuck-s", health_stuck_s), ("--ready-engine-timeout-s", ready_engine_timeout_s)):
         if not math.isfinite(value):
             raise ShadowInputError(f"{name} must be a finite number (got {value})")
@@ -129,7 +134,9 @@ def serve(
     settings = ServeSettings(
         model=ModelSettings(model, generator_model, grid, device, dtype, kernels),
         store=StoreSettings(cap_gib, disk, disk_cap_gib, unload_slack_gib, store_key),
-        schedule=BandwidthRule(share=share, slice_s=slice_ms / 1000, batch=batch, batch_s=batch_ms / 1000),
+        schedule=BandwidthRule(share=share, slice_s=slice_ms / 1000, batch=batch, batch_s=batch_ms / 1000,
+                               batch_read_s=None if batch_read_ms is None else batch_read_ms / 1000,
+                               batch_wait_s=batch_wait_ms / 1000, batch_busy=batch_busy),
         priorities=_priorities(priorities),
         read_costs=None if read_rate_json is None else _read_costs(read_rate_json, model, grid),
         engine=EngineSettings(upstream, engine, chat_template, tokenizer_path, template_kwargs(chat_template_kwargs),

@@ -61,11 +61,16 @@ def service_for(settings: ServeSettings, reader, store, weights: str = "random",
 
 @contextmanager
 def running(upstream: str | None = None, disk=None, journal=None, standing=None, label_from_upstream=False,
-            prefix_match=True, require_exact=False, renderer=None, wrap=None, **options):
+            prefix_match=True, require_exact=False, renderer=None, wrap=None, pieces=False, **options):
     """A real `shadow serve` app on loopback in a thread: embedded, or a proxy in front of
     `upstream` (`wrap`: an ASGI middleware around it); leaving it is a planned stop (sessions
-    parked on `disk`)."""
+    parked on `disk`). `pieces`: the shadow reads through the piecewise forward (graphs off: the
+    pieces a GPU replays), so batched reads can be read a piece at a time."""
     loaded, reader = open_reader("tiny", grid=GRID)
+    if pieces:
+        from shadow.model.piecewise import PiecewiseForward
+
+        reader.forward = PiecewiseForward(loaded.model, sizes={GRID}, graphs=False, batches={2, 4, 8})
     store = SessionStore(reader, loaded.weights_hash, cap_gib=None, disk=disk)
     settings = settings_for(upstream, disk, journal, label_from_upstream, prefix_match, require_exact, **options)
     service = service_for(settings, reader, store, loaded.weights_label, standing=standing)

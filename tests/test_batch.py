@@ -150,6 +150,43 @@ def test_batched_pieces_equal_the_batched_forward_bit_for_bit(reader, runs):
         assert mismatched == [] and x.committed == y.committed
 
 
+@pytest.mark.parametrize("finisher", ["step", "prompt", "fork", "advance", "batch"])
+def test_a_batch_read_a_piece_at_a_time_is_finished_before_anything_else_touches_the_reader(reader, finisher):
+    """`begin_batch` on a piecewise forward: `step` runs one piece (the tiny model has two), the
+    sessions are half read and the read stays open on the reader while output ids are fed (they
+    only append); then a step, a prompt fed to any session, a fork, another read or another batch
+    finishes it first. Every state as reading its chunks alone leaves it."""
+    from shadow.model.piecewise import PiecewiseForward
+
+    pieced = Reader(reader.model, GRID, forward=PiecewiseForward(reader.model, sizes={GRID}, graphs=False, batches={4}))
+    runs = [2, 1, 1]
+    alone, batched = backlogs(pieced, runs, seed=21)
+    other = pieced.new_session("other")
+    pieced.feed_prompt(other, list(range(3000, 3000 + 2 * GRID)))
+    for s, n in zip(alone, runs):
+        reader.advance(s, max_chunks=n)
+    read = pieced.begin_batch(entries(batched, runs))
+    assert read.pieces == 2 and read.chunks == 4
+    assert not read.step(1) and pieced.open is read and read.ran == 1 and read.seconds > 0
+    pieced.feed_output(batched[1], [7] * 10)  # appends only: still open
+    assert pieced.open is read and not read.over
+    if finisher == "step":
+        assert read.step(1)
+    elif finisher == "prompt":
+        pieced.feed_prompt(other, other.ids + [9] * 10)
+    elif finisher == "fork":
+        pieced.ask(other, [11, 12], [13, 14])
+    elif finisher == "advance":
+        pieced.advance(other, max_chunks=1)
+    else:
+        pieced.advance_batch([other, other])
+    assert read.over and pieced.open is None and read.ran == 2
+    for x, y in zip(alone, batched):
+        _, mismatched, _ = compare_states(x.state, y.state)
+        assert mismatched == [] and x.committed == y.committed
+        assert [c.position for c in x.checkpoints] == [c.position for c in y.checkpoints]
+
+
 def test_the_live_idle_reader_reads_batches_and_every_session_stays_exact(shadow_cache):
     """A service whose rule batches up to 4 sessions: its load measures batched reads of 2 and 4
     at the warm depths; requests to four sessions, then the idle window reads their backlogs in
@@ -209,6 +246,46 @@ def test_the_share_reads_batches_between_the_engines_rounds_and_every_session_st
             if counters["batched_reads"]["share"] > before:
                 break
         assert counters["batched_reads"]["share"] > before and counters["share_s"] > 0
+        for name in [*names, "d"]:
+            assert_exact(service, name)
+
+
+def test_the_share_reads_a_batch_a_piece_a_round_and_every_session_stays_exact(shadow_cache):
+    """`--batch-read-ms` past `--batch-ms`: a batch of the share is read a piece between two of the
+    embedded engine's rounds (here every batch, one piece a round: --batch-ms far below a piece),
+    no other read begins meanwhile, status shows it under way, and every session ends bit-equal to
+    a fresh prefill."""
+    from serving import assert_exact, long_text, running
+
+    from shadow.core.schedule import BandwidthRule
+
+    rule = BandwidthRule(share=0.9, slice_s=10.0, batch=4, batch_s=1e-6, batch_read_s=10.0)
+    with running(rule=rule, pieces=True) as (client, service):
+        service.reading.stop_event.set()  # the idle thread waits: only the share reads
+        names = [f"p{k}" for k in range(4)]
+        for k, name in enumerate(names):
+            r = client.post("/v1/chat/completions", headers={"x-session-id": name},
+                            json={"messages": [{"role": "user", "content": long_text(60 + k, 500)}], "max_tokens": 1})
+            assert r.status_code == 200
+        seen_in_flight = []
+        original = service.reading._piece
+
+        def watching():
+            out = original()
+            seen_in_flight.append(service.status()["reading"]["in_flight"])
+            return out
+
+        service.reading._piece = watching
+        for turn in range(4):
+            r = client.post("/v1/chat/completions", headers={"x-session-id": "d"},
+                            json={"messages": [{"role": "user", "content": long_text(70 + turn, 300)}], "max_tokens": 64})
+            assert r.status_code == 200
+            counters = service.status()["counters"]
+            if counters["batched_reads"]["share"]:
+                break
+        assert counters["batched_reads"]["share"] >= 1 and counters["read_pieces"] >= 2
+        assert any(f is not None and f["pieces_read"] == 1 and f["pieces"] == 2 for f in seen_in_flight)
+        service.device.run(service.reading.finish_in_flight)  # the device thread's own
         for name in [*names, "d"]:
             assert_exact(service, name)
 

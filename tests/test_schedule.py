@@ -365,3 +365,73 @@ def test_known_costs_are_where_a_scheduler_starts_and_its_own_measures_replace_t
     assert sorted(s.batch_costs) == [2] and s.batch_estimate([0, 0]) == pytest.approx(0.005)
     s.costs.warm(0, 0.004)  # the load's own measure at depth 0
     assert s.costs.estimate(0) == pytest.approx(0.004) and s.costs.estimate(65536) == pytest.approx(0.006)
+
+
+def test_a_share_batch_may_take_batch_read_s_in_all_its_pieces_each_within_batch_s():
+    """With `batch_read_s` above `batch_s` the share grants a batch up to `batch_read_s` (its caller
+    reads it in pieces of at most `batch_s` between rounds); the idle window keeps to `batch_s`."""
+    def busy_scheduler(**rule):
+        s = scheduler(chunk_s=0.004, batch=8, batch_s=0.010, **rule)
+        for k in range(8):
+            s.update(f"s{k}", 0, G + 1, now=0.0)
+        s.turn_started("t", "s0", 0.0)
+        s.first_token("t", 1.0)
+        return s
+
+    one_piece = busy_scheduler().next_read(10.0, between_rounds=True)
+    assert one_piece.batch == 2 and one_piece.estimate_s == pytest.approx(0.008)  # 12 ms would pass 10
+    pieces = busy_scheduler(batch_read_s=0.05).next_read(10.0, between_rounds=True)
+    assert pieces.batch == 8 and pieces.estimate_s == pytest.approx(0.032)
+    assert BandwidthRule(batch_read_s=0.05).share_batch_s == pytest.approx(0.05)
+    assert BandwidthRule(batch_read_s=0.5).share_batch_s == pytest.approx(0.15)  # never past the slice
+    idle = scheduler(chunk_s=0.004, batch=8, batch_s=0.010, batch_read_s=0.05)
+    for k in range(8):
+        idle.update(f"s{k}", 0, G + 1, now=0.0)
+    assert idle.next_read(1.0).batch == 2
+
+
+def test_while_the_share_is_busy_a_batch_short_of_full_waits_for_more_chunks():
+    """`batch_wait_s`: a share whose reads of the last 10 s used at least `batch_busy` of that share,
+    with less than `batch_bank_s` of budget left, holds a batch that could take more chunks for up
+    to `batch_wait_s` from its oldest backlog; more chunks come, or the time is up, and it reads.
+    Not busy, it reads at once."""
+    rule = dict(chunk_s=0.004, batch=4, batch_s=1.0, batch_wait_s=1.0, batch_busy=0.5, busy_window_s=10.0,
+                batch_bank_s=0.6)
+    s = scheduler(**rule)
+    s.turn_started("t", "x", 0.0)
+    s.first_token("t", 0.0)
+    s.update("a", 0, 2 * G + 1, now=100.0)  # two chunks of four
+    assert not s.share_busy(100.0)
+    read = s.next_read(100.0, between_rounds=True)
+    assert read.batch == 2  # not busy: at once
+    s.read_done(read, 2, 0.008, 100.0)
+    busy(s, 100.0)
+    assert s.share_busy(100.5)
+    s.update("b", 0, G + 1, now=100.5)
+    assert s.next_read(100.6, between_rounds=True) == Wait(pytest.approx(101.5))  # b's backlog since 100.5
+    s.update("c", 0, 3 * G + 1, now=100.8)  # four chunks now: full, read at once
+    read = s.next_read(100.9, between_rounds=True)
+    assert read.batch == 4 and [n for n, _ in ((read.session, 0), *read.others)] == ["b", "c", "c", "c"]
+    lone = scheduler(**rule)
+    lone.turn_started("t", "x", 0.0)
+    lone.first_token("t", 0.0)
+    busy(lone, 100.0)
+    lone.update("a", 0, G + 1, now=100.0)
+    assert lone.next_read(100.2, between_rounds=True) == Wait(pytest.approx(101.0))
+    read = lone.next_read(101.0, between_rounds=True)  # waited its second: read alone
+    assert isinstance(read, Read) and read.batch == 1
+    assert not lone.share_busy(111.0)  # the read has left the window
+    rich = scheduler(**{**rule, "batch_bank_s": 0.001})  # a budget that holds more than the bank: at once
+    rich.turn_started("t", "x", 0.0)
+    rich.first_token("t", 0.0)
+    busy(rich, 100.0)
+    rich.update("a", 0, G + 1, now=100.0)
+    assert isinstance(rich.next_read(100.2, between_rounds=True), Read)
+
+
+def busy(s: ReadScheduler, at: float) -> None:
+    """As if the share had read 1.5 s at `at` (ten seconds' 2 % is 0.2 s): its budget down to about
+    0.5 s, its last 10 s well used."""
+    s._share_reads.append((at, 1.5))
+    s._share_used_recently += 1.5
+    s.share_used += 1.5

@@ -538,7 +538,16 @@ class Reading:
             "known_costs": None if self.shared.settings.read_costs is None else self.shared.settings.read_costs.label,
             "last_decision": None if self.last is None else type(self.last).__name__.lower(),
             "priorities": sched.priorities.label,
+            "in_flight": self._in_flight_status(),
         }
+
+    def _in_flight_status(self) -> dict | None:
+        """The batched read of the share under way (read a piece a round), or None."""
+        flight = self.in_flight
+        if flight is None:
+            return None
+        return {"chunks": flight.batch_read.chunks, "pieces": flight.batch_read.pieces,
+                "pieces_read": flight.batch_read.ran, "sessions": list(flight.lines)}
 
     def idle_status(self) -> dict:
         c = self.counters
