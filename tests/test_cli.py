@@ -178,6 +178,16 @@ def test_read_rate_times_batches_and_the_replay_charges_by_them(tmp_path):
     assert last_json(longer.output)["batch_ms"] == 40 and "at most 40 ms" in " ".join(longer.output.split())
     refused = runner.invoke(app, ["replay-ledger", str(folder), "--batch", "4", "--batch-ms", "0"])
     assert refused.exit_code == 2 and "--batch-ms" in refused.output
+    pieced = runner.invoke(app, ["replay-ledger", str(folder), "--read-rate-json", str(rate), "--batch", "4",
+                                 "--batch-read-ms", "50", "--batch-wait-ms", "1000", "--samples", "10", "--json"])
+    assert pieced.exit_code == 0, pieced.output
+    out = last_json(pieced.output)
+    assert (out["batch_ms"], out["batch_read_ms"], out["batch_wait_ms"], out["batch_busy"]) == (10, 50, 1000, 0.4)
+    assert "up to 50 ms in pieces of 10 ms between rounds, a batch short of the most waiting up to 1000 ms" \
+        in " ".join(pieced.output.split())
+    for bad in (["--batch-read-ms", "0"], ["--batch-wait-ms", "-1"], ["--batch-busy", "1.5"]):
+        refused = runner.invoke(app, ["replay-ledger", str(folder), "--batch", "4", *bad])
+        assert refused.exit_code == 2 and bad[0] in refused.output, bad
 
 
 @pytest.mark.parametrize(
@@ -531,6 +541,7 @@ def bad_files(workdir):
     (["replay-ledger", "three.ledger.jsonl", "--pack", "inf"], "--pack needs a positive number"),
     (["serve", "--max-body-mb", "inf"], "--max-body-mb must be a finite number"),
     (["serve", "--batch", "8", "--batch-ms", "inf"], "--batch-ms must be a finite number"),
+    (["serve", "--batch", "8", "--batch-read-ms", "inf"], "--batch-read-ms must be a finite number"),
     (["serve", "--priorities", "speed"], "--priorities: priorities are 'all', 'none' or steps among"),
     (["serve", "--standing-question", "repeated.json"], "repeated.json: not a standing question file"),
     (["serve", "--session-headers", ""], "--session-headers names no header"),
@@ -554,7 +565,7 @@ def bad_files(workdir):
 ], ids=["deep-conversation", "huge-conversation", "deep-voice-conversation", "huge-voice-conversation",
         "deep-ledger-detect", "huge-ledger-detect", "deep-ledger", "huge-mooncake", "deep-trajectory",
         "deep-journal", "huge-journal", "huge-seed", "seed-past-any-float", "huge-voice-seed", "pack-1e308",
-        "pack-inf", "max-body-inf", "batch-ms-inf", "bad-priorities", "repeated-choices", "empty-session-headers", "blank-session-headers",
+        "pack-inf", "max-body-inf", "batch-ms-inf", "batch-read-ms-inf", "bad-priorities", "repeated-choices", "empty-session-headers", "blank-session-headers",
         "tokenizer-folder-without-one", "missing-tokenizer", "proxy-tokenizer-folder-without-one",
         "embedded-tokenizer-alone", "missing-template", "deep-template-kwargs", "generating-past-queued",
         "unknown-generator", "voice-model-without-config", "serve-bad-grid", "serve-bad-dtype",

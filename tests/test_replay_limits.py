@@ -304,3 +304,23 @@ def test_batched_idle_reads_take_several_sessions_chunks_in_one_read():
     assert [t.censored for t in alone.to_fresh[:4]] == [False, False, False, True]  # not fresh by its next turn
     assert [t.seconds for t in batched.to_fresh[:4]] == pytest.approx([0.4, 0.4, 0.6, 0.6])
     assert [t.behind for t in alone.turns] == [0, 0, 0, 512] and all(t.fresh for t in batched.turns)
+
+
+def test_a_share_batch_in_pieces_is_read_between_rounds_and_no_gap_passes_a_piece():
+    """The replay's device reads a share batch estimated past `batch_s` in pieces between the
+    decoding turn's rounds (`Limits.pieces` of them in all, as many a round as fit `batch_s`), as
+    `Reading.share` does: the same chunks read as in one piece, each gap between rounds one piece
+    long, the batch's sessions moved on only once its last piece is read."""
+    reqs = [Request("d1", 0.0, 0.1, 21.0, 100, 100, 400)]  # a long decode (rounds of 52 ms), no whole chunk
+    reqs += [Request(s, 1.0, 1.01, 1.02, 512, 512, 0) for s in "abcd"]  # four chunks to read, in the share
+    reqs += [Request(s, 20.0, 20.1, 20.2, 612, 100, 0) for s in "abcd"]
+    halves = BatchTable((0,), {2: (0.75,), 4: (0.5,)}, "halves")
+    costs = CostTable(FLAT, restore_gib_s=math.inf, spill_gib_s=math.inf, ask_s=0.0, batch=halves)
+    whole = replay(reqs, costs=costs, limits=Limits(pieces=4),
+                   rule=BandwidthRule(share=0.5, slice_s=1.0, batch=4, batch_s=1.0))
+    pieces = replay(reqs, costs=costs, limits=Limits(pieces=4),
+                    rule=BandwidthRule(share=0.5, slice_s=1.0, batch=4, batch_s=0.06, batch_read_s=1.0))
+    assert whole.chunks_share == pieces.chunks_share == 4 and whole.chunks_idle == pieces.chunks_idle == 0
+    assert whole.longest_slice_s == pytest.approx(0.2)  # the batch of four at half a chunk each, in one gap
+    assert pieces.longest_slice_s == pytest.approx(0.05)  # a quarter of it a round
+    assert all(t.fresh for t in pieces.turns) and len(pieces.turns) == 4
