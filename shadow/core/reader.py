@@ -167,6 +167,7 @@ class Reader:
         fork or prefill finishes it first (`settle`), so nothing ever sees a half-read state;
         ids fed as output meanwhile wait past it (they only append)."""
         self.settle()
+        start = time.perf_counter()
         layout = self._check_batch(sessions)
         ids = []
         for first, n in layout.firsts_and_runs:
@@ -181,6 +182,7 @@ class Reader:
             forward_batch = getattr(self.forward, "forward_batch", None) or self.model.forward_batch
             steps = _at_once(forward_batch, self._ids(ids), states)
         self.open = BatchRead(self, list(sessions), layout, steps, pieces)
+        self.open.seconds = time.perf_counter() - start  # its setup on the host is its time too
         return self.open
 
     def settle(self) -> None:
@@ -365,8 +367,9 @@ class Reader:
 
 class BatchRead:
     """A batched read under way (`Reader.begin_batch`), a piece of the forward at a time: `step`
-    runs pieces, device synchronised, and counts their seconds (`seconds`, whoever ran them: a
-    `Reader.settle` too); `over` once every piece ran and the reader took its checkpoints."""
+    runs pieces, device synchronised, and counts their seconds (`seconds`, with its setup, whoever
+    ran them: a `Reader.settle` too); `over` once every piece ran and the reader took its
+    checkpoints."""
 
     def __init__(self, reader: Reader, sessions: list[Session], layout: Layout,
                  steps: Generator[None, None, object], pieces: int):

@@ -400,13 +400,13 @@ class EngineReplay:
         return self._fly(t)
 
     def _fly(self, t: float, every: bool = False) -> float:
-        """The batch under way: the next pieces, as many as fit `batch_s` by its estimate a piece
-        (`every`: all that are left, as anything else on the device finishes it first); over, its
-        sessions move on and the scheduler is told."""
+        """The batch under way: the next pieces, one in the round it begins, then as many as fit
+        `batch_s` at the pieces' measured time (`every`: all that are left, as anything else on the
+        device finishes it first); over, its sessions move on and the scheduler is told."""
         f = self.flight
         pieces = self.limits.pieces
-        per_piece = (f.read.estimate_s or 0.0) / pieces
-        fit = max(1, int(self.sched.rule.batch_s / per_piece)) if per_piece > 0 else pieces
+        per_piece = f.cost / pieces
+        fit = max(1, int(self.sched.rule.batch_s / per_piece)) if per_piece > 0 and f.ran else 1
         n = pieces - f.ran if every else min(fit, pieces - f.ran)
         start, t = t, self._busy(t, f.cost * n / pieces)
         f.ran += n

@@ -374,8 +374,8 @@ class Reading:
         scheduler's last answer between rounds still holds (`between_rounds_due`). Before a read
         the device finishes what is queued on it (the embedded engine's next round, launched
         before its token was handed out): that wait is the engine's, not the read's. A batched read
-        estimated past `batch_s` is read in pieces, as many a round as fit `batch_s` by estimate
-        (`_piece`), and no other read begins until it is over. Returns (chunks read, their seconds,
+        estimated past `batch_s` is read in pieces, as many a round as fit `batch_s` (`_piece`),
+        and no other read begins until it is over. Returns (chunks read, their seconds,
         seconds waited for the device first); a piece's chunks count when its read is over."""
         sched = self.sched
         if self.in_flight is not None:
@@ -401,20 +401,24 @@ class Reading:
         return (*self.read(shadow, session, decision), waited)
 
     def _piece(self) -> tuple[int, float, float]:
-        """The next pieces of the batched read under way, as many as fit `batch_s` by its estimate a
-        piece (at least one); reported once it is over (whoever finished it: a feed, a fork or a
-        settle of the reader finishes it first). Returns (chunks, seconds, 0) like `share`."""
+        """The next pieces of the batched read under way: one in the round it begins, then as many as
+        fit `batch_s` at the seconds its pieces have taken so far (at least one); reported once it
+        is over (whoever finished it: a feed, a fork or a settle of the reader finishes it first).
+        Returns (chunks, seconds, 0) like `share`."""
         flight = self.in_flight
         assert flight is not None
-        before = flight.batch_read.seconds
-        if not flight.batch_read.over:
-            per_piece = (flight.read.estimate_s or 0.0) / flight.batch_read.pieces
-            fit = max(1, int(self.sched.rule.batch_s / per_piece)) if per_piece > 0 else flight.batch_read.pieces
-            flight.batch_read.step(fit)
+        read = flight.batch_read
+        before = read.seconds
+        if not read.over:
+            # the first round one piece (with the read's setup); then as many as its pieces so far,
+            # measured, fit `batch_s`
+            per_piece = read.seconds / read.ran if read.ran else math.inf
+            fit = max(1, int(self.sched.rule.batch_s / per_piece)) if per_piece > 0 else read.pieces
+            read.step(fit)
             with self.lock:
                 self.counters.read_pieces += 1
-        seconds = flight.batch_read.seconds - before
-        if not flight.batch_read.over:
+        seconds = read.seconds - before
+        if not read.over:
             return 0, seconds, 0.0
         return self.collect(), seconds, 0.0
 
