@@ -25,7 +25,7 @@ def read_rate(
     also_model: Annotated[list[str] | None, typer.Option(callback=model_name, help="More presets or checkpoints whose per-chunk sweep is timed too (repeatable), e.g. qwen3.5-2b.")] = None,
     grid: Annotated[list[int] | None, typer.Option(callback=grid_size, help="Grid(s) to sweep (repeatable); the first one is used for the whole-session read, ask, decode and the reference. Default 512.")] = None,
     contexts: Annotated[str, typer.Option(help="Context depths for the per-chunk timing, comma-separated.")] = "0,16384,65536",
-    batches: Annotated[str, typer.Option(help="Batch sizes whose batched reads are timed at each context too, comma-separated (e.g. 2,4,8: one forward reading the next chunk of that many sessions, as `shadow serve --batch`); their rows go to --json as batch_rows, which `replay-ledger --read-rate-json` charges batched reads by. Empty: none.")] = "",
+    batches: Annotated[str, typer.Option(help="Batch sizes whose batched reads are timed at each context too, comma-separated (e.g. 2,4,8: one forward reading the next chunk of that many sessions, as `shadow serve --batch`); and one session's next B chunks as one run; their rows go to --json as batch_rows (a run's with run true), which `replay-ledger --read-rate-json` charges batched reads by. Empty: none.")] = "",
     device: DeviceOpt = "cpu",
     dtype: DtypeOpt = "auto",
     kernels: KernelsOpt = "auto",
@@ -154,14 +154,16 @@ def read_rate(
 
 
 def _batch_table(rows) -> Table:
-    """Batched reads by depth: ms a read, ms a chunk, tokens a second, against one session's chunk."""
-    table = Table(title="batched reads: B sessions' next chunks in one forward")
-    for col in ("context", "B", "ms / read", "ms / chunk", "tokens / s", "vs B = 1"):
+    """Batched reads by depth: ms a read, ms a chunk, tokens a second, against one session's chunk;
+    B sessions' next chunks, and one session's next B chunks as a run."""
+    table = Table(title="batched reads: B chunks in one forward (B sessions', or one session's run)")
+    for col in ("context", "B", "of", "ms / read", "ms / chunk", "tokens / s", "vs B = 1"):
         table.add_column(col, justify="right")
     single = {r.context: r.ms_per_chunk for r in rows if r.batch == 1}
     for r in rows:
-        table.add_row(f"{r.context:,}", str(r.batch), f"{r.ms_per_read:.2f}", f"{r.ms_per_chunk:.2f}",
-                      f"{r.grid * 1000 / r.ms_per_chunk:,.0f}", f"x{single[r.context] / r.ms_per_chunk:.2f}")
+        table.add_row(f"{r.context:,}", str(r.batch), "one session" if r.run else "sessions", f"{r.ms_per_read:.2f}",
+                      f"{r.ms_per_chunk:.2f}", f"{r.grid * 1000 / r.ms_per_chunk:,.0f}",
+                      f"x{single[r.context] / r.ms_per_chunk:.2f}")
     return table
 
 

@@ -160,9 +160,10 @@ def test_read_rate_times_batches_and_the_replay_charges_by_them(tmp_path):
                                  "--full-read-tokens", "0", "--ask-tokens", "0", "--reference-tokens", "0", "--json"])
     assert result.exit_code == 0, result.output
     doc = last_json(result.output)
-    assert [(r["context"], r["batch"]) for r in doc["batch_rows"]] == [(c, b) for c in (0, 512) for b in (1, 2, 4)]
+    assert [(r["context"], r["batch"], r["run"]) for r in doc["batch_rows"]] == \
+        [(c, b, run) for c in (0, 512) for b, run in ((1, False), (2, False), (4, False), (2, True), (4, True))]
     assert all(r["ms_per_chunk"] == pytest.approx(r["ms_per_read"] / r["batch"]) for r in doc["batch_rows"])
-    assert "batched reads" in result.output
+    assert "batched reads" in result.output and "one session" in result.output
     rate = tmp_path / "rate.json"
     rate.write_text(json.dumps(doc) + "\n")
     folder = shared_file("trajectories", "mini-swe-agent", "pydata__xarray-4629.traj.json")

@@ -324,3 +324,23 @@ def test_a_share_batch_in_pieces_is_read_between_rounds_and_no_gap_passes_a_piec
     assert whole.longest_slice_s == pytest.approx(0.2)  # the batch of four at half a chunk each, in one gap
     assert pieces.longest_slice_s == pytest.approx(0.05)  # a quarter of it a round
     assert all(t.fresh for t in pieces.turns) and len(pieces.turns) == 4
+
+
+def test_a_runs_chunks_are_charged_by_the_runs_measured_ratio_at_their_own_depths():
+    """`BatchTable.measured` with runs: a run of B chunks from a depth over the single chunks at its
+    chunks' own depths (linear between the depths measured); `batch_s` charges a run's entries by
+    it and the others by the batch ratio; without runs measured, a run's chunk costs any batched
+    chunk's."""
+    ms = {0: {1: 2.0, 2: 3.0}, 4096: {1: 4.0, 2: 6.0}}
+    runs = {0: {2: 4.2}, 4096: {2: 8.5}}
+    table = BatchTable.measured(ms, "t", runs, grid=512)
+    assert table.ratios[2] == pytest.approx((0.75, 0.75))
+    assert table.run_ratios[2] == pytest.approx((4.2 / (2.0 + 2.25), 8.5 / (4.0 + 4.0)))  # 2.25: 512 deep
+    costs = CostTable(ChunkTable((0, 4096), (0.002, 0.004), "c"), batch=table)
+    assert costs.batch_s([0, 512]) == pytest.approx(0.002 * 0.75 + 0.00225 * 0.75)
+    r0, r1 = 4.2 / 4.25, 8.5 / 8.0
+    assert costs.batch_s([0, 512], [True, True]) == pytest.approx(0.002 * r0 + 0.00225 * (r0 + (r1 - r0) / 8))
+    plain = CostTable(ChunkTable((0, 4096), (0.002, 0.004), "c"), batch=BatchTable.measured(ms, "t"))
+    assert plain.batch_s([0, 512], [True, True]) == pytest.approx(plain.batch_s([0, 512]))
+    with pytest.raises(ValueError, match="other depths or sizes"):
+        BatchTable.measured(ms, "t", {0: {2: 4.2}})

@@ -134,7 +134,7 @@ def known_costs(doc: dict, grid: int, label: str) -> KnownCosts:
     table = ChunkTable.from_read_rate(doc, grid, label)
     batches = []
     for row in doc.get("batch_rows") or []:
-        if not isinstance(row, dict) or row.get("grid", grid) != grid or int(row.get("batch", 1)) < 2:
+        if not isinstance(row, dict) or row.get("grid", grid) != grid or int(row.get("batch", 1)) < 2 or row.get("run"):
             continue
         if any(row.get(k, doc.get(k)) != doc.get(k) for k in ("model", "kernels")):
             continue
@@ -151,24 +151,35 @@ class BatchTable:
     over B single chunks' at that depth (`ratios[B]`, one per depth of `depths`; linear between
     depths, the nearest past either end). A batch of chunks at depths d1 .. dB costs the sum of
     `chunk(d_i) * ratio(B, d_i)`: the row-wise work is shared, each session's attention and
-    recurrence its own. A size not measured takes the largest measured size below it."""
+    recurrence its own. A size not measured takes the largest measured size below it.
+
+    `run_ratios[B]`, where measured: the same for a chunk in a run (one session's next chunks in
+    the batch, its GDN layers reading them as one sequence): a run of B chunks from a depth, over
+    the single chunks at its chunks' own depths (linear between the depths measured); without
+    them a run's chunk costs what any batched chunk does."""
 
     depths: tuple[int, ...]
     ratios: dict[int, tuple[float, ...]]
     label: str
+    run_ratios: dict[int, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.depths or list(self.depths) != sorted(set(self.depths)) or min(self.depths) < 0:
             raise ValueError("a batch table needs rising depths")
-        for size, ratios in self.ratios.items():
-            if size < 2 or len(ratios) != len(self.depths):
-                raise ValueError("a batch table has sizes of 2 or more, one ratio a depth each")
-            if any(not math.isfinite(r) or not 0 < r <= 1.5 for r in ratios):
-                raise ValueError(f"a batch of {size}'s ratios are positive (at most 1.5: a batch slower than its chunks alone)")
+        # a batch over 1.5 times its chunks alone is no measurement of a batch; a run may be read
+        # entry after entry (the reference kernels read a run's chunks one after another)
+        for kind, table, most in (("batch", self.ratios, 1.5), ("run", self.run_ratios, 3.0)):
+            for size, ratios in table.items():
+                if size < 2 or len(ratios) != len(self.depths):
+                    raise ValueError(f"a {kind} table has sizes of 2 or more, one ratio a depth each")
+                if any(not math.isfinite(r) or not 0 < r <= most for r in ratios):
+                    raise ValueError(f"a {kind} of {size}'s ratios are positive (at most {most:g}: slower than its chunks alone)")
 
     @classmethod
-    def measured(cls, ms: dict[int, dict[int, float]], label: str) -> BatchTable:
-        """From ms of one batched read by depth, then batch size (size 1 at every depth)."""
+    def measured(cls, ms: dict[int, dict[int, float]], label: str, runs: dict[int, dict[int, float]] | None = None,
+                 grid: int = 512) -> BatchTable:
+        """From ms of one batched read by depth, then batch size (size 1 at every depth); and of one
+        session's run of B chunks from each depth (`runs`, the same depths and sizes, or none)."""
         depths = tuple(sorted(ms))
         if any(1 not in ms[d] or ms[d][1] <= 0 for d in depths):
             raise ValueError("every depth needs its single chunk's time (batch size 1)")
@@ -176,7 +187,15 @@ class BatchTable:
         missing = [(d, b) for d in depths for b in sizes if b not in ms[d]]
         if missing:
             raise ValueError(f"batch sizes measured at some depths only (e.g. {missing[0][1]} at depth {missing[0][0]})")
-        return cls(depths, {b: tuple(ms[d][b] / (b * ms[d][1]) for d in depths) for b in sizes}, label)
+        ratios = {b: tuple(ms[d][b] / (b * ms[d][1]) for d in depths) for b in sizes}
+        run_ratios = {}
+        if runs:
+            if sorted(runs) != list(depths) or any(sorted(runs[d]) != sizes for d in depths):
+                raise ValueError("runs measured at other depths or sizes than the batches")
+            singles = ChunkTable(depths, tuple(ms[d][1] / 1000 for d in depths), label)
+            run_ratios = {b: tuple(runs[d][b] / 1000 / sum(singles(d + k * grid) for k in range(b)) for d in depths)
+                          for b in sizes}
+        return cls(depths, ratios, label, run_ratios)
 
     @classmethod
     def h200(cls) -> BatchTable:
@@ -192,21 +211,24 @@ class BatchTable:
         if not isinstance(rows, list):
             raise ValueError("its batch_rows are not a list")
         ms: dict[int, dict[int, float]] = {}
+        runs: dict[int, dict[int, float]] = {}
         for row in rows:
             if not isinstance(row, dict) or row.get("grid", grid) != grid:
                 continue
             if any(row.get(k, doc.get(k)) != doc.get(k) for k in ("model", "kernels")):
                 continue
-            ms.setdefault(int(row["context"]), {})[int(row["batch"])] = float(row["ms_per_read"])
+            (runs if row.get("run") else ms).setdefault(int(row["context"]), {})[int(row["batch"])] = float(row["ms_per_read"])
         if not ms:
             return None  # batches measured at another grid only
-        return cls.measured(ms, label)
+        return cls.measured(ms, label, runs or None, grid)
 
-    def ratio(self, size: int, depth: int) -> float:
-        sizes = [b for b in sorted(self.ratios) if b <= size]
+    def ratio(self, size: int, depth: int, run: bool = False) -> float:
+        """A chunk at `depth` in a batched read of `size` (`run`: a chunk of a run, where measured)."""
+        table = self.run_ratios if run and self.run_ratios else self.ratios
+        sizes = [b for b in sorted(table) if b <= size]
         if size <= 1 or not sizes:
             return 1.0
-        ratios = self.ratios[sizes[-1]]  # (readers batch in graphed sizes, 2, 4, 8: `graphed_batch`)
+        ratios = table[sizes[-1]]  # (readers batch in graphed sizes, 2, 4, 8: `graphed_batch`)
         i = bisect.bisect_right(self.depths, depth)
         if i == 0:
             return ratios[0]
@@ -231,9 +253,11 @@ class CostTable:
     tokenize_s_per_1k: float = CPU_TOKENIZE_MS_PER_1K / 1000
     batch: BatchTable = field(default_factory=BatchTable.h200)  # what a chunk costs in a batched read
 
-    def batch_s(self, depths: list[int]) -> float:
-        """Seconds of one batched read of one chunk at each of `depths`."""
-        return sum(self.chunk(d) * self.batch.ratio(len(depths), d) for d in depths)
+    def batch_s(self, depths: list[int], runs: list[bool] | None = None) -> float:
+        """Seconds of one batched read of one chunk at each of `depths` (`runs`: whether each is
+        a chunk of a run, a session with several chunks in the batch)."""
+        runs = runs or [False] * len(depths)
+        return sum(self.chunk(d) * self.batch.ratio(len(depths), d, run) for d, run in zip(depths, runs))
 
     def restore_s(self, nbytes: int) -> float:
         return nbytes / GIB / self.restore_gib_s if math.isfinite(self.restore_gib_s) else 0.0

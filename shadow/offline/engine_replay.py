@@ -378,12 +378,19 @@ class EngineReplay:
         batch = self._entries(read)
         if not batch:
             return replace(read, others=()), 0, t
-        t = self._busy(t, self.costs.batch_s([d for _, d in batch]))
+        t = self._busy(t, self._batch_cost(batch))
         for h, _ in batch:
             self.store.advance(h)
         if len(batch) - 1 != len(read.others):
             read = replace(read, others=tuple((h.name, d) for h, d in batch[1:]))
         return read, len(batch), t
+
+    def _batch_cost(self, batch: list[tuple[Held, int]]) -> float:
+        """A batched read's seconds: each entry at its depth, a run's as a run's (`BatchTable`)."""
+        counts: dict[str, int] = {}
+        for h, _ in batch:
+            counts[h.name] = counts.get(h.name, 0) + 1
+        return self.costs.batch_s([d for _, d in batch], [counts[h.name] > 1 for h, _ in batch])
 
     # a batched read of the share in pieces (`BandwidthRule.batch_read_s`) ----------------------
 
@@ -396,7 +403,7 @@ class EngineReplay:
             return t
         if len(batch) - 1 != len(read.others):
             read = replace(read, others=tuple((h.name, d) for h, d in batch[1:]))
-        self.flight = Flight(read, batch, self.costs.batch_s([d for _, d in batch]))
+        self.flight = Flight(read, batch, self._batch_cost(batch))
         return self._fly(t)
 
     def _fly(self, t: float, every: bool = False) -> float:

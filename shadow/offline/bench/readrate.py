@@ -35,7 +35,8 @@ class DepthRow:
 @dataclass
 class BatchRow:
     """One batched read of the next chunk of `batch` sessions all at `context` (batch 1: one
-    session's chunk, timed the same way)."""
+    session's chunk, timed the same way); `run`: of one session's next `batch` chunks from
+    `context` on (a run, its GDN layers reading them as one sequence)."""
 
     model: str
     grid: int
@@ -44,6 +45,7 @@ class BatchRow:
     ms_per_read: float
     ms_per_chunk: float
     kernels: str = ""
+    run: bool = False
 
 
 @dataclass
@@ -102,9 +104,10 @@ def batch_times(
 ) -> list[BatchRow]:
     """Median ms of one read of the next chunk of B sessions at each context depth (rounded down to
     the grid) in one batched forward (`Reader.advance_batch`), for B = 1 (`advance`, the same way)
-    and each size in `batches`. A chunk's time depends on its shape, not on the values: the
-    sessions' rows up to the depth are the zeros their buffers were made with, and each timing sets
-    the sessions back to the depth."""
+    and each size in `batches`; and of one session's next B chunks from that depth as one run (rows
+    with `run`). A chunk's time depends on its shape, not on the values: the sessions' rows up to
+    the depth are the zeros their buffers were made with, and each timing sets the sessions back
+    to the depth."""
     device = reader.model.device
     depths = sorted({c // reader.grid * reader.grid for c in contexts})
     sizes = sorted({1, *batches})
@@ -127,6 +130,18 @@ def batch_times(
             ms = time_ms(one_read, device, repeats=repeats, warmup=2)
             rows.append(BatchRow(model, reader.grid, depth, b, ms, ms / b, reader.model.kernels.name))
         del sessions
+        run = sessions_at(reader, depth, 1, chunks=max(sizes))[0]
+        for b in sizes[1:]:
+            if progress:
+                progress(f"{model} a run of {b} chunks, context {depth:,}")
+
+            def run_read(b=b) -> None:
+                run.state.length = depth
+                reader.advance_batch([run] * b)
+
+            ms = time_ms(run_read, device, repeats=repeats, warmup=2)
+            rows.append(BatchRow(model, reader.grid, depth, b, ms, ms / b, reader.model.kernels.name, run=True))
+        del run
     return rows
 
 
