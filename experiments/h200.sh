@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
-#     timeline abdefault abzero abbatch abdense proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch verifybatch
+#     timeline abdefault abzero abbatch abdense proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch verifybatch ratebatch
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -52,6 +52,10 @@ for step in "$@"; do
     profile) timeout 300 python3 experiments/profile_chunk.py 2>&1 | tee "$OUT/profile.txt" | tail -45 ;;
     rate512) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,16384,65536 --repeats 5 --also-kernels fla-fused \
                --json 2>&1 | tee "$OUT/read-rate-512.txt" | tail -12 ;;
+    ratebatch) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,8192,16384,32768,65536,100352 \
+                 --batches 2,4,8 --repeats 5 --json > "$OUT/read-rate-h200-batches.txt" 2>&1
+               echo "read-rate exit $?"; tail -n 1 "$OUT/read-rate-h200-batches.txt" > "$OUT/read-rate-h200-batches.json"
+               grep -E 'sessions|one session' "$OUT/read-rate-h200-batches.txt" | tail -40 ;;
     verify) timeout 400 shadow verify-exact --model qwen3.5-0.8b --device cuda --grid 512 --against-grid 2048 \
               --conversation $D/django__django-16950.traj.json --conversation $D/pytest-dev__pytest-6197.traj.json \
               --json > "$OUT/verify-exact-h200.txt" 2>&1; tail -c 1200 "$OUT/verify-exact-h200.txt" ;;
