@@ -231,12 +231,7 @@ def test_the_share_reads_batches_between_the_engines_rounds_and_every_session_st
     from shadow.core.schedule import BandwidthRule
 
     with running(rule=BandwidthRule(share=0.9, slice_s=10.0, batch=4, batch_s=10.0)) as (client, service):
-        service.reading.stop_event.set()  # the idle thread waits: only the share reads
-        names = [f"q{k}" for k in range(4)]
-        for k, name in enumerate(names):
-            r = client.post("/v1/chat/completions", headers={"x-session-id": name},
-                            json={"messages": [{"role": "user", "content": long_text(40 + k, 500)}], "max_tokens": 1})
-            assert r.status_code == 200
+        names = pile_up(client, service, "q", 40)
         before = service.status()["counters"]["batched_reads"]["share"]
         for turn in range(4):  # each decode adds to the share's budget (a busy machine's load may estimate high)
             r = client.post("/v1/chat/completions", headers={"x-session-id": "d"},
@@ -261,12 +256,7 @@ def test_the_share_reads_a_batch_a_piece_a_round_and_every_session_stays_exact(s
 
     rule = BandwidthRule(share=0.9, slice_s=10.0, batch=4, batch_s=1e-6, batch_read_s=10.0)
     with running(rule=rule, pieces=True) as (client, service):
-        service.reading.stop_event.set()  # the idle thread waits: only the share reads
-        names = [f"p{k}" for k in range(4)]
-        for k, name in enumerate(names):
-            r = client.post("/v1/chat/completions", headers={"x-session-id": name},
-                            json={"messages": [{"role": "user", "content": long_text(60 + k, 500)}], "max_tokens": 1})
-            assert r.status_code == 200
+        names = pile_up(client, service, "p", 60)
         seen_in_flight = []
         original = service.reading._piece
 
@@ -288,6 +278,20 @@ def test_the_share_reads_a_batch_a_piece_a_round_and_every_session_stays_exact(s
         service.device.run(service.reading.finish_in_flight)  # the device thread's own
         for name in [*names, "d"]:
             assert_exact(service, name)
+
+
+def pile_up(client, service, prefix: str, seed: int) -> list[str]:
+    """Four sessions' prompts of about 500 words each, their backlogs left unread (the idle thread
+    held: only the share reads them); their names."""
+    from serving import long_text
+
+    service.reading.stop_event.set()
+    names = [f"{prefix}{k}" for k in range(4)]
+    for k, name in enumerate(names):
+        r = client.post("/v1/chat/completions", headers={"x-session-id": name},
+                        json={"messages": [{"role": "user", "content": long_text(seed + k, 500)}], "max_tokens": 1})
+        assert r.status_code == 200
+    return names
 
 
 def test_a_service_starts_from_known_costs_and_its_load_measures_over_them(shadow_cache):
