@@ -213,6 +213,7 @@ class ShadowService:
             return  # a newer turn of this session has fed already (only this thread feeds prompts)
         # a spilled session's file is read before the lock: no other request or status call waits on the disk
         ahead = shadow.store.restore_ahead(name)
+        self.reading.finish_in_flight()  # a batch read in pieces ends before a prompt may roll back: not under the lock
         with self.state_lock:
             if self._latest.get(name, 0) > turn.id:
                 return  # a newer turn of this session has fed already: this one came too late
