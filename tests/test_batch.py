@@ -121,6 +121,9 @@ def test_a_batch_is_refused_when_a_run_is_split_too_long_or_crosses_a_checkpoint
     reader.feed_prompt(short, list(range(1000, 1100)))
     with pytest.raises(ValueError, match="no whole chunk"):
         reader.advance_batch([a, short])
+    assert reader.advance_batch([]) == 0
+    with pytest.raises(ValueError, match="at least one entry"):
+        reader.begin_batch([])
     assert reader.run_limit(a) == 2
     reader.feed_prompt(a, a.ids + list(range(2000, 2000 + GRID)))  # a new prompt end: a line past a's run
     line = a.marks[-1]

@@ -344,3 +344,9 @@ def test_a_runs_chunks_are_charged_by_the_runs_measured_ratio_at_their_own_depth
     assert plain.batch_s([0, 512], [True, True]) == pytest.approx(plain.batch_s([0, 512]))
     with pytest.raises(ValueError, match="other depths or sizes"):
         BatchTable.measured(ms, "t", {0: {2: 4.2}})
+    rows = [{"context": d, "batch": b, "ms_per_read": x} for d, row in ms.items() for b, x in row.items()]
+    doc = {"batch_rows": rows + [{"context": d, "batch": 2, "ms_per_read": runs[d][2], "run": True} for d in runs]}
+    assert BatchTable.from_read_rate(doc, 512, "f").run_ratios == pytest.approx(table.run_ratios)
+    doc["batch_rows"][-1]["run"] = "yes"
+    with pytest.raises(ValueError, match="run is true or false"):
+        BatchTable.from_read_rate(doc, 512, "f")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator
+
 import torch
 
 from shadow.model.layout import Layout

@@ -155,9 +155,9 @@ class Reader:
         would leave it, bit for bit (tested at the shapes the kernel sets run). A session appears
         in one run only, and a run ends at or before its next checkpoint line (`run_limit`).
         Returns the chunks read."""
-        if len(sessions) == 1:
+        if len(sessions) <= 1:
             self._check_batch(sessions)
-            return self.advance(sessions[0], max_chunks=1)
+            return self.advance(sessions[0], max_chunks=1) if sessions else 0
         read = self.begin_batch(sessions)
         read.finish()
         return read.chunks
@@ -167,6 +167,8 @@ class Reader:
         its sessions are half read. It stays open on the reader: any other read, feed of a prompt,
         fork or prefill finishes it first (`settle`), so nothing ever sees a half-read state;
         ids fed as output meanwhile wait past it (they only append)."""
+        if not sessions:
+            raise ValueError("a batch needs at least one entry")
         self.settle()
         start = time.perf_counter()
         layout = self._check_batch(sessions)
@@ -210,7 +212,9 @@ class Reader:
             end = min(end, session.marks[0])
         return max(0, (end - session.committed) // self.grid)
 
-    def _check_batch(self, sessions: Sequence[Session]) -> Layout:
+    def _check_batch(self, sessions: Sequence[Session]) -> Layout | None:
+        if not sessions:
+            return None
         try:
             layout = Layout.of(sessions)
         except ValueError:

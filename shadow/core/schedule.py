@@ -676,7 +676,8 @@ class ReadScheduler:
             return None
         if not full and self.rule.batch_wait_s > 0 and self.share_busy(now):
             names = {first.name, *(name for name, _ in others)}
-            since = min(self.sessions[n].backlog_since for n in names if self.sessions[n].backlog_since is not None)
+            since = min((self.sessions[n].backlog_since for n in names if self.sessions[n].backlog_since is not None),
+                        default=now)
             if now + EPS < since + self.rule.batch_wait_s:
                 return Wait(since + self.rule.batch_wait_s)
         if not others:

@@ -241,7 +241,6 @@ class FusedSteps:
         return self._norm(x, self.final_norm)
 
 
-
 def slots_for(states: list[DeltaState], t: int, device: torch.device) -> tuple[list[DeltaState], LayoutTensors]:
     """One slot an entry for `states` (one an entry, a session's consecutive entries sharing its
     object): a session's own state in its run's first slot, a scratch state in each spare one;

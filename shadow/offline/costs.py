@@ -217,6 +217,8 @@ class BatchTable:
                 continue
             if any(row.get(k, doc.get(k)) != doc.get(k) for k in ("model", "kernels")):
                 continue
+            if not isinstance(row.get("run", False), bool):
+                raise ValueError(f"a batch row's run is true or false ({row})")
             (runs if row.get("run") else ms).setdefault(int(row["context"]), {})[int(row["batch"])] = float(row["ms_per_read"])
         if not ms:
             return None  # batches measured at another grid only
