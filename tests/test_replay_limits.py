@@ -346,7 +346,7 @@ def test_a_runs_chunks_are_charged_by_the_runs_measured_ratio_at_their_own_depth
         BatchTable.measured(ms, "t", {0: {2: 4.2}})
     rows = [{"context": d, "batch": b, "ms_per_read": x} for d, row in ms.items() for b, x in row.items()]
     doc = {"batch_rows": rows + [{"context": d, "batch": 2, "ms_per_read": runs[d][2], "run": True} for d in runs]}
-    assert BatchTable.from_read_rate(doc, 512, "f").run_ratios == pytest.approx(table.run_ratios)
+    assert BatchTable.from_read_rate(doc, 512, "f").run_ratios[2] == pytest.approx(table.run_ratios[2])
     doc["batch_rows"][-1]["run"] = "yes"
     with pytest.raises(ValueError, match="run is true or false"):
         BatchTable.from_read_rate(doc, 512, "f")
