@@ -43,9 +43,9 @@ while its estimated seconds stay within `batch_s` (the first chunk is read whate
 request that comes waits for one read), and in the share while they stay within `batch_s` and the
 slice: the budget then pays for the whole batch before it is read (a share slice holds one batched
 read, at most `batch_s`, instead of one chunk). With `batch_read_s` above `batch_s`, a batched read
-in the share may take up to `batch_read_s` in all: its caller reads it in pieces of at most
-`batch_s` by estimate between rounds (no other read begins until it is done), so a batch of 8 at
-depth costs the stream no longer a gap than one chunk. A batch's cost is estimated per batch size
+in the share may take up to `batch_read_s` in all: its caller reads it in pieces between rounds,
+each round's about `batch_s` (no other read begins until it is done), so a batch of 8 at depth
+costs the stream no longer a gap than one chunk. A batch's cost is estimated per batch size
 (`batch_costs`, warmed at load by `warm_batch` and learned from its reads) at its deepest entry; a
 size never measured is estimated as that many single chunks.
 
