@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
-#     timeline abdefault abzero abbatch abdense proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch verifybatch ratebatch
+#     timeline abdefault abzero abbatch abdense proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch attnkernels verifybatch ratebatch
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -31,6 +31,8 @@ for step in "$@"; do
                   > "$OUT/gpu-batch-tests.txt" 2>&1; echo "pytest exit $?" >> "$OUT/gpu-batch-tests.txt"; tail -12 "$OUT/gpu-batch-tests.txt" ;;
     gentest) timeout 300 python3 -m pytest -q -rfExs tests/test_gpu.py -k embedded_generator > "$OUT/gpu-gentest.txt" 2>&1
              echo "pytest exit $?" >> "$OUT/gpu-gentest.txt"; tail -8 "$OUT/gpu-gentest.txt" ;;
+    attnkernels) timeout 400 python3 experiments/attention_kernels.py --depths ${DEPTHS:-16384,65536} --batches 1,8 \
+                   2>&1 | tee "$OUT/attention-kernels-h200.txt" | grep -v '^{"rows"' | cut -c1-400 ;;
     attnbatch) timeout 200 python3 experiments/attention_batch.py --old .carry/old_triton_attention.py --tiles "${TILES_JSON:-[]}" \
                  2>&1 | tee "$OUT/attention-batch-h200.txt" | grep -v '^{"rows"' | cut -c1-600 ;;
     verifybatch) timeout 300 shadow verify-exact --model qwen3.5-0.8b --device cuda --grid 512 --against-grid 0 --batch 4 \

@@ -1,0 +1,187 @@
+"""Which attention kernel is fastest for a chunk's rows over a long context, on this GPU?
+
+The 0.8B's full-attention shape: a 512-row chunk of 8 query heads over one session's cached rows
+(2 key heads, 256 wide, bf16), B sessions at the same depth. Timed side by side in one run, on the
+same data: the project's chunk attention (`triton_attention.attend_sessions`: lower-right causal,
+GQA-packed, split over the cached rows, merged), and PyTorch's fused kernels through
+`scaled_dot_product_attention` restricted to one backend each (cuDNN, flash, memory-efficient),
+over the same rows without a mask (so they do a little more work: the chunk's own 512 x 512
+square whole; their rate is counted by that work), their key heads repeated to the query heads
+outside the timing where the backend takes no GQA; cuDNN also with the rows split into 4 slices
+as a batch of 4 (how a kernel with no split of its own would fill the GPU for one session, merge
+not timed); and FlexAttention (compiled, lower-right causal block mask, GQA). 20 back-to-back
+calls between CUDA events after warm-up, median of 5 rounds. Each row also says whether the
+kernel gave a session the same bits alone and in the batch, and twice.
+
+    python3 experiments/attention_kernels.py --depths 16384,65536 --batches 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from shadow.model.kernels import reference
+from shadow.model.kernels import triton_attention as ta
+
+HQ, HKV, D, T = 8, 2, 256, 512
+SCALE = D ** -0.5
+
+
+def gpu_ms(fn, calls: int = 20, rounds: int = 5) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
+
+
+def tflops(flops: float, ms: float) -> float:
+    return round(flops / ms / 1e9, 1)
+
+
+def measure(name: str, fn, flops: float, alone=None) -> dict:
+    """Time `fn`; where `alone` (a function giving session 0's rows computed alone) is given, compare."""
+    try:
+        ms = gpu_ms(fn)
+    except Exception as e:  # a backend that refuses the shape says so, and the survey goes on
+        return {"kernel": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+    out = fn().clone()
+    row = {"kernel": name, "ms": round(ms, 4), "TFLOP/s": tflops(flops, ms), "same bits twice": torch.equal(out, fn())}
+    if alone is not None:
+        row["session 0 alone == in batch"] = torch.equal(alone(), out[0] if out.dim() == 4 else out[:T])
+    return row
+
+
+def cudnn_chunk(q1: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, merge: bool = True) -> torch.Tensor:
+    """One session's chunk through PyTorch's cuDNN attention op: q1 [Hq, T, D], the session's key and
+    value buffers [Hkv, >= length, D]; the cached rows before the chunk in 4 slices as a batch
+    (and the rows left over), the chunk's own square with the causal mask, merged by log-sum-exp."""
+    op = torch.ops.aten._scaled_dot_product_cudnn_attention
+    start = length - T
+    per = max(T, start // 4 // T * T)
+    count = start // per
+    qb = q1.unsqueeze(0)
+    parts = []
+    if count:
+        kk = k[:, : count * per].unflatten(1, (count, per)).transpose(0, 1)
+        vv = v[:, : count * per].unflatten(1, (count, per)).transpose(0, 1)
+        parts.append(op(qb.expand(count, -1, -1, -1), kk, vv, None, True, 0.0, False, False, scale=SCALE)[:2])
+    if start > count * per:
+        parts.append(op(qb, k[None, :, count * per : start], v[None, :, count * per : start], None, True, 0.0, False,
+                        False, scale=SCALE)[:2])
+    parts.append(op(qb, k[None, :, start:length], v[None, :, start:length], None, True, 0.0, True, False, scale=SCALE)[:2])
+    if not merge:
+        return parts[-1][0]
+    out = torch.cat([o for o, _ in parts]).float()  # [N, Hq, T, D]
+    lse = torch.cat([m.reshape(o.shape[:3]) for o, m in parts])  # [N, Hq, T]
+    weight = torch.softmax(lse, dim=0)
+    return (weight[..., None] * out).sum(0).transpose(0, 1).to(q1.dtype)
+
+
+def survey(depth: int, batch: int) -> list[dict]:
+    g = torch.Generator(device="cuda").manual_seed(depth + batch)
+    length = depth + T
+    ks = [torch.randn(HKV, length, D, device="cuda", generator=g).bfloat16() for _ in range(batch)]
+    vs = [torch.randn(HKV, length, D, device="cuda", generator=g).bfloat16() for _ in range(batch)]
+    q = torch.randn(HQ, batch * T, D, device="cuda", generator=g).bfloat16()
+    causal_flops = batch * 4 * T * (depth + T / 2) * D * HQ
+    full_flops = batch * 4 * T * length * D * HQ
+    rows = []
+    out = torch.empty(batch * T, HQ, D, dtype=torch.bfloat16, device="cuda")
+    rows.append(measure(
+        "shadow triton (causal, GQA-packed, split)",
+        lambda: ta.attend_sessions(q, ks, vs, [length] * batch, SCALE, out=out), causal_flops,
+        (lambda: ta.attend_sessions(q[:, :T], ks[:1], vs[:1], [length], SCALE)) if batch > 1 else None,
+    ))
+    # SDPA's layout: [B, H, L, D]
+    qb = q.view(HQ, batch, T, D).transpose(0, 1).contiguous()
+    kb, vb = torch.stack(ks), torch.stack(vs)
+    kx, vx = kb.repeat_interleave(HQ // HKV, dim=1), vb.repeat_interleave(HQ // HKV, dim=1)
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    for label, backend in backends.items():
+        def call(qq=qb, kk=kx, vv=vx, backend=backend):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(qq, kk, vv, scale=SCALE)
+        rows.append(measure(f"sdpa {label} (no mask, heads repeated)", call, full_flops,
+                            (lambda call=call: call(qb[:1], kx[:1], vx[:1])[0]) if batch > 1 else None))
+    if batch == 1 and length % 4 == 0:  # the rows as 4 slices, a batch of 4 of the same queries
+        qs = qb.expand(4, -1, -1, -1).contiguous()
+        ksl = kx.view(HQ, 4, length // 4, D).transpose(0, 1).contiguous()
+        vsl = vx.view(HQ, 4, length // 4, D).transpose(0, 1).contiguous()
+
+        def sliced():
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return F.scaled_dot_product_attention(qs, ksl, vsl, scale=SCALE)
+        rows.append(measure("sdpa cudnn, 4 slices as a batch (merge not timed)", sliced, full_flops))
+    sliced_session = lambda j: cudnn_chunk(q[:, j * T : (j + 1) * T], ks[j], vs[j], length)
+    rows.append(measure("cudnn sliced: 4 slices + rest + causal square, merged (a session a call)",
+                        lambda: torch.cat([sliced_session(j) for j in range(batch)]), causal_flops,
+                        (lambda: sliced_session(0)) if batch > 1 else None))
+    rows.append(measure("cudnn sliced, the calls alone (no merge)",
+                        lambda: [cudnn_chunk(q[:, j * T : (j + 1) * T], ks[j], vs[j], length, False) for j in range(batch)][-1],
+                        causal_flops))
+    try:
+        mine = ta.attend_sessions(q[:, :T], ks[:1], vs[:1], [length], SCALE).float()
+        theirs = sliced_session(0).float()
+        rows[-2]["max |diff| from shadow triton"] = float((theirs - mine).abs().max())
+        if batch == 1:
+            exact = reference.attention(q[:, :T].float(), ks[0].float(), vs[0].float(), SCALE)
+            rows[-2]["max |diff| from float32"] = float((theirs - exact).abs().max())
+            rows[0]["max |diff| from float32"] = float((mine - exact).abs().max())
+        t0 = time.perf_counter()
+        cudnn_chunk(q[:, :T], ks[0], vs[0], length - T)  # shapes no call met: a graph built for each
+        torch.cuda.synchronize()
+        rows[-2]["first call at new shapes, ms"] = round((time.perf_counter() - t0) * 1000, 1)
+    except Exception as e:
+        rows[-2]["check error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        offset = depth
+
+        def lower_right(b, h, qi, ki):
+            return ki <= qi + offset
+        mask = create_block_mask(lower_right, batch, None, T, length, device="cuda")
+        flex = torch.compile(flex_attention, dynamic=False)
+        rows.append(measure("flex attention (compiled, lower-right causal, GQA)",
+                            lambda: flex(qb, kb, vb, block_mask=mask, scale=SCALE, enable_gqa=True), causal_flops))
+    except Exception as e:
+        rows.append({"kernel": "flex attention", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+    for row in rows:
+        row.update(depth=depth, batch=batch)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--depths", default="16384,65536")
+    parser.add_argument("--batches", default="1,8")
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), flush=True)
+    every = []
+    for depth in (int(x) for x in args.depths.split(",")):
+        for batch in (int(x) for x in args.batches.split(",")):
+            for row in survey(depth, batch):
+                every.append(row)
+                print(json.dumps(row), flush=True)
+    print(json.dumps({"rows": every}))
+
+
+if __name__ == "__main__":
+    main()
