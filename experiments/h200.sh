@@ -27,7 +27,7 @@ for step in "$@"; do
     tests) start=$(date +%s); timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rfExs --durations=10 tests/test_gpu.py \
              tests/test_piecewise.py tests/test_fused.py tests/test_batch.py > "$OUT/gpu-tests.txt" 2>&1
            echo "pytest exit $? after $(( $(date +%s) - start )) s" >> "$OUT/gpu-tests.txt"; tail -30 "$OUT/gpu-tests.txt" ;;
-    batchtests) timeout 300 python3 -m pytest -q -rfExs tests/test_gpu.py tests/test_batch.py -k "batch or twins_on_cuda or graphed or chunk_attention" \
+    batchtests) timeout 300 python3 -m pytest -q -rfExs tests/test_gpu.py tests/test_batch.py -k "${BATCH_K:-batch or twins_on_cuda or graphed or chunk_attention}" \
                   > "$OUT/gpu-batch-tests.txt" 2>&1; echo "pytest exit $?" >> "$OUT/gpu-batch-tests.txt"; tail -12 "$OUT/gpu-batch-tests.txt" ;;
     gentest) timeout 300 python3 -m pytest -q -rfExs tests/test_gpu.py -k embedded_generator > "$OUT/gpu-gentest.txt" 2>&1
              echo "pytest exit $?" >> "$OUT/gpu-gentest.txt"; tail -8 "$OUT/gpu-gentest.txt" ;;
@@ -55,7 +55,7 @@ for step in "$@"; do
     rate512) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,16384,65536 --repeats 5 --also-kernels fla-fused \
                --json 2>&1 | tee "$OUT/read-rate-512.txt" | tail -12 ;;
     ratebatch) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --contexts 0,8192,16384,32768,65536,100352 \
-                 --batches 2,4,8 --repeats 5 --json > "$OUT/read-rate-h200-batches.txt" 2>&1
+                 --batches ${BATCHES:-2,4,8} --repeats 5 --json > "$OUT/read-rate-h200-batches.txt" 2>&1
                echo "read-rate exit $?"; tail -n 1 "$OUT/read-rate-h200-batches.txt" > "$OUT/read-rate-h200-batches.json"
                grep -E 'sessions|one session' "$OUT/read-rate-h200-batches.txt" | tail -40 ;;
     verify) timeout 400 shadow verify-exact --model qwen3.5-0.8b --device cuda --grid 512 --against-grid 2048 \
