@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from shadow.errors import ShadowInputError
-from shadow.model.checkpoint import RANDOM_MARKER, write_random_checkpoint
+from shadow.model.checkpoint import write_random_checkpoint
 from shadow.model.config import PRESETS
 from shadow.text.vocab import tokenizer_files
 
