@@ -54,7 +54,7 @@ def replay_ledger(
     inputs: Annotated[list[Path], typer.Argument(help="Trace files: a Mooncake trace (.jsonl), mini-swe-agent trajectories (.traj.json, or a folder of them), or the project's ledger (.jsonl).")],
     fmt: Annotated[str, typer.Option("--format", help="auto, mooncake, trajectory or ledger.")] = "auto",
     read_ms_per_1k: Annotated[list[float] | None, typer.Option("--read-ms-per-1k", callback=bounds(gt=0), help="A chunk cost of this many ms per 1,000 tokens at every depth (repeatable: a sweep).")] = None,
-    read_rate_json: Annotated[Path | None, typer.Option(callback=input_file, help="Chunk cost by depth from `shadow read-rate --json` (its last line: rows with context and ms_per_chunk at --grid, linear between depths; one ms_per_1k_tokens if it has no rows). Default, with no --read-ms-per-1k: the built-in H200 table (0.8B, grid 512).")] = None,
+    read_rate_json: Annotated[list[Path] | None, typer.Option(callback=input_file, help="Chunk cost by depth from `shadow read-rate --json` (its last line: rows with context and ms_per_chunk at --grid, linear between depths; one ms_per_1k_tokens if it has no rows), and a batched read's by its batch rows. Repeatable: one arm for each file, each charged its own file's chunk and batch costs (several device calls side by side). Default, with no --read-ms-per-1k: the built-in H200 table (0.8B, grid 512).")] = None,
     batch: Annotated[int, typer.Option(callback=bounds(ge=1, le=8), help="Sessions whose next chunks one read may take together, as `shadow serve --batch` (2, 4 or 8; 1: none). A batched read is charged by the batch rows of --read-rate-json (`shadow read-rate --batches 2,4,8`), else by the H200's measured batches.")] = 1,
     batch_ms: Annotated[float, typer.Option(callback=bounds(gt=0), help="With --batch: the longest a batched read may hold the device at once, by estimate, ms (in the share, the lower of this and the slice), as `shadow serve --batch-ms`.")] = 10.0,
     batch_read_ms: Annotated[float | None, typer.Option(callback=bounds(gt=0), help="With --batch: the longest a batched read in the share may take in all, ms, read in pieces of at most --batch-ms between rounds, as `shadow serve --batch-read-ms` (default: --batch-ms, one piece).")] = None,
@@ -115,13 +115,16 @@ def replay_ledger(
 
     if batch not in (1, 2, 4, 8):
         raise ShadowInputError(f"--batch is 1, 2, 4 or 8 (the batch sizes a reader has CUDA graphs for; got {batch})")
-    tables = [ChunkTable.flat(r, grid) for r in read_ms_per_1k or []]
-    batch_table = BatchTable.h200()
-    if read_rate_json:
-        table, measured = _table_from(read_rate_json, grid)
-        tables.append(table)
-        batch_table = measured or batch_table
-    tables = tables or [ChunkTable.h200(grid)]
+    paths = read_rate_json or []
+    names = [p.name for p in paths]  # a file's name labels its arms, its path where two share a name
+    measured = [_table_from(p, grid, p.name if names.count(p.name) == 1 else str(p)) for p in paths]
+    # a flat cost is charged the first file's batch rows (the H200's where no file has any); a file its own
+    first_batches = next((b for _, b in measured if b is not None), None) or BatchTable.h200()
+    pairs = [(ChunkTable.flat(r, grid), first_batches) for r in read_ms_per_1k or []]
+    pairs += [(table, batches or BatchTable.h200()) for table, batches in measured]
+    pairs = pairs or [(ChunkTable.h200(grid), BatchTable.h200())]
+    tables, batches_of = [t for t, _ in pairs], {id(t): b for t, b in pairs}
+    batch_label = ", ".join(dict.fromkeys(b.label for _, b in pairs))
     shares = share or [0.02]
     try:
         prio_sets = [Priorities.parse(p) for p in (priorities or ["all"])]
@@ -173,7 +176,7 @@ def replay_ledger(
         def run(table, s: float | None, prio, n: int = engines):
             reqs, eo = fleets[n]
             costs = CostTable(table, restore_gib_s, spill_gib_s, ask_ms / 1000, phrase_ms / 1000,
-                              tokenize_ms_per_1k / 1000, batch_table)
+                              tokenize_ms_per_1k / 1000, batches_of[id(table)])
             rule = BandwidthRule(share=s or 0.02, batch=batch, batch_s=batch_ms / 1000,
                                  batch_read_s=None if batch_read_ms is None else batch_read_ms / 1000,
                                  batch_wait_s=batch_wait_ms / 1000, batch_busy=batch_busy)
@@ -234,7 +237,7 @@ def replay_ledger(
     console.print("checks: more share never less fresh, faster reads never less fresh: "
                   + ("[green]hold[/]" if checks["ok"] else "[bold red]FAIL[/]"))
     console.print(_limits_line(limits, tables, restore_gib_s, spill_gib_s, ask_ms, phrase_ms, tokenize_ms_per_1k,
-                               batch, batch_table.label, _batch_words(batch_ms, batch_read_ms, batch_wait_ms, batch_busy)))
+                               batch, batch_label, _batch_words(batch_ms, batch_read_ms, batch_wait_ms, batch_busy)))
     if any(kind != "ledger" for kind in kinds.values()):
         console.print(f"service model (where the trace has no first-token or end times): prefill {prefill_tok_s:g} tok/s, "
                       f"decode {decode_tok_s:g} tok/s per request, {slots} slots an engine (Mooncake); trajectories: "
@@ -249,12 +252,12 @@ def replay_ledger(
             "command": "replay-ledger", "inputs": [str(f) for f in files], "turns": len(arms[0].turns),
             "sessions": sessions, "requests": len(requests), "grid": grid,
             "read_ms_per_1k": [t.ms_per_1k(0, grid) for t in tables if t.depths == (0,)],
-            "costs": [{"label": t.label, "depths": list(t.depths), "ms_per_chunk": [round(x * 1000, 6) for x in t.seconds]}
-                      for t in tables],
+            "costs": [{"label": t.label, "depths": list(t.depths), "ms_per_chunk": [round(x * 1000, 6) for x in t.seconds],
+                       "batch_costs": batches_of[id(t)].label} for t in tables],
             "shares": shares, "batch": batch, "batch_ms": batch_ms if batch > 1 else None,
             "batch_read_ms": (batch_read_ms or batch_ms) if batch > 1 else None,
             "batch_wait_ms": batch_wait_ms if batch > 1 else None, "batch_busy": batch_busy if batch > 1 and batch_wait_ms else None,
-            "batch_costs": batch_table.label if batch > 1 else None,
+            "batch_costs": batch_label if batch > 1 else None,
             "engines": engines, "route": route, "pack": pack_to,
             "priorities": [p.label for p in prio_sets],
             "limits": {"ids": ids, "cap_gib": cap_gib or None, "disk": disk, "model": model, "voice_share": voice_share,
@@ -445,13 +448,14 @@ def _detect(path: Path) -> str:
     raise ShadowInputError(f"{path}: unknown format (a Mooncake trace, a trajectory or a ledger; give --format)")
 
 
-def _table_from(path: Path, grid: int):
-    """The chunk table of a `read-rate --json` output, and its batch table (None: no batch rows)."""
+def _table_from(path: Path, grid: int, label: str):
+    """The chunk table of a `read-rate --json` output, and its batch table (None: no batch rows),
+    both labelled `label`."""
     from shadow.offline.costs import BatchTable, ChunkTable, read_rate_document
 
     try:
         doc = read_rate_document(path.read_text())
-        return ChunkTable.from_read_rate(doc, grid, path.name), BatchTable.from_read_rate(doc, grid, path.name)
+        return ChunkTable.from_read_rate(doc, grid, label), BatchTable.from_read_rate(doc, grid, label)
     except (OSError, IndexError, KeyError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
         raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__}: {e})") from None
 

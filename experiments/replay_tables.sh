@@ -2,7 +2,7 @@
 # The freshness tables and figures in docs/FRESHNESS.md, from `shadow replay-ledger` runs of the read
 # scheduler (shadow/core/schedule.py).
 # Usage: bash experiments/replay_tables.sh [DATA_DIR] [STEP ...]   (DATA_DIR default ../shared/data)
-#   the live service's limits: ledger live batches dense ablation share-sweep fleet curve
+#   the live service's limits: ledger live batches dense calls ablation share-sweep fleet curve
 #   the idealised replay (ids at once, no cap, no voice, one chunk cost): trajectories packed density
 #     traj-fleet mooncake mooncake-fleet mooncake-routes
 #   default: every step, in that order. Each step prints its commands; outputs in out/freshness-*.txt (the
@@ -12,7 +12,7 @@
 set -euo pipefail
 data=../shared/data
 if [ $# -gt 0 ] && [ -d "$1" ]; then data=$1; shift; fi
-steps=${*:-ledger live batches dense ablation share-sweep fleet curve trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes}
+steps=${*:-ledger live batches dense calls ablation share-sweep fleet curve trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes}
 RATE=${RATE:-docs/results/batch/read-rate-h200-batches.json}  # a read-rate run's costs by depth and batch (RATE=... to choose)
 RUN=$(basename "$RATE" .json)  # names the outputs charged by it
 H200=7.3647  # ms per 1,000: docs/results/read-rate-512-h200-r2-fixed.json, one chunk at 16k (the idealised runs)
@@ -73,6 +73,11 @@ for step in $steps; do
         --solve-share "fresh >= 97 %"
       run "dense-29-b8-pieces-wait-cap4-$RUN" "$LEDGER" --pack 29 --share 0.02 --batch 8 --batch-read-ms 50 \
         --batch-wait-ms 1000 --read-rate-json "$RATE" --samples 300 ;;
+    calls)  # the dense recipe packed to 29, charged each H200 device call's costs side by side (one arm a file)
+      run "dense-calls" "$LEDGER" --pack 29 --share 0.02 --cap-gib 0 --batch 8 --batch-read-ms 50 --batch-wait-ms 1000 \
+        --samples 300 --read-rate-json docs/results/batch/read-rate-h200-batches-desc.json \
+        --read-rate-json docs/results/batch/read-rate-h200-batches-runs.json \
+        --read-rate-json docs/results/batch/read-rate-h200-batches-3.json ;;
     ablation)  # what each limit costs, one at a time, at 24 and 29 active and a 2 % share
       for k in 24 29; do
         run "ablation-$k-ideal" "$LEDGER" --pack "$k" --share 0.02 $IDEAL --samples 1000

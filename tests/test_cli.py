@@ -284,6 +284,52 @@ def test_replay_ledger_on_trajectories_with_a_read_rate_file(tmp_path):
     assert last_json(again.output)["arms"][0] == doc["arms"][0]  # the written ledger replays the same
 
 
+def _rate_doc(scale: float) -> dict:
+    """A read-rate --json document: chunks 3 to 6 ms by depth and batches reading a chunk for 0.6 of
+    that at 8, times `scale`."""
+    rows = [{"context": c, "ms_per_chunk": ms * scale} for c, ms in ((0, 3.0), (65536, 6.0))]
+    batches = [{"context": c, "batch": b, "ms_per_read": ms * scale * b * r}
+               for c, ms in ((0, 3.0), (65536, 6.0)) for b, r in ((1, 1.0), (2, 0.8), (4, 0.7), (8, 0.6))]
+    return {"model": "m", "kernels": "k", "grid": 512, "rows": rows, "batch_rows": batches}
+
+
+def test_replay_ledger_charges_each_read_rate_file_its_own_costs(tmp_path):
+    """--read-rate-json repeated: an arm for each file, each charged that file's chunk and batch
+    rows (several device calls' costs side by side); two files of one name are told apart by path."""
+    ledger = tmp_path / "dense.ledger.jsonl"
+    with ledger.open("w") as f:  # 16 sessions decoding all the time, 8,000 new ids a turn each
+        for s in range(16):
+            prompt = 0
+            for k in range(6):
+                start = 20.0 * k + 0.7 * s
+                new = 8000
+                prompt += new + (300 if k else 0)
+                f.write(json.dumps({"session": f"s{s}", "start": start, "first_token": start + 0.5, "end": start + 19.0,
+                                    "prompt_tokens": prompt, "new_prompt_tokens": new, "output_tokens": 300}) + "\n")
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    fast.write_text("a table\n" + json.dumps(_rate_doc(1.0)) + "\n")
+    slow.write_text(json.dumps(_rate_doc(3.0)) + "\n")
+    result = runner.invoke(app, ["replay-ledger", str(ledger), "--read-rate-json", str(fast), "--read-rate-json",
+                                 str(slow), "--batch", "8", "--samples", "10", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = last_json(result.output)
+    assert [(c["label"], c["batch_costs"]) for c in doc["costs"]] == [("fast.json", "fast.json"), ("slow.json", "slow.json")]
+    assert [c["ms_per_chunk"] for c in doc["costs"]] == [[3.0, 6.0], [9.0, 18.0]]
+    assert doc["batch_costs"] == "fast.json, slow.json"
+    assert [(a["arm"], a["cost"]) for a in doc["arms"]] == [
+        ("idle only", "fast.json"), ("idle only", "slow.json"), ("idle + 2% share", "fast.json"), ("idle + 2% share", "slow.json")]
+    fast_share, slow_share = doc["arms"][2], doc["arms"][3]
+    assert fast_share["chunks_share"] > 0 and fast_share["fresh_pct"] > slow_share["fresh_pct"]
+    twins = [tmp_path / "a" / "rate.json", tmp_path / "b" / "rate.json"]
+    for path, scale in zip(twins, (1.0, 2.0)):
+        path.parent.mkdir()
+        path.write_text(json.dumps(_rate_doc(scale)) + "\n")
+    result = runner.invoke(app, ["replay-ledger", str(ledger), "--read-rate-json", str(twins[0]), "--read-rate-json",
+                                 str(twins[1]), "--samples", "10", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [c["label"] for c in last_json(result.output)["costs"]] == [str(p) for p in twins]
+
+
 @pytest.mark.parametrize(
     "content, args, message",
     [
