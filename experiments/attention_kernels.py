@@ -9,9 +9,13 @@ over the same rows without a mask (so they do a little more work: the chunk's ow
 square whole; their rate is counted by that work), their key heads repeated to the query heads
 outside the timing where the backend takes no GQA; cuDNN also with the rows split into 4 slices
 as a batch of 4 (how a kernel with no split of its own would fill the GPU for one session, merge
-not timed); and FlexAttention (compiled, lower-right causal block mask, GQA). 20 back-to-back
-calls between CUDA events after warm-up, median of 5 rounds. Each row also says whether the
-kernel gave a session the same bits alone and in the batch, and twice.
+not timed); cuDNN as the library would have to call it (`cudnn_chunk`: a session at a time, its
+cached rows in 4 slices as a batch, the rows left over, the chunk's causal square, merged by
+log-sum-exp; with its float32 difference and the time of a first call at shapes no call met,
+which builds cuDNN graphs), and its calls alone; and FlexAttention (compiled, lower-right causal
+block mask, GQA). 20 back-to-back calls between CUDA events after warm-up, median of 5 rounds.
+Each row also says whether the kernel gave a session the same bits alone and in the batch, and
+twice.
 
     python3 experiments/attention_kernels.py --depths 16384,65536 --batches 1,8
 """
