@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
@@ -34,24 +33,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from shadow.model.kernels import reference
 from shadow.model.kernels import triton_attention as ta
 
+from attention_batch import gpu_ms  # run as a script: experiments/ is on the path
+
 HQ, HKV, D, T = 8, 2, 256, 512
 SCALE = D ** -0.5
-
-
-def gpu_ms(fn, calls: int = 20, rounds: int = 5) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def tflops(flops: float, ms: float) -> float:
