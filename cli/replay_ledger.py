@@ -116,6 +116,8 @@ def replay_ledger(
     if batch not in (1, 2, 4, 8):
         raise ShadowInputError(f"--batch is 1, 2, 4 or 8 (the batch sizes a reader has CUDA graphs for; got {batch})")
     paths = read_rate_json or []
+    if len({p.resolve() for p in paths}) < len(paths):
+        raise ShadowInputError("--read-rate-json names the same file twice (each file is one arm)")
     names = [p.name for p in paths]  # a file's name labels its arms, its path where two share a name
     measured = [_table_from(p, grid, p.name if names.count(p.name) == 1 else str(p)) for p in paths]
     # a flat cost is charged the first file's batch rows (the H200's where no file has any); a file its own

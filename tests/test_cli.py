@@ -328,6 +328,9 @@ def test_replay_ledger_charges_each_read_rate_file_its_own_costs(tmp_path):
                                  str(twins[1]), "--samples", "10", "--json"])
     assert result.exit_code == 0, result.output
     assert [c["label"] for c in last_json(result.output)["costs"]] == [str(p) for p in twins]
+    twice = runner.invoke(app, ["replay-ledger", str(ledger), "--read-rate-json", str(fast), "--read-rate-json",
+                                str(tmp_path / "a" / ".." / "fast.json")])
+    assert twice.exit_code == 2 and "names the same file twice" in twice.output
 
 
 @pytest.mark.parametrize(
