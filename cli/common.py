@@ -347,9 +347,12 @@ class ShadowGroup(TyperGroup):
 def user_text_file(path: Path, read: Callable):
     """`read(path)`, bad content refused as bad input naming the file: not UTF-8 text, JSON
     nested past Python's recursion limit, a number of thousands of digits (Python's int limit),
-    JSON the reader did not catch."""
+    JSON the reader did not catch. The collector is paused while it reads (`collection_paused`)."""
+    from shadow.engines.jsonlimits import collection_paused
+
     try:
-        return read(path)
+        with collection_paused():
+            return read(path)
     except ShadowInputError:
         raise
     except UnicodeDecodeError:
@@ -365,10 +368,12 @@ def user_text_file(path: Path, read: Callable):
 def template_kwargs(text: str | None) -> dict:
     """--chat-template-kwargs as a JSON object ({} for none); bad input otherwise (not JSON, nested
     past Python's recursion limit, a number of thousands of digits)."""
+    from shadow.engines.jsonlimits import collection_paused
     from shadow.text.chat_template import parse_template_kwargs
 
     try:
-        return parse_template_kwargs(text)
+        with collection_paused():
+            return parse_template_kwargs(text)
     except ShadowInputError:
         raise
     except (ValueError, RecursionError) as e:

@@ -14,6 +14,7 @@ from cli.common import (
     CsvOpt, GridOpt, JsonOpt, PlotOpt, bounds, console, emit_json, input_file, output_path, progress, refuse,
     save_figure, user_errors, user_text_file, write_csv, wrote,
 )
+from shadow.engines.jsonlimits import collection_paused
 from shadow.errors import ShadowInputError
 
 FORMATS = ("auto", "mooncake", "trajectory", "ledger")
@@ -440,7 +441,8 @@ def _detect(path: Path) -> str:
     with open(path, errors="replace") as f:
         first = next((line for line in f if line.strip()), "")
     try:
-        row = json.loads(first)
+        with collection_paused():
+            row = json.loads(first)
     except (ValueError, RecursionError):  # not JSON, a number of thousands of digits, nesting past the limit
         raise ShadowInputError(f"{path}:1: not JSON; cannot tell the format (give --format)") from None
     if isinstance(row, dict) and "hash_ids" in row:
@@ -456,7 +458,8 @@ def _table_from(path: Path, grid: int, label: str):
     from shadow.offline.costs import BatchTable, ChunkTable, read_rate_document
 
     try:
-        doc = read_rate_document(path.read_text())
+        with collection_paused():
+            doc = read_rate_document(path.read_text())
         return ChunkTable.from_read_rate(doc, grid, label), BatchTable.from_read_rate(doc, grid, label)
     except (OSError, IndexError, KeyError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
         raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__}: {e})") from None

@@ -37,8 +37,11 @@ def _load_config(ctx: typer.Context, path: Path | None) -> Path | None:
         return None
     import tomllib
 
+    from shadow.engines.jsonlimits import collection_paused
+
     try:
-        values = tomllib.loads(path.read_text(encoding="utf-8"))
+        with collection_paused():
+            values = tomllib.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as e:  # TOMLDecodeError and UnicodeDecodeError are ValueErrors
         raise typer.BadParameter(f"cannot read {path} as TOML: {type(e).__name__}: {str(e)[:200]}") from None
     known = {p.name for p in ctx.command.params}

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from shadow.engines.jsonlimits import collection_paused
 from shadow.errors import ShadowInputError
 from shadow.core.reader import Session
 from shadow.offline.journal import ids_crc
@@ -41,7 +42,8 @@ class StandingQuestion:
 def load_standing(path: Path, tokenizer) -> StandingQuestion:
     """A standing question from a JSON file {name, text, choices, min_prompt_tokens, label_header}."""
     try:
-        doc = json.loads(Path(path).read_text())
+        with collection_paused():  # a deep file recurses to Python's limit
+            doc = json.loads(Path(path).read_text())
         if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list) or not isinstance(doc.get("text"), str):
             raise ValueError("it needs an object with 'text' (a string) and 'choices' (a list)")
         labels = tuple(str(c) for c in doc["choices"])
