@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
+from shadow.offline.bench.reference import cache_keyword
+
 MAX_REL = 1e-4
 
 
@@ -42,7 +44,7 @@ def test_chunked_prefill_with_state_agrees(tiny, oracle):
     for start in range(0, 384, 128):
         chunk = ids[start : start + 128]
         with torch.no_grad():
-            ref = oracle(chunk[None], past_key_values=cache, use_cache=True).logits[0].float()
+            ref = oracle(chunk[None], **{cache_keyword(oracle): cache}, use_cache=True).logits[0].float()
         ours = tiny.model.logits(tiny.model(chunk, state))
         assert rel_err(ours, ref) <= MAX_REL, f"chunk at {start}"
     for i, layer in enumerate(state.layers):
@@ -60,10 +62,10 @@ def test_decode_steps_agree(tiny, oracle):
     cache = DynamicCache(config=oracle.config)
     state = tiny.model.new_state()
     with torch.no_grad():
-        oracle(ids[None, :64], past_key_values=cache, use_cache=True)
+        oracle(ids[None, :64], **{cache_keyword(oracle): cache}, use_cache=True)
     tiny.model(ids[:64], state)
     for t in range(64, 70):
         with torch.no_grad():
-            ref = oracle(ids[None, t : t + 1], past_key_values=cache, use_cache=True).logits[0].float()
+            ref = oracle(ids[None, t : t + 1], **{cache_keyword(oracle): cache}, use_cache=True).logits[0].float()
         ours = tiny.model.logits(tiny.model(ids[t : t + 1], state))
         assert rel_err(ours, ref) <= MAX_REL, f"step {t}"

@@ -3,6 +3,7 @@ grid-sized chunks through its DynamicCache (with flash-linear-attention's kernel
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 import warnings
@@ -35,6 +36,13 @@ def reference_model(loaded: LoadedModel):
     return model.eval()
 
 
+def cache_keyword(model) -> str:
+    """The keyword under which `model`'s forward takes its cache: `cache` where this transformers
+    has it (`past_key_values`, its older name, is announced for removal in 5.40), else
+    `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def uses_fla() -> bool:
     try:
         import fla  # noqa: F401
@@ -50,13 +58,14 @@ def reference_read_ms_per_1k(model, ids: list[int], grid: int, device: torch.dev
     from transformers import DynamicCache
 
     tensor = torch.tensor(ids, device=device)[None]
+    keyword = cache_keyword(model)
 
     def read(n: int) -> float:
         cache = DynamicCache(config=model.config)
         synchronize(device)
         start = time.perf_counter()
         for lo in range(0, n, grid):
-            model(input_ids=tensor[:, lo : lo + grid], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=tensor[:, lo : lo + grid], **{keyword: cache}, use_cache=True, logits_to_keep=1)
         synchronize(device)
         return time.perf_counter() - start
 
