@@ -106,12 +106,26 @@ def random_value(rng: random.Random, depth: int):
             for _ in range(rng.randrange(4))}
 
 
+def test_loads_reads_utf8_only():
+    """json.loads guesses UTF-16 and 32 from bytes, where a stray quote byte would hide brackets
+    from a measure of the bytes; `loads` reads UTF-8 (a byte-order mark allowed) and refuses the rest."""
+    deep = '["\u2200", "x", ' + "[" * 200 + "]" * 200 + ', "y"]'
+    for encoding in ("utf-16-le", "utf-16", "utf-32"):
+        with pytest.raises(jsonlimits.JSONLimitError, match="not valid JSON"):
+            jsonlimits.loads(deep.encode(encoding))
+    with pytest.raises(jsonlimits.JSONLimitError, match="nests deeper than 64 levels"):
+        jsonlimits.loads(deep.encode())
+    with pytest.raises(jsonlimits.JSONLimitError, match="not UTF-8"):
+        jsonlimits.loads(b'{"a": "\xff"}')
+    assert jsonlimits.loads('\ufeff{"a": ["\u2200"]}'.encode()) == {"a": ["\u2200"]}
+
+
 def test_nests_deeper_agrees_with_a_walk_of_the_value():
     rng = random.Random(7)
     for _ in range(3000):
         value = random_value(rng, rng.randrange(1, 12))
         depth = walked_depth(value)
-        for text in (json.dumps(value), json.dumps(value, ensure_ascii=False).encode(), json.dumps(value, indent=1)):
+        for text in (json.dumps(value), json.dumps(value, ensure_ascii=False), json.dumps(value, indent=1)):
             for limit in (max(depth - 1, 0), depth, depth + 1):
                 assert jsonlimits.nests_deeper(text, limit) == (depth > limit), (text, limit)
 
@@ -120,11 +134,14 @@ def test_nests_deeper_agrees_with_a_walk_of_the_value():
     ("[" * 70, 64, True),  # never closed
     ("[" * 60 + "}" * 60, 64, False),  # brackets that do not pair, shallow: the parser refuses it quickly
     ("[" * 70 + "}" * 70, 64, True),
-    ('"' + "[" * 70, 64, True),  # a string never closed: its brackets count
+    ('"' + "[" * 70, 64, False),  # a string never closed runs to the end, as the parser reads it
+    ("[" * 70 + '"', 64, True),
+    ("[" * 65 + '"' + '\\"' * 5000, 64, True),  # escaped quotes in a string never closed
+    ('["\\\\", ' + "[" * 70 + "]" * 70 + "]", 64, True),  # an escaped backslash closes nothing
     ("[" * 64 + "]" * 64, 64, False),
     ("[" * 65 + "]" * 65, 64, True),
 ])
-def test_nests_deeper_on_text_that_is_not_json_bounds_what_a_parser_could_reach(text, limit, deeper):
+def test_nests_deeper_at_the_edges_bounds_what_a_parser_could_reach(text, limit, deeper):
     assert jsonlimits.nests_deeper(text, limit) is deeper
 
 

@@ -1,7 +1,7 @@
 """JSON read within limits: what an engine or a client sends, and the files a user names.
 
 `loads` raises one `JSONLimitError` (a ValueError) for anything it will not hand on: text that
-is not JSON (or not UTF-8), a number of more than `MAX_DIGITS` characters (Python refuses ints
+is not JSON (bytes that are not UTF-8 included), a number of more than `MAX_DIGITS` characters (Python refuses ints
 past 4,300 digits with a ValueError of its own, and reads a float of any length), nesting deeper
 than `max_depth`. The depth is measured on the text before parsing, so a deep value never sends
 the parser to Python's recursion limit: a finalizer that runs that deep (another client's stream
@@ -29,22 +29,19 @@ class JSONLimitError(ValueError):
     """Not JSON, or JSON past a limit (the message says which)."""
 
 
-_STRING_TEXT = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_STRING_BYTES = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.S)
-_NOT_BRACKET_TEXT = re.compile(r"[^\[\]{}]+")
-_NOT_BRACKET_BYTES = re.compile(rb"[^\[\]{}]+")
+# a string, or one never closed running to the end of the text (where the parser stops too):
+# every part optional after the opening quote, so a failed match never rescans (linear time)
+_STRING = re.compile(r'"[^"\\]*(?:\\.?[^"\\]*)*"?', re.S)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _ONE_KIND = str.maketrans("{}", "[]")  # depth does not depend on the kind of bracket
 
 
-def nests_deeper(data: bytes | str, limit: int) -> bool:
+def nests_deeper(text: str, limit: int) -> bool:
     """Whether JSON text nests deeper than `limit`, brackets inside strings not counted. Measured
-    on the text, a level a pass (at most `limit` + 1 passes), so any depth is safe to ask about.
-    Exact for valid JSON; for other text, True where a parser could recurse past `limit` on it."""
-    if isinstance(data, str):
-        brackets = _NOT_BRACKET_TEXT.sub("", _STRING_TEXT.sub("", data))
-    else:
-        brackets = _NOT_BRACKET_BYTES.sub(b"", _STRING_BYTES.sub(b"", data)).decode("ascii")
-    brackets = brackets.translate(_ONE_KIND)
+    on the text in linear passes, a level a pass (at most `limit` + 1), so any depth is safe to
+    ask about. Exact for valid JSON; for other text, True wherever a parser reading it could
+    recurse past `limit` before it stops at the text's first error."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text)).translate(_ONE_KIND)
     for level in range(limit + 1):
         if not brackets:
             return False
@@ -67,8 +64,12 @@ def loads(data: bytes | str, max_depth: int = MAX_DEPTH, max_digits: int = MAX_D
 
         return parse
 
-    square, curly = (b"[", b"{") if isinstance(data, bytes) else ("[", "{")
-    if data.count(square) + data.count(curly) > max_depth and nests_deeper(data, max_depth):
+    if isinstance(data, (bytes, bytearray)):
+        try:  # UTF-8 only (a byte-order mark allowed), where json.loads would also guess UTF-16 and 32
+            data = data.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            raise JSONLimitError(f"not valid JSON: not UTF-8 ({e.reason} at byte {e.start})") from None
+    if data.count("[") + data.count("{") > max_depth and nests_deeper(data, max_depth):
         raise JSONLimitError(f"nests deeper than {max_depth} levels")
     try:
         return json.loads(data, parse_int=number(int), parse_float=number(float))
@@ -76,7 +77,7 @@ def loads(data: bytes | str, max_depth: int = MAX_DEPTH, max_digits: int = MAX_D
         raise
     except RecursionError:  # a max_depth set past Python's recursion limit
         raise JSONLimitError(f"nests deeper than {max_depth} levels") from None
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, not UTF-8
+    except ValueError as e:  # JSONDecodeError
         raise JSONLimitError(f"not valid JSON: {e}") from None
 
 
