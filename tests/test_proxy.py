@@ -6,6 +6,7 @@ the shadow; every turn ends; what the shadow could not verify, it says."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import httpx
@@ -13,7 +14,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serving import running, serving, settled
+from serving import assert_exact, running, serving, settled
 from shadow.text.chat_template import ChatRenderer, Template, default_hf_tokenizer
 
 END = 248046
@@ -591,3 +592,39 @@ def test_an_ask_about_a_session_whose_template_failed_says_why_it_is_not_exact(t
                 assert "no such role" in answer["why_not"]
                 if not require_exact:
                     assert answer["id_checks"]["prompts"]["not_read"] == 1
+
+
+def test_the_stream_never_waits_for_a_hand_over_to_the_shadow(tiny):
+    """A hand-over between events held as long as the test likes: the client gets its whole
+    stream meanwhile, the turn's end waits for the hand-over, and then the session holds the
+    engine's prompt and output, verified, its state bit-equal to a fresh prefill."""
+    with running() as (engine, _), running(upstream=str(engine.base_url).rstrip("/") + "/v1") as (proxy, service):
+        entered, release, returned = threading.Event(), threading.Event(), threading.Event()
+        feed_held = service.feed_held
+
+        def held_back(turn, wait, share):
+            if not wait and not entered.is_set():  # the first hand-over between events
+                entered.set()
+                release.wait(30)
+                try:
+                    return feed_held(turn, wait, share)
+                finally:
+                    returned.set()
+            return feed_held(turn, wait, share)
+
+        service.feed_held = held_back
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "stream": True,
+                "ignore_eos": True, "min_tokens": 12, "return_token_ids": True}
+        with proxy.stream("POST", "/v1/chat/completions", json=body, headers={"x-session-id": "beside"}) as r:
+            tokens = sum(1 for line in r.iter_lines() if '"token_ids": [' in line and '"token_ids": []' not in line)
+        assert tokens == 12 and entered.is_set() and not returned.is_set()
+        assert service.turns  # its end waits for the hand-over in flight
+        release.set()
+        settled(service)
+        status = proxy.get("/v1/shadow/status").json()
+        assert status["counters"]["turn_parts"]["prompt"]["verified"] == 1
+        assert status["counters"]["turn_parts"]["output"]["verified"] == 1
+        with service.state_lock:
+            assert len(service.store.get("beside").ids) > 12
+        assert_exact(service, "beside")
+

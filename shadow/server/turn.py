@@ -7,6 +7,7 @@ the service and the HTTP side share; it is changed under the service's lock.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -45,8 +46,15 @@ class ServedTurn(Turn):
     engine_held: int | None = None
     fed_output: int = 0
     held: list[int] = field(default_factory=list)  # output ids not fed yet
+    # set while no hand-over to the shadow is in flight beside the stream (its end waits for one)
+    feed_idle: threading.Event = field(default_factory=lambda: _set(threading.Event()))
     notes: list[str] = field(default_factory=list)  # what happened to the request on its way
     # its end
     cancelled: bool = False  # the client went away: the embedded generator stops at its next step
     finishing: bool = False  # its end is under way (the proxy checks and ends it once)
     overdue_logged: bool = False  # the watchdog has said it is in flight past the engine's timeout
+
+
+def _set(event: threading.Event) -> threading.Event:
+    event.set()
+    return event

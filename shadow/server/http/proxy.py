@@ -86,6 +86,7 @@ class Proxy:
         self.sync_client = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0), limits=limits)  # /tokenize
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shadow-prompt")
         self.load = service.load  # requests in flight to the engine, its prefill rate
+        self._feeds: set[asyncio.Task] = set()  # hand-overs to the shadow in flight (held till done)
 
     async def close(self) -> None:
         await self.client.aclose()
@@ -269,8 +270,8 @@ class Proxy:
     async def _relay(self, upstream: httpx.Response, turn: ServedTurn, added, body: dict, chat: bool, before: Future,
                      label, lines: "Lines | None"):
         """The engine's stream, event by event, as it sent it (less what the proxy added), with
-        status lines between events; the shadow is fed between events without the stream ever
-        waiting for the device."""
+        status lines between events; the shadow is fed beside it (`_feed_beside`), the stream never
+        waiting for the device or for the feed."""
         pieces: asyncio.Queue = asyncio.Queue()
 
         async def pump():
@@ -285,6 +286,7 @@ class Proxy:
         pumping = asyncio.ensure_future(pump())
         buffer, boundary = b"", True
         gaps, wrote, fed = self.service.counters.gaps, None, 0.0  # the last write of events; the last feed's seconds
+        feeding: asyncio.Task | None = None  # the turn's hand-over in flight (at most one)
         try:
             while True:
                 try:
@@ -317,13 +319,14 @@ class Proxy:
                 if out:
                     if carried:
                         now = time.perf_counter()  # a gap: the engine's, what the proxy held, its last feed
+                        if feeding is not None and feeding.done() and not feeding.cancelled():
+                            fed = feeding.result()
                         if wrote is not None:
                             gaps.add("write", now - wrote, {"held": now - arrived, "feed": fed})
                         wrote = now
                     yield b"".join(out)
-                fed = time.perf_counter()
-                await self._feed(turn, before)
-                fed = time.perf_counter() - fed
+                if feeding is None or feeding.done():
+                    feeding = self._feed_beside(turn, before)
             if buffer:
                 yield self._line(buffer, _event(buffer), turn, added, body, chat).rstrip(b"\n")
         finally:
@@ -331,9 +334,24 @@ class Proxy:
             await upstream.aclose()
             self._finish_later(turn, before, body, chat, label, lines)
 
-    async def _feed(self, turn: ServedTurn, before: Future) -> None:
-        """Between two events: what the engine has shown is handed to the shadow if the device is
-        free (never waited for); a failure is logged once a turn and the stream goes on."""
+    def _feed_beside(self, turn: ServedTurn, before: Future) -> asyncio.Task:
+        """`_feed` as a task beside the stream; the turn's `feed_idle` is clear until it is done
+        (its end waits for it) and the proxy holds the task till then."""
+        turn.feed_idle.clear()
+        task = asyncio.ensure_future(self._feed(turn, before))
+        self._feeds.add(task)
+
+        def done(_) -> None:
+            self._feeds.discard(task)
+            turn.feed_idle.set()
+
+        task.add_done_callback(done)
+        return task
+
+    async def _feed(self, turn: ServedTurn, before: Future) -> float:
+        """What the engine has shown so far is handed to the shadow if the device is free (never
+        waited for), with a slice of the share; a failure is logged once a turn. Its seconds."""
+        start = time.perf_counter()
         try:
             take(turn, before, self.max_prompt_tokens)
             await asyncio.to_thread(self.service.feed_held, turn, False, True)
@@ -342,6 +360,7 @@ class Proxy:
                 turn.notes.append("feeding failed")
                 log.exception("the shadow could not be fed between events of turn %s", turn.id,
                               extra={"session": turn.session, "turn": turn.id})
+        return time.perf_counter() - start
 
     async def _voice(self, said: list, turn: ServedTurn, lines: "Lines", body: dict) -> list:
         """The voice's phrase after each line that takes one (thinking, decided, writing), where
@@ -398,6 +417,8 @@ class Proxy:
         engine, ask the upstream for a standing question's label, end the turn. Always ends it."""
         service = self.service
         try:
+            if not turn.feed_idle.wait(timeout=120):  # the hand-over beside the stream, still in flight
+                turn.notes.append("a hand-over to the shadow was still in flight after 120 s")
             try:
                 prompt = before.result(timeout=120)
             except Exception as e:  # noqa: BLE001 - a prompt that could not be had: the turn says why
