@@ -445,7 +445,9 @@ def test_a_client_body_with_a_huge_number_or_deep_nesting_is_a_400_that_begins_n
     before, sent = service.status()["counters"]["requests"], len(seen)
     for raw in (b'{"messages": [{"role": "user", "content": "x"}], "prompt": "x", "max_tokens": ' + HUGE + b"}",
                 b'{"messages": [{"role": "user", "content": "x"}], "prompt": "x", "max_tokens": 1.' + HUGE + b"}",
-                b'{"messages": ' + DEEP + b"}", b'{"session": "s", "question": "q", "choices": ' + DEEP + b"}"):
+                b'{"messages": ' + DEEP + b"}", b'{"session": "s", "question": "q", "choices": ' + DEEP + b"}",
+                '{"messages": [{"role": "user", "content": "x"}], "prompt": "x"}'.encode("utf-16"),
+                b'{"messages": [{"role": "user", "content": "\xff"}], "prompt": "\xff"}'):
         r = proxy.post(path, content=raw)
         assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type"}, (path, r.text[:300])
     assert service.status()["counters"]["requests"] == before and len(seen) == sent  # nothing began, nothing sent
