@@ -102,7 +102,7 @@ def main() -> None:
     del model, generator
 
     log = open(os.environ.get("SERVE_LOG", "/tmp/generator-speed-serve.log"), "w")
-    server = subprocess.Popen([sys.executable, "-c", "from cli.main import main; main()", "serve", "--model", args.model,
+    server = subprocess.Popen([sys.executable, "-c", "from shadow.cli.main import main; main()", "serve", "--model", args.model,
                                "--device", args.device, "--port", str(args.port)], stdout=log, stderr=log)
     base = f"http://127.0.0.1:{args.port}/v1"
     try:

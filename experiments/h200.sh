@@ -8,7 +8,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLA_FLASH_QLA=0 FLA_CACHE_RESULTS=1
 export SHADOW_CACHE=/tmp/shadow-cache TRITON_CACHE_DIR=/tmp/triton-cache
-mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -c "from cli.main import main; main()" "$@"\n' > /tmp/bin/shadow && chmod +x /tmp/bin/shadow
+mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -c "from shadow.cli.main import main; main()" "$@"\n' > /tmp/bin/shadow && chmod +x /tmp/bin/shadow
 export PATH=/tmp/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, transformers, triton, fla; print("torch", torch.__version__, "transformers", transformers.__version__, "triton", triton.__version__, "fla", fla.__version__)'

@@ -14,8 +14,8 @@ import pytest
 from conftest import shared_file
 from typer.testing import CliRunner
 
-from cli.common import ShadowGroup, write_csv
-from cli.main import app
+from shadow.cli.common import ShadowGroup, write_csv
+from shadow.cli.main import app
 from shadow.text.conversations import save_jsonl
 from shadow.text.sample import sample_conversation
 
@@ -60,7 +60,7 @@ def test_verify_exact_json_on_own_format(small_conversation, tmp_path):
 def test_verify_exact_reads_at_80_columns(small_conversation):
     """A terminal of 80 columns: no line longer, every name and header whole (never cut into
     pieces of a few letters)."""
-    run = subprocess.run([sys.executable, "-c", "from cli.main import main; main()", "verify-exact", "-c",
+    run = subprocess.run([sys.executable, "-c", "from shadow.cli.main import main; main()", "verify-exact", "-c",
                           str(small_conversation), "--grid", "256", "--against-grid", "1024"],
                          capture_output=True, text=True, env=os.environ | {"COLUMNS": "80"}, timeout=600)
     assert run.returncode == 0, run.stderr
@@ -76,17 +76,17 @@ def test_a_wide_table_is_shown_whole_at_80_columns(monkeypatch, rows):
     from rich.console import Console
     from rich.table import Table
 
-    import cli.common
+    import shadow.cli.common
 
     console = Console(width=80, record=True, highlight=False)
-    monkeypatch.setattr(cli.common, "console", console)
+    monkeypatch.setattr(shadow.cli.common, "console", console)
     table = Table(title="wide")
     headers = ["session", *[f"measure {i}" for i in range(12)]]
     for h in headers:
         table.add_column(h)
     for r in range(rows):
         table.add_row(f"django__django-{16950 + r}", *[f"{1000 * r + i:,}" for i in range(12)])
-    cli.common.show(table)
+    shadow.cli.common.show(table)
     text = console.export_text()
     assert max(map(len, text.splitlines())) <= 80
     for cell in headers + [f"django__django-{16950 + r}" for r in range(rows)] + [f"{1000 * (rows - 1) + 11:,}"]:
@@ -670,7 +670,7 @@ def test_ab_refuses_bad_input(workdir, args, message):
 def test_a_bad_input_in_a_real_process_is_one_line(workdir):
     """The console script itself (no CliRunner): one line, exit 2, nothing written."""
     before = tree(workdir)
-    done = subprocess.run([sys.executable, "-c", "from cli.main import main; main()", "read-rate",
+    done = subprocess.run([sys.executable, "-c", "from shadow.cli.main import main; main()", "read-rate",
                            "--decode-tokens", "-4", "--plot", "rate.png"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip() == "error: --decode-tokens must be >= 1 (got -4)"
     assert done.stdout == "" and tree(workdir) == before
@@ -805,7 +805,7 @@ def test_doctor_says_ok_on_the_cpu(workdir):
 
 
 def test_the_cpu_thread_default_is_one_on_small_machines():
-    from cli.main import default_threads
+    from shadow.cli.main import default_threads
 
     assert default_threads(1) == 1 and default_threads(2) == 1 and default_threads(16) == 8 and default_threads(6) == 3
 

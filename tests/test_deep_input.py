@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from cli.common import ShadowInputError, user_text_file
+from shadow.cli.common import ShadowInputError, user_text_file
 from shadow.engines import jsonlimits
 from shadow.text.conversations import load_conversation
 

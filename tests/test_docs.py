@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer.main
 
-from cli.main import app
+from shadow.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

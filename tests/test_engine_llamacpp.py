@@ -81,7 +81,7 @@ def test_thirty_one_turns_through_the_proxy_read_llama_servers_ids(engine, tmp_p
 def test_check_engine_against_llama_server(engine):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from shadow.cli.main import app
 
     r = CliRunner().invoke(app, ["check-engine", engine + "/v1", "--max-tokens", "4", "--long-words", "600", "--json"])
     assert r.exit_code == 0, r.output

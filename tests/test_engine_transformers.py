@@ -117,7 +117,7 @@ def test_thirty_one_turns_through_the_proxy_read_the_engines_prompt_ids(engine, 
 def test_check_engine_against_transformers_serve(engine, big_model):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from shadow.cli.main import app
 
     r = CliRunner().invoke(app, ["check-engine", engine, "--chat-template", str(big_model), "--max-tokens", "4",
                                  "--long-words", "600", "--json"])

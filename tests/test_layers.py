@@ -2,10 +2,11 @@
 each other (directly or round a loop, lazy imports inside functions included), and no module of a
 lower layer imports a higher one.
 
-    errors < text < model < core < {engines, voice, offline} < server < cli
+    errors < text < model < core < {engines, voice, offline} < server < server.http < cli
 
-The three packages of one rank are siblings: none imports another. In `cli/`, a command imports
-only `cli.common` of the CLI (no command imports another's helpers).
+The three packages of one rank are siblings: none imports another. The service (`shadow.server`)
+knows nothing of HTTP: only `shadow.server.http` and the CLI import it. In `shadow/cli/`, a command
+imports only `shadow.cli.common` of the CLI (no command imports another's helpers).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [("shadow", "shadow.errors"), ("shadow.text",), ("shadow.model",), ("shadow.core",),
-          ("shadow.engines", "shadow.voice", "shadow.offline"), ("shadow.server",), ("cli",)]
+          ("shadow.engines", "shadow.voice", "shadow.offline"), ("shadow.server",),
+          ("shadow.server.http",), ("shadow.cli",)]
 
 
 def modules() -> dict[str, Path]:
     out = {}
-    for path in sorted([*ROOT.glob("shadow/**/*.py"), *ROOT.glob("cli/*.py")]):
+    for path in sorted(ROOT.glob("shadow/**/*.py")):
         name = ".".join(path.with_suffix("").relative_to(ROOT).parts)
         out[name.removesuffix(".__init__")] = path
     return out
@@ -67,7 +69,7 @@ def test_every_module_imports_on_its_own():
         "import importlib, sys, traceback\n"
         f"failed = []\n"
         f"for name in {names!r}:\n"
-        "    for loaded in [m for m in sys.modules if m == 'shadow' or m.startswith(('shadow.', 'cli.')) or m == 'cli']:\n"
+        "    for loaded in [m for m in sys.modules if m == 'shadow' or m.startswith('shadow.')]:\n"
         "        del sys.modules[loaded]\n"
         "    try:\n"
         "        importlib.import_module(name)\n"
@@ -124,8 +126,8 @@ def test_no_lower_layer_imports_a_higher_one():
 
 def test_no_command_imports_another():
     g = graph()
-    wrong = [f"{name} -> {dep}" for name, deps in g.items() if name.startswith("cli.") and name != "cli.main"
-             for dep in deps if (dep == "cli" or dep.startswith("cli.")) and dep != "cli.common"]
+    wrong = [f"{name} -> {dep}" for name, deps in g.items() if name.startswith("shadow.cli.")
+             and name != "shadow.cli.main" for dep in deps if dep.startswith("shadow.cli.") and dep != "shadow.cli.common"]
     assert wrong == []
 
 

@@ -17,7 +17,7 @@ import time
 import httpx
 from typer.testing import CliRunner
 
-from cli.main import app
+from shadow.cli.main import app
 from scripted import TEMPLATE, quiet_engine
 from serving import free_port, serving
 from shadow.server import logs
@@ -32,7 +32,7 @@ def test_json_logs_of_a_served_session_parse_and_carry_no_prompt_text(tiny, tmp_
     with serving(quiet_engine({"usage": True, "prompt_tokens": 5})) as engine:  # counts that cannot match
         upstream = str(engine.base_url).rstrip("/") + "/v1"
         proc = subprocess.Popen(
-            [sys.executable, "-c", "from cli.main import main; main()", "serve", "--port", str(port), "--grid", "128",
+            [sys.executable, "-c", "from shadow.cli.main import main; main()", "serve", "--port", str(port), "--grid", "128",
              "--upstream", upstream, "--chat-template", str(template), "--disk", str(tmp_path / "disk"),
              "--log-format", "json", "--no-voice"],
             env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

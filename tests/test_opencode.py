@@ -36,7 +36,7 @@ def start_serve(*args: str) -> tuple[subprocess.Popen, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = subprocess.Popen(
-        [sys.executable, "-c", "from cli.main import main; main()", "serve", "--port", str(port), "--grid", "128", *args],
+        [sys.executable, "-c", "from shadow.cli.main import main; main()", "serve", "--port", str(port), "--grid", "128", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     base = f"http://127.0.0.1:{port}"

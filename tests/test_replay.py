@@ -169,7 +169,7 @@ def test_a_mooncake_answer_is_read_once(tmp_path):
 def test_mooncake_blocks_are_512_tokens_whatever_the_grid(tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from shadow.cli.main import app
 
     path = mooncake_file(tmp_path)
     for grid in (512, 1024):
@@ -331,7 +331,7 @@ def test_bad_mooncake_line_is_named(tmp_path):
 def test_the_command_replays_a_packed_fleet_solves_the_share_and_checks(tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from shadow.cli.main import app
 
     ledger = tmp_path / "l.jsonl"
     write_ledger(ledger, fleet_ledger(11))
@@ -359,7 +359,7 @@ def test_the_command_replays_a_packed_fleet_solves_the_share_and_checks(tmp_path
 def test_the_command_refuses_bad_fleet_options(tmp_path, args, message):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from shadow.cli.main import app
 
     ledger = tmp_path / "l.jsonl"
     write_ledger(ledger, fleet_ledger(1, sessions=2))

@@ -11,7 +11,7 @@ import math
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from shadow.cli.main import app
 from shadow.core.residency import StateSize
 from shadow.core.schedule import BandwidthRule
 from shadow.model.config import PRESETS
@@ -229,11 +229,11 @@ def ledger_file(tmp_path):
 
 
 def test_the_command_reports_the_operators_figures_in_80_columns(tmp_path, monkeypatch):
-    import cli.common as common
+    import shadow.cli.common as common
     from rich.console import Console
 
     monkeypatch.setattr(common, "console", Console(width=80, record=True, highlight=False))
-    import cli.replay_ledger as command
+    import shadow.cli.replay_ledger as command
 
     monkeypatch.setattr(command, "console", common.console)
     result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--cap-gib", "0.05", "--share",

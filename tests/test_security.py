@@ -140,7 +140,7 @@ def test_the_journal_is_private(tiny, tmp_path):
 def test_listening_beyond_loopback_needs_a_key_and_bad_options_do_nothing(tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from shadow.cli.main import app
 
     runner = CliRunner()
     disk = tmp_path / "never"
@@ -233,7 +233,7 @@ def test_ab_reaches_a_server_with_keys_by_option_or_environment(tiny, tmp_path):
     SHADOW_API_KEY) it runs both arms and sets the switch back."""
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from shadow.cli.main import app
 
     with guarded() as (client, service):
         url = str(client.base_url).rstrip("/") + "/v1"

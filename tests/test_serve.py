@@ -195,7 +195,7 @@ def _eight_clients(client: httpx.Client, service: ShadowService) -> None:
 def test_sigterm_writes_resident_sessions_to_disk(tmp_path):
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from cli.main import main; main()", "serve", "--port", str(port),
+        [sys.executable, "-c", "from shadow.cli.main import main; main()", "serve", "--port", str(port),
          "--grid", str(GRID), "--disk", str(tmp_path)],
         env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -297,7 +297,7 @@ def test_share_slices_are_charged_to_the_turn_and_counted(tiny):
 def test_ab_against_an_embedded_server(server, tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from shadow.cli.main import app
 
     client, service = server
     result = CliRunner().invoke(app, [
@@ -323,7 +323,7 @@ def test_router_eval_on_a_journal_built_by_serve(tiny, tmp_path):
     control (the same model and question) gives the journal's probabilities again."""
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from shadow.cli.main import app
 
     disk, journal = tmp_path / "disk", tmp_path / "journal.jsonl"
     labels = {"r0": ("A", True), "r1": ("B", False), "r2": ("A", True), "r3": ("A", False)}
@@ -376,7 +376,7 @@ def test_standing_question_is_answered_at_the_insertion_point_and_journaled(tiny
     then re-asks those points offline and the control matches."""
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from shadow.cli.main import app
     from shadow.server.standing import load_standing
 
     tokenizer = load_tokenizer(None)

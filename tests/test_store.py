@@ -335,7 +335,7 @@ def test_a_session_through_rollbacks_forks_and_a_backlog_round_trips_exactly(rea
 def test_store_command_exits_0_when_every_file_is_valid_1_when_one_is_not_2_on_bad_input(tiny, tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from shadow.cli.main import app
 
     runner = CliRunner()
     reader = Reader(tiny.model, GRID)
@@ -504,7 +504,7 @@ def test_measure_restore_times_a_scratch_session_and_leaves_nothing(reader, tmp_
 def test_store_command_checks_files_against_the_store_key(tiny, tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from shadow.cli.main import app
 
     reader = Reader(tiny.model, GRID)
     store = SessionStore(reader, tiny.weights_hash, cap_gib=None, disk=tmp_path, key="k1")

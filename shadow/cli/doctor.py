@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from cli.common import JsonOpt, console, device_name, emit_json, kernels_name, progress, show, user_errors
+from shadow.cli.common import JsonOpt, console, device_name, emit_json, kernels_name, progress, show, user_errors
 
 
 @user_errors

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from rich.progress import SpinnerColumn, TextColumn
 
-from cli.common import (
+from shadow.cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, ModelOpt, PlotOpt, bounds, check_kernels, console, emit_json,
     grid_size, kernels_name, model_name, parse_dtype, progress, save_figure, show, user_errors, write_csv,
 )

@@ -10,7 +10,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.table import Table
 
-from cli.common import (
+from shadow.cli.common import (
     CsvOpt, JsonOpt, PlotOpt, bounds, console, emit_json, progress, refuse, save_figure, show, user_errors, write_csv,
 )
 from shadow.errors import ShadowInputError

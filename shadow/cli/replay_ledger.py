@@ -10,7 +10,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.table import Table
 
-from cli.common import (
+from shadow.cli.common import (
     CsvOpt, GridOpt, JsonOpt, PlotOpt, bounds, console, emit_json, input_file, output_path, progress, refuse,
     save_figure, user_errors, user_text_file, write_csv, wrote,
 )

@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cli.common import (
+from shadow.cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, console, emit_json, errors, input_file,
     parse_dtype, seed_bounds, show, user_errors, user_text_file, write_csv,
 )

@@ -9,7 +9,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.table import Table
 
-from cli.common import (
+from shadow.cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, JsonOpt, KernelsOpt, check_kernels, console, emit_json, input_file, input_folder,
     model_name, parse_dtype, progress, refuse, show, user_errors, user_text_file, write_csv,
 )

@@ -11,7 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from cli.common import (
+from shadow.cli.common import (
     CsvOpt, DeviceOpt, DtypeOpt, GridOpt, JsonOpt, KernelsOpt, ModelOpt, bounds, check_kernels, console, emit_json,
     folder_to_write, grid_size, input_file, parse_dtype, progress, seed_bounds, show, user_errors, user_text_file,
     write_csv,

@@ -4,9 +4,9 @@ import os
 
 import typer
 
-from cli.common import ShadowGroup
+from shadow.cli.common import ShadowGroup
 
-from cli import ab, check_engine, doctor, read_rate, replay_ledger, router_eval, serve, store, verify_exact, voice_replay
+from shadow.cli import ab, check_engine, doctor, read_rate, replay_ledger, router_eval, serve, store, verify_exact, voice_replay
 
 app = typer.Typer(
     cls=ShadowGroup,

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from cli.common import (
+from shadow.cli.common import (
     CsvOpt, JsonOpt, console, emit_json, readable_path, show, template_kwargs, tokenizer_path, user_errors,
     write_csv,
 )

@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from cli.common import (
+from shadow.cli.common import (
     console, device_name, dtype_name, grid_size, input_file, kernels_name, model_name, parse_dtype, readable_path,
     template_kwargs, tokenizer_path, user_errors, user_text_file,
 )
@@ -161,7 +161,7 @@ def serve(
         _check_standing(standing_question, model)
     listener = _bind(host, port)  # before the model loads: a port in use fails at once
     from shadow.server import logs
-    from shadow.server.build import build
+    from shadow.server.http.build import build
 
     logs.setup(log_format)
 

@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from cli.common import GridOpt, JsonOpt, emit_json, model_name, show, user_errors
+from shadow.cli.common import GridOpt, JsonOpt, emit_json, model_name, show, user_errors
 from shadow.errors import ShadowInputError
 
 
