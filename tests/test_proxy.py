@@ -602,19 +602,19 @@ def test_the_stream_never_waits_for_a_hand_over_to_the_shadow(tiny):
     engine's prompt and output, verified, its state bit-equal to a fresh prefill."""
     with running() as (engine, _), running(upstream=str(engine.base_url).rstrip("/") + "/v1") as (proxy, service):
         entered, release, returned = threading.Event(), threading.Event(), threading.Event()
-        feed_held = service.feed_held
+        feed_due = service.feed_due
 
-        def held_back(turn, wait, share):
+        def held_back(turn, *, wait, share):
             if not wait and not entered.is_set():  # the first hand-over between events
                 entered.set()
                 release.wait(30)
                 try:
-                    return feed_held(turn, wait, share)
+                    return feed_due(turn, wait=wait, share=share)
                 finally:
                     returned.set()
-            return feed_held(turn, wait, share)
+            return feed_due(turn, wait=wait, share=share)
 
-        service.feed_held = held_back
+        service.feed_due = held_back
         body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "stream": True,
                 "ignore_eos": True, "min_tokens": 12, "return_token_ids": True}
         with proxy.stream("POST", "/v1/chat/completions", json=body, headers={"x-session-id": "beside"}) as r:

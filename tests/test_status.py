@@ -18,7 +18,7 @@ from shadow.server.http.channels import Channel, LineWriter, choose, client_kind
 from shadow.core.turns import TurnTable
 from shadow.server.http.lines import TurnStatus, reading_line, tool_action, waited_line, waiting_line
 from shadow.server.load import EngineLoad
-from shadow.server.turn import ServedTurn
+from shadow.server.turn import ServedTurn, Shown
 from shadow.text.framing import MARK, frame, frame_title, strip_lines, strip_request
 
 
@@ -125,15 +125,15 @@ def test_the_reading_line_counts_the_ids_new_to_the_engine_even_once_the_shadow_
     from shadow.server.http.proxy_turn import Lines
 
     turns = TurnTable()
-    turn = turns.add(ServedTurn(1, 0.0))
+    turn = turns.add(ServedTurn(1, 0.0, shown=Shown()))
     before = Future()
     before.set_result(SimpleNamespace(ids=list(range(306))))
     held_now = lambda ids: len(ids)  # noqa: E731 - the session holds the whole prompt by now
-    turn.engine_held = 6  # what it held when the prompt was fed
+    turn.shown.engine_cached = 6  # what it held when the prompt was fed
     lines = Lines(Channel("reasoning"), TurnStatus(started=0.0), EngineLoad(turns), turn, before, held_now)
     lines.refresh(2.0)
     assert lines.status.new_tokens == 300 and turn.new_tokens == 300
-    fresh = turns.add(ServedTurn(2, 0.0))  # not fed yet: what the session holds now is the engine's
+    fresh = turns.add(ServedTurn(2, 0.0, shown=Shown()))  # not fed yet: what the session holds now is the engine's
     lines = Lines(Channel("reasoning"), TurnStatus(started=0.0), EngineLoad(turns), fresh, before, lambda ids: 100)
     lines.refresh(2.0)
     assert lines.status.new_tokens == 206

@@ -322,13 +322,13 @@ def test_a_phrase_asked_for_after_the_turns_rounds_are_over_is_never_queued_for_
         release = threading.Event()
         busy = service.device.submit(release.wait)  # another job holds the device
         try:
-            assert service.voicing.request(turn, "decided") is None and not turn.phrases
+            assert service.voicing.request(turn, "decided") is None and not turn.rounds.phrases
         finally:
             release.set()
             busy.result()
         done = service.voicing.request(turn, "decided")  # the device is free: written whole, at once
         service.end_turn(turn)
-    assert done is not None and done.done() and not turn.phrases
+    assert done is not None and done.done() and not turn.rounds.phrases
 
 
 def test_a_phrase_that_started_between_rounds_is_kept_when_it_outlasts_the_wait(tiny):
@@ -393,14 +393,14 @@ def test_between_rounds_a_phrase_is_written_a_forward_a_round_and_nothing_is_rea
 
         def decode():  # the turn's own rounds, 8 ids each; a phrase is asked for once the prompt is read
             for k in range(120):
-                open_before = turn.phrase is not None
+                open_before = turn.rounds.phrase is not None
                 rounds.append((open_before, service.between_rounds(turn, [100 + k % 50] * 8)))
                 time.sleep(0.003)
                 s = service.store.get(turn.session)
                 if not asked.is_set() and len(s.ids) - s.committed < GRID:
                     asked.set()
                     deadline = time.monotonic() + 10
-                    while not turn.phrases and turn.phrase is None and time.monotonic() < deadline:
+                    while not turn.rounds.phrases and turn.rounds.phrase is None and time.monotonic() < deadline:
                         time.sleep(0.001)  # until the stream's request has come
 
         held = service.device.submit(decode)

@@ -11,7 +11,7 @@ ahead of them.
 from __future__ import annotations
 
 from shadow.core.turns import TurnTable
-from shadow.server.turn import ServedTurn
+from shadow.server.turn import Phase, ServedTurn
 
 
 class EngineLoad:
@@ -38,7 +38,7 @@ class EngineLoad:
 
     def answered(self, turn: ServedTurn) -> None:
         """The engine's response is over (whatever the shadow still does with the turn)."""
-        turn.answered = True
+        turn.reach(Phase.ANSWERED)
 
     def _prefilling(self, turn: ServedTurn) -> list[ServedTurn]:
         return [t for t in self.turns if t is not turn and isinstance(t, ServedTurn) and t.sent is not None

@@ -41,7 +41,7 @@ from shadow.server.reading import Questions, Reading
 from shadow.server.settings import ServeSettings
 from shadow.server.shared import Shared
 from shadow.server.standing import Standing, StandingQuestion
-from shadow.server.turn import ServedTurn
+from shadow.server.turn import Fed, Rounds, ServedTurn, Shown
 from shadow.server.voicing import VoiceParts, Voicing
 from shadow.voice.voice import VoiceBudget
 
@@ -80,6 +80,7 @@ class ShadowService:
         self.checks: dict[str, SessionChecks] = {}  # store name -> its turns' checks against the engine
         self._latest: dict[str, int] = {}  # store name -> the newest turn that fed its prompt
         self._next_turn = 0
+        self._overdue_told: set[int] = set()  # turns the watchdog has logged as overdue
         self.waiting = 0
         self.engine: dict | None = None  # proxy mode: the engine's dialect and id sources
         slack = settings.store.unload_slack_gib
@@ -148,20 +149,34 @@ class ShadowService:
     def busy(self) -> bool:
         return bool(self.turns) or self.waiting > 0
 
+    def embedded_in_flight(self) -> int:
+        """The embedded generator's turns generating or waiting to."""
+        with self.state_lock:
+            return sum(t.embedded for t in self.turns)
+
+    def count_upstream_error(self, kind: str) -> None:
+        """One more error of the engine behind the proxy, of `kind` (unreachable, status_4xx,
+        status_5xx, broke_off, refused_added_fields)."""
+        with self.state_lock:
+            errors = self.counters.upstream_errors
+            errors[kind] = errors.get(kind, 0) + 1
+
     # turns ------------------------------------------------------------------------------
 
-    def begin_turn(self, requested: str | None = None, reference: str | None = None,
+    def begin_turn(self, requested: str | None = None, reference: str | None = None, *,
                    embedded: bool = False) -> ServedTurn:
         """A request arrives (the engine is busy: the idle window stops): its record, in the turn
         table until `end_turn`. `requested`: the session name it gave (None: found when its
-        prompt ids are known); `reference`: its standing question's label, if sent."""
+        prompt ids are known); `reference`: its standing question's label, if sent; `embedded`:
+        the embedded generator's turn (its rounds hold the device), else a proxied one."""
         shadow = self.host.shadow
         if shadow is None and self.shared.switch.shadow and self.host.load_error is None:
             self.host.start_load()  # let go after an idle burst: it loads while the engine reads the prompt
         with self.state_lock:
             self._next_turn += 1
             turn = ServedTurn(self._next_turn, self.clock(), requested=requested, reference=reference,
-                              embedded=embedded, voice=VoiceBudget(self.settings.voice.share))
+                              voice=VoiceBudget(self.settings.voice.share),
+                              rounds=Rounds() if embedded else None, shown=None if embedded else Shown())
             self.turns.add(turn)
             self.counters.requests += 1
             self.sched.turn_started(turn.id, None, turn.started)
@@ -226,7 +241,7 @@ class ShadowService:
                 self.counters.rollbacks += 1
                 self.counters.ids_reread += feed.reread
             self.checks.setdefault(name, SessionChecks()).replaced(known if feed.first_diff is None else feed.first_diff)
-            turn.prompt_fed, turn.prompt_len, turn.output_len = True, len(ids), 0
+            turn.fed = Fed(prompt=True, prompt_len=len(ids))
             self.names.touch(name)
             self.reading.sync(shadow, name)
             self.answers.register(shadow, session, ids, turn.reference, behind, turn.id)
@@ -245,7 +260,7 @@ class ShadowService:
         O(len(ids)): the scheduler is told only when the session's whole chunks change (its
         decisions are by whole chunks)."""
         shadow = self.host.shadow
-        if shadow is None or not self.shared.switch.shadow or not turn.prompt_fed:
+        if shadow is None or not self.shared.switch.shadow or not turn.fed.prompt:
             return
         with self.state_lock:
             name = turn.session
@@ -254,7 +269,7 @@ class ShadowService:
             session = shadow.store.peek(name) or self.reading.get(shadow, name)  # spilled meanwhile: restored
             before = len(session.ids) - session.committed
             shadow.reader.feed_output(session, ids)  # checked before any change
-            turn.output_len += len(ids)
+            turn.fed.output_len += len(ids)
             grid = shadow.grid
             if (len(session.ids) - session.committed) // grid != before // grid:
                 self.reading.sync(shadow, name)
@@ -268,7 +283,7 @@ class ShadowService:
                                                          turn.engine_wait_s)
         if output_ids:
             self.add_output(turn, output_ids)
-        done = 0 if turn.phrase is not None else self.share_slice(turn)  # no read while a phrase's fork is open
+        done = 0 if turn.rounds.phrase is not None else self.share_slice(turn)  # no read while a phrase's fork is open
         self.voicing.serve_phrases(turn)
         spent = time.perf_counter() - start
         self.counters.rounds.add(spent - (turn.share_used - read_before) - (turn.voice.used_s - voice_before)
@@ -287,12 +302,14 @@ class ShadowService:
             turn.engine_wait_s += waited
         return done
 
-    def feed_held(self, turn: ServedTurn, wait: bool, share: bool) -> bool:
-        """Proxy mode: hand the shadow what the turn holds for it (a prompt known and not fed, output
-        ids not fed, and between deltas a share slice). With `wait` False nothing happens while the
-        device is busy (False returns: it is still held). Ids the shadow cannot take are skipped
+    def feed_due(self, turn: ServedTurn, *, wait: bool, share: bool) -> bool:
+        """Proxy mode: hand the shadow what of the turn waits for it (`turn.shown`: a prompt known
+        and not fed, output ids not fed) and, with `share`, a share slice (between two deltas).
+        With `wait` False nothing happens while the device is busy (False returns: it still
+        waits); with `wait` the call queues for the device. Ids the shadow cannot take are skipped
         and logged."""
-        prompt, output = turn.prompt_due, list(turn.held)
+        shown = turn.shown
+        prompt, output = shown.prompt_due, list(shown.output_due)
         if prompt is None and not output and not share:
             return True
         start, read_before = time.perf_counter(), turn.share_used
@@ -300,8 +317,8 @@ class ShadowService:
         def feed() -> None:
             try:
                 if prompt is not None:
-                    if turn.engine_held is None:  # counted before the session takes it in
-                        turn.engine_held = self.cached_prefix(turn.requested or turn.session, prompt)
+                    if shown.engine_cached is None:  # counted before the session takes it in
+                        shown.engine_cached = self.cached_prefix(turn.requested or turn.session, prompt)
                     self.set_prompt(turn, prompt)
                 if output:
                     self.add_output(turn, output)
@@ -318,9 +335,9 @@ class ShadowService:
         if share and not wait:  # between two deltas: the bookkeeping, beyond the chunks read
             self.counters.rounds.add(time.perf_counter() - start - (turn.share_used - read_before))
         if prompt is not None:
-            turn.fed_prompt, turn.prompt_due = prompt, None
-        turn.fed_output += len(output)
-        del turn.held[:len(output)]
+            shown.fed_prompt, shown.prompt_due = prompt, None
+        shown.fed_output += len(output)
+        del shown.output_due[:len(output)]
         return True
 
     def end_turn(self, turn: ServedTurn) -> None:
@@ -331,9 +348,10 @@ class ShadowService:
             with self.state_lock:
                 if turn.id not in self.turns:
                     return
+                self._overdue_told.discard(turn.id)
                 self.sched.turn_ended(turn.id, self.clock())
                 shadow = self.host.shadow
-                if turn.prompt_fed and shadow is not None:
+                if turn.fed.prompt and shadow is not None:
                     self.reading.settle(shadow, keep=turn.session)
 
         self.device.run(end, "end turn")
@@ -386,10 +404,11 @@ class ShadowService:
         a session's first mismatch logged once."""
         with self.state_lock:
             name = turn.session or turn.requested or "(no session)"
-            check = check.as_read(turn.prompt_fed, turn.prompt_fed and turn.output_len > 0, self._why_unread(turn))
+            fed = turn.fed
+            check = check.as_read(fed.prompt, fed.prompt and fed.output_len > 0, self._why_unread(turn))
             checks = self.checks.setdefault(name, SessionChecks())
-            latest = turn.prompt_fed and self._latest.get(name) == turn.id
-            first = checks.add(turn.id, check, turn.prompt_len, turn.output_len, latest)
+            latest = fed.prompt and self._latest.get(name) == turn.id
+            first = checks.add(turn.id, check, fed.prompt_len, fed.output_len, latest)
             parts = self.counters.turn_parts
             parts["prompt"][check.prompt_check] += 1
             parts["output"][check.output_check] += 1
@@ -413,7 +432,7 @@ class ShadowService:
             return "the shadow is not loaded" + (f" ({self.host.load_error})" if self.host.load_error else "")
         if turn.session is not None and self._latest.get(turn.session, turn.id) != turn.id:
             return "a newer turn of the session was read first"
-        if turn.cancelled:
+        if turn.client_gone:
             return "the request was cancelled"
         return "the shadow could not take its ids (logged)"
 
@@ -525,8 +544,8 @@ class ShadowService:
                 continue
             out.append({"turn": turn.id, "session": turn.session or turn.requested, "age_s": round(age, 1),
                         "answered": turn.answered, "embedded": turn.embedded})
-            if not turn.overdue_logged:
-                turn.overdue_logged = True
+            if turn.id not in self._overdue_told:
+                self._overdue_told.add(turn.id)
                 log.warning("turn %s has been in flight for %.0f s, longer than the engine's timeout (%g s)", turn.id,
                             age, limit, extra={"session": turn.session, "turn": turn.id})
         return out

@@ -69,7 +69,7 @@ class Voicing:
         with shared.lock:
             voice, shadow = self.voice, self.host.shadow
             if (voice is None or shadow is None or not shared.switch.shadow or not shared.switch.voice
-                    or turn.session is None or not turn.prompt_fed):
+                    or turn.session is None or not turn.fed.prompt):
                 return None
             cost = voice.estimate(voice.prefill(shadow.store.peek(turn.session), len(extra)))
             if not turn.voice.allows(turn.first_token, shared.clock(), cost):
@@ -83,9 +83,9 @@ class Voicing:
                 return request
             if turn.embedded:  # the turn's own rounds hold the device: it serves phrases between them
                 with shared.lock:
-                    if turn.rounds_over:  # and none is left to serve it (the device is another's)
+                    if turn.rounds.over:  # and none is left to serve it (the device is another's)
                         return None
-                    turn.phrases.append((steps, request))
+                    turn.rounds.phrases.append((steps, request))
                 return request
         except Exception:  # noqa: BLE001 - the line goes out with its facts alone
             voice_failed(turn, kind)
@@ -112,32 +112,35 @@ class Voicing:
         streams go on without them), and one asked for from now on is written only where the
         device is free (`request`), never queued for rounds that will not come."""
         with self.shared.lock:
-            turn.rounds_over = True
-            waiting, turn.phrases = list(turn.phrases), deque()
+            rounds = turn.rounds
+            rounds.over = True
+            waiting, rounds.phrases = list(rounds.phrases), deque()
         for _, request in waiting:
             request.cancel()
 
     def serve_phrases(self, turn: ServedTurn) -> None:
         """Between two rounds of a turn, on the device: one step of the phrase being written (its
         fork's prefill, or one token), the next phrase its stream asked for begun when none is."""
-        while turn.phrase is None and turn.phrases:
-            steps, request = turn.phrases.popleft()
+        rounds = turn.rounds
+        while rounds.phrase is None and rounds.phrases:
+            steps, request = rounds.phrases.popleft()
             if request.set_running_or_notify_cancel():
-                turn.phrase = (steps(), request)
-        if turn.phrase is not None:
+                rounds.phrase = (steps(), request)
+        if rounds.phrase is not None:
             self._step(turn)
 
     def finish_phrases(self, turn: ServedTurn) -> None:
         """Before a turn's rounds give up the device, or end: the phrase being written run to its
         end, so that no fork is open while another job runs."""
-        while turn.phrase is not None:
+        while turn.rounds.phrase is not None:
             self._step(turn)
 
     def _step(self, turn: ServedTurn) -> None:
-        """One step of `turn.phrase`, once the device has done the engine's round in flight (that
+        """One step of `turn.rounds.phrase`, once the device has done the engine's round in flight (that
         wait is the engine's); its time, device synchronised, charged to the turn's voice budget.
         At its end the stream waiting on it is answered (its phrase, or the voice's error)."""
-        steps, request = turn.phrase
+        rounds = turn.rounds
+        steps, request = rounds.phrase
         wait, start = 0.0, time.perf_counter()
         try:
             wait = self._settle()
@@ -147,10 +150,10 @@ class Voicing:
             self._charge(turn, time.perf_counter() - start, wait)
             return
         except StopIteration as done:
-            turn.phrase = None
+            rounds.phrase = None
             request.set_result(done.value)
         except BaseException as e:  # the stream waiting on it is answered; the fork is closed (undone)
-            turn.phrase = None
+            rounds.phrase = None
             try:
                 steps.close()
             finally:

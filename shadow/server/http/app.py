@@ -143,7 +143,7 @@ class ShadowApp:
                 return await self.embedded.complete(body, prompt, max_tokens, chat, turn, channel,
                                                     request.is_disconnected)
             except BaseException:  # its generation (if it started) stops; the turn ends either way
-                turn.cancelled = True
+                turn.client_gone = True
                 await asyncio.to_thread(service.end_turn, turn)
                 raise
         return await self._forward(request, body, chat, named, reference, channel)
@@ -173,7 +173,8 @@ class ShadowApp:
             session = named or turn.session
             logs.bind(session=session)
             cached = lambda ids: service.cached_prefix(session, ids)  # noqa: E731
-            return await proxy.forward(request.headers, body, chat, turn, session, before, channel, cached)
+            return await proxy.forward(request.headers, body, turn, before, chat=chat, session=session, channel=channel,
+                                       cached=cached)
         except BaseException:
             await asyncio.to_thread(service.end_turn, turn)  # ends it unless it ended already
             raise

@@ -62,8 +62,7 @@ class EmbeddedCompletions:
 
     def full(self) -> bool:
         """Whether `limits.max_queued` requests are generating or waiting already (a 429 then)."""
-        with self.service.state_lock:
-            return sum(t.embedded for t in self.service.turns) >= self.limits.max_queued
+        return self.service.embedded_in_flight() >= self.limits.max_queued
 
     def parse(self, body: dict, chat: bool) -> tuple[list[int], int]:
         """The prompt ids (the template, given, else the in-code one of `shadow.text.chat`, over the
@@ -124,10 +123,10 @@ class EmbeddedCompletions:
 
             async def closed() -> None:  # however the stream ended: a generation still running is cancelled
                 if not run.over:
-                    turn.cancelled = True
+                    turn.client_gone = True
 
             return ClosingStream(reply.sse(events, lines, ended), on_close=closed,
-                                 on_disconnect=lambda: setattr(turn, "cancelled", True),
+                                 on_disconnect=lambda: setattr(turn, "client_gone", True),
                                  media_type="text/event-stream", headers={"x-shadow-session": session})
         out, finish = [], None
         try:
@@ -136,7 +135,7 @@ class EmbeddedCompletions:
                     kind, value = await asyncio.to_thread(events.get, True, 0.5)
                 except queue.Empty:
                     if disconnected is not None and await disconnected():
-                        turn.cancelled = True  # nobody will read the answer: the generation stops
+                        turn.client_gone = True  # nobody will read the answer: the generation stops
                         return Response(status_code=499)
                     continue
                 if kind == "token":
@@ -171,7 +170,7 @@ class Generation:
         turn, slots = self.turn, self.engine.slots
         held = False
         try:
-            while not turn.cancelled and not held:
+            while not turn.client_gone and not held:
                 held = slots.acquire(timeout=0.25)
             if not held:  # its client went away while it waited: nothing was read
                 self._record()
@@ -201,7 +200,7 @@ class Generation:
         start = perf()
         clock.back()
         try:
-            while not turn.cancelled:
+            while not turn.client_gone:
                 stepped = perf()
                 token = next(self.steps, END)
                 if token is END:
@@ -231,14 +230,14 @@ class Generation:
         shadow took them: a cancelled request's prompt before its first token, not at all)."""
         out, eos = self.out, self.engine.eos
         self.service.voicing.drop_waiting(self.turn)  # its rounds are over: no phrase begins now
-        if self.turn.cancelled:
+        if self.turn.client_gone:
             self.events.put(("error", "the request was cancelled: its client went away"))
         else:
             self.events.put(("done", "stop" if out and out[-1] in eos else "length"))
         self.over = True
         ids = TurnIds(list(self.prompt), "engine", list(out), "engine", prompt_tokens=len(self.prompt),
                       completion_tokens=len(out))
-        if self.turn.cancelled:
+        if self.turn.client_gone:
             ids.notes.append(f"cancelled after {len(out)} token(s): its client went away")
             if not out:
                 ids.output_source = None

@@ -32,11 +32,11 @@ from shadow.server.http.channels import Channel
 from shadow.server.http.closing import ClosingStream
 from shadow.server.http.errors import error_event, error_response
 from shadow.server.http.lines import TurnStatus
-from shadow.server.http.lines import said as shown
-from shadow.server.http.proxy_turn import Lines, take
+from shadow.server.http.lines import said as shown_lines
+from shadow.server.http.proxy_turn import Lines, ProxiedTurn
 from shadow.server.service import ShadowService
 from shadow.server.settings import ServeSettings
-from shadow.server.turn import ServedTurn
+from shadow.server.turn import Phase, ServedTurn
 from shadow.voice.checks import request_language
 
 log = logging.getLogger("shadow.proxy")
@@ -104,151 +104,148 @@ class Proxy:
         """The prompt ids the dialect knows before the response, computed in a thread beside the request."""
         return self.pool.submit(self.dialect.prompt, self.sync_client, self.root, body, chat)
 
-    async def forward(self, request_headers, body: dict, chat: bool, turn: ServedTurn, session: str | None,
-                      before: Future, channel: Channel = Channel("off"), cached: Callable[[list[int]], int] | None = None
-                      ) -> Response:
-        """Forward one completion request; the turn is registered already and is ended here.
-        With a `channel` on (a streamed chat), status lines go to the client while the engine
-        works; a request the engine keeps waiting has its stream opened at its first line.
-        `cached(prompt ids)`: how many of them the engine holds already (the shadow knows)."""
+    async def forward(self, request_headers, body: dict, turn: ServedTurn, before: Future, *, chat: bool,
+                      session: str | None, channel: Channel = Channel("off"),
+                      cached: Callable[[list[int]], int] | None = None) -> Response:
+        """Forward one completion request; the turn is registered already and is ended here (once,
+        through its `ProxiedTurn`). With a `channel` on (a streamed chat), status lines go to the
+        client while the engine works; a request the engine keeps waiting has its stream opened at
+        its first line. `before`: the prompt ids sought beside the request; `cached(prompt ids)`:
+        how many of them the engine holds already (the shadow knows)."""
         service = self.service
         label = None
         if chat and self.label_from_upstream and service.standing is not None:
             label = label_asker(self.upstream, request_headers, body, service.standing)
+        proxied = ProxiedTurn(turn, body, chat, session, before, label=label)
         asked = self.dialect.ask(body, chat)
-        lines = None
-        if chat and body.get("stream") and channel.on:
-            lines = Lines(channel, TurnStatus(time.monotonic(), **self.timing), self.load, turn, before, cached)
+        if chat and proxied.stream and channel.on:
+            proxied.lines = Lines(channel, TurnStatus(time.monotonic(), **self.timing), self.load, turn, before, cached)
         self.load.sent(turn, time.monotonic())
         url = self.upstream + ("/chat/completions" if chat else "/completions")
-        sending = asyncio.ensure_future(self._send(url, asked, body, request_headers, turn))
-        if lines is not None:
-            done, _ = await asyncio.wait({sending}, timeout=lines.status.quiet_s)
+        sending = asyncio.ensure_future(self._send(url, asked, proxied, request_headers))
+        headers = {"x-shadow-session": session} if session else {}
+        if proxied.lines is not None:
+            done, _ = await asyncio.wait({sending}, timeout=proxied.lines.status.quiet_s)
             if not done:  # the engine keeps the request waiting: its stream opens at the first line
-                headers = {"x-shadow-session": session} if session else {}
-                return ClosingStream(self._relay_when_answered(sending, turn, asked.added, body, chat, before,
-                                                               label, lines),
-                                     on_close=lambda: self._closed(turn, sending, before, body, chat, label, lines),
+                return ClosingStream(self._relay_when_answered(proxied, sending),
+                                     on_close=lambda: self._closed(proxied, sending),
                                      status_code=200, media_type="text/event-stream", headers=headers)
         try:
             upstream, asked = await sending
         except httpx.HTTPError as e:
-            before.cancel()
-            self._count("unreachable")
-            await self._end(turn)
+            await self._end_unanswered(proxied, "unreachable")
             return error_response(502, f"upstream unreachable: {type(e).__name__}: {e}", "upstream_error")
+        proxied.added = asked.added
         headers = response_headers(upstream, session)
-        if upstream.status_code != 200 or not body.get("stream"):
-            try:
-                content = await upstream.aread()
-            except httpx.HTTPError as e:
-                content = None
-                broke = f"the engine's response broke off: {type(e).__name__}: {e}"
-            finally:
-                await upstream.aclose()
-            if content is None or upstream.status_code != 200:
-                self._count("broke_off" if content is None else f"status_{upstream.status_code // 100}xx")
-                before.cancel()
-                await self._end(turn)
-                if content is None:
-                    return error_response(502, broke, "upstream_error")
-                return Response(content, status_code=upstream.status_code, headers=headers)
-            try:
-                content = self._whole(content, turn, asked.added, body, chat)
-            finally:
-                self._finish_later(turn, before, body, chat, label, None)
-            return Response(content, status_code=200, headers=headers)
+        if upstream.status_code != 200 or not proxied.stream:
+            return await self._whole_response(proxied, upstream, headers)
         finished = asyncio.get_running_loop().create_future()
         finished.set_result((upstream, asked))
-        return ClosingStream(self._relay(upstream, turn, asked.added, body, chat, before, label, lines),
-                             on_close=lambda: self._closed(turn, finished, before, body, chat, label, lines),
+        return ClosingStream(self._relay(proxied, upstream), on_close=lambda: self._closed(proxied, finished),
                              status_code=200, headers=headers)
 
-    def _whole(self, content: bytes, turn: ServedTurn, added, body: dict, chat: bool) -> bytes:
+    async def _whole_response(self, proxied: ProxiedTurn, upstream: httpx.Response, headers: dict) -> Response:
+        """A response that is not a 200 stream: read whole, passed on (less what the proxy added)."""
+        try:
+            content = await upstream.aread()
+        except httpx.HTTPError as e:
+            content = None
+            broke = f"the engine's response broke off: {type(e).__name__}: {e}"
+        finally:
+            await upstream.aclose()
+        if content is None:
+            await self._end_unanswered(proxied, "broke_off")
+            return error_response(502, broke, "upstream_error")
+        if upstream.status_code != 200:
+            await self._end_unanswered(proxied, f"status_{upstream.status_code // 100}xx")
+            return Response(content, status_code=upstream.status_code, headers=headers)
+        try:
+            content = self._whole(content, proxied)
+        finally:
+            self._finish_later(proxied)
+        return Response(content, status_code=200, headers=headers)
+
+    def _whole(self, content: bytes, proxied: ProxiedTurn) -> bytes:
         """A whole response body as the client gets it (less what the proxy added); the shadow
         reads it on the way. A body it cannot read (not JSON, a number of thousands of digits,
         nesting past the limit), or cannot clean, passes as the engine sent it."""
+        reply = proxied.turn.shown.reply
         event = _json(content)
         if event is None:
-            turn.reply.malformed += 1
+            reply.malformed += 1
             return content
         try:
-            turn.reply.read(event, chat)
-            cleaned = self.dialect.clean(event, added, body)
+            reply.read(event, proxied.chat)
+            cleaned = self.dialect.clean(event, proxied.added, proxied.body)
             return content if cleaned is event else json.dumps(cleaned, ensure_ascii=False).encode()
         except Exception:  # noqa: BLE001 - the client's response never depends on the shadow
-            turn.reply.malformed += 1
+            reply.malformed += 1
             log.exception("a response body could not be read; it passes as the engine sent it")
             return content
 
-    async def _closed(self, turn: ServedTurn, sending: asyncio.Future, before: Future, body: dict, chat: bool,
-                      label, lines) -> None:
+    async def _closed(self, proxied: ProxiedTurn, sending: asyncio.Future) -> None:
         """A streamed response is over (its ClosingStream's close): the turn ends here unless its
         stream already saw to it (a stream whose client went away before it started never ran)."""
-        if turn.finishing:
+        if proxied.turn.phase >= Phase.ENDING:
             return
         if not sending.done():
             sending.cancel()
         elif not sending.cancelled() and sending.exception() is None:
             await sending.result()[0].aclose()
-        turn.notes.append("the client went away before the response was relayed")
-        self._finish_later(turn, before, body, chat, label, lines)
+        proxied.turn.notes.append("the client went away before the response was relayed")
+        self._finish_later(proxied)
 
-    async def _send(self, url: str, asked: Asked, body: dict, request_headers, turn: ServedTurn
+    async def _send(self, url: str, asked: Asked, proxied: ProxiedTurn, request_headers
                     ) -> tuple[httpx.Response, Asked]:
         """Send the request as the dialect asks it; an engine that refuses what the proxy added
         (a 400 or 422) gets the client's request as it came instead: the client's response never
         depends on the shadow (that turn's ids then come from what the engine shows unasked)."""
         headers = self.engine_headers(request_headers)
+
+        def post(body: dict):
+            return self.client.send(self.client.build_request("POST", url, json=body, headers=headers), stream=True)
+
         try:
-            upstream = await self.client.send(self.client.build_request("POST", url, json=asked.body, headers=headers),
-                                              stream=True)
+            upstream = await post(asked.body)
         except httpx.RemoteProtocolError:  # a keep-alive connection the engine had closed: no response came
-            upstream = await self.client.send(self.client.build_request("POST", url, json=asked.body, headers=headers),
-                                              stream=True)
+            upstream = await post(asked.body)
         if upstream.status_code not in (400, 422) or not asked.added:
             return upstream, asked
         refusal = _error_summary(upstream.status_code, await upstream.aread())
         await upstream.aclose()
-        self._count("refused_added_fields")
-        log.warning("the engine refused the fields the proxy adds (%s): %s; sent as the client sent it",
-                    ", ".join(sorted(asked.added)), refusal)
-        turn.notes.append(f"the engine refused {', '.join(sorted(asked.added))}: sent as the client sent it")
-        plain = Asked(body, frozenset())
-        upstream = await self.client.send(self.client.build_request("POST", url, json=body, headers=headers),
-                                          stream=True)
-        return upstream, plain
+        self.service.count_upstream_error("refused_added_fields")
+        fields = ", ".join(sorted(asked.added))
+        log.warning("the engine refused the fields the proxy adds (%s): %s; sent as the client sent it", fields, refusal)
+        proxied.turn.notes.append(f"the engine refused {fields}: sent as the client sent it")
+        return await post(proxied.body), Asked(proxied.body, frozenset())
 
-    def _count(self, kind: str) -> None:
-        """One more upstream error of `kind` (unreachable, status_4xx, status_5xx, broke_off, refused_added_fields)."""
-        c = self.service.counters
-        with self.service.state_lock:
-            c.upstream_errors[kind] = c.upstream_errors.get(kind, 0) + 1
-
-    async def _end(self, turn: ServedTurn) -> None:
-        """A turn the engine did not answer (unreachable, refused, broken off): it ends unread."""
-        turn.finishing = True
+    async def _end_unanswered(self, proxied: ProxiedTurn, error: str) -> None:
+        """A turn the engine did not answer (unreachable, refused, broken off): counted as an
+        upstream error of kind `error`, and ended unread."""
+        self.service.count_upstream_error(error)
+        proxied.before.cancel()
+        turn = proxied.turn
+        turn.reach(Phase.ENDING)
         self.load.answered(turn)
         await asyncio.to_thread(self.service.end_turn, turn)
 
-    async def _relay_when_answered(self, sending: asyncio.Future, turn: ServedTurn, added, body: dict, chat: bool,
-                                   before: Future, label, lines: "Lines"):
+    async def _relay_when_answered(self, proxied: ProxiedTurn, sending: asyncio.Future):
         """The client's stream, opened before the engine answered: lines while it waits, then
         the engine's stream; an engine that refuses or fails ends it with an error object."""
+        lines = proxied.lines
         while not sending.done():
             for data in lines.encode(lines.due(time.monotonic())):
                 yield data
             await asyncio.wait({sending}, timeout=lines.status.until_due(time.monotonic()))
-        failure = None
+        failure = error = None
         try:
             upstream, asked = sending.result()
-            added = asked.added
+            proxied.added = asked.added
         except httpx.HTTPError as e:
-            failure = f"upstream unreachable: {type(e).__name__}: {e}"
-            self._count("unreachable")
+            failure, error = f"upstream unreachable: {type(e).__name__}: {e}", "unreachable"
         else:
             if upstream.status_code != 200:
-                self._count(f"status_{upstream.status_code // 100}xx")
+                error = f"status_{upstream.status_code // 100}xx"
                 try:
                     content = (await upstream.aread()).decode("utf-8", "replace")
                 except httpx.HTTPError:
@@ -256,19 +253,17 @@ class Proxy:
                 await upstream.aclose()
                 failure = f"the engine answered {upstream.status_code}: {content[:500]}"
         if failure is not None:
-            before.cancel()
-            await self._end(turn)
+            await self._end_unanswered(proxied, error)
             yield error_event(failure, "upstream_error") + b"data: [DONE]\n\n"
             return
-        relay = self._relay(upstream, turn, added, body, chat, before, label, lines)
+        relay = self._relay(proxied, upstream)
         try:
             async for data in relay:
                 yield data
         finally:
             await relay.aclose()  # closed with this one (its `finally` ends the turn)
 
-    async def _relay(self, upstream: httpx.Response, turn: ServedTurn, added, body: dict, chat: bool, before: Future,
-                     label, lines: "Lines | None"):
+    async def _relay(self, proxied: ProxiedTurn, upstream: httpx.Response):
         """The engine's stream, event by event, as it sent it (less what the proxy added), with
         status lines between events; the shadow is fed beside it (`_feed_beside`), the stream never
         waiting for the device or for the feed."""
@@ -284,6 +279,8 @@ class Proxy:
                 await pieces.put(None)
 
         pumping = asyncio.ensure_future(pump())
+        turn, lines = proxied.turn, proxied.lines
+        reply = turn.shown.reply
         buffer, boundary = b"", True
         gaps, wrote, fed = self.service.counters.gaps, None, 0.0  # the last write of events; the last feed's seconds
         feeding: asyncio.Task | None = None  # the turn's hand-over in flight (at most one)
@@ -298,7 +295,7 @@ class Proxy:
                 if piece is None:
                     break
                 if isinstance(piece, httpx.HTTPError):  # the engine broke off mid-stream: the client is told
-                    self._count("broke_off")
+                    self.service.count_upstream_error("broke_off")
                     yield error_event(f"the engine's stream broke off: {type(piece).__name__}: {piece}", "upstream_error")
                     break
                 buffer += piece
@@ -308,14 +305,14 @@ class Proxy:
                     event = _event(line)
                     carried = carried or event is not None
                     if lines is not None and event is not None and boundary:
-                        said, kind = lines.before_event(event, turn.reply, time.monotonic())
-                        out += lines.encode(await self._voice(said, turn, lines, body)) + lines.resume(kind)
-                    out.append(self._line(line, event, turn, added, body, chat))
+                        said, kind = lines.before_event(event, reply, time.monotonic())
+                        out += lines.encode(await self._voice(said, proxied)) + lines.resume(kind)
+                    out.append(self._line(line, event, proxied))
                     boundary = line.strip() == b""
-                    if event is not None and turn.reply.events == 1:
+                    if event is not None and reply.events == 1:
                         self.service.first_token(turn)  # at once: the share counts from here
                 if lines is not None and boundary:
-                    out += lines.encode(await self._voice(lines.due(time.monotonic()), turn, lines, body))
+                    out += lines.encode(await self._voice(lines.due(time.monotonic()), proxied))
                 if out:
                     if carried:
                         now = time.perf_counter()  # a gap: the engine's, what the proxy held, its last feed
@@ -326,35 +323,37 @@ class Proxy:
                         wrote = now
                     yield b"".join(out)
                 if feeding is None or feeding.done():
-                    feeding = self._feed_beside(turn, before)
+                    feeding = self._feed_beside(proxied)
             if buffer:
-                yield self._line(buffer, _event(buffer), turn, added, body, chat).rstrip(b"\n")
+                yield self._line(buffer, _event(buffer), proxied).rstrip(b"\n")
         finally:
             pumping.cancel()
             await upstream.aclose()
-            self._finish_later(turn, before, body, chat, label, lines)
+            self._finish_later(proxied)
 
-    def _feed_beside(self, turn: ServedTurn, before: Future) -> asyncio.Task:
+    def _feed_beside(self, proxied: ProxiedTurn) -> asyncio.Task:
         """`_feed` as a task beside the stream; the turn's `feed_idle` is clear until it is done
         (its end waits for it) and the proxy holds the task till then."""
-        turn.feed_idle.clear()
-        task = asyncio.ensure_future(self._feed(turn, before))
+        idle = proxied.turn.shown.feed_idle
+        idle.clear()
+        task = asyncio.ensure_future(self._feed(proxied))
         self._feeds.add(task)
 
         def done(_) -> None:
             self._feeds.discard(task)
-            turn.feed_idle.set()
+            idle.set()
 
         task.add_done_callback(done)
         return task
 
-    async def _feed(self, turn: ServedTurn, before: Future) -> float:
+    async def _feed(self, proxied: ProxiedTurn) -> float:
         """What the engine has shown so far is handed to the shadow if the device is free (never
         waited for), with a slice of the share; a failure is logged once a turn. Its seconds."""
+        turn = proxied.turn
         start = time.perf_counter()
         try:
-            take(turn, before, self.max_prompt_tokens)
-            await asyncio.to_thread(self.service.feed_held, turn, False, True)
+            proxied.take_shown(self.max_prompt_tokens)
+            await asyncio.to_thread(self.service.feed_due, turn, wait=False, share=True)
         except Exception:  # noqa: BLE001 - the client's stream never depends on the shadow
             if "feeding failed" not in turn.notes:
                 turn.notes.append("feeding failed")
@@ -362,86 +361,90 @@ class Proxy:
                               extra={"session": turn.session, "turn": turn.id})
         return time.perf_counter() - start
 
-    async def _voice(self, said: list, turn: ServedTurn, lines: "Lines", body: dict) -> list:
+    async def _voice(self, said: list, proxied: ProxiedTurn) -> list:
         """The voice's phrase after each line that takes one (thinking, decided, writing), where
         the turn's voice budget and the device allow it now; a stream never waits for more than
         one phrase's slice."""
         voicing = self.service.voicing
         if not said or self.tokenizer is None or voicing.voice is None:
             return said
+        turn, lines = proxied.turn, proxied.lines
+        shown = turn.shown
         for line in said:
             if not line.takes_phrase:
                 continue
-            reply = turn.reply
-            extra = [] if turn.fed_output else self.tokenizer.encode("".join(reply.reasoning) + "".join(reply.content))
+            reply = shown.reply
+            extra = [] if shown.fed_output else self.tokenizer.encode("".join(reply.reasoning) + "".join(reply.content))
             recent = [x.text for x in lines.status.lines if x is not line][-4:]
             phrase = await asyncio.to_thread(voicing.phrase, turn, line.kind, extra[-2048:],
-                                             recent, request_language(body))
+                                             recent, request_language(proxied.body))
             if phrase is not None:
                 line.with_phrase(phrase.text, {"said": phrase.text is not None, "raw": phrase.raw,
                                                "reason": phrase.reason, "seconds": round(phrase.seconds, 4)})
         return said
 
-    def _line(self, line: bytes, event: dict | None, turn: ServedTurn, added, body: dict, chat: bool) -> bytes:
+    def _line(self, line: bytes, event: dict | None, proxied: ProxiedTurn) -> bytes:
         """One SSE line as the client gets it; the shadow reads its event on the way. A line it
         cannot read or clean passes as the engine sent it."""
         if event is None:
             return line + b"\n"
+        reply = proxied.turn.shown.reply
         try:
-            turn.reply.read(event, chat)
-            if not added:
+            reply.read(event, proxied.chat)
+            if not proxied.added:
                 return line + b"\n"
-            cleaned = self.dialect.clean(event, added, body)
+            cleaned = self.dialect.clean(event, proxied.added, proxied.body)
             if cleaned is event:
                 return line + b"\n"
             if cleaned is None:
                 return b""  # an event the client did not ask for (its blank line stays: an empty event)
             return b"data: " + json.dumps(cleaned, ensure_ascii=False).encode() + b"\n"
         except Exception:  # noqa: BLE001 - the client's stream never depends on the shadow
-            turn.reply.malformed += 1
+            reply.malformed += 1
             log.exception("an event could not be read; it passes as the engine sent it")
             return line + b"\n"
 
-    def _finish_later(self, turn: ServedTurn, before: Future, body: dict, chat: bool, label, lines) -> None:
+    def _finish_later(self, proxied: ProxiedTurn) -> None:
         """The turn's end (`_finish`) on a thread of its own, once, whichever path gets here first."""
-        if turn.finishing:
+        turn = proxied.turn
+        if not turn.reach(Phase.ENDING):
             return
-        turn.finishing = True
         self.load.answered(turn)
         context = contextvars.copy_context()  # the request's log fields follow the turn
-        threading.Thread(target=context.run, args=(self._finish, turn, before, body, chat, label, lines),
-                         name="shadow-turn-end", daemon=True).start()
+        threading.Thread(target=context.run, args=(self._finish, proxied), name="shadow-turn-end", daemon=True).start()
 
-    def _finish(self, turn: ServedTurn, before: Future, body: dict, chat: bool, label, lines=None) -> None:
+    def _finish(self, proxied: ProxiedTurn) -> None:
         """After the response: settle the turn's ids, feed what waited, check the turn against the
         engine, ask the upstream for a standing question's label, end the turn. Always ends it."""
-        service = self.service
+        service, turn = self.service, proxied.turn
+        shown = turn.shown
         try:
-            if not turn.feed_idle.wait(timeout=120):  # the hand-over beside the stream, still in flight
+            if not shown.feed_idle.wait(timeout=120):  # the hand-over beside the stream, still in flight
                 turn.notes.append("a hand-over to the shadow was still in flight after 120 s")
             try:
-                prompt = before.result(timeout=120)
+                prompt = proxied.before.result(timeout=120)
             except Exception as e:  # noqa: BLE001 - a prompt that could not be had: the turn says why
                 prompt = Prompt(None, None, [f"the prompt could not be had ({type(e).__name__}: {e})"])
-            ids = self.dialect.turn_ids(turn.reply, prompt, body, chat)
+            ids = self.dialect.turn_ids(shown.reply, prompt, proxied.body, proxied.chat)
             ids.notes += turn.notes
             if ids.prompt is not None and self.max_prompt_tokens is not None and len(ids.prompt) > self.max_prompt_tokens:
                 ids.notes.append(f"a prompt of {len(ids.prompt):,} ids, over the limit of {self.max_prompt_tokens:,}: not read")
                 ids.prompt, ids.prompt_source, ids.output, ids.output_source = None, None, [], None
-                turn.prompt_due, turn.held = None, []
-            if ids.prompt is not None and ids.prompt != (turn.fed_prompt or turn.prompt_due):
-                if turn.fed_prompt is not None:
+                shown.prompt_due, shown.output_due = None, []
+            if ids.prompt is not None and ids.prompt != (shown.fed_prompt or shown.prompt_due):
+                if shown.fed_prompt is not None:
                     ids.notes.append("the prompt fed first was replaced")
-                turn.fed_prompt, turn.prompt_due = None, list(ids.prompt)
+                shown.fed_prompt, shown.prompt_due = None, list(ids.prompt)
             if ids.output_source == "engine":
-                turn.held += ids.output[turn.fed_output + len(turn.held):]
+                shown.output_due += ids.output[shown.fed_output + len(shown.output_due):]
             elif ids.output:
-                turn.held = list(ids.output)
-            service.feed_held(turn, wait=True, share=False)
-            said = [] if lines is None else shown(lines.status.lines, lines.status.started)
+                shown.output_due = list(ids.output)
+            service.feed_due(turn, wait=True, share=False)
+            lines = proxied.lines
+            said = [] if lines is None else shown_lines(lines.status.lines, lines.status.started)
             service.record_turn(turn, check_turn(ids), ids, said)
-            if label is not None and service.wants_label(turn):
-                service.upstream_label(turn, *label())
+            if proxied.label is not None and service.wants_label(turn):
+                service.upstream_label(turn, *proxied.label())
         except Exception:  # noqa: BLE001 - logged, and the turn still ends
             log.exception("the shadow could not finish turn %s", turn.id, extra={"session": turn.session, "turn": turn.id})
         finally:

@@ -1,32 +1,61 @@
-"""A proxied turn's status lines (`Lines`), kept up to date with what the engine and the shadow
-know of its prompt; and `take`, which moves what the engine has shown of a turn so far onto the
-turn's record for the device (`ShadowService.feed_held`)."""
+"""One proxied request's own record (`ProxiedTurn`): the served turn, the client's body, what the
+proxy asked of the engine, the prompt ids sought beside it, its status lines (`Lines`, kept up to
+date with what the engine and the shadow know of its prompt) and what of the engine's reply waits
+for the shadow (`ProxiedTurn.take_shown`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 
+from shadow.engines.dialects import Prompt
 from shadow.server.http.channels import Channel, LineWriter
 from shadow.server.http.lines import TurnStatus
 from shadow.server.load import EngineLoad
 from shadow.server.turn import ServedTurn
 
 
-def take(turn: ServedTurn, before: Future, max_prompt_tokens: int | None) -> None:
-    """What the engine has shown of the turn so far (or the prompt known before its response)
-    becomes what the turn holds for the device: a prompt not fed yet, output ids not fed yet."""
-    if turn.reply.prompt_ids is not None:
-        ids = turn.reply.prompt_ids
-    elif before.done() and not before.cancelled() and before.exception() is None:
-        ids = before.result().ids
-    else:
-        ids = None
-    if ids is not None and (max_prompt_tokens is None or len(ids) <= max_prompt_tokens) \
-            and turn.fed_prompt is None and turn.prompt_due is None:
-        turn.prompt_due = list(ids)
-    if turn.reply.shown_output:
-        turn.held += turn.reply.output_ids[turn.fed_output + len(turn.held):]
+def known(before: Future) -> Prompt | None:
+    """The prompt the dialect found before the response, if it is there already (never waits)."""
+    if before.done() and not before.cancelled() and before.exception() is None:
+        return before.result()
+    return None
+
+
+@dataclass(eq=False)
+class ProxiedTurn:
+    """One request through the proxy, made in `Proxy.forward` and ended once: everything its
+    relay, its hand-overs to the shadow and its end need, in one place."""
+
+    turn: ServedTurn  # the service's record (its `shown` part is the proxy's)
+    body: dict  # the client's request, as it came
+    chat: bool  # a chat completion (else a completion)
+    session: str | None  # the session it reads into, where known when it was sent
+    before: Future  # the prompt ids the dialect knows before the response, sought beside it
+    label: Callable[[], tuple[str | None, str | None]] | None = None  # asks the engine for a standing label
+    lines: "Lines | None" = None  # its status lines (a streamed chat with a channel on)
+    added: frozenset = frozenset()  # the fields the proxy added to the client's request
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    def take_shown(self, max_prompt_tokens: int | None) -> None:
+        """What the engine has shown of the turn so far (or the prompt known before its response)
+        becomes what waits for the device: a prompt not fed yet, output ids not fed yet. A prompt
+        longer than `max_prompt_tokens` is never taken."""
+        shown = self.turn.shown
+        if shown.reply.prompt_ids is not None:
+            ids = shown.reply.prompt_ids
+        else:
+            prompt = known(self.before)
+            ids = None if prompt is None else prompt.ids
+        if ids is not None and (max_prompt_tokens is None or len(ids) <= max_prompt_tokens) \
+                and shown.fed_prompt is None and shown.prompt_due is None:
+            shown.prompt_due = list(ids)
+        if shown.reply.shown_output:
+            shown.output_due += shown.reply.output_ids[shown.fed_output + len(shown.output_due):]
 
 
 class Lines(LineWriter):
@@ -40,13 +69,14 @@ class Lines(LineWriter):
         self._known = False
 
     def refresh(self, now: float) -> None:
-        if not self._known and self.before.done() and not self.before.cancelled() and self.before.exception() is None:
-            ids = self.before.result().ids
+        prompt = None if self._known else known(self.before)
+        if prompt is not None:
+            ids = prompt.ids
             if ids is not None:
-                held = self.cached(ids) if self.cached else 0
-                if self.turn.engine_held is not None:  # the prompt is fed (or being fed): its count from before
-                    held = self.turn.engine_held
-                new = len(ids) - held
+                cached = self.cached(ids) if self.cached else 0
+                if self.turn.shown.engine_cached is not None:  # the prompt is fed (or being fed): its count from before
+                    cached = self.turn.shown.engine_cached
+                new = len(ids) - cached
                 self.status.new_tokens = new
                 self.load.set_new(self.turn, new)
             self._known = True
