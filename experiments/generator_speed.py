@@ -117,11 +117,11 @@ def main() -> None:
                 time.sleep(0.5)
         tokenizer = load_tokenizer(None)
         with httpx.Client(timeout=600) as client:
-            stream_once(client, base, prompt_text(tokenizer, 600, "warm"), 4, "warm", "off", 0)
+            stream_once(client, base, prompt_text(tokenizer, 600, "warm"), 4, "warm", "off", pair=0)
             for arm in ("off", "on"):
                 switch(client, base, arm == "on")
                 tag = uuid.uuid4().hex[:12]
-                run = stream_once(client, base, prompt_text(tokenizer, args.prompt, tag), args.tokens, f"g-{tag}", arm, 0)
+                run = stream_once(client, base, prompt_text(tokenizer, args.prompt, tag), args.tokens, f"g-{tag}", arm, pair=0)
                 print(f"through serve, shadow {arm:<3}: TTFT {run.ttft_s:.3f} s, decode {run.decode_tok_s:.1f} tok/s "
                       f"({run.tokens} tokens)", flush=True)
     finally:

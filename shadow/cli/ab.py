@@ -68,7 +68,7 @@ def ab(
                               f"decode {run.decode_tok_s:.2f} tok/s, {run.tokens} tokens")
             bar.update(task, completed=done)
 
-        results = run_ab(base, tokenizer, prompt_tokens, output_tokens, runs, pause, report, voice=voice,
+        results = run_ab(base, tokenizer, prompt_tokens, output_tokens, runs, pause, progress=report, voice=voice,
                          restore=restore, api_key=api_key)
     summary = summarize(results, gate_pct)
     table = Table(title=f"ab · {url} · {prompt_tokens:,} prompt tokens, {output_tokens} out · shadow weights: {status.get('weights')}")

@@ -63,8 +63,8 @@ device, dtype and kernels, which the journal records as its arithmetic)."""
             tokenizer = load_tokenizer(loaded.path)
             for q in questions:
                 task = bar.add_task(f"{name} · {q.name}", total=len(entries))
-                scores.append(evaluate(entries, ids, reader, loaded.weights_hash, loaded.random, tokenizer, q, name,
-                                       lambda task=task: bar.advance(task)))
+                scores.append(evaluate(entries, ids, reader, loaded.weights_hash, loaded.random, tokenizer, question=q,
+                                       model_name=name, progress=lambda task=task: bar.advance(task)))
     table = Table(title=f"router-eval · {journal} · {len(entries)} labelled asks ({unlabelled} unlabelled)")
     for col in ("model", "question", "turns", "agree", "constant", "fresh", "fresh agree", "fresh constant", "control max |Δp|", "changed"):
         table.add_column(col, justify="left" if col in ("model", "question") else "right")

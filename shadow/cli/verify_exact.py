@@ -69,7 +69,7 @@ def verify_exact(
         def step(done: int, total: int, stage: str) -> None:
             bar.update(task, completed=done, total=total, description=stage)
 
-        verdicts = verify(reader, tokenizer, conversations, against_grid or None, store, step, batch)
+        verdicts = verify(reader, tokenizer, conversations, against_grid or None, store, step, batch=batch)
     store.close()
     counters = store.counters
     seconds = time.perf_counter() - started

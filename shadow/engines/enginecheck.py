@@ -215,7 +215,7 @@ def play_sessions(client: httpx.Client, script: dict[str, list[tuple[list[dict],
 
 
 def run_request(client: httpx.Client, upstream: str, dialect: Dialect, endpoint: str, body: dict,
-                model: str | None, headers: dict | None = None) -> tuple[CaseResult, Reply]:
+                model: str | None, *, headers: dict | None = None) -> tuple[CaseResult, Reply]:
     """One request to the engine as the proxy would send it, and what the dialect makes of it."""
     import time
 
@@ -279,7 +279,7 @@ def run_request(client: httpx.Client, upstream: str, dialect: Dialect, endpoint:
 
 
 def check_engine(upstream: str, dialect: Dialect, max_tokens: int = 16, model: str | None = None,
-                 long_words: int = 3000, timeout_s: float = 600.0,
+                 long_words: int = 3000, timeout_s: float = 600.0, *,
                  progress: Callable[[CaseResult], None] | None = None) -> list[CaseResult]:
     """Every case against the engine; one result a request."""
     results = []

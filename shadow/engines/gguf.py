@@ -49,7 +49,7 @@ def vocabulary_lists(vocab: Vocabulary, rows: int = VOCAB_ROWS) -> tuple[list[st
     return tokens, types
 
 
-def write_gguf(path: Path | str, chat_template: str, seed: int = 0, hidden: int = 128, layers: int = 2,
+def write_gguf(path: Path | str, chat_template: str, *, seed: int = 0, hidden: int = 128, layers: int = 2,
                heads: int = 4, kv_heads: int = 2, intermediate: int = 256, rows: int = VOCAB_ROWS,
                context: int = 262_144, rope_theta: float = 1e7, add_bos: bool = False) -> Path:
     """Write a random-weight `qwen2` GGUF with the Qwen3.5 vocabulary and `chat_template` embedded

@@ -118,7 +118,7 @@ class _Part:
 
 
 def _check_part(name: str, ids: list[int], source: str | None, engine_ids: list[int] | None,
-                usage_key: str, counted: int | None, count_ok: bool) -> _Part:
+                usage_key: str, counted: int | None, *, count_ok: bool) -> _Part:
     """`name`'s ids against the engine's own ids (where it showed them and they are not the
     source already) and against its usage count."""
     part = _Part()
@@ -148,14 +148,14 @@ def check_turn(t: TurnIds) -> TurnCheck:
                        read=False)
     else:
         prompt = _check_part("prompt", t.prompt, t.prompt_source, t.engine_prompt, "prompt_tokens", t.prompt_tokens,
-                             t.prompt_tokens == len(t.prompt))
+                             count_ok=t.prompt_tokens == len(t.prompt))
     if t.output_skipped is not None:
         output = _Part(unknown=[t.output_skipped], read=False)
     elif t.output_source is None:
         output = _Part(unknown=["output not read: no output ids"], read=False)
     else:
         output = _check_part("output", t.output, t.output_source, t.engine_output, "completion_tokens",
-                             t.completion_tokens, _output_count_ok(t))
+                             t.completion_tokens, count_ok=_output_count_ok(t))
     failed = (prompt.failed if prompt.read else []) + (output.failed if output.read else [])
     return TurnCheck(_turn(prompt.state, output.state), _as_bool(prompt.state), _as_bool(output.state),
                      t.prompt_source, t.output_source if output.read else None,

@@ -131,7 +131,7 @@ def blocks(x: torch.Tensor, b: int, dim: int = 0) -> list[torch.Tensor]:
 
 
 def attend_each(states: list[AttentionState], starts: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kernels: Kernels, out: torch.Tensor | None = None) -> torch.Tensor:
+                kernels: Kernels, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """B entries' stacked rows (q [Hq, B*T, D], k, v [Hkv, B*T, D]): each entry's new k, v stored
     at rows start.. of its session's buffer, then its rows attended over exactly the rows valid up
     to its own (a session's later entry sees its earlier ones' new rows); the attended rows

@@ -69,7 +69,7 @@ def _engine_at(requests: Sequence[Request], engine_of: Sequence[int], session: s
 
 
 def inversions(requests: Sequence[Request], fewer, more, engine_of_fewer: Sequence[int],
-               engine_of_more: Sequence[int], show: int | None = None, window_s: float = 60.0) -> dict:
+               engine_of_more: Sequence[int], *, show: int | None = None, window_s: float = 60.0) -> dict:
     """Compare two replays (`replay.Arm`) of `requests` on n (`fewer`) and n + 1 (`more`) engines.
     Returns the fresh turn starts of each, the inversions, the sessions with one, their causes
     (sessions and turn starts of each: dropped, less idle, busier, order), and the sessions with

@@ -113,7 +113,7 @@ def session_ids(folder: str | Path, names: set[str]) -> dict[str, list[int]]:
 
 def evaluate(
     entries: Sequence[Entry], ids: dict[str, list[int]], reader: Reader, weights_hash: str, random_weights: bool,
-    tokenizer: Tokenizer, question: Question, model_name: str, progress: Callable[[], None] | None = None,
+    tokenizer: Tokenizer, *, question: Question, model_name: str, progress: Callable[[], None] | None = None,
 ) -> Score:
     score = Score(model_name, question.name, random_weights)
     valid = []

@@ -89,7 +89,7 @@ class Window:
 
 
 def windows(requests: Sequence[Request], engine_of: Sequence[int], engines: int, window_s: float = 60.0,
-            grid: int = 512, size: StateSize | None = None, max_checkpoints: int = 6) -> list[Window]:
+            grid: int = 512, size: StateSize | None = None, *, max_checkpoints: int = 6) -> list[Window]:
     """Every engine's windows of `window_s` from the first start to the last end (the last one
     shorter), engine by engine."""
     if not requests:
@@ -107,9 +107,9 @@ def windows(requests: Sequence[Request], engine_of: Sequence[int], engines: int,
         by_session.setdefault((e, r.session), []).append(r)
         k = min(n - 1, int((r.start - t0) // window_s))
         tokens[e][k] += r.new_prompt_tokens
-        _spread(tokens[e], bounds, t0, window_s, r.first_token, r.end, r.output_tokens)
+        _spread(tokens[e], bounds, t0, window_s, r.first_token, r.end, total=r.output_tokens)
     for (e, _), (a, b) in spans.items():
-        _spread(active[e], bounds, t0, window_s, a, b, None)
+        _spread(active[e], bounds, t0, window_s, a, b, total=None)
     held_by: list[list[tuple[list[Request], float]]] = [[] for _ in range(engines)]
     for (e, name), rs in by_session.items():
         held_by[e].append((sorted(rs, key=lambda r: r.start), spans[(e, name)][1]))
@@ -135,7 +135,7 @@ def _held_gib(sessions: list[tuple[list[Request], float]], t: float, grid: int, 
     return held / 2**30
 
 
-def _spread(into: list[float], bounds, t0: float, window_s: float, a: float, b: float, total: float | None) -> None:
+def _spread(into: list[float], bounds, t0: float, window_s: float, a: float, b: float, *, total: float | None) -> None:
     """Add to each window its share of [a, b]: its overlap in seconds (total None), or `total`
     spread evenly over [a, b] (all of it in a's window when a == b)."""
     n = len(into)

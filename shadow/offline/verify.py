@@ -58,7 +58,7 @@ class Verdict:
 
 def replay(
     reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation], store: SessionStore,
-    on_turn: Callable[[], None] | None = None, batch: int = 1, batched: Counter | None = None,
+    on_turn: Callable[[], None] | None = None, batch: int = 1, *, batched: Counter | None = None,
 ) -> dict[str, list[int]]:
     """Feed every request of every conversation (its re-rendered prompt, then its output) and read
     after each, the conversations' turns interleaved round robin through `store` (which may
@@ -146,7 +146,7 @@ def probe_agreement(
 def verify(
     reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation],
     against_grid: int | None = None, store: SessionStore | None = None,
-    progress: Callable[[int, int, str], None] | None = None, batch: int = 1,
+    progress: Callable[[int, int, str], None] | None = None, *, batch: int = 1,
 ) -> list[Verdict]:
     """Replay `conversations` (interleaved, through `store`; default: one with no cap), then
     compare each final state with fresh prefills. ShadowInputError, before anything is read or
@@ -180,7 +180,7 @@ def verify(
         report(done, total, "replay")
 
     batched = Counter()
-    final = replay(reader, tokenizer, conversations, store, turn_done, batch, batched)
+    final = replay(reader, tokenizer, conversations, store, turn_done, batch, batched=batched)
     verdicts = []
     for conv in conversations:
         session = store.get(conv.name)

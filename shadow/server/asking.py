@@ -48,7 +48,7 @@ class Asking:
                                     "to read in one fork); ask again with a longer timeout_s")
 
     def ask(self, session: str, question: Sequence[int], choices: Sequence[int], labels: Sequence[str],
-            timeout_s: float = 10.0, reference: str | None = None, fresh: bool | None = None) -> dict:
+            timeout_s: float = 10.0, reference: str | None = None, *, fresh: bool | None = None) -> dict:
         """Read the session up to the question's insertion point (its last id, within timeout_s),
         then one forward of the pending tail and the question in a fork: the letters' softmax."""
         question, choice_ids = self.check_ids(question), self.check_ids(choices)

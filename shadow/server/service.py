@@ -497,11 +497,11 @@ class ShadowService:
         return name, exact
 
     def ask(self, session: str, question: Sequence[int], choices: Sequence[int], labels: Sequence[str],
-            timeout_s: float = 10.0, reference: str | None = None, fresh: bool | None = None) -> dict:
+            timeout_s: float = 10.0, reference: str | None = None, *, fresh: bool | None = None) -> dict:
         """Read the session up to the question's insertion point (its last id, within timeout_s),
         then one forward of the pending tail and the question in a fork: the letters' softmax
         (`Asking.ask`)."""
-        return self.asking.ask(session, question, choices, labels, timeout_s, reference, fresh)
+        return self.asking.ask(session, question, choices, labels, timeout_s, reference, fresh=fresh)
 
     def summarize(self, session: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 10.0) -> dict:
         """Read the session to its end (within timeout_s), then decode greedily from a fork over the

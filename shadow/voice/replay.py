@@ -61,7 +61,7 @@ class VoiceReport:
 
 def voice_replay(conversations: Sequence[Conversation], reader: Reader, tokenizer: Tokenizer,
                  min_reasoning_tokens: int = 32, max_turns: int | None = None, slice_s: float = 0.15,
-                 progress: Callable[[Attempt], None] | None = None) -> VoiceReport:
+                 *, progress: Callable[[Attempt], None] | None = None) -> VoiceReport:
     voice = Voice(reader, tokenizer, max_tail=10**9)  # offline: the tail is read before each phrase anyway
     report = VoiceReport(slice_s=slice_s)
     for conv in conversations:

@@ -99,7 +99,7 @@ class Voice:
     `own_model` (`--voice-model`: a checkpoint other than the shadow's), the voice cannot fork the
     shadow's state: it reads the session's newest `window` ids afresh with its own model."""
 
-    def __init__(self, reader: Reader, tokenizer: Tokenizer, max_tokens: int = 12, window: int = 2048,
+    def __init__(self, reader: Reader, tokenizer: Tokenizer, *, max_tokens: int = 12, window: int = 2048,
                  max_tail: int | None = None, own_model: bool = False, slice_s: float = SLICE_S,
                  retry_s: float = 60.0, clock=time.monotonic):
         self.reader, self.tokenizer, self.own_model = reader, tokenizer, own_model

@@ -73,7 +73,7 @@ def prompt_text(tokenizer: Tokenizer, tokens: int, tag: str) -> str:
     return f"[{tag}]\n" + tokenizer.decode(ids[:tokens])
 
 
-def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, session: str, arm: str, pair: int,
+def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, session: str, arm: str, *, pair: int,
                 status_lines: bool = False) -> Run:
     """One streamed chat request; `status_lines`: send the header that asks for status lines.
     A 4xx answer is the caller's input refused (ShadowInputError); anything else is a RuntimeError."""
@@ -151,7 +151,7 @@ def switch(client: httpx.Client, base: str, on: bool, voice: bool | None = None)
 
 
 def run_ab(base: str, tokenizer: Tokenizer, prompt_tokens: int, output_tokens: int, runs: int, pause_s: float,
-           progress=None, voice: bool = False, restore: tuple[bool, bool | None] = (True, None),
+           *, progress=None, voice: bool = False, restore: tuple[bool, bool | None] = (True, None),
            api_key: str | None = None) -> list[Run]:
     """`runs` pairs; within a pair the arms alternate (off first in even pairs, on first in odd ones).
     "off": shadow and voice off; "on": the shadow on, and with `voice` the voice and status lines on
@@ -170,7 +170,7 @@ def run_ab(base: str, tokenizer: Tokenizer, prompt_tokens: int, output_tokens: i
                     before = server_counts(client, base)
                     begun = time.time()
                     run = stream_once(client, base, prompt_text(tokenizer, prompt_tokens, tag), output_tokens,
-                                      f"ab-{tag}", arm, pair, status_lines=on and voice)
+                                      f"ab-{tag}", arm, pair=pair, status_lines=on and voice)
                     ended = time.time()
                     after = server_counts(client, base)
                     share, spoken = (None if a is None or b is None else b - a for a, b in zip(before[:2], after[:2]))

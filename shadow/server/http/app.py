@@ -52,7 +52,7 @@ class ShadowApp:
     request first (`framing.strip_request`)."""
 
     def __init__(self, settings: ServeSettings, service: ShadowService, tokenizer: Tokenizer, model_name: str,
-                 generator: Generator | None = None, renderer: ChatRenderer | None = None,
+                 *, generator: Generator | None = None, renderer: ChatRenderer | None = None,
                  dialect: Dialect | None = None):
         if (generator is None) == (not settings.proxy):
             raise ValueError("give a generator (embedded mode) or an upstream in the settings (proxy mode)")
@@ -141,7 +141,7 @@ class ShadowApp:
             logs.bind(turn=turn.id, session=named)
             try:
                 return await self.embedded.complete(body, prompt, max_tokens, chat, turn, channel,
-                                                    request.is_disconnected)
+                                                    disconnected=request.is_disconnected)
             except BaseException:  # its generation (if it started) stops; the turn ends either way
                 turn.client_gone = True
                 await asyncio.to_thread(service.end_turn, turn)

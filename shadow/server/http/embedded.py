@@ -93,7 +93,7 @@ class EmbeddedCompletions:
         return ids, max_tokens
 
     async def complete(self, body: dict, prompt: list[int], max_tokens: int, chat: bool, turn: ServedTurn,
-                       channel: Channel = Channel("off"), disconnected: Callable[[], Awaitable[bool]] | None = None
+                       channel: Channel = Channel("off"), *, disconnected: Callable[[], Awaitable[bool]] | None = None
                        ) -> Response:
         """Answer one request (`parse` gave its prompt and tokens), whose turn has begun: it is
         named here, and its `Generation` feeds the prompt, generates and ends the turn.
@@ -114,7 +114,7 @@ class EmbeddedCompletions:
         threading.Thread(target=run.serve, name="shadow-turn", daemon=True).start()
         options = body.get("stream_options")
         with_usage = isinstance(options, dict) and bool(options.get("include_usage"))  # as OpenAI
-        reply = Completion(self, rid, created, chat, want_ids, prompt, with_usage)
+        reply = Completion(self, rid, created, chat, want_ids, prompt, with_usage=with_usage)
         if body.get("stream"):
             def ended() -> None:
                 self.load.answered(turn)
@@ -368,7 +368,7 @@ class Completion:
     """One response of the embedded engine, in the OpenAI shapes (and vLLM's ids when asked)."""
 
     def __init__(self, engine: EmbeddedCompletions, rid: str, created: int, chat: bool, want_ids: bool,
-                 prompt: list[int], with_usage: bool = False):
+                 prompt: list[int], *, with_usage: bool = False):
         """`with_usage`: a stream's last chunk before [DONE] carries the usage, with no choices."""
         self.engine, self.rid, self.created, self.chat = engine, rid, created, chat
         self.want_ids, self.prompt, self.with_usage = want_ids, prompt, with_usage
