@@ -10,8 +10,7 @@ the share of its pages still cached is measured (mincore) and reported; format-3
 O_DIRECT where the folder's file system takes it (`direct_io`), which bypasses the cache anyway.
 
 Arms, interleaved run by run: `format3` (this build: blocks verified as they are read, O_DIRECT,
-pinned copies), `format3-buffered` (the same through the page cache), `format2` (the earlier
-build's writer and reader, frozen in experiments/format2_sessionfile.py). Then the same session's
+pinned copies), `format3-buffered` (the same through the page cache). Then the same session's
 ids read again from the start on the same device (`--reread-runs`, median; one chunk first to
 warm graphs and caches), unless `--no-reread`; `--reread-tokens N` reads only the first N (the
 0.8B shape on a CPU cannot read 58k tokens in minutes). `where_the_time_goes`: a format-3
@@ -36,13 +35,12 @@ from pathlib import Path
 
 import torch
 
-import format2_sessionfile as format2
 from shadow.core import blockio, sessionfile
 from shadow.core.reader import open_reader
 from shadow.core.sessionfile import BLOCK_BYTES
 from shadow.core.store import SessionStore, session_bytes
 
-ARMS = ("format3", "format3-buffered", "format2")
+ARMS = ("format3", "format3-buffered")
 
 
 def main() -> None:
@@ -53,7 +51,6 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=6)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
-    ap.add_argument("--compare-whole-read", action="store_true", help="kept for older scripts: format2 is an arm by default")
     ap.add_argument("--reread-runs", type=int, default=3)
     ap.add_argument("--reread-tokens", type=int, default=None, help="read only this many ids again (default: all)")
     ap.add_argument("--no-reread", action="store_true")
@@ -145,19 +142,6 @@ def random_session(reader, tokens: int, checkpoints: int):
 def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bool):
     """Spill `session` and restore it by `arm`'s way: (spill s, restore s, file bytes, share of the
     file's pages cached before the restore, the restored session)."""
-    if arm == "format2":
-        identity = format2.Identity(weights_hash, reader.grid, _arithmetic(reader))
-        path = folder / format2.session_file_name(session.name)
-        sync(cuda)
-        start = time.perf_counter()
-        nbytes = format2.write_session(path, session, identity, time.time())
-        spill_s = time.perf_counter() - start
-        del session
-        still = drop_cache(path)
-        start = time.perf_counter()
-        back = format2.read_session(path, identity, reader.model.new_state(), reader.max_checkpoints)
-        sync(cuda)
-        return spill_s, time.perf_counter() - start, nbytes, still, back
     store = SessionStore(reader, weights_hash, cap_gib=0, disk=folder, direct=arm == "format3")
     store._resident[session.name] = session  # the experiment's session, as if it had been read
     sync(cuda)
@@ -211,12 +195,6 @@ def phases(session, reader, weights_hash: str, folder: Path, cuda: bool) -> dict
     blockio.sha256(memoryview(block))
     out["sha256_one_core_gib_per_s"] = round(0.25 / (time.perf_counter() - start), 2)
     return out
-
-
-def _arithmetic(reader) -> str:
-    from shadow.model.runtime import arithmetic
-
-    return arithmetic(reader.model)
 
 
 def snapshot(session) -> dict:

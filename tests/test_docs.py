@@ -49,7 +49,9 @@ def test_every_option_the_docs_name_exists():
     allowed = {"--index-url", "--local-dir", "--jinja", "--model-path", "--help", "--ctx-size", "--served-model-name",
                "--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser", "--parallel", "--metrics",
                "--models-dir",
-               "--variants"}  # the retired experiments/attention_variants.py's, quoted as the record of its runs
+               # retired experiments' own, quoted as the record of their runs: attention_variants.py's, and
+               # restore_speed.py's before its format-2 arm was dropped
+               "--variants", "--compare-whole-read"}
     assert [m for m in missing if m.split(": ")[1] not in allowed] == []
 
 
