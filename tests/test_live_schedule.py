@@ -12,8 +12,6 @@ import time
 
 import pytest
 
-import shadow.offline.replay
-import shadow.server.service
 from serving import (GRID, assert_exact, long_text, running, service_for, serving, settings_for, settled,
                      wait_until_read)
 from shadow.core.reader import open_reader
@@ -36,15 +34,30 @@ RULE = BandwidthRule(poll_s=0.25, burst_s=1.0, share=0.1, slice_s=0.15)
 _START, _FIRST, _END = 0, 1, 2
 
 
-class Traced(ReadScheduler):
-    """The scheduler, recording every read reported to it (one list for all instances)."""
+class ReadLog:
+    """Every read reported to a scheduler, replayed or live (both drive `ReadScheduler`: its
+    `read_done` is traced, in one place)."""
 
-    reads: list[tuple] = []
+    def __init__(self, monkeypatch):
+        self.reads: list[tuple] = []
+        done = ReadScheduler.read_done
 
-    def read_done(self, read, chunks, seconds, now):
-        if chunks:  # (seconds compared exactly: both sides add the same binary fractions)
-            Traced.reads.append((read.session, read.window, read.depth, chunks, now, seconds))
-        super().read_done(read, chunks, seconds, now)
+        def traced(sched, read, chunks, seconds, now):
+            if chunks:  # (seconds compared exactly: both sides add the same binary fractions)
+                self.reads.append((read.session, read.window, read.depth, chunks, now, seconds))
+            done(sched, read, chunks, seconds, now)
+
+        monkeypatch.setattr(ReadScheduler, "read_done", traced)
+
+    def take(self) -> list[tuple]:
+        """The reads logged since the last take."""
+        reads, self.reads = self.reads, []
+        return reads
+
+
+@pytest.fixture
+def read_log(monkeypatch) -> ReadLog:
+    return ReadLog(monkeypatch)
 
 
 def timeline(seed: int) -> list[Request]:
@@ -199,7 +212,7 @@ class LiveDriver:
             self.clock.t = max(nxt, math.nextafter(t, math.inf))
 
 
-def live_reads(requests: list[Request], store_for, monkeypatch, on_driver=lambda driver: None
+def live_reads(requests: list[Request], store_for, read_log: ReadLog, on_driver=lambda driver: None
                ) -> tuple[list, ShadowService, LiveDriver]:
     """Every read the live service reports over the timeline (its store from `store_for(reader,
     loaded, clock)`), the service (the caller stops it) and its driver (shown to `on_driver`)."""
@@ -217,7 +230,7 @@ def live_reads(requests: list[Request], store_for, monkeypatch, on_driver=lambda
     reader.forward = hook
     service = service_for(settings_for(rule=RULE, prefix_match=False), reader, store_for(reader, loaded, clock),
                           clock=clock)
-    Traced.reads = []
+    read_log.take()
     assert service.reading.sched.costs.table() == {0: CHUNK_S, 8192: CHUNK_S, 32768: CHUNK_S}  # warmed at load
     clock.t = 0.0
     hook.driver = driver = LiveDriver(service, clock, requests, ids)
@@ -228,21 +241,18 @@ def live_reads(requests: list[Request], store_for, monkeypatch, on_driver=lambda
         service.stop()
         raise
     hook.driver = None
-    return Traced.reads, service, driver
+    return read_log.take(), service, driver
 
 
 @pytest.mark.parametrize("seed", [4, 9, 21])  # timelines where a start, a first token or an end comes mid-chunk
-def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same_times(tiny, monkeypatch, seed):
+def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same_times(tiny, read_log, seed):
     """The replay and a live service (injected clock, chunk costs and the engine's events from a
     hook) over one timeline: every read (session, window, depth, chunks, end, seconds) the same."""
     requests = timeline(seed)
-    monkeypatch.setattr(shadow.offline.replay, "ReadScheduler", Traced)
-    monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
-    Traced.reads = []
     arm = replay(requests, read_ms_per_1k=CHUNK_S * 1e6 / GRID, grid=GRID, rule=RULE)
-    replayed = Traced.reads
+    replayed = read_log.take()
     live, service, driver = live_reads(requests, lambda reader, loaded, clock: SessionStore(
-        reader, loaded.weights_hash, cap_gib=None), monkeypatch)
+        reader, loaded.weights_hash, cap_gib=None), read_log)
     try:
         assert live == replayed
         windows = {w for _, w, *_ in live}
@@ -292,28 +302,26 @@ class TimedStore:
         return error
 
 
-def test_live_and_replayed_spill_and_restore_at_the_same_costs(tiny, monkeypatch, tmp_path):
+def test_live_and_replayed_spill_and_restore_at_the_same_costs(tiny, read_log, tmp_path):
     """With restores and spills that take time (1 and 2 MiB/s of their files' bytes, so that
     restoring a shallow session is slower than reading it again: such a one is dropped, its ids
     kept), every read, spill, drop and restore is the same live and replayed."""
-    monkeypatch.setattr(shadow.offline.replay, "ReadScheduler", Traced)
-    monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
     size = StateSize.of(tiny.model.config, 4)
     cap_gib = (size.resident(8192, 0) + 20 * size.checkpoint) / 2**30
     costs = CostTable(ChunkTable.flat(CHUNK_S * 1e6 / GRID, GRID), restore_gib_s=1 / 1024, spill_gib_s=2 / 1024)
     seen = [0, 0]
     for seed in (4, 9, 21):
         requests = timeline(seed)
-        Traced.reads = []
+        read_log.take()
         arm = replay(requests, grid=GRID, rule=RULE, limits=Limits(cap_gib=cap_gib, state=size, disk=True), costs=costs)
-        replayed, timed = Traced.reads, []
+        replayed, timed = read_log.take(), []
 
         def store_for(reader, loaded, clock):
             store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=tmp_path / f"disk{seed}")
             timed.append(TimedStore(store, costs, clock))
             return store
 
-        live, service, _ = live_reads(requests, store_for, monkeypatch, lambda driver: setattr(timed[0], "driver", driver))
+        live, service, _ = live_reads(requests, store_for, read_log, lambda driver: setattr(timed[0], "driver", driver))
         try:
             c = timed[0].store.counters
             assert (arm.spills, arm.restores, arm.drops) == (c.spills, c.restores, c.drops)
@@ -327,7 +335,7 @@ def test_live_and_replayed_spill_and_restore_at_the_same_costs(tiny, monkeypatch
 
 @pytest.mark.parametrize("disk", [False, True], ids=["drop", "spill"])
 @pytest.mark.parametrize("seed", [4, 9, 21])
-def test_live_and_replayed_read_the_same_chunks_under_a_cap_that_forces_spills(tiny, monkeypatch, tmp_path, seed, disk):
+def test_live_and_replayed_read_the_same_chunks_under_a_cap_that_forces_spills(tiny, read_log, tmp_path, seed, disk):
     """The same, with a resident cap that holds one read session: at every turn's end and after
     every idle chunk, sessions past it leave memory, least recently used first; without a disk
     they are dropped (read again from the start at their next turn; output that comes for one
@@ -336,16 +344,13 @@ def test_live_and_replayed_read_the_same_chunks_under_a_cap_that_forces_spills(t
     settles, and every read is the same. (Spills and restores take no time on this clock; the
     store's choice to drop a session cheaper to read again is off, its restore rate unknown.)"""
     requests = timeline(seed)
-    monkeypatch.setattr(shadow.offline.replay, "ReadScheduler", Traced)
-    monkeypatch.setattr(shadow.server.service, "ReadScheduler", Traced)
     size = StateSize.of(tiny.model.config, 4)
     cap_gib = (size.resident(8192, 0) + 20 * size.checkpoint) / 2**30  # one read session and a few unread
-    Traced.reads = []
     limits = Limits(cap_gib=cap_gib, state=size, disk=disk)
     arm = replay(requests, grid=GRID, rule=RULE, limits=limits,
                  costs=CostTable(ChunkTable.flat(CHUNK_S * 1e6 / GRID, GRID), restore_gib_s=math.inf,
                                  spill_gib_s=math.inf))
-    replayed = Traced.reads
+    replayed = read_log.take()
     stores = []
 
     def store_for(reader, loaded, clock):
@@ -354,7 +359,7 @@ def test_live_and_replayed_read_the_same_chunks_under_a_cap_that_forces_spills(t
         stores.append(store)
         return store
 
-    live, service, _ = live_reads(requests, store_for, monkeypatch)
+    live, service, _ = live_reads(requests, store_for, read_log)
     try:
         c = stores[0].counters
         assert (arm.spills, arm.restores, arm.drops) == (c.spills, c.restores, c.drops)

@@ -17,6 +17,8 @@ import torch
 
 from shadow.errors import ShadowInputError
 from shadow.core.batchread import BatchRead, at_once
+from shadow.core import driving
+from shadow.core.driving import Feed
 from shadow.model.checkpoint import LoadedModel
 from shadow.model.layout import Layout
 from shadow.model.qwen35 import Qwen35
@@ -30,7 +32,8 @@ MAX_CHECKPOINTS = 6
 
 @dataclass
 class Session:
-    """One session: every id it holds, the state of the committed rows, its checkpoints."""
+    """One session: every id it holds, the state of the committed rows, its checkpoints (a
+    `driving.GridSession`)."""
 
     name: str
     state: ModelState
@@ -50,14 +53,14 @@ class Session:
         """Ids past C, waiting for a whole chunk (or more, if the reader is behind)."""
         return len(self.ids) - self.committed
 
+    @property
+    def known(self) -> int:
+        """Ids held, read or not."""
+        return len(self.ids)
 
-@dataclass(frozen=True)
-class Feed:
-    """What feeding a prompt did: the first id that differed from what was known, and where reading resumes."""
-
-    first_diff: int | None
-    rolled_back_to: int | None
-    reread: int
+    @property
+    def checkpoint_positions(self) -> list[int]:
+        return [c.position for c in self.checkpoints]
 
 
 class Reader:
@@ -84,48 +87,30 @@ class Reader:
     def feed_prompt(self, session: Session, ids: Sequence[int]) -> Feed:
         """A turn's whole prompt. Where it differs from the ids known, go back to the newest
         checkpoint at or below the first difference (or to the start); mark a checkpoint at the
-        last grid line at or below the prompt's end."""
+        last grid line at or below the prompt's end (`driving.feed_prompt`)."""
         ids = self.check_ids(ids)
         self.settle()
-        known = session.ids
-        same = common_prefix(known, ids)
-        feed = Feed(None, None, 0)
-        if same < len(known):
-            feed = Feed(same, None, 0)
-            if same < session.committed:
-                feed = self._rollback(session, same)
-            session.marks = [m for m in session.marks if m <= same]
+        feed = driving.feed_prompt(self, session, common_prefix(session.ids, ids), len(ids))
         session.ids = list(ids)
-        self._mark(session, len(ids) // self.grid * self.grid)
+        if feed.rolled_back_to is not None:
+            session.rollbacks += 1
+            session.ids_reread += feed.reread
         return feed
 
     def feed_output(self, session: Session, ids: Sequence[int]) -> None:
         """Ids the big model generated after the last prompt; appended as they are."""
         session.ids.extend(self.check_ids(ids))
 
-    def _rollback(self, session: Session, first_diff: int) -> Feed:
-        keep = [c for c in session.checkpoints if c.position <= first_diff]
-        old = session.committed
-        if keep:
-            session.state.restore(keep[-1])
+    def take_checkpoint(self, session: Session) -> DeltaSnapshot:
+        """A snapshot of the session's state at its committed length (`driving.StateKeeper`)."""
+        return session.state.snapshot()
+
+    def return_to(self, session: Session, checkpoint: DeltaSnapshot | None) -> None:
+        """The session's state restored to `checkpoint` (None: a new state)."""
+        if checkpoint is not None:
+            session.state.restore(checkpoint)
         else:
             session.state = self.model.new_state()
-        session.checkpoints = keep
-        session.rollbacks += 1
-        session.ids_reread += old - session.committed
-        return Feed(first_diff, session.committed, old - session.committed)
-
-    def _mark(self, session: Session, line: int) -> None:
-        if line <= 0 or line in session.marks or any(c.position == line for c in session.checkpoints):
-            return
-        if line == session.committed:
-            self._checkpoint(session)
-        elif line > session.committed:
-            session.marks = sorted([*session.marks, line])
-
-    def _checkpoint(self, session: Session) -> None:
-        session.checkpoints.append(session.state.snapshot())
-        del session.checkpoints[: -self.max_checkpoints]
 
     # reading ---------------------------------------------------------------------------
 
@@ -143,9 +128,7 @@ class Reader:
             start = session.committed
             self.forward(self._ids(session.ids[start : start + self.grid]), session.state)
             done += 1
-            if session.marks and session.marks[0] == session.committed:
-                session.marks.pop(0)
-                self._checkpoint(session)
+            driving.chunks_read(self, session)
         return done
 
     def advance_batch(self, sessions: Sequence[Session]) -> int:
@@ -198,19 +181,13 @@ class Reader:
         if self.open is read:
             self.open = None
         for first, _ in read.layout.firsts_and_runs:
-            s = read.sessions[first]
-            if s.marks and s.marks[0] == s.committed:
-                s.marks.pop(0)
-                self._checkpoint(s)
+            driving.chunks_read(self, read.sessions[first])
 
     def run_limit(self, session: Session) -> int:
         """Whole chunks one run of a batch may read of `session` now: up to its ids' last whole
         chunk and its next checkpoint line (a checkpoint is taken between two chunks, never inside
         a forward)."""
-        end = len(session.ids)
-        if session.marks:
-            end = min(end, session.marks[0])
-        return max(0, (end - session.committed) // self.grid)
+        return driving.run_limit(session, self.grid)
 
     def _check_batch(self, sessions: Sequence[Session]) -> Layout | None:
         if not sessions:

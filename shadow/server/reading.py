@@ -40,24 +40,14 @@ from contextlib import contextmanager
 
 import torch
 
+from shadow.core.driving import batch_now, in_pieces, pieces_now, tell
 from shadow.core.reader import BatchRead, Reader, Session
-from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, batch_sizes, graphed_batch
+from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, batch_sizes
 from shadow.core.store import Restored
 from shadow.server.host import ModelHost, Shadow
 from shadow.server.shared import Shared
 
 log = logging.getLogger("shadow.serve")
-
-
-def entry_depths(batch: Sequence[Session], grid: int) -> list[tuple[str, int]]:
-    """(session, read position) of each entry of a batch: a run's k-th entry k chunks on."""
-    taken: dict[str, int] = {}
-    out = []
-    for s in batch:
-        k = taken.get(s.name, 0)
-        taken[s.name] = k + 1
-        out.append((s.name, s.committed + k * grid))
-    return out
 
 
 def settle_device(reader: Reader) -> float:
@@ -221,14 +211,9 @@ class Reading:
     def sync(self, shadow: Shadow, name: str) -> None:
         """Tell the scheduler a session's true state: its read position and ids while resident,
         else that it is not (spilled sessions wait on disk for their next turn)."""
-        s, now = shadow.store.peek(name), self.clock()
-        told = self.sched.sessions.get(name)
-        if s is not None:
-            self.sched.update(name, s.committed, len(s.ids), now, mark=s.marks[0] if s.marks else None)
-            if told is None and self.questions.waiting(name):
-                self.questions.tell(name)
-        elif told is not None and told.resident:
-            self.sched.update(name, told.committed, told.known, now, resident=False)
+        s = shadow.store.peek(name)
+        if tell(self.sched, name, s, self.clock()) and s is not None and self.questions.waiting(name):
+            self.questions.tell(name)
 
     def get(self, shadow: Shadow, name: str, ahead: Restored | None = None) -> Session:
         """The session, resident (restored from disk or new, `ahead` its file read before the
@@ -247,7 +232,7 @@ class Reading:
         now = self.clock()
         for name, told in list(self.sched.sessions.items()):
             if told.resident and (shadow is None or shadow.store.peek(name) is None):
-                self.sched.update(name, told.committed, told.known, now, resident=False)
+                tell(self.sched, name, None, now)
 
     # turns and requests (the caller holds the lock) -------------------------------------------
 
@@ -280,9 +265,10 @@ class Reading:
         sessions, the chunks of `session` to read when it is no batch)."""
         grid = shadow.grid
         with self.lock:
-            batch = self._entries(shadow, session, read) if read.others else [session]
-            if read.others and len(batch) - 1 != len(read.others):
-                read = dataclasses.replace(read, others=tuple(entry_depths(batch, grid)[1:]))
+            batch = [session]
+            if read.others:
+                read, batch = batch_now(read, session, shadow.store.peek, grid,
+                                        lambda name: self.answers.line(name, grid))
             lines = {name: self.answers.line(name, grid) for name in dict.fromkeys(s.name for s in batch)}
         line = lines.get(session.name)
         chunks = read.chunks if line is None else min(read.chunks, max(0, (line - session.committed) // grid))
@@ -316,25 +302,6 @@ class Reading:
                 s = shadow.store.peek(name)
                 if s is not None:
                     self.answers.answer_if_ready(shadow, s)
-
-    def _entries(self, shadow: Shadow, first: Session, read: Read) -> list[Session]:
-        """A batch's entries still readable, in its order (the caller holds the lock): each a
-        resident session's next chunk after the entries of it before (a run), within the chunks
-        one run may read (`Reader.run_limit`) and short of a standing question's line; none if
-        the first cannot be read; cut to a graphed size."""
-        grid, out, taken = shadow.grid, [], {}
-        for name, depth in ((read.session, read.depth), *read.others):
-            s = first if not out and name == first.name else shadow.store.peek(name)
-            k = taken.get(name, 0)
-            line = self.answers.line(name, grid)
-            if s is None or s.committed + k * grid != depth or k >= shadow.reader.run_limit(s) \
-                    or (line is not None and depth + grid > line) or (k and out[-1] is not s):
-                if not out:
-                    return []
-                continue
-            taken[name] = k + 1
-            out.append(s)
-        return out[: graphed_batch(len(out))]
 
     def _decided(self, shadow: Shadow, decision: Read | Wait) -> Session | None:
         """The session a Read names, resident (the caller holds the lock); None for a Wait, or if
@@ -391,7 +358,7 @@ class Reading:
         if session is None:
             return 0, 0.0, 0.0
         waited = settle_device(shadow.reader)
-        if decision.others and decision.estimate_s is not None and decision.estimate_s > sched.rule.batch_s + 1e-9:
+        if in_pieces(decision, sched.rule.batch_s):
             read, batch, lines, _ = self._prepare(shadow, session, decision)
             if len(batch) > 1:
                 self.in_flight = InFlight(shadow, read, batch, lines, shadow.reader.begin_batch(batch))
@@ -401,20 +368,17 @@ class Reading:
         return (*self.read(shadow, session, decision), waited)
 
     def _piece(self) -> tuple[int, float, float]:
-        """The next pieces of the batched read under way: one in the round it begins, then as many as
-        fit `batch_s` at the seconds its pieces have taken so far (at least one); reported once it
-        is over (whoever finished it: a feed, a fork or a settle of the reader finishes it first).
-        Returns (chunks, seconds, 0) like `share`."""
+        """The next pieces of the batched read under way (`driving.pieces_now`: one in the round it
+        begins, with the read's setup, then as many as fit `batch_s` at the seconds its pieces
+        have taken so far); reported once it is over (whoever finished it: a feed, a fork or a
+        settle of the reader finishes it first). Returns (chunks, seconds, 0) like `share`."""
         flight = self.in_flight
         assert flight is not None
         read = flight.batch_read
         before = read.seconds
         if not read.over:
-            # the first round one piece (with the read's setup); then as many as its pieces so far,
-            # measured, fit `batch_s`
-            per_piece = read.seconds / read.ran if read.ran else math.inf
-            fit = max(1, int(self.sched.rule.batch_s / per_piece)) if per_piece > 0 else read.pieces
-            read.step(fit)
+            read.step(pieces_now(self.sched.rule.batch_s, read.seconds / read.ran if read.ran else None,
+                                 read.pieces - read.ran))
             with self.lock:
                 self.counters.read_pieces += 1
         seconds = read.seconds - before

@@ -50,16 +50,20 @@ class BatchRow:
 
 @dataclass
 class ReadRate:
+    """A run's measurements, each one's fields together (0 or None: not measured): chunks by
+    depth; a whole session read from empty; batched reads; an ask at the end of a long session
+    and fork decode; the reference path's read and ours of the same ids from empty."""
+
     rows: list[DepthRow] = field(default_factory=list)
-    batch_rows: list[BatchRow] = field(default_factory=list)
     full_read_tokens: int = 0
     full_read_s: float = 0.0
+    batch_rows: list[BatchRow] = field(default_factory=list)
     ask_session_tokens: int = 0
     ask_ms: float = 0.0
     fork_decode_ms_per_token: float = 0.0
+    reference_ms_per_1k_tokens: float | None = None  # the reference path, reading compare_tokens from empty
     compare_tokens: int = 0
-    ms_per_1k_tokens_read: float = 0.0  # ours, reading compare_tokens from empty
-    reference_ms_per_1k_tokens: float | None = None
+    ms_per_1k_tokens_read: float = 0.0  # ours, the same ids
 
     @property
     def speedup_vs_reference(self) -> float | None:
