@@ -471,7 +471,7 @@ def test_a_late_answer_never_lands_after_a_newer_prompt(server):
 
 
 def test_text_stream_holds_a_character_split_over_ids_until_whole(tokenizer):
-    from shadow.server.http.embedded import TextStream
+    from shadow.text.detok import TextStream
 
     text = "héllo wörld — 日本語のテキスト 🎉🎉 done"
     ids = tokenizer.encode(text)

@@ -228,10 +228,10 @@ def test_at_a_streams_end_a_line_whose_phrase_is_not_written_goes_out_without_it
     """The last event waits a bounded time for a phrase being written, then sends every line held,
     in order: one whose phrase never came goes with its facts alone (none is lost behind it)."""
     import asyncio
-    import queue
     from concurrent.futures import Future
 
     from shadow.server.http.channels import Channel, LineWriter
+    from shadow.server.events import Events
     from shadow.server.http.embedded import TokenLines
     from shadow.server.http.lines import Line, TurnStatus
     from shadow.server.load import EngineLoad
@@ -243,10 +243,10 @@ def test_at_a_streams_end_a_line_whose_phrase_is_not_written_goes_out_without_it
         service.voicing.voice = Voice(service.reader, tokenizer)
         service.voicing.request = lambda *args: never
         writer = LineWriter(Channel("reasoning", True), TurnStatus(started=0.0), EngineLoad(service.turns), turn)
-        lines = TokenLines(writer, [], tokenizer, service, queue.Queue())
         thinking, reading = Line("thinking", "thinking 15 s", 15.0, False), Line("reading", "reading", 16.0, False)
 
         async def end_of_stream():
+            lines = TokenLines(writer, [], tokenizer, service, Events())
             lines.hold([thinking, reading])
             held = lines.ready()
             return held, await lines.rest(wait_s=0.05)
@@ -261,12 +261,12 @@ def test_the_tokens_before_a_streams_end_go_out_before_the_end_waits_for_its_lin
     the tokens are written first, and only the end (its finish, the lines held) waits for the
     phrase. A user sees no stall in the tokens for a phrase at the end of a thought."""
     import asyncio
-    import queue
     from concurrent.futures import Future
-    from types import SimpleNamespace
 
     from shadow.server.http.channels import Channel, LineWriter
-    from shadow.server.http.embedded import Completion, TokenLines
+    from shadow.server.events import Events
+    from shadow.server.http.embedded import TokenLines
+    from shadow.server.http.shapes import Completion
     from shadow.server.http.lines import Line, TurnStatus
     from shadow.server.load import EngineLoad
 
@@ -278,23 +278,23 @@ def test_the_tokens_before_a_streams_end_go_out_before_the_end_waits_for_its_lin
         service.voicing.voice = Voice(service.reader, tokenizer)
         service.voicing.request = lambda *args: never
         writer = LineWriter(Channel("reasoning", True), TurnStatus(started=0.0), EngineLoad(service.turns), turn)
-        events: queue.Queue = queue.Queue()
-        lines = TokenLines(writer, [], tokenizer, service, events)
-        rest = lines.rest
-
-        async def recorded_rest(wait_s: float = 1.0):
-            order.append("rest")
-            return await rest(wait_s=0.05)
-
-        lines.rest = recorded_rest
-        engine = SimpleNamespace(tokenizer=tokenizer, eos=set(), model_name="tiny", service=service)
-        completion = Completion(engine, "chatcmpl-end", 0, True, True, [1, 2])
-        for event in (("token", 1000), ("token", 1001), ("done", "length")):  # one batch
-            events.put(event)
+        completion = Completion(tokenizer, "tiny", [], "chatcmpl-end", 0, chat=True, want_ids=True, prompt=[1, 2])
 
         async def consume():
+            events = Events()
+            lines = TokenLines(writer, [], tokenizer, service, events)
+            rest = lines.rest
+
+            async def recorded_rest(wait_s: float = 1.0):
+                order.append("rest")
+                return await rest(wait_s=0.05)
+
+            lines.rest = recorded_rest
+            for event in (("token", 1000), ("token", 1001), ("done", "length")):  # one batch
+                events.put(event)
+            await asyncio.sleep(0)  # they arrive before the stream reads
             lines.hold([Line("thinking", "thinking 15 s", 15.0, False)])
-            async for chunk in completion.sse(events, lines):
+            async for chunk in completion.sse(events, service.counters.gaps, lines):
                 order.append(chunk)
 
         asyncio.run(consume())
@@ -439,11 +439,11 @@ def test_a_phrase_request_that_arrives_after_its_stream_closed_is_cancelled(tiny
     """The stream closes while its phrase request is still being made (the service's lock held
     elsewhere): the request, when it arrives, is cancelled, so no round writes a phrase for nobody."""
     import asyncio
-    import queue
     import threading
     from concurrent.futures import Future
 
     from shadow.server.http.channels import Channel, LineWriter
+    from shadow.server.events import Events
     from shadow.server.http.embedded import TokenLines
     from shadow.server.http.lines import Line, TurnStatus
     from shadow.server.load import EngineLoad
@@ -462,10 +462,10 @@ def test_a_phrase_request_that_arrives_after_its_stream_closed_is_cancelled(tiny
         service.voicing.voice = Voice(service.reader, tokenizer)
         service.voicing.request = slow_request
         writer = LineWriter(Channel("reasoning", True), TurnStatus(started=0.0), EngineLoad(service.turns), turn)
-        lines = TokenLines(writer, [], tokenizer, service, queue.Queue())
         thinking = Line("thinking", "thinking 15 s", 15.0, False)
 
         async def close_while_asking():
+            lines = TokenLines(writer, [], tokenizer, service, Events())
             lines.hold([thinking])
             await asyncio.sleep(0.05)
             lines.close()  # the client went away

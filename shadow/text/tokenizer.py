@@ -27,6 +27,25 @@ class Tokenizer:
         return ids[0]
 
 
+@dataclass(frozen=True)
+class SpecialIds:
+    """Where reasoning and a tool call begin and end in a tokenizer's ids; None where the
+    vocabulary has no single token for the mark."""
+
+    think: int | None
+    end_think: int | None
+    tool: int | None
+    end_tool: int | None
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer) -> "SpecialIds":
+        def one(text: str) -> int | None:
+            ids = tokenizer.encode(text)
+            return ids[0] if len(ids) == 1 else None
+
+        return cls(one("<think>"), one("</think>"), one("<tool_call>"), one("</tool_call>"))
+
+
 def load_tokenizer(checkpoint: Path | None = None) -> Tokenizer:
     if checkpoint is not None and (Path(checkpoint) / "tokenizer.json").is_file():
         from tokenizers import Tokenizer as HFTokenizer

@@ -36,7 +36,7 @@ def shadow_routes(service: ShadowService, tokenizer: Tokenizer, eos: list[int], 
         if reference is not None and reference not in req.choices:
             raise ShadowInputError("'reference' (or x-shadow-label) must be one of the choices")
         return await asyncio.to_thread(service.ask, req.session, question, choice_ids, req.choices, req.timeout_s,
-                                       reference, req.fresh)
+                                       reference, fresh=req.fresh)
 
     @router.post("/summarize")
     async def summarize(req: SummarizeRequest):
