@@ -341,7 +341,7 @@ def test_replay_ledger_charges_each_read_rate_file_its_own_costs(tmp_path):
         ('{"what": 1}\n', [], "unknown format"),
         ("not json\n", [], "cannot tell the format"),
         ("{}\n", ["--format", "csv"], "unknown format 'csv'"),
-        ("{}\n", ["--share", "1.5"], "--share must be > 0 and < 1 (got 1.5)"),
+        ("{}\n", ["--share", "1.5"], "--share must be between 0 and 1 (a fraction: 0.02 is 2 %) (got 1.5)"),
     ],
     ids=["out-of-order", "unknown-format", "not-json", "bad-format-option", "bad-share"],
 )
@@ -788,7 +788,7 @@ def test_ab_sets_the_switch_back_on_ctrl_c(embedded, tokenizer):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_ab(base, tokenizer, 200, 3, 2, 0.0, interrupt, voice=True, restore=(True, None))
+        run_ab(base, tokenizer, 200, 3, 2, 0.0, progress=interrupt, voice=True, restore=(True, None))
     assert seen == [("off", False)] and service.shared.switch.shadow is True and service.shared.switch.voice is True
 
 

@@ -24,6 +24,7 @@ def _http_url(ctx, param, value):
 
 @user_errors
 def ab(
+    *,
     url: Annotated[str, typer.Option(callback=_http_url, help="The running `shadow serve` base URL (embedded or proxy), e.g. http://127.0.0.1:8000/v1.")] = "http://127.0.0.1:8000/v1",
     prompt_tokens: Annotated[int, typer.Option(callback=bounds(ge=1), help="Prompt length in tokens.")] = 16_350,
     output_tokens: Annotated[int, typer.Option(callback=bounds(ge=2), help="Tokens generated per run, at least 2.")] = 346,

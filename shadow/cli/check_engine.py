@@ -20,6 +20,7 @@ QWEN_END = 248046  # <|im_end|>: the end token of the Qwen chat models, when no 
 @user_errors
 def check_engine(
     url: Annotated[str, typer.Argument(help="The engine's OpenAI-compatible base URL, e.g. http://127.0.0.1:8001/v1.")],
+    *,
     engine: Annotated[str, typer.Option(help="The engine's dialect: auto (probe), vllm, sglang, llamacpp, transformers, openai.")] = "auto",
     chat_template: Annotated[Path | None, typer.Option(callback=readable_path, help="The big model's chat template (.jinja, tokenizer_config.json, or its folder), for the dialects that render.")] = None,
     tokenizer: Annotated[Path | None, typer.Option(callback=tokenizer_path, help="The big model's tokenizer (a folder with tokenizer.json, or the file). Default: the template folder's, else the real Qwen3.5 vocabulary.")] = None,

@@ -11,13 +11,14 @@ Ctrl-C.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Callable, NoReturn
+from typing import TYPE_CHECKING, Annotated, Callable, NoReturn
 
 import typer
 from rich.markup import escape
@@ -28,6 +29,9 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from shadow.errors import ShadowInputError
+
+if TYPE_CHECKING:
+    from shadow.server.settings import SettingOption
 
 try:  # typer carries its own copy of click since 0.2x; before, it used click itself
     from typer._click import exceptions as click_errors
@@ -284,6 +288,85 @@ PlotOpt = Annotated[Path | None, typer.Option("--plot", callback=plot_path, help
 
 
 # ------------------------------------------------------------------------------------------------
+# options generated from the settings tree (`shadow.server.settings.options`): their flags, defaults,
+# ranges and help are the settings fields' own
+
+SETTING_CHECKS = {"model": model_name, "grid": grid_size, "device": device_name, "dtype": dtype_name,
+                  "kernels": kernels_name, "file": input_file, "path": readable_path, "tokenizer": tokenizer_path}
+
+
+def setting_range(setting: SettingOption, zero: bool = False) -> Callable:
+    """A callback: every value of the option a finite number ("--x must be a finite number") within
+    its range (`Option.allowed`, `ge`...; refused as "--x {says} (got 3)"); with `zero`, 0 also
+    passes (an option's "none")."""
+    o = setting.option
+    ranged = bounds(ge=o.ge, gt=o.gt, le=o.le, lt=o.lt, zero=zero, says=o.says) if o.ranged and not o.allowed else None
+
+    def check(ctx, param, value):
+        for v in _each(value):
+            if isinstance(v, float) and not math.isfinite(v):
+                refuse(param, f"must be a finite number (got {v:g})")
+            if o.allowed and v not in o.allowed and not (zero and v == 0):
+                refuse(param, f"{o.says or 'is one of ' + ', '.join(map(str, o.allowed))} (got {v})")
+        return ranged(ctx, param, value) if ranged is not None else value
+
+    return check
+
+
+def setting_parameter(setting: SettingOption, *, env_prefix: str | None = None, repeat: bool = False,
+                      zero: bool = False, note: str = "") -> inspect.Parameter:
+    """The keyword parameter Typer reads one generated option from: the setting's flag (a bool:
+    `--x/--no-x`), default, help and panel; checked while parsing by its kind (`SETTING_CHECKS`) and
+    range. `env_prefix`: its environment variable is `env_prefix` + the flag in capitals (or the
+    option's own `env`); None: none. `repeat`: given several times, its default the one-item list;
+    `zero`: 0 also passes the range (the command reads it as "none"); `note`: what the command
+    adds to the help."""
+    o, flag = setting.option, setting.flag
+    decls = [f"{flag}/--no-{flag[2:]}" if setting.type is bool else flag] + ([o.short] if o.short else [])
+    checks = [c for c in (SETTING_CHECKS.get(o.check), setting_range(setting, zero) if setting.type is not bool
+                          and setting.option.text is None else None) if c is not None]
+    env = None if env_prefix is None else o.env or env_prefix + flag[2:].replace("-", "_").upper()
+    info = typer.Option(*decls, envvar=env, help=f"{o.help} {note}".strip(), rich_help_panel=o.panel,
+                        callback=_chained(checks))
+    kind, default = setting.type, setting.default
+    if repeat:
+        kind, default = list[_plain(kind)], [default]
+    return inspect.Parameter(setting.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                             annotation=Annotated[kind, info])
+
+
+def _plain(kind):
+    """`T` of `T | None`."""
+    args = [a for a in getattr(kind, "__args__", ()) if a is not type(None)]
+    return args[0] if len(args) == 1 else kind
+
+
+def _chained(checks: list[Callable]) -> Callable | None:
+    if not checks:
+        return None
+
+    def check(ctx, param, value):
+        for c in checks:
+            value = c(ctx, param, value)
+        return value
+
+    return check
+
+
+def with_options(parameters: list[inspect.Parameter]) -> Callable:
+    """A decorator: the command's signature, as Typer reads it, is its own parameters and then
+    `parameters` (keyword-only); their values reach it in its `**kwargs`."""
+
+    def wrap(command: Callable) -> Callable:
+        own = inspect.signature(command, eval_str=True)
+        kept = [p for p in own.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        command.__signature__ = own.replace(parameters=kept + list(parameters))
+        return command
+
+    return wrap
+
+
+# ------------------------------------------------------------------------------------------------
 # the contract
 
 
@@ -366,18 +449,10 @@ def user_text_file(path: Path, read: Callable):
 
 
 def template_kwargs(text: str | None) -> dict:
-    """--chat-template-kwargs as a JSON object ({} for none); bad input otherwise (not JSON, nested
-    past Python's recursion limit, a number of thousands of digits)."""
-    from shadow.engines.jsonlimits import collection_paused
-    from shadow.text.chat_template import parse_template_kwargs
+    """--chat-template-kwargs as a JSON object ({} for none); bad input otherwise."""
+    from shadow.server.settings import read_template_kwargs
 
-    try:
-        with collection_paused():
-            return parse_template_kwargs(text)
-    except ShadowInputError:
-        raise
-    except (ValueError, RecursionError) as e:
-        raise ShadowInputError(f"--chat-template-kwargs is not readable JSON ({type(e).__name__})") from None
+    return read_template_kwargs(text)
 
 
 def parse_dtype(name: str):

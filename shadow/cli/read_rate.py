@@ -21,6 +21,7 @@ from shadow.model import runtime
 
 @user_errors
 def read_rate(
+    *,
     model: ModelOpt = "tiny",
     also_model: Annotated[list[str] | None, typer.Option(callback=model_name, help="More presets or checkpoints whose per-chunk sweep is timed too (repeatable), e.g. qwen3.5-2b.")] = None,
     grid: Annotated[list[int] | None, typer.Option(callback=grid_size, help="Grid(s) to sweep (repeatable); the first one is used for the whole-session read, ask, decode and the reference. Default 512.")] = None,

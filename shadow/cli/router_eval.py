@@ -26,6 +26,7 @@ def _question_spec(ctx, param, value):
 
 @user_errors
 def router_eval(
+    *,
     journal: Annotated[Path, typer.Option(callback=input_file, help="The journal `shadow serve --journal` wrote (asks with a reference label).")],
     sessions: Annotated[Path, typer.Option(callback=input_folder, help="The folder of parked session files (`shadow serve --disk`).")],
     model: Annotated[list[str] | None, typer.Option("--model", "-m", callback=model_name, help="Model(s) to ask (presets or checkpoint folders); default tiny.")] = None,

@@ -21,6 +21,7 @@ from shadow.model import runtime
 
 @user_errors
 def verify_exact(
+    *,
     conversation: Annotated[list[Path] | None, typer.Option("--conversation", "-c", callback=input_file, help="A conversation file (mini-swe-agent .traj.json, SWE-agent .traj, or the project's .jsonl); repeatable. Default: the built-in seeded sample session.")] = None,
     model: ModelOpt = "tiny",
     grid: GridOpt = 512,

@@ -17,6 +17,7 @@ from shadow.cli.common import (
 
 @user_errors
 def voice_replay(
+    *,
     conversation: Annotated[list[Path] | None, typer.Option("--conversation", "-c", callback=input_file, help="A conversation file (mini-swe-agent .traj.json, SWE-agent .traj, or the project's .jsonl); repeatable. Default: the built-in seeded sample session.")] = None,
     model: ModelOpt = "tiny",
     grid: GridOpt = 512,

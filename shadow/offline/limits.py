@@ -31,15 +31,14 @@ from shadow.core.residency import StateSize
 from shadow.model.config import PRESETS
 
 IDS = ("embedded", "engine", "tokenizer", "end", "none")
-LIVE_CAP_GIB = 4.0  # `shadow serve --cap-gib`'s default
-LIVE_VOICE_SHARE = 0.03  # `shadow serve --voice-share`'s default
-LIVE_MODEL = "qwen3.5-0.8b"  # `shadow serve --model`'s default
+LIVE_IDS = "engine"  # the live service's usual case: beside an engine that streams its ids
+LIVE_MODEL = "qwen3.5-0.8b"  # the shadow whose sessions' sizes a replay charges by default
 LINE_QUIET_S = 1.5  # a streamed turn's first status line after its first token (`LineTiming.quiet_s`)
 LINE_EVERY_S = 10.0  # and one each this often while it writes (`LineTiming.progress_every_s`)
 
 
 @dataclass(frozen=True)
-class Limits:
+class ReplayLimits:
     """The live service's limits, as the replay runs them; the defaults leave them all out (the
     idealised replay: ids at once, no cap, no voice, no asks). `cap_gib` per shadow (None: no cap)
     with `state` the sessions' sizes; `disk`: spill (or drop, when cheaper) rather than drop;
@@ -88,11 +87,13 @@ class Limits:
         return self.ids in ("embedded", "engine", "tokenizer")
 
 
-def live(ids: str = "engine", cap_gib: float | None = LIVE_CAP_GIB, model: str = LIVE_MODEL, disk: bool = False,
-         voice_share: float = LIVE_VOICE_SHARE, **rest) -> Limits:
-    """The live service's defaults: a 4 GiB cap of the 0.8B's sessions (bf16) with no disk (past
-    the cap a session is dropped and read again), proxy mode beside an engine that shows its ids,
-    the voice at its 3 % share."""
+Limits = ReplayLimits  # the name the replay's older callers import
+
+
+def for_model(model: str = LIVE_MODEL, **limits) -> ReplayLimits:
+    """`ReplayLimits(**limits)` for the sessions of the preset `model`: their state sizes (bf16),
+    its forward's pieces (attention layers + 1) unless `limits` names them. The live service's
+    cap and voice share are `shadow serve`'s settings; the caller passes them."""
     config = PRESETS[model]
-    rest.setdefault("pieces", len(config.attention_layers) + 1)
-    return Limits(ids=ids, cap_gib=cap_gib, state=StateSize.of(config, 2), disk=disk, voice_share=voice_share, **rest)
+    limits.setdefault("pieces", len(config.attention_layers) + 1)
+    return ReplayLimits(state=StateSize.of(config, 2), **limits)

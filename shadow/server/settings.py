@@ -1,6 +1,6 @@
 """Everything `shadow serve` is configured by, as one frozen tree (`ServeSettings`), with the checks
-that need no file, model or network (`check`). The CLI maps its options onto it one for one;
-`build.build` turns it into a running service; the parts read the branch they need.
+that need no file, model or network (`check`); `build.build` turns it into a running service; the
+parts read the branch they need.
 
     ServeSettings
       model     ModelSettings     the shadow's checkpoint, the embedded generator's, grid, device
@@ -15,14 +15,22 @@ that need no file, model or network (`check`). The CLI maps its options onto it 
       access    Access            API and admin keys, probes without a key
       probes    ProbeSettings     liveness and readiness: how long they wait
       journal, standing_question, require_exact, shadow_on, log_format, host, port
+
+A field that is a command-line option carries its `Option` (help, flag, range, unit) in its
+metadata (`setting`); `BandwidthRule`'s, whose module lies below this one, are `SCHEDULE`.
+`options()` lists them all, each a `SettingOption` with its default in the option's unit, and
+`settings_from` builds the tree from the options' values: the CLI generates `shadow serve`'s
+options, and those `shadow replay-ledger` shares with it, from these alone.
 """
 
 from __future__ import annotations
 
 import hmac
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
+from typing import Any, get_type_hints
 
 from shadow.core.schedule import BandwidthRule, KnownCosts, Priorities
 from shadow.errors import ShadowInputError
@@ -35,6 +43,86 @@ SHADOW_PATHS = "/v1/shadow/"
 METRICS_PATH = "/metrics"
 PROBE_PATHS = ("/health", "/ready")
 LOG_FORMATS = ("text", "json")
+BATCHES = (1, 2, 4, 8)  # the batch sizes a reader has CUDA graphs for
+
+# the panels of `shadow serve --help`
+MODEL, STORE, READING, ENGINE, SESSIONS, LINES, VOICE, LIMITS, ACCESS, SERVICE, OPERATIONS = (
+    "The shadow's model", "Memory and disk", "When the shadow reads", "Proxy mode: the engine", "Sessions",
+    "Status lines", "The voice", "Limits", "Access", "Service", "Probes, metrics and logs")
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one settings field is given on the command line. `flag`: default `--name`, the name
+    the field's (or `name`); `env`: the environment variable when it is not the command's rule
+    (`SHADOW_SERVE_<FLAG>`); `check`: the kind of value the CLI checks it as while parsing (model,
+    grid, device, dtype, kernels, file, path, tokenizer); `ge`/`gt`/`le`/`lt`/`allowed`: its range,
+    in the option's unit, `says` the range in words for a refusal; `scale`: the option's unit per
+    the field's (1000: a field in seconds given in ms); `text`: (field value to option text,
+    option text to field value) for a field that is no plain value; `short`: a one-letter alias."""
+
+    help: str
+    panel: str
+    flag: str | None = None
+    name: str | None = None
+    env: str | None = None
+    check: str | None = None
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    allowed: tuple = ()
+    says: str | None = None
+    scale: float = 1.0
+    text: tuple[Callable[[Any], Any], Callable[[Any], Any]] | None = None
+    short: str | None = None
+
+    @property
+    def ranged(self) -> bool:
+        return any(b is not None for b in (self.ge, self.gt, self.le, self.lt)) or bool(self.allowed)
+
+
+OPTION = "option"  # the metadata key of a field's `Option`
+OPTIONS = "options"  # the metadata key of a branch's {field: Option}, for a branch defined below this module
+
+
+def setting(default: Any = MISSING, *, factory: Callable[[], Any] | None = None, repr: bool = True, **option) -> Any:
+    """A dataclass field whose value is an option (`Option(**option)` in its metadata)."""
+    if factory is not None:
+        return field(default_factory=factory, repr=repr, metadata={OPTION: Option(**option)})
+    return field(default=default, repr=repr, metadata={OPTION: Option(**option)})
+
+
+def _headers(text: str) -> tuple[str, ...]:
+    return tuple(h.strip() for h in text.split(",") if h.strip())
+
+
+def _priorities(text: str) -> Priorities:
+    try:
+        return Priorities.parse(text)
+    except ValueError as e:
+        raise ShadowInputError(f"--priorities: {e}") from None
+
+
+def read_template_kwargs(text: str | None) -> dict:
+    """--chat-template-kwargs as a JSON object ({} for none); ShadowInputError otherwise (not JSON,
+    nested past Python's recursion limit, a number of thousands of digits)."""
+    from shadow.engines.jsonlimits import collection_paused
+    from shadow.text.chat_template import parse_template_kwargs
+
+    try:
+        with collection_paused():
+            return parse_template_kwargs(text)
+    except ShadowInputError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise ShadowInputError(f"--chat-template-kwargs is not readable JSON ({type(e).__name__})") from None
+
+
+def _kwargs_text(kwargs: dict) -> str | None:
+    import json
+
+    return json.dumps(kwargs) if kwargs else None
 
 
 @dataclass(frozen=True)
@@ -42,12 +130,17 @@ class ModelSettings:
     """The shadow's model (a preset or a Qwen3.5 checkpoint folder) and how it runs; `generator`:
     the embedded generator's checkpoint (None: the shadow's own)."""
 
-    model: str = "tiny"
-    generator: str | None = None
-    grid: int = 512
-    device: str = "cpu"
-    dtype: str = "auto"
-    kernels: str = "auto"
+    model: str = setting("tiny", short="-m", check="model", panel=MODEL, help=(
+        "The shadow: a preset (tiny, qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b: random weights) or a Qwen3.5 checkpoint "
+        "folder."))
+    generator: str | None = setting(None, name="generator_model", check="model", panel=MODEL, help=(
+        "Embedded mode: the generator's checkpoint or preset (default: the shadow's own)."))
+    grid: int = setting(512, check="grid", panel=MODEL, help="Grid G: rows per chunk (a positive multiple of 64).")
+    device: str = setting("cpu", check="device", panel=MODEL, help=(
+        "torch device: cpu, cuda, cuda:1 ... (checked before anything loads)."))
+    dtype: str = setting("auto", check="dtype", panel=MODEL, help="Model dtype: auto, float32, bfloat16.")
+    kernels: str = setting("auto", check="kernels", panel=MODEL, help=(
+        "Kernels: auto, reference, fast (fla-triton), fla-fused, fla."))
 
 
 @dataclass(frozen=True)
@@ -56,11 +149,47 @@ class StoreSettings:
     folder, (proxy mode, with a disk) the free pool memory past which an idle shadow unloads, and
     the key of the session files' keyed digest (None: none)."""
 
-    cap_gib: float | None = 4.0
-    disk: Path | None = None
-    disk_cap_gib: float = 64.0
-    unload_slack_gib: float | None = None
-    key: str | None = field(default=None, repr=False)
+    cap_gib: float | None = setting(4.0, gt=0, panel=STORE, help="Resident cap for shadow sessions, GiB.")
+    disk: Path | None = setting(None, panel=STORE, help=(
+        "Folder where sessions past the cap (and all, at a planned stop) are written."))
+    disk_cap_gib: float = setting(64.0, gt=0, panel=STORE, help=(
+        "Bound on the store's own files in --disk, GiB (oldest removed first)."))
+    unload_slack_gib: float | None = setting(None, ge=0, panel=STORE, help=(
+        "Proxy mode, with --disk: after an idle burst that leaves more than this many GiB free in the shadow's CUDA "
+        "memory pool, park every session on disk and unload the model. Default: never."))
+    key: str | None = setting(None, repr=False, name="store_key", env="SHADOW_STORE_KEY", panel=STORE, help=(
+        "A secret for the session files in --disk: each carries a keyed digest (HMAC-SHA256) made with it, and a "
+        "file without that digest (planted by someone without the key) is refused."))
+
+
+# `BandwidthRule`'s fields that are options (`core.schedule` lies below this module)
+SCHEDULE = {
+    "share": Option(gt=0, lt=1, says="must be between 0 and 1 (a fraction: 0.02 is 2 %)", panel=READING, help=(
+        "In-turn share of the time since the first token the shadow may read (0.02 is 2 %).")),
+    "slice_s": Option(flag="--slice-ms", name="slice_ms", scale=1000, gt=0, panel=READING, help=(
+        "The longest a share slice may hold the device between two rounds, ms (whole chunks by their estimated "
+        "cost).")),
+    "batch": Option(allowed=BATCHES, says="is 1, 2, 4 or 8 (the batch sizes a reader has CUDA graphs for)",
+                    panel=READING, help=(
+        "Chunks one read may take together (2, 4 or 8: one forward, each session's state bit-equal to reading its "
+        "chunks alone; 1: one chunk a read), in the idle window and in the share: taken in the order sessions are "
+        "read, a session's next chunks first (read as one run), then the next session's.")),
+    "batch_s": Option(flag="--batch-ms", name="batch_ms", scale=1000, gt=0, panel=READING, help=(
+        "With --batch: the longest a batched read may hold the device at once, by estimate, ms: in the idle window "
+        "(a request that comes waits for one read), and between two rounds in the share (the lower of this and "
+        "--slice-ms).")),
+    "batch_read_s": Option(flag="--batch-read-ms", name="batch_read_ms", scale=1000, gt=0, panel=READING, help=(
+        "With --batch: the longest a batched read in the share may take in all, ms, read in pieces of at most "
+        "--batch-ms between two rounds (the forward's pieces between its attention layers). Default: --batch-ms "
+        "(one piece).")),
+    "batch_wait_s": Option(flag="--batch-wait-ms", name="batch_wait_ms", scale=1000, ge=0, panel=READING, help=(
+        "With --batch: while the share is busy (--batch-busy), a batch that could take more chunks than are ready "
+        "waits up to this long for them, ms (0: never wait).")),
+    "batch_busy": Option(gt=0, le=1, panel=READING, help=(
+        f"With --batch-wait-ms: the share is busy when its reads of the last {BandwidthRule.busy_window_s:g} s used at "
+        f"least this part of the share of those seconds and less than {BandwidthRule.batch_bank_s:g} s of its budget "
+        "is left.")),
+}
 
 
 @dataclass(frozen=True)
@@ -70,13 +199,28 @@ class EngineSettings:
     engine applies by default, the engine's own key, and whether a turn without a label header
     asks the engine the standing question for one."""
 
-    upstream: str | None = None
-    dialect: str = "auto"
-    chat_template: Path | None = None
-    tokenizer: Path | None = None
-    template_kwargs: dict = field(default_factory=dict)
-    upstream_key: str | None = None
-    label_from_upstream: bool = False
+    upstream: str | None = setting(None, panel=ENGINE, help=(
+        "Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1). Without it: embedded "
+        "mode."))
+    dialect: str = setting("auto", name="engine", panel=ENGINE, help=(
+        "The engine's dialect (where the ids it read and wrote come from): vllm, sglang, llamacpp, transformers, "
+        "openai; auto probes the engine."))
+    chat_template: Path | None = setting(None, check="path", panel=ENGINE, help=(
+        "The big model's chat template: a .jinja file, a tokenizer_config.json, or its checkpoint folder (default: "
+        "the --tokenizer folder's, else the shadow checkpoint's)."))
+    tokenizer: Path | None = setting(None, name="tokenizer_path", flag="--tokenizer", check="tokenizer", panel=ENGINE,
+                                     help=(
+        "The big model's tokenizer: a folder with tokenizer.json, or the file (default: the template's folder, else "
+        "the real Qwen3.5 vocabulary). Embedded mode: with --chat-template only."))
+    template_kwargs: dict = setting(factory=dict, name="chat_template_kwargs", text=(_kwargs_text, read_template_kwargs),
+                                    panel=ENGINE, help=(
+        "JSON object of template kwargs the engine applies by default (e.g. '{\"enable_thinking\": false}'); a "
+        "request's own win."))
+    upstream_key: str | None = setting(None, name="upstream_api_key", env="SHADOW_UPSTREAM_API_KEY", panel=ACCESS,
+                                       help="Proxy mode: the engine's key, sent in place of the client's Authorization.")
+    label_from_upstream: bool = setting(False, panel=ENGINE, help=(
+        "With --standing-question: after a turn with no label header, ask the engine the standing question (one "
+        "greedy token) and journal its answer as the reference label."))
     timeout_s: float = 600.0
 
 
@@ -85,8 +229,12 @@ class SessionSettings:
     """Request headers that name a session (first match wins), whether a request without one
     continues the resident session sharing its longest prefix, side branches kept a session."""
 
-    headers: tuple[str, ...] = SESSION_HEADERS
-    prefix_match: bool = False
+    headers: tuple[str, ...] = setting(SESSION_HEADERS, name="session_headers", text=(",".join, _headers),
+                                       panel=SESSIONS, help=(
+        "Request headers that name a session, first match wins (comma-separated)."))
+    prefix_match: bool = setting(False, panel=SESSIONS, help=(
+        "Without a session header, continue the resident session sharing the longest prefix with the prompt (off: "
+        "two header-less users sharing a system prompt would land in one session)."))
     max_branches: int = 8
 
 
@@ -108,8 +256,13 @@ class StatusSettings:
     """Where status lines go in streamed chat (`CHANNELS`), how many requests the engine prefills
     at once (llama.cpp's -np), and the lines' timing."""
 
-    channel: str = "auto"
-    engine_slots: int = 1
+    channel: str = setting("auto", name="status_channel", panel=LINES, help=(
+        "Where status lines (waiting, reading N tokens, thinking, writing a file) go in streamed chat: auto (Open "
+        "WebUI: status events, then reasoning; opencode: inline; other clients: none), reasoning, content, inline, "
+        "off."))
+    engine_slots: int = setting(1, ge=1, panel=LINES, help=(
+        "Requests the engine prefills at once (llama.cpp's -np; high for vLLM and SGLang): a request waits behind "
+        "that many."))
     timing: LineTiming = LineTiming()
 
 
@@ -118,9 +271,15 @@ class VoiceSettings:
     """The voice: on or off, a checkpoint of its own (None: it forks the shadow's state), its share
     of the time since a turn's first token."""
 
-    on: bool = True
-    model: str | None = None
-    share: float = 0.03
+    on: bool = setting(True, name="voice", panel=VOICE, help=(
+        "The voice: a short phrase from the shadow's state after a thinking, decided or writing line, said only if "
+        "it passes its checks (with random weights none does)."))
+    model: str | None = setting(None, name="voice_model", check="model", panel=VOICE, help=(
+        "A checkpoint (or preset) of its own for the voice, e.g. a real Qwen3.5-2B folder: it reads each session's "
+        "newest 2,048 ids afresh (default: the voice forks the shadow's own state)."))
+    share: float = setting(0.03, name="voice_share", ge=0, le=0.5, panel=VOICE, help=(
+        "The voice's share of the time since a turn's first token (a phrase at a time; in embedded mode written a "
+        "forward between each two rounds)."))
 
 
 @dataclass(frozen=True)
@@ -131,17 +290,26 @@ class Limits:
     mode, the requests generating or waiting to (429 beyond) and the generations that hold their
     state at once (taking turns on the device, a slice each)."""
 
-    max_body_bytes: int = 32 * 2**20
-    max_prompt_tokens: int = 262_144
-    max_question_tokens: int = 8192
+    max_body_bytes: int = setting(32 * 2**20, name="max_body_mb", scale=2**-20, gt=0, panel=LIMITS,
+                                  help="Largest request body, MiB (413 beyond).")
+    max_prompt_tokens: int = setting(262_144, ge=1, panel=LIMITS, help=(
+        "Longest prompt the embedded generator takes (400 beyond) or the shadow reads (proxy: longer prompts pass, "
+        "unread)."))
+    max_question_tokens: int = setting(8192, ge=1, panel=LIMITS, help="Longest ask question, tokens.")
     max_instruction_tokens: int = 4096
-    max_tokens: int = 4096
+    max_tokens: int = setting(4096, ge=1, panel=LIMITS, help="Most tokens the embedded generator writes for one request.")
     max_summary_tokens: int = 512
-    max_ask_tail: int = 16_384
-    max_concurrent: int = 64
+    max_ask_tail: int = setting(16_384, ge=1, panel=LIMITS, help=(
+        "Most unread ids an ask or summary may prefill in one fork; a session further behind answers 503 (ask "
+        "again with a longer timeout_s)."))
+    max_concurrent: int = setting(64, ge=1, panel=LIMITS, help=(
+        "Completion, ask and summary requests in flight (429 beyond)."))
     max_json_depth: int = 64
-    max_queued: int = 16
-    max_generating: int = 2
+    max_queued: int = setting(16, ge=1, panel=LIMITS, help=(
+        "Embedded mode: requests generating or waiting for the generator (429 beyond)."))
+    max_generating: int = setting(2, ge=1, panel=LIMITS, help=(
+        "Embedded mode: generations that hold their state at once, taking turns on the device (a short request is "
+        "served between a long prefill's chunks); the others wait in arrival order."))
 
 
 @dataclass(frozen=True)
@@ -151,9 +319,14 @@ class Access:
     admin key opens every endpoint (one key runs both arms of `shadow ab`). The probes (`/health`,
     `/ready`) want a key like every endpoint, unless `probes_without_key`."""
 
-    api_key: str | None = None
-    admin_key: str | None = None
-    probes_without_key: bool = False
+    api_key: str | None = setting(None, env="SHADOW_API_KEY", panel=ACCESS, help=(
+        "Require 'Authorization: Bearer KEY' on every endpoint (required to listen beyond loopback)."))
+    admin_key: str | None = setting(None, env="SHADOW_ADMIN_KEY", panel=ACCESS, help=(
+        "A separate key for the shadow's own endpoints (ask, summarize, status, switch) and /metrics; it opens the "
+        "others too."))
+    probes_without_key: bool = setting(False, name="health_without_key", panel=ACCESS, help=(
+        "GET /health and /ready answer without a key (default: with an --api-key set they want it too). /metrics "
+        "always wants the admin key, else the API key."))
 
     def allows(self, path: str, authorization: str | None) -> bool:
         """Whether `authorization` opens `path` (keys compared in constant time)."""
@@ -179,16 +352,24 @@ class ProbeSettings:
     must answer `GET {upstream}/models` within `engine_timeout_s`, with a status below 500."""
 
     wait_s: float = 1.0
-    stuck_s: float = 300.0
-    engine_timeout_s: float = 2.0
+    stuck_s: float = setting(300.0, name="health_stuck_s", ge=0, panel=OPERATIONS, help=(
+        "GET /health answers 503 once a no-op job has waited this long for the device thread (a model load or a "
+        "long generation holds it meanwhile)."))
+    engine_timeout_s: float = setting(2.0, name="ready_engine_timeout_s", ge=0, panel=OPERATIONS, help=(
+        "Proxy mode: GET /ready answers 503 when the engine's /models does not answer below 500 within this many "
+        "seconds."))
 
 
 @dataclass(frozen=True)
 class ServeSettings:
     model: ModelSettings = ModelSettings()
     store: StoreSettings = StoreSettings()
-    schedule: BandwidthRule = BandwidthRule()
-    priorities: Priorities = Priorities()  # the order sessions are read in (`--priorities`)
+    schedule: BandwidthRule = field(default=BandwidthRule(), metadata={OPTIONS: SCHEDULE})
+    priorities: Priorities = setting(Priorities(), text=(lambda p: p.label, _priorities), panel=READING, help=(
+        "The order sessions are read in: all (a question first, then turns in flight, the most recent turn, the "
+        "oldest backlog), none, or steps among question,running,fewest,recent,oldest joined by commas. Adding "
+        "fewest (the session nearest to fresh first) makes more turn starts fresh when the share cannot keep up, at "
+        "the cost of the sessions furthest behind (`shadow replay-ledger --priorities` replays both)."))
     read_costs: KnownCosts | None = None  # costs measured elsewhere the scheduler starts from (`--read-rate-json`)
     engine: EngineSettings = EngineSettings()
     sessions: SessionSettings = SessionSettings()
@@ -197,17 +378,119 @@ class ServeSettings:
     limits: Limits = Limits()
     access: Access = Access()
     probes: ProbeSettings = ProbeSettings()
-    journal: Path | None = None
-    standing_question: Path | None = None
-    require_exact: bool = False
-    shadow_on: bool = True  # off: the shadow feeds and reads nothing until switched on (`/v1/shadow/switch`)
-    log_format: str = "text"  # one of LOG_FORMATS: json is one object a line
-    host: str = "127.0.0.1"
-    port: int = 8000
+    journal: Path | None = setting(None, panel=SERVICE, help=(
+        "JSONL journal (mode 0600) of every turn's check against the engine and every question asked, with its "
+        "answer, lag and backlog."))
+    standing_question: Path | None = setting(None, check="file", panel=SERVICE, help=(
+        "A JSON file {name, text, choices, min_prompt_tokens (8192), label_header (x-shadow-label)}: asked of the "
+        "shadow at every turn with at least that many prompt tokens, at the prompt's last <|im_end|>, journaled "
+        "beside the turn's label header."))
+    require_exact: bool = setting(False, panel=SERVICE, help=(
+        "Asks and summaries about a session whose ids are not all verified against the engine answer 409 with the "
+        "reason."))
+    # off: the shadow feeds and reads nothing until switched on (`/v1/shadow/switch`)
+    shadow_on: bool = setting(True, name="shadow", panel=SERVICE, help=(
+        "Start with the shadow on; --no-shadow serves completions alone (e.g. an embedded engine for another "
+        "serve's proxy to read), until POST /v1/shadow/switch turns it on."))
+    log_format: str = setting("text", panel=OPERATIONS, help=(  # one of LOG_FORMATS: json is one object a line
+        "Log lines on stderr: text, or json (one object a line, with the session and turn where the line has them; "
+        "uvicorn's lines too)."))
+    host: str = setting("127.0.0.1", panel=SERVICE, help=(
+        "Address to listen on. Beyond loopback, an --api-key is required."))
+    port: int = setting(8000, ge=1, le=65535, panel=SERVICE, help="Port to listen on.")
 
     @property
     def proxy(self) -> bool:
         return self.engine.upstream is not None
+
+
+@dataclass(frozen=True)
+class SettingOption:
+    """One option of the settings tree: `path` to its field from `ServeSettings` (("store",
+    "cap_gib")), its `Option`, and the field's default and type."""
+
+    path: tuple[str, ...]
+    option: Option
+    field_default: Any
+    field_type: Any
+
+    @property
+    def name(self) -> str:
+        """The option's parameter name (and --config key)."""
+        return self.option.name or self.path[-1]
+
+    @property
+    def flag(self) -> str:
+        return self.option.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def type(self) -> Any:
+        """The option's value type: text for a field read from text, a number in the option's unit."""
+        if self.option.text is not None:
+            return str if self.default is not None else str | None
+        if self.option.scale != 1:
+            return float if self.field_default is not None else float | None
+        return self.field_type
+
+    @property
+    def default(self) -> Any:
+        """The field's default in the option's unit."""
+        return self.shown(self.field_default)
+
+    def shown(self, value: Any) -> Any:
+        """A field value as the option's value."""
+        if self.option.text is not None:
+            return self.option.text[0](value)
+        if value is None or self.option.scale == 1:
+            return value
+        return value * self.option.scale
+
+    def field_value(self, value: Any) -> Any:
+        """An option's value as the field's (ShadowInputError where its text cannot be read)."""
+        if self.option.text is not None:
+            return self.option.text[1](value)
+        if value is None or self.option.scale == 1:
+            return value
+        read = value / self.option.scale
+        return int(read) if self.field_type is int else read
+
+
+def options(tree: type = ServeSettings, under: tuple[str, ...] = ()) -> list[SettingOption]:
+    """Every option of the settings tree, in the order of its fields."""
+    out = []
+    hints = get_type_hints(tree)
+    for f in fields(tree):
+        default = f.default_factory() if f.default is MISSING else f.default
+        if OPTION in f.metadata:
+            out.append(SettingOption((*under, f.name), f.metadata[OPTION], default, hints[f.name]))
+        elif OPTIONS in f.metadata:
+            branch = get_type_hints(type(default))
+            out += [SettingOption((*under, f.name, name), option, getattr(default, name), branch[name])
+                    for name, option in f.metadata[OPTIONS].items()]
+        elif is_dataclass(default):
+            out += options(type(default), (*under, f.name))
+    return out
+
+
+def settings_from(values: Mapping[str, Any], base: ServeSettings = ServeSettings()) -> ServeSettings:
+    """`base` with each option named in `values` (by its parameter name) set to its value there;
+    ShadowInputError for a value whose text cannot be read (--priorities, --chat-template-kwargs)."""
+    changes: dict[tuple[str, ...], Any] = {}
+    for s in options(type(base)):
+        if s.name in values:
+            changes[s.path] = s.field_value(values[s.name])
+    return _replaced(base, changes)
+
+
+def _replaced(node: Any, changes: dict[tuple[str, ...], Any]) -> Any:
+    """`node` with each (relative path, value) of `changes` set, branch by branch."""
+    own = {path[0]: value for path, value in changes.items() if len(path) == 1}
+    deeper: dict[str, dict] = {}
+    for path, value in changes.items():
+        if len(path) > 1:
+            deeper.setdefault(path[0], {})[path[1:]] = value
+    own |= {name: _replaced(getattr(node, name), sub) for name, sub in deeper.items()}
+    return replace(node, **own) if own else node
 
 
 def check(s: ServeSettings) -> None:
