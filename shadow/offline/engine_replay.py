@@ -9,7 +9,7 @@ told, then the cap settled: spills), an ask (its session read to its end, one fo
 settle). Between jobs the scheduler is asked what to read, until the timeline's last event: in the idle window one chunk at a
 time (each followed by a settle, as live), inside a decode stretch one share slice a decode round
 apart; and, with a voice share, a turn's phrase at each of its status lines where its budget holds
-one and the device is free (`limits.Limits`). The big model's timeline
+one and the device is free (`limits.ReplayLimits`). The big model's timeline
 is the ledger's: the shadow's work never moves it.
 """
 
@@ -26,7 +26,7 @@ from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, batch_s
 from shadow.offline.costs import CostTable, ReadTime
 from shadow.offline.held import Held, HeldSessions
 from shadow.offline.ledger import Request
-from shadow.offline.limits import LINE_EVERY_S, LINE_QUIET_S, Limits
+from shadow.offline.limits import LINE_EVERY_S, LINE_QUIET_S, ReplayLimits
 from shadow.offline.timelines import readable, time_readable
 
 START, FIRST, END, FEED, LABEL, ASK, PROBE = range(7)
@@ -107,7 +107,7 @@ class EngineReplay:
 
     def __init__(self, engine: int, requests: list[tuple[int, Request]], order: Sequence[int],
                  before: Sequence[int | None], next_start: Sequence[float], sched: ReadScheduler, costs: CostTable,
-                 limits: Limits, use_share: bool, probes: Sequence[tuple[float, str]] = (),
+                 limits: ReplayLimits, use_share: bool, probes: Sequence[tuple[float, str]] = (),
                  asks: Sequence[tuple[float, str]] = ()):
         self.engine, self.sched, self.costs, self.limits, self.use_share = engine, sched, costs, limits, use_share
         self.grid = g = sched.grid

@@ -3,7 +3,7 @@ shadow, engine by engine.
 
 Each engine of a fleet gets its own `ReadScheduler` (its own idle time, share and shadow), driven
 as the live service drives one (`engine_replay.EngineReplay`), with the live service's limits
-where `limits` asks for them (`limits.Limits`: when ids reach the shadow, the resident cap and
+where `limits` asks for them (`limits.ReplayLimits`: when ids reach the shadow, the resident cap and
 store, the voice, labels, asks) and the device's costs from a cost table (`costs.CostTable`: a
 chunk by its depth, restores and spills by their bytes). The big model's timeline is the
 ledger's. Measured: at each turn start of a session with earlier turns, how many of the ids its
@@ -24,7 +24,7 @@ from shadow.core.schedule import BandwidthRule, ChunkCosts, Priorities, ReadSche
 from shadow.offline.costs import ChunkTable, CostTable
 from shadow.offline.engine_replay import EngineReplay, Probe, Tally, ToFresh, TurnStart
 from shadow.offline.ledger import Request, route_requests
-from shadow.offline.limits import Limits
+from shadow.offline.limits import ReplayLimits
 from shadow.offline.timelines import Density, density, known_before, pack, readable, time_readable
 
 __all__ = ["Arm", "Density", "Probe", "ToFresh", "TurnStart", "density", "known_before", "monotone_checks", "pack",
@@ -98,7 +98,7 @@ def replay(
     rule: BandwidthRule = BandwidthRule(), use_share: bool = True, name: str | None = None,
     progress: Callable[[int, int], None] | None = None, engines: int = 1, route: str = "affinity",
     engine_of: Sequence[int] | None = None, priorities: Priorities = Priorities(), *,
-    costs: CostTable | None = None, limits: Limits = Limits(), samples: int = 0, seed: int = 0,
+    costs: CostTable | None = None, limits: ReplayLimits = ReplayLimits(), samples: int = 0, seed: int = 0,
 ) -> Arm:
     """Replay `requests` on a fleet of `engines` engines, each with its own shadow and scheduler.
     The device's costs: `costs`, or one chunk cost of `read_ms_per_1k` at every depth. `engine_of`
@@ -165,7 +165,7 @@ def _sample_times(requests: Sequence[Request], samples: int, seed: int) -> list[
     return [(rng.uniform(t0, t1), None) for _ in range(samples)]
 
 
-def _ask_times(requests: Sequence[Request], limits: Limits, seed: int) -> list[tuple[float, str]]:
+def _ask_times(requests: Sequence[Request], limits: ReplayLimits, seed: int) -> list[tuple[float, str]]:
     """Asks at `limits.asks_per_hour` per session while it is active (Poisson arrivals)."""
     if limits.asks_per_hour <= 0:
         return []
