@@ -1,7 +1,10 @@
-"""Many sessions in bounded memory: a resident cap with least-recently-used spill to disk.
+"""Many sessions in bounded memory: a resident cap with least-recently-used moves to host memory
+and to disk.
 
 Past the cap (GiB of allocated state, checkpoints included) the least recently used sessions go
-to disk, one file each (`sessionfile`), and come back bit for bit when asked for. A session leaves
+to the host tier where one is set (`hosttier`: host copies of the same tensors, bounded by
+`host_cap_gib`), and past the host tier's cap its oldest copies go to disk, one file each
+(`sessionfile`); every tier gives a session back bit for bit when it is asked for. A session leaves
 memory only once its file is written and fsynced: a write that fails (disk full, I/O error) keeps
 it resident, over the cap if it must, counts it, and a later settle tries again. Without a disk
 folder sessions past the cap are dropped and read again from the start by whoever feeds them next.
@@ -35,6 +38,7 @@ from pathlib import Path
 from shadow.errors import ShadowInputError
 from shadow.model.runtime import arithmetic
 from shadow.core import blockio
+from shadow.core.hosttier import HostTier, from_host, host_bytes, to_host
 from shadow.core.reader import Reader, Session
 from shadow.core.residency import GIB, RestoreRate, Settle, leave_how
 from shadow.core.sessionfile import (
@@ -68,6 +72,7 @@ class SessionRow:
     last_use: float
     write_error: str | None = None  # why its last write failed (it stays resident until one succeeds)
     left_memory: str | None = None  # on disk: why this store spilled it rather than drop it
+    tier: str = "device"  # where it is: "device" (resident), "host" or "disk"
 
 
 @dataclass
@@ -84,6 +89,13 @@ class StoreCounters:
     removed: int = 0  # files removed by retention
     write_failures: int = 0  # writes that failed; each session stayed resident
     last_error: str | None = None  # the last failed write or removal, with its reason
+    to_host: int = 0  # sessions moved from the device to the host tier
+    from_host: int = 0  # sessions moved back from the host tier
+    host_to_disk: int = 0  # host copies written to disk to make room in the host tier
+    bytes_to_host: int = 0
+    bytes_from_host: int = 0
+    to_host_seconds: float = 0.0
+    from_host_seconds: float = 0.0
 
     @property
     def restore_gib_per_s(self) -> float | None:
@@ -125,16 +137,20 @@ class SessionStore:
         disk_cap_gib: float | None = 64.0, max_age_s: float = 48 * 3600, model: str = "",
         clock: Callable[[], float] = time.time, retry_s: float = RETRY_S, key: str | bytes | None = None,
         reread_s: Callable[[int], float | None] | None = None, direct: bool = True,
+        host_cap_gib: float | None = None,
     ):
         """`disk_cap_gib` bounds the store's own files in `disk` (None: no bound); a session whose
         spill failed is tried again at the first settle `retry_s` or more later. With `key`, files
         carry a keyed digest made with it and only files with that digest are read. `reread_s`
         (settable later): the estimated seconds of reading a session of N committed tokens again
         (None: no estimate); with it and a measured restore rate, a session whose restore would be
-        slower is dropped, not spilled. `direct`: O_DIRECT file I/O where the file system takes it."""
+        slower is dropped, not spilled. `direct`: O_DIRECT file I/O where the file system takes it.
+        `host_cap_gib`: the host tier's bound (None or 0: no host tier, sessions past the cap
+        go to disk or are dropped)."""
         self.reader = reader
         self.identity = Identity(weights_hash, reader.grid, arithmetic(reader.model))
         self.cap = None if cap_gib is None else int(cap_gib * GIB)  # None: no cap
+        self.host = HostTier(int(host_cap_gib * GIB)) if host_cap_gib else None
         self.disk = Path(disk) if disk else None
         self.disk_cap = None if disk_cap_gib is None else int(disk_cap_gib * GIB)
         self.max_age_s = max_age_s
@@ -178,8 +194,8 @@ class SessionStore:
         `ahead`: its file as `restore_ahead` read it, taken if the file is still the one read."""
         session = self._resident.get(name)
         if session is None:
-            session = (self._adopt(name, ahead) if ahead is not None else None) or self._restore(name) \
-                or self.reader.new_session(name)
+            session = self._from_host(name) or (self._adopt(name, ahead) if ahead is not None else None) \
+                or self._restore(name) or self.reader.new_session(name)
             self._resident[name] = session
         self._resident.move_to_end(name)
         self._last_use[name] = self.clock()
@@ -192,7 +208,7 @@ class SessionStore:
     def holds(self, name: str) -> bool:
         """Whether the store keeps `name`: resident, or a file of it on disk (a session dropped
         without a disk is gone; `get` would start it over, empty)."""
-        if name in self._resident:
+        if name in self._resident or (self.host is not None and name in self.host):
             return True
         if not self.disk:
             return False
@@ -204,7 +220,8 @@ class SessionStore:
     def names(self) -> list[str]:
         """Every session: resident, or on disk in a valid header."""
         on_disk = {h.name for _, h, _ in self._headers()}
-        return sorted(set(self._resident) | on_disk)
+        in_host = set(self.host.names()) if self.host is not None else set()
+        return sorted(set(self._resident) | in_host | on_disk)
 
     def settle(self, keep: str | None = None) -> None:
         """Spill (or drop) least recently used sessions until resident bytes fit the cap; `keep`
@@ -225,19 +242,24 @@ class SessionStore:
                 break
 
     def close(self) -> list[tuple[str, str]]:
-        """A planned stop: write every resident session it can (without a disk, nothing to do).
-        Returns (session, reason) for each one it could not write; those stay resident."""
+        """A planned stop: write every session it holds in memory, resident or in the host tier
+        (without a disk, nothing to do). Returns (session, reason) for each one it could not write;
+        those stay where they were."""
         if not self.disk:
             return []
         self.reader.settle()
         failed = []
-        for name, session in list(self._resident.items()):
+        held = [*self._resident.items(), *((c.name, c) for c in (self.host.copies() if self.host else []))]
+        for name, session in held:
             if self._write(session) is not None:
                 failed.append((name, self._unwritten[name]))
         return failed
 
     def resident_bytes(self) -> int:
         return sum(session_bytes(s) for s in self._resident.values())
+
+    def host_bytes(self) -> int:
+        return self.host.used() if self.host is not None else 0
 
     # disk -------------------------------------------------------------------------------
 
@@ -259,8 +281,12 @@ class SessionStore:
         return leave_how(self.restore_rate.seconds(file_bytes(session)), reread, session.committed)
 
     def _evict(self, name: str) -> int | None:
-        """Spill or drop `name`; None when it left memory, else the failed write's errno (0 if none)."""
+        """Move `name` to the host tier, or spill or drop it; None when it left device memory,
+        else the failed write's errno (0 if none)."""
         session = self._resident[name]
+        if self._to_host(session):
+            del self._resident[name]
+            return None
         if not self.disk:
             self.counters.drops += 1
         else:
@@ -282,6 +308,61 @@ class SessionStore:
         if self.disk:
             self.sweep(protect=self.path_of(name))
         return None
+
+    # the host tier ---------------------------------------------------------------------
+
+    def _to_host(self, session: Session) -> bool:
+        """Move `session` into the host tier, its oldest copies first written to disk (or dropped,
+        without a disk) to make room; False (and nothing moved) where there is no host tier, the
+        session alone is past its cap, or room could not be made (a write failed)."""
+        host = self.host
+        if host is None:
+            return False
+        need = host_bytes(session)
+        if not host.fits(need):
+            return False
+        while host.room() < need:
+            if not self._host_out(host.oldest()):
+                return False
+        start = time.perf_counter()
+        copy = to_host(session)
+        c = self.counters
+        c.to_host_seconds += time.perf_counter() - start
+        c.to_host += 1
+        c.bytes_to_host += need
+        host.put(copy)
+        return True
+
+    def _host_out(self, copy: Session) -> bool:
+        """The host copy leaves the tier for disk (spilled, its file written from host memory) or,
+        without a disk, is dropped; False where its write failed (it stays in the tier)."""
+        if self.disk:
+            if self._write(copy) is not None:
+                return False
+            self.counters.spills += 1
+            self.counters.host_to_disk += 1
+            self._spilled_why[copy.name] = "spilled: the host tier was full"
+        else:
+            self.counters.drops += 1
+            self._last_use.pop(copy.name, None)
+        self.host.take(copy.name)
+        if self.disk:
+            self.sweep(protect=self.path_of(copy.name))
+        return True
+
+    def _from_host(self, name: str) -> Session | None:
+        """`name` moved back from the host tier onto the device (None where the tier has no copy)."""
+        if self.host is None or name not in self.host:
+            return None
+        need = self.host.nbytes(name)
+        copy = self.host.take(name)
+        start = time.perf_counter()
+        session = from_host(copy, self.reader.model.new_state())
+        c = self.counters
+        c.from_host_seconds += time.perf_counter() - start
+        c.from_host += 1
+        c.bytes_from_host += need
+        return session
 
     def _dropped(self, name: str, why: str) -> None:
         """`name`'s state was dropped rather than spilled (its ids are on disk, at committed 0: the
@@ -322,7 +403,7 @@ class SessionStore:
         """The file of `name`, read (and checked) without changing the store, so that the caller
         can read it without its lock and hand it to `get` under the lock; None where there is no
         file to take (not spilled, none, refused, or bad: `get` reports a bad one)."""
-        if not self.disk or name in self._resident:
+        if not self.disk or name in self._resident or (self.host is not None and name in self.host):
             return None
         path = self.path_of(name)
         try:
@@ -511,21 +592,28 @@ class SessionStore:
             "drops_cheaper_to_reread": self.counters.drops_cheaper_to_reread,
             "restore_estimate_gib_per_s": self.restore_rate.gib_per_s, "reread_estimate": self.reread_s is not None,
             "recent_drops": dict(self.recent_drops),
+            "host_bytes": self.host_bytes(), "host_cap_bytes": self.host.cap if self.host is not None else None,
+            "host_sessions": len(self.host) if self.host is not None else 0,
         }
 
     def status(self) -> list[SessionRow]:
-        """Every session: resident ones from memory, spilled ones from their (valid) file headers."""
+        """Every session: resident ones and the host tier's from memory, spilled ones from their
+        (valid) file headers."""
         rows = [
             SessionRow(s.name, s.committed, s.pending, session_bytes(s), len(s.checkpoints), True,
                        self._last_use.get(s.name, 0.0), self._unwritten.get(s.name))
             for s in self._resident.values()
         ]
-        seen = set(self._resident)
+        for c in self.host.copies() if self.host is not None else []:
+            rows.append(SessionRow(c.name, c.committed, c.pending, self.host.nbytes(c.name), len(c.checkpoints), False,
+                                   self._last_use.get(c.name, 0.0), self._unwritten.get(c.name), tier="host"))
+        seen = {r.name for r in rows}
         for _, h, st in self._headers():
             if h.name not in seen:
                 seen.add(h.name)
                 rows.append(SessionRow(h.name, h.committed, h.tokens - h.committed, st.st_size,
-                                       len(h.checkpoints), False, h.last_use, None, self._spilled_why.get(h.name)))
+                                       len(h.checkpoints), False, h.last_use, None, self._spilled_why.get(h.name),
+                                       tier="disk"))
         return sorted(rows, key=lambda r: r.name)
 
 

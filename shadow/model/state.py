@@ -180,12 +180,7 @@ class ModelState:
 
     def snapshot_tensors(self, snaps: list[DeltaSnapshot]) -> dict[str, torch.Tensor]:
         """Every tensor of `snaps` (checkpoints of this state, oldest first) by a stable name."""
-        out = {}
-        for j, snap in enumerate(snaps):
-            for i, (conv, rec) in enumerate(zip(snap.conv, snap.recurrent)):
-                out[f"checkpoints.{j}.{i}.conv"] = conv
-                out[f"checkpoints.{j}.{i}.recurrent"] = rec
-        return out
+        return snapshot_tensors(snaps)
 
     def expected_snapshots(self, count: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """The dtype and shape of every tensor `snapshot_tensors` gives for `count` snapshots."""
@@ -208,6 +203,16 @@ class ModelState:
             )
             for j, p in enumerate(positions)
         ]
+
+
+def snapshot_tensors(snaps: list[DeltaSnapshot]) -> dict[str, torch.Tensor]:
+    """Every tensor of `snaps` (a session's checkpoints, oldest first) by a stable name."""
+    out = {}
+    for j, snap in enumerate(snaps):
+        for i, (conv, rec) in enumerate(zip(snap.conv, snap.recurrent)):
+            out[f"checkpoints.{j}.{i}.conv"] = conv
+            out[f"checkpoints.{j}.{i}.recurrent"] = rec
+    return out
 
 
 def tensor_kind(name: str) -> str:
