@@ -9,8 +9,11 @@ file (fsynced) is dropped from it with posix_fadvise(POSIX_FADV_DONTNEED) before
 the share of its pages still cached is measured (mincore) and reported; format-3 reads also use
 O_DIRECT where the folder's file system takes it (`direct_io`), which bypasses the cache anyway.
 
-Arms, interleaved run by run: `format3` (this build: blocks verified as they are read, O_DIRECT,
-pinned copies), `format3-buffered` (the same through the page cache). Then the same session's
+Arms, interleaved run by run: `host` (the store's host tier: the session moved to host copies of
+its tensors, pinned on a GPU, and back; beside it, in the same run, `pinned_copy`: a plain copy of
+the same tensors to pinned buffers allocated beforehand and back, the copy engine's speed on these
+bytes, with no store around it), `format3` (this build's files: blocks verified as they are read,
+O_DIRECT, pinned copies), `format3-buffered` (the same through the page cache). Then the same session's
 ids read again from the start on the same device (`--reread-runs`, median; one chunk first to
 warm graphs and caches), unless `--no-reread`; `--reread-tokens N` reads only the first N (the
 0.8B shape on a CPU cannot read 58k tokens in minutes). `where_the_time_goes`: a format-3
@@ -40,7 +43,7 @@ from shadow.core.reader import open_reader
 from shadow.core.sessionfile import BLOCK_BYTES
 from shadow.core.store import SessionStore, session_bytes
 
-ARMS = ("format3", "format3-buffered")
+ARMS = ("host", "format3", "format3-buffered")
 
 
 def main() -> None:
@@ -82,10 +85,11 @@ def main() -> None:
             if still is not None:
                 cached.append(still)
 
+    plain = pinned_copy(session, args.runs, cuda)
     where = phases(session, reader, loaded.weights_hash, folder, cuda)
     reread = None if args.no_reread else reread_times(reader, session.ids, args.reread_tokens or len(session.ids),
                                                       args.reread_runs, cuda)
-    headline = arms[0]
+    headline = next((a for a in arms if a != "host"), arms[0])
     file_bytes = sizes[headline]
     restore_s = statistics.median(times[headline]["restore"])
     out = {
@@ -105,6 +109,15 @@ def main() -> None:
         "arms": {arm: arm_summary(times[arm], sizes[arm]) for arm in arms},
         "where_the_time_goes": where,
     }
+    if "host" in times:
+        host_bytes = sizes["host"]
+        host_out, host_in = statistics.median(times["host"]["spill"]), statistics.median(times["host"]["restore"])
+        out["host_tier"] = {"bytes": host_bytes, "out_s": round(host_out, 5), "in_s": round(host_in, 5),
+                            "out_gib_per_s": round(host_bytes / 2**30 / host_out, 2),
+                            "in_gib_per_s": round(host_bytes / 2**30 / host_in, 2), "pinned_copy": plain}
+        if plain is not None:
+            out["host_tier"]["in_share_of_pinned_copy"] = round(plain["in_s"] / host_in, 3)
+            out["host_tier"]["out_share_of_pinned_copy"] = round(plain["out_s"] / host_out, 3)
     if reread is not None:
         tokens_read, runs = reread
         out |= {"reread_tokens": tokens_read, "reread_s": round(statistics.median(runs), 4),
@@ -140,8 +153,25 @@ def random_session(reader, tokens: int, checkpoints: int):
 
 
 def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bool):
-    """Spill `session` and restore it by `arm`'s way: (spill s, restore s, file bytes, share of the
-    file's pages cached before the restore, the restored session)."""
+    """Spill `session` and restore it by `arm`'s way: (spill s, restore s, bytes moved, share of the
+    file's pages cached before the restore (None: no file), the restored session)."""
+    if arm == "host":
+        store = SessionStore(reader, weights_hash, cap_gib=0, host_cap_gib=1024)
+        store._resident[session.name] = session  # the experiment's session, as if it had been read
+        sync(cuda)
+        start = time.perf_counter()
+        store.settle()
+        out_s = time.perf_counter() - start
+        if store.counters.to_host != 1:
+            raise SystemExit("host: the session did not move to the host tier")
+        del session
+        start = time.perf_counter()
+        back = store.get("restore-speed")
+        sync(cuda)
+        in_s = time.perf_counter() - start
+        if store.counters.from_host != 1:
+            raise SystemExit("host: the session did not come back from the host tier")
+        return out_s, in_s, store.counters.bytes_to_host, None, back
     store = SessionStore(reader, weights_hash, cap_gib=0, disk=folder, direct=arm == "format3")
     store._resident[session.name] = session  # the experiment's session, as if it had been read
     sync(cuda)
@@ -160,6 +190,36 @@ def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bo
     if store.counters.restores != 1:
         raise SystemExit(f"{arm}: the session was not restored ({store.counters.rejected})")
     return spill_s, restore_s, store.counters.bytes_written, still, back
+
+
+def pinned_copy(session, runs: int, cuda: bool) -> dict | None:
+    """The copy engine's own speed on the session's bytes: every tensor the host tier moves (the
+    state's valid rows, the checkpoints) copied into pinned buffers allocated beforehand, then back
+    into device buffers allocated beforehand; median seconds each way over `runs`. None off a GPU."""
+    if not cuda:
+        return None
+    tensors = [*session.state.tensors().values(), *(t for c in session.checkpoints for t in (c.conv, c.recurrent))]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    device = [torch.empty_like(t) for t in tensors]
+    nbytes = sum(t.nbytes for t in tensors)
+    outs, ins = [], []
+    for _ in range(runs):
+        sync(cuda)
+        start = time.perf_counter()
+        for h, t in zip(host, tensors):
+            h.copy_(t, non_blocking=True)
+        sync(cuda)
+        outs.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        for d, h in zip(device, host):
+            d.copy_(h, non_blocking=True)
+        sync(cuda)
+        ins.append(time.perf_counter() - start)
+    if not all(torch.equal(d, t) for d, t in zip(device, tensors)):
+        raise SystemExit("pinned copy: the bytes back are not the bytes out")
+    out_s, in_s = statistics.median(outs), statistics.median(ins)
+    return {"bytes": nbytes, "tensors": len(tensors), "out_s": round(out_s, 5), "in_s": round(in_s, 5),
+            "out_gib_per_s": round(nbytes / 2**30 / out_s, 2), "in_gib_per_s": round(nbytes / 2**30 / in_s, 2)}
 
 
 def phases(session, reader, weights_hash: str, folder: Path, cuda: bool) -> dict:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from shadow.core.reader import Session
-from shadow.model.state import DeltaSnapshot, ModelState, snapshot_tensors
+from shadow.model.state import AttentionState, DeltaSnapshot, ModelState, snapshot_tensors
 
 
 @dataclass
@@ -67,9 +67,18 @@ def to_host(session: Session) -> Session:
 
 
 def from_host(copy: Session, state: ModelState) -> Session:
-    """The session `copy` holds, loaded into `state` (a fresh state of the model, on its device)."""
-    host = copy.state
-    state.load(host.tensors(), host.length)
+    """The session `copy` holds, loaded into `state` (a fresh state of the model, on its device):
+    each host tensor copied once, straight into the state's own buffers."""
+    host, length = copy.state.tensors(), copy.state.length
+    for i, layer in enumerate(state.layers):
+        if isinstance(layer, AttentionState):
+            layer.reserve(length)
+            layer.k[:, :length].copy_(host[f"layers.{i}.k"], non_blocking=True)
+            layer.v[:, :length].copy_(host[f"layers.{i}.v"], non_blocking=True)
+        else:
+            layer.conv.copy_(host[f"layers.{i}.conv"], non_blocking=True)
+            layer.recurrent.copy_(host[f"layers.{i}.recurrent"], non_blocking=True)
+    state.length = length
     device = state.device
     checkpoints = [DeltaSnapshot(c.position, c.conv.to(device, non_blocking=True),
                                  c.recurrent.to(device, non_blocking=True)) for c in copy.checkpoints]
