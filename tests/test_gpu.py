@@ -231,6 +231,33 @@ def test_graphed_reader_is_exact_after_turns_rollback_and_forks(tiny_cuda):
     assert compared == 8 and mismatched == []
 
 
+def test_the_host_tier_moves_a_cuda_session_to_pinned_memory_and_back_bit_for_bit(tiny_cuda):
+    """A session on the GPU moves to the host tier (pinned copies) and back; every tensor, id and
+    checkpoint equal, and reading on from it equals a fresh prefill."""
+    from shadow.core.store import SessionStore
+
+    reader = Reader(tiny_cuda.model, 512)
+    store = SessionStore(reader, "h", cap_gib=0, host_cap_gib=1.0)
+    ids = torch.randint(0, 248044, (3000,), generator=torch.Generator().manual_seed(5)).tolist()
+    s = store.get("a")
+    reader.feed_prompt(s, ids[:2600])
+    reader.advance(s)
+    before = {k: v.clone() for k, v in s.state.tensors().items()}
+    marks = [(c.position, c.conv.clone(), c.recurrent.clone()) for c in s.checkpoints]
+    store.get("b")
+    store.settle(keep="b")
+    copy = store.host.peek("a")
+    assert copy is not None and all(t.is_pinned() for t in copy.state.tensors().values())
+    back = store.get("a")
+    assert all(torch.equal(before[k], v) for k, v in back.state.tensors().items())
+    assert [(c.position, torch.equal(c.conv, x), torch.equal(c.recurrent, y))
+            for c, (_, x, y) in zip(back.checkpoints, marks)] == [(p, True, True) for p, _, _ in marks]
+    reader.feed_output(back, ids[2600:])
+    reader.advance(back)
+    compared, mismatched, _ = compare_states(back.state, reader.prefill(back.ids[: back.committed]))
+    assert compared > 0 and mismatched == []
+
+
 def test_pinned_autotuning_gives_the_same_bits_as_tuning(tiny_cuda):
     """Every fla autotuner's choices recorded, forgotten, and put back from the recording: the
     forward gives the same bits (the pins are what a cleared cache would otherwise re-tune)."""
