@@ -234,3 +234,39 @@ def test_common_prefix(a, b, n):
     from shadow.core.reader import common_prefix
 
     assert common_prefix(a, b) == n == common_prefix(b, a)
+
+
+def test_the_replays_modelled_sessions_follow_the_readers_rules(reader):
+    """The replay's sessions (`offline.held`, counts without tensors) and the reader's go by the
+    same grid rules (`core.driving`): after the same prompts (some rolling back), output and
+    reads, the same read position, marks and checkpoint positions, and the same rollbacks."""
+    import random
+
+    from shadow.offline.costs import ChunkTable, CostTable
+    from shadow.offline.held import HeldSessions
+
+    rng = random.Random(3)
+    held = HeldSessions(GRID, CostTable(ChunkTable.flat(1.0, GRID)), lambda committed: None,
+                        max_checkpoints=reader.max_checkpoints)
+    s, (h, _) = reader.new_session("s"), held.get("s")
+    rollbacks, to_checkpoint = 0, 0
+    for turn in range(24):
+        keep = rng.randrange(len(s.ids) + 1) if rng.random() < 0.3 else len(s.ids)
+        fresh = ids(rng.randrange(1, 300), seed=100 + turn)
+        if keep < len(s.ids):
+            fresh[0] = (s.ids[keep] + 1) % 248044  # differs right at `keep`
+        prompt = s.ids[:keep] + fresh
+        feed = reader.feed_prompt(s, prompt)
+        modelled = held.feed_prompt(h, len(prompt), keep)
+        assert modelled == feed
+        rollbacks += feed.rolled_back_to is not None
+        to_checkpoint += bool(feed.rolled_back_to)
+        output = rng.randrange(0, 80)
+        reader.feed_output(s, ids(output, seed=200 + turn))
+        h.ids += output
+        for _ in range(min(rng.randrange(0, 12), (len(s.ids) - s.committed) // GRID)):
+            reader.advance(s, max_chunks=1)
+            held.advance(h)
+        assert (h.committed, h.ids, h.marks, h.checkpoints) == (s.committed, len(s.ids), s.marks, s.checkpoint_positions)
+    assert rollbacks >= 3 and to_checkpoint >= 1, (rollbacks, to_checkpoint)  # to the start and to a checkpoint
+    assert_exact(reader, s)

@@ -20,9 +20,10 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, batch_sizes, graphed_batch
+from shadow.core.driving import batch_now, entry_depths, in_pieces, pieces_now, tell
+from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, batch_sizes
 from shadow.offline.costs import CostTable, ReadTime
 from shadow.offline.held import Held, HeldSessions
 from shadow.offline.ledger import Request
@@ -74,10 +75,11 @@ class ToFresh:
 @dataclass
 class Flight:
     """A batched read of the share under way, read in pieces between rounds: its read, entries
-    (session, depth), cost in all, and the pieces run so far."""
+    (a session an entry, a run's consecutive: `driving.batch_now`), cost in all, and the pieces
+    run so far."""
 
     read: Read
-    batch: list
+    batch: list[Held]
     cost: float
     ran: int = 0
 
@@ -103,11 +105,12 @@ class EngineReplay:
     """One engine of the fleet. `requests`: (index, request) of this engine; `order[i]`: request i's
     rank by start (the live service's turn ids); `before[i]`, `next_start[i]`: the session's ids known
     at i's start from its previous request (None: its first), the start of its next request (inf).
-    `probes`: (time, session) to look at; `asks`: (time, session) of asks."""
+    `probes`: (time, session) to look at; `asks`: (time, session) of asks. The grid's rules, the
+    entries of a batch and its pieces are `core.driving`'s, as live."""
 
     def __init__(self, engine: int, requests: list[tuple[int, Request]], order: Sequence[int],
-                 before: Sequence[int | None], next_start: Sequence[float], sched: ReadScheduler, costs: CostTable,
-                 limits: ReplayLimits, use_share: bool, probes: Sequence[tuple[float, str]] = (),
+                 before: Sequence[int | None], next_start: Sequence[float], sched: ReadScheduler, *,
+                 costs: CostTable, limits: ReplayLimits, use_share: bool, probes: Sequence[tuple[float, str]] = (),
                  asks: Sequence[tuple[float, str]] = ()):
         self.engine, self.sched, self.costs, self.limits, self.use_share = engine, sched, costs, limits, use_share
         self.grid = g = sched.grid
@@ -117,8 +120,8 @@ class EngineReplay:
             sched.costs.warm(depth, costs.chunk(depth))
             for size in batch_sizes(sched.rule.batch):
                 sched.warm_batch(size, depth, costs.batch_s([depth] * size))
-        self.store = HeldSessions(g, limits.state, limits.cap_bytes, limits.disk, costs,
-                                  self._reread_estimate)
+        self.store = HeldSessions(g, costs, self._reread_estimate, size=limits.state, cap=limits.cap_bytes,
+                                  disk=limits.disk)
         self.req = dict(requests)
         self.heap: list[tuple] = []
         for i, r in requests:
@@ -181,12 +184,7 @@ class EngineReplay:
         return 0 if i is None else max(0, readable(self.req[i], t) - self._position(s))
 
     def _tell(self, s: str, t: float) -> None:
-        h = self.store.peek(s)
-        if h is not None:
-            self.sched.update(s, h.committed, h.ids, t, mark=h.marks[0] if h.marks else None)
-        elif s in self.sched.sessions and self.sched.sessions[s].resident:
-            told = self.sched.sessions[s]
-            self.sched.update(s, told.committed, told.known, t, resident=False)
+        tell(self.sched, s, self.store.peek(s), t)
         self._check_fresh(s, t)
 
     def _check_fresh(self, s: str, t: float) -> None:
@@ -287,10 +285,10 @@ class EngineReplay:
             return t  # a newer turn of the session fed its prompt first: this one came too late
         self.latest[s] = self.order[i]
         h, t = self._get(s, t, locked=False)
-        before = h.committed
-        if self.store.feed_prompt(h, r.prompt_tokens, r.prompt_tokens - r.new_prompt_tokens):
+        feed = self.store.feed_prompt(h, r.prompt_tokens, r.prompt_tokens - r.new_prompt_tokens)
+        if feed.rolled_back_to is not None:
             self.tally.rollbacks += 1
-            self.tally.ids_reread += before - h.committed
+            self.tally.ids_reread += feed.reread
         self.fed_prompt.add(i)
         self.out_fed[i] = 0
         self.fed[s] = r.prompt_tokens
@@ -352,69 +350,30 @@ class EngineReplay:
             done += 1
         return done, t
 
-    def _entries(self, read: Read) -> list[tuple[Held, int]]:
-        """A batch's entries still readable, as `Reading._entries` takes them: each a resident
-        session's next whole chunk after the entries of it before (a run, up to its next
-        checkpoint line); none if the first cannot be read; cut to a graphed size."""
-        batch: list[tuple[Held, int]] = []
-        taken: dict[str, int] = {}
-        for name, depth in ((read.session, read.depth), *read.others):
-            h = self.store.peek(name)
-            k = taken.get(name, 0)
-            line = None if h is None or not h.marks else h.marks[0]
-            if h is None or h.committed + k * self.grid != depth or depth + self.grid > h.ids \
-                    or (line is not None and depth + self.grid > line) or (k and batch[-1][0] is not h):
-                if not batch:
-                    return []
-                continue
-            taken[name] = k + 1
-            batch.append((h, depth))
-        return batch[: graphed_batch(len(batch))]
-
-    def _batch(self, read: Read, t: float) -> tuple[Read, int, float]:
-        """A batched read of its entries still readable (`_entries`) in one forward charged
-        `costs.batch_s` (as `Reading.read`: the entries left out are dropped from the read told to
-        the scheduler)."""
-        batch = self._entries(read)
-        if not batch:
-            return replace(read, others=()), 0, t
-        t = self._busy(t, self._batch_cost(batch))
-        for h, _ in batch:
-            self.store.advance(h)
-        if len(batch) - 1 != len(read.others):
-            read = replace(read, others=tuple((h.name, d) for h, d in batch[1:]))
-        return read, len(batch), t
-
-    def _batch_cost(self, batch: list[tuple[Held, int]]) -> float:
+    def _batch_cost(self, batch: list[Held]) -> float:
         """A batched read's seconds: each entry at its depth, a run's as a run's (`BatchTable`)."""
         counts: dict[str, int] = {}
-        for h, _ in batch:
+        for h in batch:
             counts[h.name] = counts.get(h.name, 0) + 1
-        return self.costs.batch_s([d for _, d in batch], [counts[h.name] > 1 for h, _ in batch])
+        depths = [d for _, d in entry_depths(batch, self.grid)]
+        return self.costs.batch_s(depths, [counts[h.name] > 1 for h in batch])
 
     # a batched read of the share in pieces (`BandwidthRule.batch_read_s`) ----------------------
 
-    def _begin_flight(self, read: Read, t: float) -> float:
+    def _begin_flight(self, read: Read, batch: list[Held], t: float) -> float:
         """A share batch estimated past `batch_s`: read in pieces between rounds (as `Reading.share`),
         its first ones now. Returns the device's time after them."""
-        batch = self._entries(read)
-        if not batch:
-            self.sched.read_done(replace(read, others=()), 0, 0.0, t)
-            return t
-        if len(batch) - 1 != len(read.others):
-            read = replace(read, others=tuple((h.name, d) for h, d in batch[1:]))
         self.flight = Flight(read, batch, self._batch_cost(batch))
         return self._fly(t)
 
     def _fly(self, t: float, every: bool = False) -> float:
-        """The batch under way: the next pieces, one in the round it begins, then as many as fit
-        `batch_s` at the pieces' measured time (`every`: all that are left, as anything else on the
-        device finishes it first); over, its sessions move on and the scheduler is told."""
+        """The batch under way: the next pieces (`driving.pieces_now` at the pieces' modelled time;
+        `every`: all that are left, as anything else on the device finishes it first); over, its
+        sessions move on and the scheduler is told."""
         f = self.flight
         pieces = self.limits.pieces
-        per_piece = f.cost / pieces
-        fit = max(1, int(self.sched.rule.batch_s / per_piece)) if per_piece > 0 and f.ran else 1
-        n = pieces - f.ran if every else min(fit, pieces - f.ran)
+        left = pieces - f.ran
+        n = left if every else pieces_now(self.sched.rule.batch_s, f.cost / pieces if f.ran else None, left)
         start, t = t, self._busy(t, f.cost * n / pieces)
         f.ran += n
         self.tally.share_s += t - start
@@ -423,11 +382,11 @@ class EngineReplay:
         if f.ran < pieces:
             return t
         self.flight = None
-        for h, _ in f.batch:
+        for h in f.batch:
             self.store.advance(h)
         self.tally.chunks_share += len(f.batch)
         self.sched.read_done(f.read, len(f.batch), f.cost, t)
-        for name in dict.fromkeys(h.name for h, _ in f.batch):
+        for name in dict.fromkeys(h.name for h in f.batch):
             self._tell(name, t)
         return t
 
@@ -436,12 +395,23 @@ class EngineReplay:
         return self._fly(t, every=True) if self.flight is not None else t
 
     def _read(self, read: Read, t: float) -> float:
+        """A read the scheduler chose, made as `Reading.read` and `Reading.share` make it: a batch's
+        entries still readable (`driving.batch_now`) in one forward, or, a share batch estimated
+        past `batch_s` (`driving.in_pieces`), in pieces between rounds; a batch of one entry, or no
+        batch, as its chunks one after another. Then `read_done`, its sessions told, and after an
+        idle read a settle."""
         start = t
-        if read.window == "share" and read.others and read.estimate_s is not None \
-                and read.estimate_s > self.sched.rule.batch_s + 1e-9:
-            return self._begin_flight(read, t)
+        batch: list[Held] = []
         if read.others:
-            read, done, t = self._batch(read, t)
+            pieces = in_pieces(read, self.sched.rule.batch_s)
+            read, batch = batch_now(read, self.store.peek(read.session), self.store.peek, self.grid)
+            if pieces and len(batch) > 1:
+                return self._begin_flight(read, batch, t)
+        if len(batch) > 1:
+            t = self._busy(t, self._batch_cost(batch))
+            for h in batch:
+                self.store.advance(h)
+            done = len(batch)
         else:
             done, t = self._chunks(read, t)
         if read.window == "share":
@@ -451,7 +421,7 @@ class EngineReplay:
         else:
             self.tally.chunks_idle += done
         self.sched.read_done(read, done, t - start, t)
-        for name in (read.session, *(name for name, _ in read.others)):
+        for name in dict.fromkeys((read.session, *(name for name, _ in read.others))):
             self._tell(name, t)
         if read.window == "idle":
             t = self._settle(read.session, t)

@@ -1,5 +1,5 @@
 """The shadow's sessions as the ledger replay models them, without tensors: the ids each holds, its
-read position, KV capacity, checkpoints and marks (the reader's rules, `core.reader.Reader`), and
+read position, KV capacity, checkpoints and marks (the reader's rules, `core.driving`, kept on counts), and
 whether it is resident, on disk or gone (the store's rules, `core.store.SessionStore`, through
 `core.residency`): the same sessions leave memory at the same settles as live, and each restore,
 spill and drop costs what the cost table says."""
@@ -10,6 +10,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shadow.core import driving
+from shadow.core.driving import Feed
 from shadow.core.reader import MAX_CHECKPOINTS
 from shadow.core.residency import RestoreRate, Settle, StateSize, leave_how
 from shadow.offline.costs import CostTable
@@ -19,7 +21,7 @@ from shadow.offline.costs import CostTable
 class Held:
     """One modelled session: ids held (`ids`), read position (`committed`, a grid multiple), KV rows
     its buffers have room for, checkpoint positions (oldest first) and marks (grid lines where a
-    checkpoint is still wanted)."""
+    checkpoint is still wanted): a `driving.GridSession`."""
 
     name: str
     ids: int = 0
@@ -27,6 +29,14 @@ class Held:
     capacity: int = 0
     checkpoints: list[int] = field(default_factory=list)
     marks: list[int] = field(default_factory=list)
+
+    @property
+    def known(self) -> int:
+        return self.ids
+
+    @property
+    def checkpoint_positions(self) -> list[int]:
+        return self.checkpoints
 
 
 @dataclass
@@ -42,10 +52,12 @@ class HeldSessions:
     """One shadow's sessions: resident ones in least-recently-used order under `cap` bytes (None: no
     cap), with or without a `disk`. `reread_s(committed)`: the estimated seconds of reading a
     session again (the scheduler's estimate), for the spill-or-drop choice; the restore rate is
-    known after the first restore, as live."""
+    known after the first restore, as live. It keeps the modelled states for the grid's rules
+    (`driving.StateKeeper`)."""
 
-    def __init__(self, grid: int, size: StateSize | None, cap: int | None, disk: bool, costs: CostTable,
-                 reread_s: Callable[[int], float | None], max_checkpoints: int = MAX_CHECKPOINTS):
+    def __init__(self, grid: int, costs: CostTable, reread_s: Callable[[int], float | None], *,
+                 size: StateSize | None = None, cap: int | None = None, disk: bool = False,
+                 max_checkpoints: int = MAX_CHECKPOINTS):
         if cap is not None and size is None:
             raise ValueError("a cap needs the sessions' state sizes")
         self.grid, self.size, self.cap, self.disk, self.costs = grid, size, cap, disk, costs
@@ -122,45 +134,27 @@ class HeldSessions:
 
     # the reader -------------------------------------------------------------------------
 
-    def feed_prompt(self, h: Held, tokens: int, shared: int) -> bool:
-        """A prompt of `tokens` ids sharing `shared` with what the session's engine holds. Where it
-        differs from the ids held, go back to the newest checkpoint at or below the difference (or
-        to the start). Returns whether it rolled back."""
-        same = min(h.ids, shared, tokens)
-        rolled = False
-        if same < h.ids:
-            if same < h.committed:
-                keep = [c for c in h.checkpoints if c <= same]
-                h.committed = keep[-1] if keep else 0
-                if not keep:
-                    h.capacity = 0  # a new state
-                h.checkpoints = keep
-                rolled = True
-            h.marks = [m for m in h.marks if m <= same]
+    def feed_prompt(self, h: Held, tokens: int, shared: int) -> Feed:
+        """A prompt of `tokens` ids sharing `shared` with what the session's engine holds, fed as the
+        reader feeds one (`driving.feed_prompt`)."""
+        feed = driving.feed_prompt(self, h, min(h.ids, shared, tokens), tokens)
         h.ids = tokens
-        self._mark(h, tokens // self.grid * self.grid)
-        return rolled
+        return feed
 
-    def _mark(self, h: Held, line: int) -> None:
-        if line <= 0 or line in h.marks or line in h.checkpoints:
-            return
-        if line == h.committed:
-            self._checkpoint(h)
-        elif line > h.committed:
-            h.marks = sorted([*h.marks, line])
+    def take_checkpoint(self, h: Held) -> int:
+        return h.committed
 
-    def _checkpoint(self, h: Held) -> None:
-        h.checkpoints.append(h.committed)
-        del h.checkpoints[: -self.max_checkpoints]
+    def return_to(self, h: Held, checkpoint: int | None) -> None:
+        h.committed = 0 if checkpoint is None else checkpoint
+        if checkpoint is None:
+            h.capacity = 0  # a new state
 
     def advance(self, h: Held) -> None:
         """One chunk read."""
         h.committed += self.grid
         if self.size is not None:
             h.capacity = max(h.capacity, self.size.capacity(h.committed))
-        if h.marks and h.marks[0] == h.committed:
-            h.marks.pop(0)
-            self._checkpoint(h)
+        driving.chunks_read(self, h)
 
     def fork(self, h: Held, rows: int) -> None:
         """An ask's fork read `rows` rows above the read position (the KV buffers grow for them)."""

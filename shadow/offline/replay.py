@@ -95,9 +95,9 @@ class Arm:
 
 def replay(
     requests: Sequence[Request], read_ms_per_1k: float | None = None, grid: int = 512,
-    rule: BandwidthRule = BandwidthRule(), use_share: bool = True, name: str | None = None,
+    rule: BandwidthRule = BandwidthRule(), use_share: bool = True, name: str | None = None, *,
     progress: Callable[[int, int], None] | None = None, engines: int = 1, route: str = "affinity",
-    engine_of: Sequence[int] | None = None, priorities: Priorities = Priorities(), *,
+    engine_of: Sequence[int] | None = None, priorities: Priorities = Priorities(),
     costs: CostTable | None = None, limits: ReplayLimits = ReplayLimits(), samples: int = 0, seed: int = 0,
 ) -> Arm:
     """Replay `requests` on a fleet of `engines` engines, each with its own shadow and scheduler.
@@ -130,7 +130,8 @@ def replay(
         by_engine[e].append((i, r))
     for e, reqs in enumerate(by_engine):
         sched = ReadScheduler(rule if use_share else _no_share(rule), grid, ChunkCosts(), priorities)
-        one = EngineReplay(e, reqs, order, before, next_start, sched, costs, limits, use_share, probes[e], asks[e])
+        one = EngineReplay(e, reqs, order, before, next_start, sched, costs=costs, limits=limits,
+                           use_share=use_share, probes=probes[e], asks=asks[e])
         one.run()
         arm.turns += one.starts
         arm.probes += one.probes
