@@ -21,7 +21,7 @@ from shadow.core.sessionfile import file_bytes
 from shadow.core.store import SessionStore
 from shadow.offline.ledger import Request
 from shadow.offline.costs import ChunkTable, CostTable
-from shadow.offline.limits import Limits
+from shadow.offline.limits import ReplayLimits
 from shadow.offline.replay import readable, replay, time_readable
 from shadow.server.generator import Generator
 from shadow.server.host import Shadow
@@ -313,7 +313,7 @@ def test_live_and_replayed_spill_and_restore_at_the_same_costs(tiny, read_log, t
     for seed in (4, 9, 21):
         requests = timeline(seed)
         read_log.take()
-        arm = replay(requests, grid=GRID, rule=RULE, limits=Limits(cap_gib=cap_gib, state=size, disk=True), costs=costs)
+        arm = replay(requests, grid=GRID, rule=RULE, limits=ReplayLimits(cap_gib=cap_gib, state=size, disk=True), costs=costs)
         replayed, timed = read_log.take(), []
 
         def store_for(reader, loaded, clock):
@@ -346,7 +346,7 @@ def test_live_and_replayed_read_the_same_chunks_under_a_cap_that_forces_spills(t
     requests = timeline(seed)
     size = StateSize.of(tiny.model.config, 4)
     cap_gib = (size.resident(8192, 0) + 20 * size.checkpoint) / 2**30  # one read session and a few unread
-    limits = Limits(cap_gib=cap_gib, state=size, disk=disk)
+    limits = ReplayLimits(cap_gib=cap_gib, state=size, disk=disk)
     arm = replay(requests, grid=GRID, rule=RULE, limits=limits,
                  costs=CostTable(ChunkTable.flat(CHUNK_S * 1e6 / GRID, GRID), restore_gib_s=math.inf,
                                  spill_gib_s=math.inf))

@@ -18,7 +18,7 @@ from shadow.model.config import PRESETS
 from shadow.offline.costs import BatchTable, ChunkTable, CostTable, ReadTime
 from shadow.offline.fleet import inversions
 from shadow.offline.ledger import Request, Router, route_requests, write_ledger
-from shadow.offline.limits import Limits
+from shadow.offline.limits import ReplayLimits
 from shadow.offline.metrics import summary
 from shadow.offline.replay import replay
 from shadow.offline.targets import Target, parse_target, solve
@@ -70,7 +70,7 @@ def test_when_the_output_reaches_the_shadow():
     The output is read in the idle window after 5 s when the shadow sees it (embedded, or an
     engine that streams its ids), never when the engine shows none."""
     reqs = [Request("s", 0.0, 3.0, 5.0, 1024, 1024, 600), Request("s", 10.0, 10.1, 11.0, 1724, 100, 10)]
-    behind = {ids: replay(reqs, costs=COSTS, limits=Limits(ids=ids), use_share=False).turns[0].behind
+    behind = {ids: replay(reqs, costs=COSTS, limits=ReplayLimits(ids=ids), use_share=False).turns[0].behind
               for ids in ("embedded", "engine", "end", "none")}
     assert behind == {"embedded": 1624 - 1536, "engine": 1624 - 1536, "end": 1624 - 1536, "none": 600}
 
@@ -84,7 +84,7 @@ def test_a_prompt_known_only_at_its_first_chunk_waits_for_it():
             Request("s", 30.0, 30.1, 31.0, 2148, 100, 5)]
     fresh = {}
     for ids in ("embedded", "engine"):
-        arm = replay(reqs, costs=COSTS, limits=Limits(ids=ids), rule=BandwidthRule(share=0.2))
+        arm = replay(reqs, costs=COSTS, limits=ReplayLimits(ids=ids), rule=BandwidthRule(share=0.2))
         (f,) = [f for f in arm.to_fresh if f.session == "s" and f.start == 1.0]
         assert not f.censored
         fresh[ids] = f.seconds
@@ -99,7 +99,7 @@ def test_a_dropped_session_is_read_again_and_an_ask_would_wait_for_all_of_it():
     cap = (size.resident(8192, 1) + size.delta) / 2**30
     reqs = [Request("a", 0.0, 0.1, 0.2, 8192, 8192, 0), Request("b", 0.0, 0.1, 0.2, 8192, 8192, 0),
             Request("a", 20.0, 20.1, 21.0, 8292, 100, 10), Request("b", 20.0, 20.1, 21.0, 8292, 100, 10)]
-    capped = replay(reqs, costs=COSTS, limits=Limits(cap_gib=cap, state=size), use_share=False, samples=5)
+    capped = replay(reqs, costs=COSTS, limits=ReplayLimits(cap_gib=cap, state=size), use_share=False, samples=5)
     free = replay(reqs, costs=COSTS, use_share=False)
     assert capped.drops >= 1 and free.drops == 0
     waits = {t.session: t.wait_s for t in capped.turns}
@@ -117,7 +117,7 @@ def test_a_restore_takes_the_device_and_delays_the_reads_after_it():
     cap = (size.resident(8192, 1) + size.delta) / 2**30
     reqs = [Request("a", 0.0, 0.1, 0.2, 2048, 2048, 0), Request("b", 5.0, 5.1, 5.2, 2048, 2048, 0),
             Request("a", 30.0, 30.05, 30.2, 4096, 2048, 0), Request("b", 40.0, 40.1, 40.2, 2148, 100, 0)]
-    limits = Limits(cap_gib=cap, state=size, disk=True)
+    limits = ReplayLimits(cap_gib=cap, state=size, disk=True)
     fast = replay(reqs, costs=COSTS, limits=limits, use_share=False)
     slow_costs = CostTable(FLAT, restore_gib_s=size.file(2048, 2048, 1) / 2**30 / 0.4, spill_gib_s=math.inf)
     slow = replay(reqs, costs=slow_costs, limits=limits, use_share=False)
@@ -136,7 +136,7 @@ def test_the_voice_speaks_at_status_lines_within_its_budget():
 
     assert (LINE_QUIET_S, LINE_EVERY_S) == (LineTiming().quiet_s, LineTiming().progress_every_s)
     reqs = [Request("s", 0.0, 0.1, 40.1, 512, 512, 400)]
-    arm = replay(reqs, costs=COSTS, limits=Limits(voice_share=0.03), use_share=False)
+    arm = replay(reqs, costs=COSTS, limits=ReplayLimits(voice_share=0.03), use_share=False)
     assert arm.voice_s == pytest.approx(0.05 * 3)
 
 
@@ -144,14 +144,14 @@ def test_a_label_asked_of_the_engine_keeps_the_turn_open():
     """The turn's response ends at 1.0 s; asking its label takes 2.05 s, so the idle window opens
     only at 3.2 s (the poll after the turn's end): the next turn at 3.1 s finds nothing read."""
     reqs = [Request("s", 0.0, 0.1, 1.0, 1024, 1024, 0), Request("s", 3.1, 3.2, 4.0, 1124, 100, 5)]
-    plain = replay(reqs, costs=COSTS, limits=Limits(ids="engine"), use_share=False)
-    labelled = replay(reqs, costs=COSTS, limits=Limits(ids="engine", label_s=2.05), use_share=False)
+    plain = replay(reqs, costs=COSTS, limits=ReplayLimits(ids="engine"), use_share=False)
+    labelled = replay(reqs, costs=COSTS, limits=ReplayLimits(ids="engine", label_s=2.05), use_share=False)
     assert plain.turns[0].behind == 0 and labelled.turns[0].behind == 1024
 
 
 def test_asks_are_load_and_their_wait_is_the_reading_they_wait_for():
     reqs = [Request("s", 0.0, 0.1, 500.0, 4096, 4096, 10)]
-    arm = replay(reqs, costs=COSTS, limits=Limits(asks_per_hour=60, seed=3), use_share=False)
+    arm = replay(reqs, costs=COSTS, limits=ReplayLimits(asks_per_hour=60, seed=3), use_share=False)
     assert arm.asks and arm.chunks_ask >= 8  # the first ask read the session (idle reads never: a turn runs)
     assert max(w for _, w in arm.asks) == pytest.approx(8 * 0.1)
 
@@ -308,7 +308,7 @@ def test_batched_idle_reads_take_several_sessions_chunks_in_one_read():
 
 def test_a_share_batch_in_pieces_is_read_between_rounds_and_no_gap_passes_a_piece():
     """The replay's device reads a share batch estimated past `batch_s` in pieces between the
-    decoding turn's rounds (`Limits.pieces` of them in all, as many a round as fit `batch_s`), as
+    decoding turn's rounds (`ReplayLimits.pieces` of them in all, as many a round as fit `batch_s`), as
     `Reading.share` does: the same chunks read as in one piece, each gap between rounds one piece
     long, the batch's sessions moved on only once its last piece is read."""
     reqs = [Request("d1", 0.0, 0.1, 21.0, 100, 100, 400)]  # a long decode (rounds of 52 ms), no whole chunk
@@ -316,9 +316,9 @@ def test_a_share_batch_in_pieces_is_read_between_rounds_and_no_gap_passes_a_piec
     reqs += [Request(s, 20.0, 20.1, 20.2, 612, 100, 0) for s in "abcd"]
     halves = BatchTable((0,), {2: (0.75,), 4: (0.5,)}, "halves")
     costs = CostTable(FLAT, restore_gib_s=math.inf, spill_gib_s=math.inf, ask_s=0.0, batch=halves)
-    whole = replay(reqs, costs=costs, limits=Limits(pieces=4),
+    whole = replay(reqs, costs=costs, limits=ReplayLimits(pieces=4),
                    rule=BandwidthRule(share=0.5, slice_s=1.0, batch=4, batch_s=1.0))
-    pieces = replay(reqs, costs=costs, limits=Limits(pieces=4),
+    pieces = replay(reqs, costs=costs, limits=ReplayLimits(pieces=4),
                     rule=BandwidthRule(share=0.5, slice_s=1.0, batch=4, batch_s=0.06, batch_read_s=1.0))
     assert whole.chunks_share == pieces.chunks_share == 4 and whole.chunks_idle == pieces.chunks_idle == 0
     assert whole.longest_slice_s == pytest.approx(0.2)  # the batch of four at half a chunk each, in one gap

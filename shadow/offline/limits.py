@@ -87,7 +87,6 @@ class ReplayLimits:
         return self.ids in ("embedded", "engine", "tokenizer")
 
 
-Limits = ReplayLimits  # the name the replay's older callers import
 
 
 def for_model(model: str = LIVE_MODEL, **limits) -> ReplayLimits:
