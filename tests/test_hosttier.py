@@ -139,3 +139,28 @@ def test_memory_stays_bounded_under_a_churn_of_200_sessions(reader, tmp_path):
 def test_the_host_tier_is_bounded_by_bytes_and_reports_them():
     tier = HostTier(cap=1000)
     assert tier.fits(1000) and not tier.fits(1001) and tier.room() == 1000 and tier.oldest() is None
+
+
+def test_the_served_host_tier_is_none_on_a_cpu_and_at_most_half_the_machines_memory():
+    from shadow.server.http.build import host_cap_gib
+
+    assert host_cap_gib(32.0, "cpu", memory=64 * GIB) == 0.0
+    assert host_cap_gib(0.0, "cuda", memory=64 * GIB) == 0.0
+    assert host_cap_gib(16.0, "cuda", memory=64 * GIB) == 16.0
+    assert host_cap_gib(48.0, "cuda", memory=64 * GIB) == 32.0
+
+
+def test_the_service_reports_the_host_tier_in_status_and_metrics(tiny, tmp_path):
+    """A served store with a host tier: status's store totals and /metrics name its bytes and moves."""
+    from serving import running
+
+    with running() as (client, service):
+        service.store.cap, service.store.host = 0, HostTier(GIB)  # a CPU has no tier by default: one set here
+        for k in range(3):
+            r = client.post("/v1/completions", json={"prompt": "hello " * (100 + k), "max_tokens": 2},
+                            headers={"x-session-id": f"host-{k}"})
+            assert r.status_code == 200
+        status = client.get("/v1/shadow/status").json()
+        metrics = client.get("/metrics").text
+    assert status["store"]["host_sessions"] >= 1 and status["store"]["host_bytes"] > 0
+    assert "shadow:sessions_in_host " in metrics and "shadow:to_host_total " in metrics

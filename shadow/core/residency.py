@@ -16,6 +16,9 @@ from shadow.model.config import ModelConfig
 from shadow.model.state import KV_STEP
 
 GIB = 1 << 30
+# the host tier's bound a shadow on a GPU gets unless told otherwise, for the live service and its
+# replay alike: 32 GiB holds some 36 sessions of 58k tokens of the 0.8B (0.88 GiB each)
+HOST_CAP_GIB = 32.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,11 @@ class StateSize:
         """Bytes a resident session holds (`store.session_bytes`): KV buffers at `capacity` rows,
         GDN state, checkpoints."""
         return self.kv_row * capacity + self.delta + self.checkpoint * checkpoints
+
+    def host(self, committed: int, tokens: int, checkpoints: int) -> int:
+        """Bytes of the session's copy in the host tier (`hosttier.host_bytes`): its valid rows,
+        GDN state, checkpoints and ids."""
+        return 8 * tokens + self.kv_row * committed + self.delta + self.checkpoint * checkpoints
 
     def file(self, committed: int, tokens: int, checkpoints: int) -> int:
         """About the bytes of the session's file (`sessionfile.file_bytes`): what a restore reads."""

@@ -112,6 +112,10 @@ class ShadowCollector:
                 if totals[key] is not None:
                     out.gauge(name, f"The store's bound on {name.split('_')[0]} bytes", totals[key])
             out.gauge("sessions_unwritten", "Resident sessions whose last write failed", totals["unwritten_sessions"])
+            out.gauge("sessions_in_host", "Sessions in the host-memory tier", totals["host_sessions"])
+            out.gauge("host_bytes", "Bytes of the sessions in the host-memory tier", totals["host_bytes"])
+            if totals["host_cap_bytes"] is not None:
+                out.gauge("host_cap_bytes", "The store's bound on host-tier bytes", totals["host_cap_bytes"])
         pending = [r["pending"] for r in rows]
         out.gauge("backlog_ids", "Ids known and not read yet, over every session", sum(pending))
         grid = status["grid"]
@@ -131,7 +135,14 @@ class ShadowCollector:
                            ("removed", "Session files removed by retention"),
                            ("bytes_written", "Bytes of session files written"),
                            ("bytes_restored", "Bytes of session files read back"),
-                           ("restore_seconds", "Seconds spent reading sessions back")):
+                           ("restore_seconds", "Seconds spent reading sessions back"),
+                           ("to_host", "Sessions moved from the device to the host-memory tier"),
+                           ("from_host", "Sessions moved back from the host-memory tier"),
+                           ("host_to_disk", "Host-tier copies written to disk to make room in the tier"),
+                           ("bytes_to_host", "Bytes moved to the host-memory tier"),
+                           ("bytes_from_host", "Bytes moved back from the host-memory tier"),
+                           ("to_host_seconds", "Seconds spent moving sessions to the host-memory tier"),
+                           ("from_host_seconds", "Seconds spent moving sessions back from the host-memory tier")):
             out.counter({"rejected": "files_refused", "removed": "files_removed"}.get(key, key), help_, s[key])
 
     @staticmethod

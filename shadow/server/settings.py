@@ -32,6 +32,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from shadow.core.residency import HOST_CAP_GIB
 from shadow.core.schedule import BandwidthRule, KnownCosts, Priorities
 from shadow.errors import ShadowInputError
 
@@ -145,11 +146,16 @@ class ModelSettings:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """Resident cap (GiB; None: no cap), the folder sessions past it go to, the bound on that
+    """Resident cap (GiB; None: no cap), the host tier below it (GiB; 0: none), the folder sessions
+    past both go to, the bound on that
     folder, (proxy mode, with a disk) the free pool memory past which an idle shadow unloads, and
     the key of the session files' keyed digest (None: none)."""
 
     cap_gib: float | None = setting(4.0, gt=0, panel=STORE, help="Resident cap for shadow sessions, GiB.")
+    host_cap_gib: float = setting(HOST_CAP_GIB, ge=0, panel=STORE, help=(
+        "Host-memory tier for sessions past --cap-gib, GiB: they move to host memory (pinned, bit for bit) and, past "
+        "this, to --disk. 0: none. A shadow on the CPU has none (its sessions are in host memory already); at most "
+        "half the machine's memory is taken."))
     disk: Path | None = setting(None, panel=STORE, help=(
         "Folder where sessions past the cap (and all, at a planned stop) are written."))
     disk_cap_gib: float = setting(64.0, gt=0, panel=STORE, help=(

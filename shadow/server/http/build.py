@@ -7,6 +7,7 @@ tokenizer, the standing question, the voice, the service and its HTTP app.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 from fastapi import FastAPI
@@ -46,7 +47,23 @@ def dtype_of(name: str):
 def store_for(settings: ServeSettings, reader: Reader, weights_hash: str) -> SessionStore:
     s = settings.store
     return SessionStore(reader, weights_hash, cap_gib=s.cap_gib, disk=s.disk, disk_cap_gib=s.disk_cap_gib,
-                        model=settings.model.model, key=s.key)
+                        model=settings.model.model, key=s.key,
+                        host_cap_gib=host_cap_gib(s.host_cap_gib, reader.model.device.type))
+
+
+def host_cap_gib(asked: float, device: str, memory: int | None = None) -> float:
+    """The host tier's bound for a shadow on `device`: none on the CPU (its sessions are in host
+    memory already), else `asked`, at most half of the machine's `memory` (bytes; read from the
+    system when not given), logged when cut."""
+    if device != "cuda" or asked <= 0:
+        return 0.0
+    if memory is None:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    most = memory / 2**31
+    if asked > most:
+        log.warning("--host-cap-gib %g is more than half this machine's memory: the host tier takes %.1f GiB", asked, most)
+        return most
+    return asked
 
 
 def build(settings: ServeSettings) -> Built:
