@@ -190,6 +190,7 @@ def test_a_batch_read_a_piece_at_a_time_is_finished_before_anything_else_touches
         assert [c.position for c in x.checkpoints] == [c.position for c in y.checkpoints]
 
 
+@pytest.mark.slow
 def test_the_live_idle_reader_reads_batches_and_every_session_stays_exact(shadow_cache):
     """A service whose rule batches up to 4 sessions: its load measures batched reads of 2 and 4
     at the warm depths; requests to four sessions, then the idle window reads their backlogs in
@@ -224,6 +225,7 @@ def test_the_live_idle_reader_reads_batches_and_every_session_stays_exact(shadow
             assert_exact(service, name)
 
 
+@pytest.mark.slow
 def test_the_share_reads_batches_between_the_engines_rounds_and_every_session_stays_exact(shadow_cache):
     """A service whose rule batches up to 4 sessions, with a share large enough to pay for a batch:
     four sessions' backlogs wait (the idle thread held), then a decode on a fifth session; between
@@ -248,6 +250,7 @@ def test_the_share_reads_batches_between_the_engines_rounds_and_every_session_st
             assert_exact(service, name)
 
 
+@pytest.mark.slow
 def test_the_share_reads_a_batch_a_piece_a_round_and_every_session_stays_exact(shadow_cache):
     """`--batch-read-ms` past `--batch-ms`: a batch of the share is read a piece between two of the
     embedded engine's rounds (here every batch, one piece a round: --batch-ms far below a piece),
@@ -314,6 +317,7 @@ def test_a_service_starts_from_known_costs_and_its_load_measures_over_them(shado
         assert service.status()["reading"]["known_costs"] == "rate.json"
 
 
+@pytest.mark.slow
 def test_a_service_reads_in_the_order_its_priorities_say_and_shows_them(shadow_cache):
     """`serve --priorities`: the service's scheduler ranks by the steps it was given, and status
     names them."""

@@ -40,6 +40,7 @@ def test_help_lists_the_commands():
     assert result.exit_code == 0 and "verify-exact" in result.output
 
 
+@pytest.mark.slow
 def test_verify_exact_json_on_own_format(small_conversation, tmp_path):
     csv_path = tmp_path / "out.csv"
     result = runner.invoke(
@@ -57,6 +58,7 @@ def test_verify_exact_json_on_own_format(small_conversation, tmp_path):
     assert csv_path.read_text().startswith("conversation,")
 
 
+@pytest.mark.slow
 def test_verify_exact_reads_at_80_columns(small_conversation):
     """A terminal of 80 columns: no line longer, every name and header whole (never cut into
     pieces of a few letters)."""
@@ -94,6 +96,7 @@ def test_a_wide_table_is_shown_whole_at_80_columns(monkeypatch, rows):
     assert (text.count("django__django-16950") > 1) == (rows > 4)  # split tables repeat the first column
 
 
+@pytest.mark.slow
 def test_verify_exact_on_a_real_trajectory_rolls_back():
     path = shared_file("trajectories", "mini-swe-agent", "pydata__xarray-4629.traj.json")
     result = runner.invoke(app, ["verify-exact", "-c", str(path), "--json"])
@@ -126,6 +129,7 @@ def test_empty_conversation_file_exits_2(tmp_path):
     assert result.exit_code == 2 and "is empty" in result.output
 
 
+@pytest.mark.slow
 def test_read_rate_on_cpu_with_tiny(tmp_path):
     from shadow.model import PRESETS, write_random_checkpoint
 
@@ -155,6 +159,7 @@ def test_read_rate_on_cpu_with_tiny(tmp_path):
     assert f"wrote {plot}" in result.output and f"wrote {csv_path}" in result.output
 
 
+@pytest.mark.slow
 def test_read_rate_times_batches_and_the_replay_charges_by_them(tmp_path):
     result = runner.invoke(app, ["read-rate", "--contexts", "0,512", "--batches", "2,4", "--repeats", "1",
                                  "--full-read-tokens", "0", "--ask-tokens", "0", "--reference-tokens", "0", "--json"])
@@ -204,6 +209,7 @@ def test_read_rate_bad_input(args, message):
     assert result.exit_code == 2 and message in result.output
 
 
+@pytest.mark.slow
 def test_verify_exact_spills_and_restores_three_real_conversations_exactly(tmp_path):
     """The store's done-when: three real conversations interleaved under a tiny cap with a disk."""
     files = [shared_file("trajectories", "mini-swe-agent", f"{n}.traj.json")
@@ -226,6 +232,7 @@ def test_verify_exact_spills_and_restores_three_real_conversations_exactly(tmp_p
     assert sorted(f["session"] for f in files_doc["files"]) == sorted(p.name.split(".")[0] for p in files)
 
 
+@pytest.mark.slow
 def test_verify_exact_batched_reads_of_three_real_conversations_stay_bit_equal():
     """Three real conversations' chunks read up to four sessions a forward, each at its own depth:
     every state bit-equal to its fresh prefill, as one session a forward gives."""
@@ -240,6 +247,7 @@ def test_verify_exact_batched_reads_of_three_real_conversations_stay_bit_equal()
     assert all(c["chunks_batched"] > 0 for c in doc["conversations"]) and "batches of 4" in result.output
 
 
+@pytest.mark.slow
 def test_verify_exact_refuses_a_disk_that_holds_its_sessions_and_changes_nothing(small_conversation, tmp_path):
     """A second run into the same folder would continue the first run's session (and add its counters)."""
     args = ["verify-exact", "-c", str(small_conversation), "--against-grid", "0", "--cap-gib", "0",
@@ -263,6 +271,7 @@ def test_negative_cap_exits_2():
     assert result.exit_code == 2 and "--cap-gib must be >= 0 (got -1)" in result.output
 
 
+@pytest.mark.slow
 def test_replay_ledger_on_trajectories_with_a_read_rate_file(tmp_path):
     rate_file = tmp_path / "rate.json"
     rate_file.write_text("table\n" + json.dumps({"ms_per_1k_tokens": 16.7}) + "\n")
@@ -667,6 +676,7 @@ def test_ab_refuses_bad_input(workdir, args, message):
     refused(["ab", *args], workdir, message)
 
 
+@pytest.mark.slow
 def test_a_bad_input_in_a_real_process_is_one_line(workdir):
     """The console script itself (no CliRunner): one line, exit 2, nothing written."""
     before = tree(workdir)
@@ -728,6 +738,7 @@ def embedded(tiny):
         yield pair
 
 
+@pytest.mark.slow
 def test_ab_with_the_voice_switches_shadow_and_voice_per_arm_and_back(embedded, tmp_path):
     """--voice: the off runs have shadow and voice off and ask for no status lines (so they get
     none); the on runs have both on and send Open WebUI's header; the switch is as it was after."""
@@ -761,6 +772,7 @@ def test_ab_with_the_voice_switches_shadow_and_voice_per_arm_and_back(embedded, 
     assert csv_path.read_text().splitlines()[0].startswith("arm,pair,ttft_s,decode_tok_s,tokens,share_s,lines,voice")
 
 
+@pytest.mark.slow
 def test_ab_sets_the_switch_back_after_an_error(embedded, workdir):
     """The server refuses the first run (max_tokens over its limit) after the shadow was switched
     off: exit 2 with the server's reason on one line, and the shadow is on again."""
@@ -774,6 +786,7 @@ def test_ab_sets_the_switch_back_after_an_error(embedded, workdir):
     assert service.shared.switch.shadow is True and service.shared.switch.voice is True
 
 
+@pytest.mark.slow
 def test_ab_sets_the_switch_back_on_ctrl_c(embedded, tokenizer):
     """Ctrl-C (a KeyboardInterrupt raised by the progress callback after the first, "off", run):
     the interrupt goes on, and the shadow is on again."""
@@ -810,6 +823,7 @@ def test_the_cpu_thread_default_is_one_on_small_machines():
     assert default_threads(1) == 1 and default_threads(2) == 1 and default_threads(16) == 8 and default_threads(6) == 3
 
 
+@pytest.mark.slow
 def test_the_first_use_of_a_preset_says_it_is_written(tmp_path, monkeypatch):
     monkeypatch.setenv("SHADOW_CACHE", str(tmp_path / "cache"))
     talk = tmp_path / "talk.jsonl"

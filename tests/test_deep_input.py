@@ -71,6 +71,7 @@ def test_the_probe_catches_a_parse_that_recurses_to_the_limit():
     assert "cut short" in outcomes
 
 
+@pytest.mark.slow
 def test_loads_refuses_deep_text_without_recursing():
     outcomes = finalizers_at_every_depth(lambda: jsonlimits.loads(DEEP))
     assert outcomes and set(outcomes) == {"finished"}

@@ -187,6 +187,7 @@ def test_llamacpp_output_ids_are_the_ids_beside_the_logprobs():
 
 # the generic and transformers dialects --------------------------------------------------
 
+@pytest.mark.slow
 def test_openai_dialect_maps_logprob_bytes_to_ids_with_the_big_models_tokenizer(tokenizer):
     from shadow.text.chat_template import ChatRenderer, Template, default_hf_tokenizer
 

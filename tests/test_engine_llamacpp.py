@@ -18,6 +18,8 @@ from llama_server import llama_server, require_binary
 from serving import assert_exact, running, settled, wait_until_read
 from shadow.engines.enginecheck import play_sessions, session_script
 
+pytestmark = pytest.mark.slow  # real servers, engines or clients: `pytest -m 'not slow'` leaves them out
+
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):

@@ -18,8 +18,8 @@ from engines import transformers_serve_missing
 from serving import assert_exact, running, settled, wait_until_read
 from shadow.engines.enginecheck import play_sessions, session_script
 
-pytestmark = pytest.mark.skipif(transformers_serve_missing() is not None,
-                                reason=transformers_serve_missing() or "")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(transformers_serve_missing() is not None,
+                                                   reason=transformers_serve_missing() or "")]
 
 
 def _usage_only_when_asked() -> bool:

@@ -22,6 +22,8 @@ from shadow.model.qwen35 import ModuleSteps
 from shadow.core.reader import Reader
 from shadow.offline.verify import compare_states
 
+pytestmark = pytest.mark.slow  # kernels under Triton's interpreter: `pytest -m 'not slow'` leaves them out
+
 FUSED_REFERENCE = dataclasses.replace(reference.REFERENCE, name="reference-fused", fused=True)
 
 

@@ -22,6 +22,8 @@ from shadow.server.service import ShadowService
 from shadow.server.settings import Access, ProbeSettings, StoreSettings
 from shadow.text.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # real servers, engines or clients: `pytest -m 'not slow'` leaves them out
+
 
 @contextmanager
 def proxy_loading(upstream: str, load, **more):

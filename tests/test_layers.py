@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [("shadow", "shadow.errors"), ("shadow.text",), ("shadow.model",), ("shadow.core",),
           ("shadow.engines", "shadow.voice", "shadow.offline"), ("shadow.server",),
@@ -60,6 +62,7 @@ def rank(name: str) -> tuple[int, str]:
     return best
 
 
+@pytest.mark.slow
 def test_every_module_imports_on_its_own():
     """In a fresh interpreter, each module is imported with no other module of the project loaded
     (the project's modules are dropped from sys.modules before each), so an import that works only

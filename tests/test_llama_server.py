@@ -22,6 +22,8 @@ import pytest
 from conftest import shared_file
 from llama_server import binary, llama_server, require_binary
 
+pytestmark = pytest.mark.slow  # real servers, engines or clients: `pytest -m 'not slow'` leaves them out
+
 ROOT = Path(__file__).resolve().parents[1]
 IM_END, THINK, THINK_END, TOOL_CALL, ENDOFTEXT = 248046, 248068, 248069, 248058, 248044
 TOOLS = [{"type": "function", "function": {

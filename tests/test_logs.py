@@ -15,12 +15,15 @@ import sys
 import time
 
 import httpx
+import pytest
 from typer.testing import CliRunner
 
 from shadow.cli.main import app
 from scripted import TEMPLATE, quiet_engine
 from serving import free_port, serving
 from shadow.server import logs
+
+pytestmark = pytest.mark.slow  # real servers, engines or clients: `pytest -m 'not slow'` leaves them out
 
 SECRET = [f"zq{i}marmalade" for i in range(40)]  # words no log line has any business carrying
 

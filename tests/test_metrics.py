@@ -25,6 +25,8 @@ from shadow.server.journaled import JournalCounts
 from shadow.server.settings import Access
 from shadow.text.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # real servers, engines or clients: `pytest -m 'not slow'` leaves them out
+
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "docs" / "grafana" / "shadow-dashboard.json"
 ALERTS = ROOT / "docs" / "grafana" / "shadow-alerts.yml"

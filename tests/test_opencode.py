@@ -27,7 +27,7 @@ def opencode_binary() -> str | None:
 
 
 OPENCODE = opencode_binary()
-pytestmark = pytest.mark.skipif(OPENCODE is None, reason="opencode not installed (npm install opencode-ai)")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(OPENCODE is None, reason="opencode not installed (npm install opencode-ai)")]
 
 
 def start_serve(*args: str) -> tuple[subprocess.Popen, str]:

@@ -37,6 +37,7 @@ def openwebui_python() -> str | None:
 
 PYTHON = openwebui_python()
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.skipif(PYTHON is None, reason="Open WebUI not installed (a venv with open-webui and playwright; "
                                               "set SHADOW_OPENWEBUI_PYTHON to its python)"),
     pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"Chromium not found at {CHROMIUM} (apt-get install chromium)"),

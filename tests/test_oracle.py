@@ -27,6 +27,7 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours - ref).abs().max() / ref.abs().max()).item()
 
 
+@pytest.mark.slow
 def test_single_prefill_logits_agree(tiny, oracle):
     ids = torch.randint(0, 248044, (256,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -36,6 +37,7 @@ def test_single_prefill_logits_agree(tiny, oracle):
     assert rel_err(ours, ref) <= MAX_REL
 
 
+@pytest.mark.slow
 def test_chunked_prefill_with_state_agrees(tiny, oracle):
     """Three chunks of 128 with state carried, both sides; every chunk's logits and the final states."""
     ids = torch.randint(0, 248044, (384,), generator=torch.Generator().manual_seed(2))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,6 +29,7 @@ def test_the_h200_autotune_pins_ship_with_the_package():
     assert any(pins in ROOT.joinpath(*p.split(".")).glob(g) for p, gs in globs.items() for g in gs)
 
 
+@pytest.mark.slow
 def test_a_wheel_installs_no_top_level_package_but_shadow(tmp_path):
     """The wheel `pip install .` installs holds `shadow/` and its metadata only: the CLI is
     `shadow.cli`, never a top-level `cli` another distribution could also own."""

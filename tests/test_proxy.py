@@ -17,6 +17,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from serving import assert_exact, running, serving, settled
 from shadow.text.chat_template import ChatRenderer, Template, default_hf_tokenizer
 
+pytestmark = pytest.mark.slow  # real servers, engines or clients: `pytest -m 'not slow'` leaves them out
+
 END = 248046
 
 

@@ -125,6 +125,7 @@ def test_share_slices_are_capped_at_the_slice():
     assert one.longest_slice_s == pytest.approx(0.00512) and one.turns[0].behind < 512
 
 
+@pytest.mark.slow
 def test_mooncake_trace_is_monotonic_in_share_and_rate():
     requests = import_mooncake(shared_file("mooncake", "conversation_trace.jsonl"), ServiceModel(slots=8))
     sessions = {r.session for r in requests}
@@ -328,6 +329,7 @@ def test_bad_mooncake_line_is_named(tmp_path):
         import_mooncake(path, ServiceModel())
 
 
+@pytest.mark.slow
 def test_the_command_replays_a_packed_fleet_solves_the_share_and_checks(tmp_path):
     from typer.testing import CliRunner
 

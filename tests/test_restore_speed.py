@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_restore_speed_runs_every_arm_on_the_cpu(tmp_path, shadow_cache):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SHADOW_CACHE": str(shadow_cache)}
     done = subprocess.run(

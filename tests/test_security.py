@@ -158,6 +158,7 @@ def test_listening_beyond_loopback_needs_a_key_and_bad_options_do_nothing(tmp_pa
     assert r.exit_code == 2 and "Traceback" not in r.output
 
 
+@pytest.mark.slow
 def test_fuzz_every_endpoint_from_the_openapi_schema(tiny):
     """schemathesis generates requests for every operation of the served schema: no 5xx, and every
     error in the documented shape."""
@@ -189,6 +190,7 @@ def test_fuzz_every_endpoint_from_the_openapi_schema(tiny):
     assert failures == []
 
 
+@pytest.mark.slow
 def test_sixty_four_concurrent_sessions_over_a_spilling_cap_all_exact(tiny, tmp_path):
     """64 clients, each its own session of two turns, at once, with an API key, over a resident cap
     that holds a few sessions: the embedded queue holds 16 (`--max-queued`), so a client past it
@@ -228,6 +230,7 @@ def test_sixty_four_concurrent_sessions_over_a_spilling_cap_all_exact(tiny, tmp_
     print(f"load: 64 sessions x 2 turns in {seconds:.1f} s, {len(refused)} 429s tried again; store {spills}")
 
 
+@pytest.mark.slow
 def test_ab_reaches_a_server_with_keys_by_option_or_environment(tiny, tmp_path):
     """Without a key ab says which it wants and exits 2; with the admin key (by --api-key, or
     SHADOW_API_KEY) it runs both arms and sets the switch back."""

@@ -27,6 +27,8 @@ from shadow.server.service import ShadowService
 from shadow.server.settings import StoreSettings
 from shadow.text.tokenizer import load_tokenizer
 
+pytestmark = pytest.mark.slow  # real servers, engines or clients: `pytest -m 'not slow'` leaves them out
+
 
 @pytest.fixture()
 def server(tiny):

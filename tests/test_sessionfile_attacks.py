@@ -111,6 +111,7 @@ def load(path: Path, reader: Reader, key: bytes | None = None, **kwargs):
 # every header bit ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_every_single_bit_flip_of_the_header_is_refused_or_restores_bit_equal(original, reader, tmp_path):
     """All bits of the length prefix and the JSON header, flipped one at a time in place."""
     data, want, name = original
@@ -142,6 +143,7 @@ def test_every_single_bit_flip_of_the_header_is_refused_or_restores_bit_equal(or
     assert all(reasons), reasons
 
 
+@pytest.mark.slow
 def test_header_flips_signed_again_never_crash_and_what_is_accepted_is_consistent(original, reader, tmp_path):
     """Each bit of the JSON header flipped and the header digest made valid again (a writer's bug
     rather than damage): the reader refuses with a reason or returns a session that keeps every
@@ -787,6 +789,7 @@ while True:  # a and b spill and come back in turn, each write a little differen
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_spills_leaves_no_invalid_file(reader, tmp_path):
     """A process spilling and restoring two sessions in a loop is killed with SIGKILL at varied
     moments until a kill has landed while a file was being replaced (a temporary file beside the

@@ -21,6 +21,8 @@ from shadow.server.load import EngineLoad
 from shadow.server.turn import ServedTurn, Shown
 from shadow.text.framing import MARK, frame, frame_title, strip_lines, strip_request
 
+pytestmark = pytest.mark.slow  # real servers, engines or clients: `pytest -m 'not slow'` leaves them out
+
 
 # pure --------------------------------------------------------------------------------------
 

@@ -265,6 +265,7 @@ while True:
 """
 
 
+@pytest.mark.slow
 def test_sigkill_during_writes_never_leaves_a_file_read_as_valid_but_broken(reader, tmp_path):
     """A writer rewriting one session in a loop is killed with SIGKILL until a kill has landed
     mid-write (a temporary file left behind); every time, the file there is complete and valid."""

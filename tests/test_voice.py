@@ -16,6 +16,8 @@ from shadow.text.tokenizer import load_tokenizer
 from shadow.voice.checks import REASONS, check, language
 from shadow.voice.voice import PhraseCost, Voice, VoiceBudget
 
+pytestmark = pytest.mark.slow  # real servers, engines or clients: `pytest -m 'not slow'` leaves them out
+
 READ = ("The test in tests/test_grid.py fails: the chunk at row 3072 is read twice. Looking at reader.py, "
         "the advance loop checks the committed length before the marks. Fixing the loop order should help.")
 
