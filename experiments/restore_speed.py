@@ -155,41 +155,26 @@ def random_session(reader, tokens: int, checkpoints: int):
 def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bool):
     """Spill `session` and restore it by `arm`'s way: (spill s, restore s, bytes moved, share of the
     file's pages cached before the restore (None: no file), the restored session)."""
-    if arm == "host":
-        store = SessionStore(reader, weights_hash, cap_gib=0, host_cap_gib=1024)
-        store._resident[session.name] = session  # the experiment's session, as if it had been read
-        sync(cuda)
-        start = time.perf_counter()
-        store.settle()
-        out_s = time.perf_counter() - start
-        if store.counters.to_host != 1:
-            raise SystemExit("host: the session did not move to the host tier")
-        del session
-        start = time.perf_counter()
-        back = store.get("restore-speed")
-        sync(cuda)
-        in_s = time.perf_counter() - start
-        if store.counters.from_host != 1:
-            raise SystemExit("host: the session did not come back from the host tier")
-        return out_s, in_s, store.counters.bytes_to_host, None, back
-    store = SessionStore(reader, weights_hash, cap_gib=0, disk=folder, direct=arm == "format3")
+    host = arm == "host"
+    store = SessionStore(reader, weights_hash, cap_gib=0, host_cap_gib=1024) if host else \
+        SessionStore(reader, weights_hash, cap_gib=0, disk=folder, direct=arm == "format3")
     store._resident[session.name] = session  # the experiment's session, as if it had been read
+    del session
+    c = store.counters
     sync(cuda)
     start = time.perf_counter()
     store.settle()
     spill_s = time.perf_counter() - start
-    if store.counters.spills != 1:
-        raise SystemExit(f"{arm}: the session was not spilled ({store.totals()['last_error']})")
-    del session
-    path = store.path_of("restore-speed")
-    still = drop_cache(path)
+    if (c.to_host if host else c.spills) != 1:
+        raise SystemExit(f"{arm}: the session did not leave the device ({store.totals()['last_error']})")
+    still = None if host else drop_cache(store.path_of("restore-speed"))
     start = time.perf_counter()
     back = store.get("restore-speed")
     sync(cuda)
     restore_s = time.perf_counter() - start
-    if store.counters.restores != 1:
-        raise SystemExit(f"{arm}: the session was not restored ({store.counters.rejected})")
-    return spill_s, restore_s, store.counters.bytes_written, still, back
+    if (c.from_host if host else c.restores) != 1:
+        raise SystemExit(f"{arm}: the session did not come back ({c.rejected})")
+    return spill_s, restore_s, c.bytes_to_host if host else c.bytes_written, still, back
 
 
 def pinned_copy(session, runs: int, cuda: bool) -> dict | None:
