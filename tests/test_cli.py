@@ -834,3 +834,36 @@ def test_the_first_use_of_a_preset_says_it_is_written(tmp_path, monkeypatch):
     assert "first use of the 'tiny' preset" in result.output  # said on stderr before the checkpoint is written
     again = CliRunner().invoke(app, args)
     assert again.exit_code == 0 and "first use" not in again.output
+
+
+@pytest.mark.slow
+def test_check_engine_exits_1_and_names_each_request_an_engine_refused():
+    """A real engine on loopback that answers /v1/models and refuses every completion with 400:
+    check-engine says which requests failed and why, counts them, and exits 1 (never "ok")."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+    from serving import serving
+
+    engine = FastAPI()
+
+    @engine.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    @engine.post("/v1/chat/completions")
+    @engine.post("/v1/completions")
+    async def refuse():
+        return JSONResponse({"error": {"message": "no such model", "type": "invalid_request_error"}}, status_code=400)
+
+    with serving(engine) as client:
+        result = CliRunner().invoke(app, ["check-engine", f"{client.base_url}/v1", "--engine", "openai",
+                                                "--long-words", "100", "--json"])
+    assert result.exit_code == 1, result.output
+    assert "failed: plain/whole #1: HTTP 400" in result.output and "14 failed" in result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])["summary"]
+    assert summary["failed"] == summary["requests"] > 0 and summary["answered"] == 0
+
+
+def test_check_engine_refuses_a_url_it_cannot_parse_in_one_line():
+    result = CliRunner().invoke(app, ["check-engine", "http://127.0.0.1:44987v1"])
+    assert result.exit_code == 2 and "no engine answers at" in result.output and "Traceback" not in result.output

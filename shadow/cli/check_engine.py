@@ -39,7 +39,8 @@ def check_engine(
     part's state: verified, unverified (read, nothing could be checked), mismatched, or not read
     (an output the engine shows no ids for: the shadow leaves it to the next prompt). A request is
     verified only when both its prompt and its output are. Exit code 1 when a request's ids do not
-    match the engine."""
+    match the engine, or when a request failed (the engine answered anything but 200, or nothing):
+    each failed request is named with its reason."""
     import httpx
 
     from shadow.text.chat_template import renderer_for
@@ -54,7 +55,7 @@ def check_engine(
     with httpx.Client() as client:
         try:
             models = client.get(url.rstrip("/") + "/models", timeout=10).json()
-        except (httpx.HTTPError, ValueError) as e:
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError) as e:
             raise ShadowInputError(f"no engine answers at {url} ({type(e).__name__}: {e})") from None
         name, evidence = (engine, "given") if engine != "auto" else probe(client, url)
     if model_name is None:
@@ -79,11 +80,14 @@ def check_engine(
                       _yes(r.template_equal), _yes(r.verified))
     show(table)
     for r in results:
-        if r.verified is not True and r.reasons:
+        if r.status != 200:  # no answer to check: the request failed
+            console.print(f"failed: {r.case} #{r.request}: {'; '.join(r.reasons) or f'HTTP {r.status}'}", markup=False,
+                          style="red")
+        elif r.verified is not True and r.reasons:
             console.print(f"{r.case} #{r.request}: {'; '.join(r.reasons)}", markup=False, style="dim")
     totals = summary(results)
     console.print(f"{totals['verified']} of {totals['requests']} requests verified (prompt and output), "
-                  f"{totals['mismatched']} mismatched, {totals['unverified']} not verified")
+                  f"{totals['mismatched']} mismatched, {totals['unverified']} not verified, {totals['failed']} failed")
     for part in ("prompts", "outputs"):
         by = totals[part]
         console.print(f"{part}: {by['verified']} verified, {by['unverified']} unverified, "
@@ -94,7 +98,7 @@ def check_engine(
         emit_json({"command": "check-engine", "url": url, "dialect": name, "evidence": evidence,
                    "template": renderer.origin if renderer else None, "summary": totals,
                    "requests": [vars(r) for r in results]})
-    if totals["mismatched"]:
+    if totals["mismatched"] or totals["failed"]:
         raise typer.Exit(1)
 
 

@@ -298,12 +298,13 @@ def check_engine(upstream: str, dialect: Dialect, max_tokens: int = 16, model: s
 
 
 def summary(results: list[CaseResult]) -> dict:
-    """Requests answered; verified (prompt and output both), mismatched (either), unverified (the
-    rest); and the prompts and outputs apart, by state (`not_read`: the shadow would read none of it)."""
+    """Requests answered (HTTP 200) and failed (any other status, or no answer); verified (prompt and
+    output both), mismatched (either), unverified (the rest of those answered); and the prompts and
+    outputs apart, by state (`not_read`: the shadow would read none of it)."""
     n = len(results)
     ok = [r for r in results if r.status == 200]
     return {
-        "requests": n, "answered": len(ok),
+        "requests": n, "answered": len(ok), "failed": n - len(ok),
         "verified": sum(r.verified is True for r in ok), "mismatched": sum(r.verified is False for r in ok),
         "unverified": sum(r.verified is None for r in ok),
         "prompts": {state: sum(r.prompt_check == state for r in ok) for state in PART_STATES},
