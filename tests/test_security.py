@@ -259,3 +259,30 @@ def test_the_admin_key_opens_every_endpoint_and_the_api_key_not_the_shadows(tiny
         assert client.get("/v1/models", headers=bearer(ADMIN)).status_code == 200
         assert client.get("/metrics", headers=bearer(KEY)).status_code == 401
         assert client.get("/metrics", headers=bearer(ADMIN)).status_code == 200
+
+
+@pytest.mark.slow
+def test_a_client_that_hangs_up_mid_body_is_one_log_line_without_a_traceback(caplog):
+    """A request whose client sends half its body and hangs up: the service logs one line that
+    says so, no traceback, and the next client is served."""
+    import logging
+    import socket
+
+    from serving import running
+
+    caplog.set_level(logging.INFO)
+    with running() as (client, _):
+        host, port = client.base_url.host, client.base_url.port
+        for _ in range(3):
+            with socket.create_connection((host, port)) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                          b"content-length: 1000\r\n\r\n{\"messages\": [")
+            time.sleep(0.2)
+        deadline = time.time() + 10
+        while time.time() < deadline and sum("hung up" in r.getMessage() for r in caplog.records) < 3:
+            time.sleep(0.1)
+        r = client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+    assert r.status_code == 200
+    hung = [rec for rec in caplog.records if "hung up" in rec.getMessage()]
+    assert len(hung) == 3 and all(rec.exc_info is None for rec in hung)
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]

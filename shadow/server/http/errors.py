@@ -2,18 +2,22 @@
 OpenAI-compatible engines answer, and the handlers that map the library's errors onto it:
 bad input 400, an ask on a session not exact enough 409 (with its `exact` and `why_not` beside
 the error), no shadow yet 503, unknown paths 404,
-wrong methods 405, invalid bodies 400."""
+wrong methods 405, invalid bodies 400; a client that hangs up mid-body is one log line (499)."""
 
 from __future__ import annotations
 
 import json
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from shadow.errors import ShadowInputError, ShadowNotExact, ShadowUnavailable
+
+log = logging.getLogger("shadow.http")
 
 
 def error_body(message: str, kind: str = "invalid_request_error") -> dict:
@@ -50,6 +54,12 @@ def install(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException):
         kinds = {404: "not_found", 405: "method_not_allowed"}
         return error_response(exc.status_code, str(exc.detail), kinds.get(exc.status_code, "invalid_request_error"))
+
+    @app.exception_handler(ClientDisconnect)
+    async def hung_up(request: Request, exc: ClientDisconnect):
+        """A client that hangs up before its body is read: one line, no traceback (nobody reads the answer)."""
+        log.info("the client hung up before its request was read: %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(ShadowUnavailable)
     async def unavailable(request: Request, exc: ShadowUnavailable):
