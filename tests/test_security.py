@@ -286,3 +286,13 @@ def test_a_client_that_hangs_up_mid_body_is_one_log_line_without_a_traceback(cap
     hung = [rec for rec in caplog.records if "hung up" in rec.getMessage()]
     assert len(hung) == 3 and all(rec.exc_info is None for rec in hung)
     assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+
+
+@pytest.mark.parametrize("flag", ["--api-key", "--admin-key", "--upstream-api-key"])
+def test_an_empty_key_is_refused_before_anything_starts(flag):
+    from typer.testing import CliRunner
+
+    from shadow.cli.main import app
+
+    result = CliRunner().invoke(app, ["serve", "--model", "tiny", flag, " "])
+    assert result.exit_code == 2 and f"{flag} is empty" in result.output

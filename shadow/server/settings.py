@@ -504,6 +504,10 @@ def check(s: ServeSettings) -> None:
     but those whose kind is wrong (a --disk that is a file, a --journal in no folder)."""
     if s.store.key is not None and not s.store.key:
         raise ShadowInputError("--store-key is empty (give a key, or leave it out for no keyed digest)")
+    for flag, key in (("--api-key", s.access.api_key), ("--admin-key", s.access.admin_key),
+                      ("--upstream-api-key", s.engine.upstream_key)):
+        if key is not None and not key.strip():  # an empty bearer token would open the API to anyone
+            raise ShadowInputError(f"{flag} is empty (give a key, or leave it out)")
     if not 0 < s.schedule.share < 1:
         raise ShadowInputError("--share must be between 0 and 1 (a fraction: 0.02 is 2 %)")
     if not (math.isfinite(s.schedule.slice_s) and s.schedule.slice_s > 0):
