@@ -867,3 +867,10 @@ def test_check_engine_exits_1_and_names_each_request_an_engine_refused():
 def test_check_engine_refuses_a_url_it_cannot_parse_in_one_line():
     result = CliRunner().invoke(app, ["check-engine", "http://127.0.0.1:44987v1"])
     assert result.exit_code == 2 and "no engine answers at" in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", ["verify-exact", "serve"])
+def test_a_model_name_no_file_system_can_take_is_one_line(command):
+    result = CliRunner().invoke(app, [command, "--model", "a" * 300])
+    assert result.exit_code == 2 and "no checkpoint folder can be named so" in result.output
+    assert "Traceback" not in result.output

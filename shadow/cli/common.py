@@ -121,9 +121,13 @@ def model_name(ctx, param, value):
         if v in PRESETS:
             continue
         folder = Path(v)
-        if not folder.is_dir():
+        try:
+            is_dir, has_config = folder.is_dir(), (folder / "config.json").is_file()
+        except OSError as e:  # a name the file system cannot take (too long, say)
+            refuse(param, f"{v[:80]!r}...: no checkpoint folder can be named so ({e.strerror})")
+        if not is_dir:
             refuse(param, f"{v!r}: no checkpoint folder or preset of that name (presets: {', '.join(PRESETS)})")
-        if not (folder / "config.json").is_file():
+        if not has_config:
             refuse(param, f"{v}: the checkpoint folder has no config.json")
     return value
 

@@ -74,11 +74,15 @@ def resolve_checkpoint(name: str, seed: int = 0) -> Path:
             write_random_checkpoint(folder, PRESETS[name], seed=seed, dtype=dtype, preset=name)
         return folder
     folder = Path(name)
-    if not folder.is_dir():
+    try:
+        is_dir, has_config = folder.is_dir(), (folder / "config.json").is_file()
+    except OSError as e:  # a name the file system cannot take (too long, say)
+        raise ShadowInputError(f"no checkpoint folder or preset named {name[:80]!r}...: {e.strerror}") from None
+    if not is_dir:
         raise ShadowInputError(
             f"no checkpoint folder or preset named {name!r} (presets: {', '.join(PRESETS)})"
         )
-    if not (folder / "config.json").is_file():
+    if not has_config:
         raise ShadowInputError(f"{folder} has no config.json")
     return folder
 
