@@ -296,3 +296,20 @@ def test_an_empty_key_is_refused_before_anything_starts(flag):
 
     result = CliRunner().invoke(app, ["serve", "--model", "tiny", flag, " "])
     assert result.exit_code == 2 and f"{flag} is empty" in result.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
+def test_the_shadow_endpoints_take_utf8_bodies_only(encoding):
+    """A valid body of /v1/shadow/switch, /ask and /summarize sent in UTF-16 or UTF-32 is a 400
+    that changes nothing (the switch stays on); the same body in UTF-8 works."""
+    from serving import running
+
+    with running() as (client, service):
+        for path, body in (("/v1/shadow/switch", '{"on": false}'),
+                           ("/v1/shadow/ask", '{"session": "s", "question": "q", "choices": ["A", "B"]}'),
+                           ("/v1/shadow/summarize", '{"session": "s", "instruction": "sum up"}')):
+            r = client.post(path, content=body.encode(encoding))
+            assert r.status_code == 400 and "the body is refused" in r.json()["error"]["message"], (path, r.text)
+        assert service.shared.switch.shadow is True
+        assert client.post("/v1/shadow/switch", content=b'{"on": false}').json()["on"] is False

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 
+from shadow.engines import jsonlimits
 from shadow.errors import ShadowInputError
 from shadow.server.http.schemas import AskRequest, SummarizeRequest, SwitchRequest
 from shadow.server.service import ShadowService
@@ -16,8 +17,18 @@ from shadow.text.chat import render_question
 from shadow.text.tokenizer import Tokenizer
 
 
+async def utf8_json(request: Request) -> None:
+    """A POST body is JSON in UTF-8 within the limits (`jsonlimits.loads`), as the completions'
+    are: FastAPI alone would also take UTF-16 and UTF-32, guessed from the bytes."""
+    if request.method == "POST":
+        try:
+            jsonlimits.loads(await request.body())
+        except jsonlimits.JSONLimitError as e:
+            raise ShadowInputError(f"the body is refused: {e}") from None
+
+
 def shadow_routes(service: ShadowService, tokenizer: Tokenizer, eos: list[int], limits: Limits) -> APIRouter:
-    router = APIRouter(prefix="/v1/shadow")
+    router = APIRouter(prefix="/v1/shadow", dependencies=[Depends(utf8_json)])
 
     @router.post("/ask")
     async def ask(req: AskRequest, request: Request):
