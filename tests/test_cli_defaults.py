@@ -64,7 +64,7 @@ def test_replay_shares_serves_reading_settings_and_their_defaults():
     # the replay's namesakes of serve's that are its own: --disk/--no-disk (spill or drop), --model (sizes only)
     shared = replay.keys() & {s.name for s in options()} - {"disk", "model"}
     assert shared == {"grid", "share", "slice_ms", "batch", "batch_ms", "batch_read_ms", "batch_wait_ms", "batch_busy",
-                      "priorities", "cap_gib", "voice_share"}
+                      "priorities", "cap_gib", "host_cap_gib", "voice_share"}
     for name in shared:
         mine, theirs = replay[name].default, serve[name].default
         assert mine == theirs or list(mine) == [theirs], name  # a repeatable option: one arm, serve's default
@@ -76,6 +76,7 @@ def test_replay_shares_serves_reading_settings_and_their_defaults():
 @pytest.mark.parametrize("option, default", [
     ("restore_gib_s", defaults_of(CostTable)["restore_gib_s"]),
     ("spill_gib_s", defaults_of(CostTable)["spill_gib_s"]),
+    ("host_gib_s", defaults_of(CostTable)["host_gib_s"]),
     ("ask_ms", defaults_of(CostTable)["ask_s"] * 1000),
     ("phrase_ms", defaults_of(CostTable)["phrase_s"] * 1000),
     ("tokenize_ms_per_1k", defaults_of(CostTable)["tokenize_s_per_1k"] * 1000),

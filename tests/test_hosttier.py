@@ -150,6 +150,7 @@ def test_the_served_host_tier_is_none_on_a_cpu_and_at_most_half_the_machines_mem
     assert host_cap_gib(48.0, "cuda", memory=64 * GIB) == 32.0
 
 
+@pytest.mark.slow
 def test_the_service_reports_the_host_tier_in_status_and_metrics(tiny, tmp_path):
     """A served store with a host tier: status's store totals and /metrics name its bytes and moves."""
     from serving import running

@@ -302,6 +302,7 @@ class TimedStore:
         return error
 
 
+@pytest.mark.slow
 def test_live_and_replayed_spill_and_restore_at_the_same_costs(tiny, read_log, tmp_path):
     """With restores and spills that take time (1 and 2 MiB/s of their files' bytes, so that
     restoring a shallow session is slower than reading it again: such a one is dropped, its ids
@@ -374,6 +375,46 @@ def test_live_and_replayed_read_the_same_chunks_under_a_cap_that_forces_spills(t
         service.stop()
 
 
+@pytest.mark.parametrize("disk", [False, True], ids=["drop", "spill"])
+@pytest.mark.parametrize("seed", [4, 9, 21])
+def test_live_and_replayed_moves_through_the_host_tier_read_the_same_chunks(tiny, read_log, tmp_path, seed, disk):
+    """The same cap, with a host tier below it that holds about one read session: sessions past
+    the cap move to host memory, the tier's oldest copies leave for disk (or are dropped) when a
+    new one needs its room, and a session fed again comes back from wherever it is. The replay
+    moves the same sessions at the same settles (moves charged nothing on this clock), and every
+    read is the same."""
+    requests = timeline(seed)
+    size = StateSize.of(tiny.model.config, 4)
+    cap_gib = (size.resident(8192, 0) + 20 * size.checkpoint) / 2**30
+    host_gib = 150_000 / 2**30  # about one of these sessions in host memory
+    limits = ReplayLimits(cap_gib=cap_gib, state=size, disk=disk, host_cap_gib=host_gib)
+    arm = replay(requests, grid=GRID, rule=RULE, limits=limits,
+                 costs=CostTable(ChunkTable.flat(CHUNK_S * 1e6 / GRID, GRID), restore_gib_s=math.inf,
+                                 spill_gib_s=math.inf, host_gib_s=math.inf))
+    replayed = read_log.take()
+    stores = []
+
+    def store_for(reader, loaded, clock):
+        store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=tmp_path / "disk" if disk else None,
+                             host_cap_gib=host_gib)
+        store.restore_rate.observe = lambda nbytes, seconds: None
+        stores.append(store)
+        return store
+
+    live, service, _ = live_reads(requests, store_for, read_log)
+    try:
+        c = stores[0].counters
+        assert (arm.to_host, arm.from_host, arm.spills, arm.restores, arm.drops) == \
+            (c.to_host, c.from_host, c.spills, c.restores, c.drops)
+        assert c.to_host > 3 and c.from_host > 0 and (c.host_to_disk if disk else c.drops) > 0  # the tier bit, and filled
+        assert live == replayed
+        for name in "abc":
+            if stores[0].holds(name):
+                assert_exact(service, name)
+    finally:
+        service.stop()
+
+
 def test_a_turn_named_late_counts_as_running_from_then():
     sched = ReadScheduler(grid=4)
     sched.update("x", 0, 40, 0.0)
@@ -407,6 +448,7 @@ class SlowFirst:
         return self.inner(ids, state)
 
 
+@pytest.mark.slow
 def test_chunks_slower_than_a_burst_never_stop_the_idle_reader(tiny):
     """Three chunks after the start take longer than a whole idle burst: the reader reads them, one
     a burst, its estimate moves by at most a bounded factor for each, and it reads on to the end."""
@@ -430,6 +472,7 @@ def test_chunks_slower_than_a_burst_never_stop_the_idle_reader(tiny):
     assert status["reading"]["chunk_ms_by_depth"]["0"] < 500  # the estimate came back down
 
 
+@pytest.mark.slow
 def test_the_first_streamed_turn_after_a_start_never_waits_for_a_measuring_chunk(tiny):
     """A proxy beside a real engine on loopback, its shadow loading in the background. The first
     chunk its reader ever reads is slow (a cold device): it is read at load, left out of the
@@ -483,6 +526,7 @@ def test_status_shows_the_scheduler_and_the_idle_reader(tiny):
         assert idle["state"] in ("caught up", "not started", "reading", "between bursts")
 
 
+@pytest.mark.slow
 def test_a_failing_idle_round_is_counted_shown_and_the_reader_goes_on(tiny):
     with running() as (client, service):
         broken = threading.Event()

@@ -237,16 +237,16 @@ def test_common_prefix(a, b, n):
 
 
 def test_the_replays_modelled_sessions_follow_the_readers_rules(reader):
-    """The replay's sessions (`offline.held`, counts without tensors) and the reader's go by the
+    """The replay's sessions (`offline.modelled`, counts without tensors) and the reader's go by the
     same grid rules (`core.driving`): after the same prompts (some rolling back), output and
     reads, the same read position, marks and checkpoint positions, and the same rollbacks."""
     import random
 
     from shadow.offline.costs import ChunkTable, CostTable
-    from shadow.offline.held import HeldSessions
+    from shadow.offline.modelled import ModelledStore
 
     rng = random.Random(3)
-    held = HeldSessions(GRID, CostTable(ChunkTable.flat(1.0, GRID)), lambda committed: None,
+    held = ModelledStore(GRID, CostTable(ChunkTable.flat(1.0, GRID)), lambda committed: None,
                         max_checkpoints=reader.max_checkpoints)
     s, (h, _) = reader.new_session("s"), held.get("s")
     rollbacks, to_checkpoint = 0, 0

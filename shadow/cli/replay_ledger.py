@@ -21,7 +21,7 @@ from shadow.cli.common import (
 from shadow.engines.jsonlimits import collection_paused
 from shadow.errors import ShadowInputError
 from shadow.offline.costs import (
-    CPU_TOKENIZE_MS_PER_1K, H200_ASK_MS, H200_PHRASE_MS, H200_RESTORE_GIB_S, H200_SPILL_GIB_S,
+    CPU_TOKENIZE_MS_PER_1K, H200_ASK_MS, H200_PHRASE_MS, H200_RESTORE_GIB_S, H200_SPILL_GIB_S, GPU_HOST_GIB_S,
 )
 from shadow.offline.ledger import ServiceModel
 from shadow.offline.limits import LIVE_IDS, LIVE_MODEL, ReplayLimits
@@ -33,6 +33,7 @@ MAX_PACK = 10_000  # active sessions --pack may ask for (the set is repeated to 
 MAX_SAMPLES = 100_000
 # serve's options the replay shares: (name, repeatable, 0 passes as "none", what the replay adds to the help)
 SHARED = {"grid": (False, False, ""), "cap_gib": (False, True, "Each shadow's; 0: no cap."),
+          "host_cap_gib": (False, False, "Each shadow's (as on a GPU); its moves are charged --host-gib-s."),
           "share": (True, False, "Repeatable: an arm for each."), "slice_ms": (False, False, ""),
           "batch": (False, False, "A batched read is charged by the batch rows of --read-rate-json (`shadow read-rate "
                                   "--batches 2,4,8`), else by the built-in table's."),
@@ -95,6 +96,7 @@ def replay_ledger(
     asks_per_hour: Annotated[float, typer.Option(callback=bounds(ge=0), help="Asks per active session per hour (Poisson), each reading its session to its end and one forward, as load.")] = ReplayLimits.asks_per_hour,
     restore_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Restore speed, GiB/s of a session's file (default: measured on an H200, docs/STORE.md).")] = H200_RESTORE_GIB_S,
     spill_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Spill speed, GiB/s (default: measured on an H200).")] = H200_SPILL_GIB_S,
+    host_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Speed of a move to or from the host tier, GiB/s (default: the host tier's measured moves, docs/STORE.md).")] = GPU_HOST_GIB_S,
     ask_ms: Annotated[float, typer.Option(callback=bounds(ge=0), help="One ask's forward, ms (default: measured on an H200 at depth).")] = H200_ASK_MS,
     phrase_ms: Annotated[float, typer.Option(callback=bounds(gt=0), help="One voice phrase, ms (default: the median measured on an H200).")] = H200_PHRASE_MS,
     tokenize_ms_per_1k: Annotated[float, typer.Option(callback=bounds(ge=0), help="The proxy's template and tokenizer, ms per 1,000 prompt ids (--ids tokenizer, end, none; default: measured on a 2-core CPU).")] = CPU_TOKENIZE_MS_PER_1K,
@@ -145,10 +147,12 @@ def replay_ledger(
     pairs = [(ChunkTable.flat(r, grid), first_batches) for r in read_ms_per_1k or []]
     pairs += [(table, batches or BatchTable.h200()) for table, batches in measured]
     pairs = pairs or [(ChunkTable.h200(grid), BatchTable.h200())]
-    costs = [CostTable(table, restore_gib_s=restore_gib_s, spill_gib_s=spill_gib_s, ask_s=ask_ms / 1000,
+    costs = [CostTable(table, restore_gib_s=restore_gib_s, spill_gib_s=spill_gib_s, host_gib_s=host_gib_s,
+                       ask_s=ask_ms / 1000,
                        phrase_s=phrase_ms / 1000, tokenize_s_per_1k=tokenize_ms_per_1k / 1000, batch=batches)
              for table, batches in pairs]
     limits = for_model(model, ids=ids, cap_gib=settings.store.cap_gib or None, disk=disk,
+                       host_cap_gib=settings.store.host_cap_gib if settings.store.cap_gib else None,
                        voice_share=settings.voice.share, label_s=label_ms / 1000, asks_per_hour=asks_per_hour, seed=seed)
     plan = Plan(costs, shares, prio_sets, rule, limits, grid=grid, engines=engines, route=route, pack_to=pack_to,
                 check_fleet=check_fleet, solve=solve_share, samples=samples, window_s=window_s,
@@ -251,7 +255,8 @@ def _document(plan: Plan, outcome, rows: list[dict], *, files: list[Path], model
         "limits": {"ids": limits.ids, "cap_gib": limits.cap_gib, "disk": limits.disk, "model": model,
                    "voice_share": limits.voice_share, "label_ms": _ms(limits.label_s),
                    "asks_per_hour": limits.asks_per_hour, "restore_gib_s": first.restore_gib_s,
-                   "spill_gib_s": first.spill_gib_s, "ask_ms": _ms(first.ask_s), "phrase_ms": _ms(first.phrase_s),
+                   "spill_gib_s": first.spill_gib_s, "host_gib_s": first.host_gib_s,
+                   "host_cap_gib": limits.host_cap_gib, "ask_ms": _ms(first.ask_s), "phrase_ms": _ms(first.phrase_s),
                    "tokenize_ms_per_1k": _ms(first.tokenize_s_per_1k), "samples": plan.samples, "seed": limits.seed},
         "density": {"active_per_engine": round(dens.active, 3), "new_tok_s_per_engine": round(dens.new_tok_s, 1),
                     "span_s": round(dens.span_s, 3)},
@@ -384,14 +389,15 @@ def _batch_words(batch_ms: float, read_ms: float | None, wait_ms: float, busy: f
 def _limits_line(plan: Plan) -> str:
     """The live limits and device costs the arms ran with, in one line."""
     limits, rule, first = plan.limits, plan.rule, plan.costs[0]
-    cap = f"cap {limits.cap_gib:g} GiB a shadow ({'spill to disk' if limits.disk else 'no disk: dropped past it'})" \
+    host = f"a host tier of {limits.host_cap_gib:g} GiB, then " if limits.host_cap_gib else ""
+    cap = f"cap {limits.cap_gib:g} GiB a shadow ({host}{'spill to disk' if limits.disk else 'no disk: dropped past it'})" \
         if limits.cap_gib else "no cap"
     words = _batch_words(_ms(rule.batch_s), None if rule.batch_read_s is None else _ms(rule.batch_read_s),
                          _ms(rule.batch_wait_s), rule.batch_busy)
     batches = f"batches of up to {rule.batch}, {words} ({_batch_label(plan)})" if rule.batch > 1 else "no batches"
     return (f"live limits: ids {limits.ids}; {cap}; voice share {limits.voice_share:g}; label {_ms(limits.label_s):g} ms; "
             f"asks {limits.asks_per_hour:g}/h a session; {batches}. costs: chunk {', '.join(c.chunk.label for c in plan.costs)}; "
-            f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, ask {_ms(first.ask_s):g} ms, "
+            f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, host moves {first.host_gib_s:g} GiB/s, ask {_ms(first.ask_s):g} ms, "
             f"phrase {_ms(first.phrase_s):g} ms, tokenizer {_ms(first.tokenize_s_per_1k):g} ms/1k "
             "(defaults: measured, docs/FRESHNESS.md)")
 

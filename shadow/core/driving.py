@@ -4,7 +4,7 @@ A session is read in whole chunks of `grid` ids from its committed length; a che
 at each mark its reads reach; a prompt that differs from the ids it holds sends it back to the
 newest checkpoint at or below the difference. These rules are written here against two small
 protocols: `GridSession` (what they need of a session) and `StateKeeper` (whoever holds the
-sessions' states: `core.reader.Reader` with tensors, `offline.held.HeldSessions` as counts). The
+sessions' states: `core.reader.Reader` with tensors, `offline.modelled.ModelledStore` as counts). The
 live service (`server.reading`) and the ledger replay (`offline.engine_replay`) choose a batch's
 entries, read a batch in pieces and tell the scheduler through the same functions, so the replay
 reads what live reads by construction; only the work differs (a forward live, a modelled cost

@@ -26,6 +26,9 @@ H200_CHUNK_MS = ((0, 2.970570), (16384, 3.792175), (65536, 6.191487), (100352, 7
 H200_GRID = 512
 H200_RESTORE_GIB_S = 1.86  # format 3, O_DIRECT, a 0.79 GiB file (docs/results/store/restore-h200-format3.json)
 H200_SPILL_GIB_S = 1.34  # the same run's spills
+# a move to or from the host tier: a 58k session back from pinned host memory on a lent H100, the
+# slower of its two ways (out 45.1) (docs/results/store/restore-h100-host.json)
+GPU_HOST_GIB_S = 42.26
 H200_ASK_MS = 8.0539  # one ask's forward at 41,802 ids, the read-rate run above (`ask_ms`)
 H200_PHRASE_MS = 66.56  # a voice phrase, median (docs/results/voice-replay-h200-qwen3.5-0.8b.txt)
 # The Qwen3.5 Jinja template rendered and tokenised (`ChatRenderer.prompt_ids`), median over 84
@@ -243,13 +246,14 @@ class BatchTable:
 @dataclass(frozen=True)
 class CostTable:
     """The device's costs the replay charges: `chunk` by depth; restores and spills at `restore_gib_s`
-    and `spill_gib_s` of their file's bytes; an ask's forward `ask_s`; one voice phrase `phrase_s`;
+    and `spill_gib_s` of their file's bytes; moves to and from the host tier at `host_gib_s`; an ask's forward `ask_s`; one voice phrase `phrase_s`;
     the proxy's tokenisation of a prompt, `tokenize_s_per_1k` seconds per 1,000 ids; a batched
     read, `batch_s`. The defaults are the H200's and this CPU's measurements above."""
 
     chunk: ChunkTable
     restore_gib_s: float = H200_RESTORE_GIB_S
     spill_gib_s: float = H200_SPILL_GIB_S
+    host_gib_s: float = GPU_HOST_GIB_S
     ask_s: float = H200_ASK_MS / 1000
     phrase_s: float = H200_PHRASE_MS / 1000
     tokenize_s_per_1k: float = CPU_TOKENIZE_MS_PER_1K / 1000
@@ -263,6 +267,10 @@ class CostTable:
 
     def restore_s(self, nbytes: int) -> float:
         return nbytes / GIB / self.restore_gib_s if math.isfinite(self.restore_gib_s) else 0.0
+
+    def host_s(self, nbytes: int) -> float:
+        """Seconds of one move of `nbytes` to or from the host tier."""
+        return nbytes / GIB / self.host_gib_s if math.isfinite(self.host_gib_s) else 0.0
 
     def spill_s(self, nbytes: int) -> float:
         return nbytes / GIB / self.spill_gib_s if math.isfinite(self.spill_gib_s) else 0.0

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from shadow.core.driving import batch_now, entry_depths, in_pieces, pieces_now, tell
 from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, batch_sizes
 from shadow.offline.costs import CostTable, ReadTime
-from shadow.offline.held import Held, HeldSessions
+from shadow.offline.modelled import ModelledSession, ModelledStore
 from shadow.offline.ledger import Request
 from shadow.offline.limits import LINE_EVERY_S, LINE_QUIET_S, ReplayLimits
 from shadow.offline.timelines import readable, time_readable
@@ -79,7 +79,7 @@ class Flight:
     run so far."""
 
     read: Read
-    batch: list[Held]
+    batch: list[ModelledSession]
     cost: float
     ran: int = 0
 
@@ -120,8 +120,8 @@ class EngineReplay:
             sched.costs.warm(depth, costs.chunk(depth))
             for size in batch_sizes(sched.rule.batch):
                 sched.warm_batch(size, depth, costs.batch_s([depth] * size))
-        self.store = HeldSessions(g, costs, self._reread_estimate, size=limits.state, cap=limits.cap_bytes,
-                                  disk=limits.disk)
+        self.store = ModelledStore(g, costs, self._reread_estimate, size=limits.state, cap=limits.cap_bytes,
+                                  disk=limits.disk, host_cap=limits.host_cap_bytes)
         self.req = dict(requests)
         self.heap: list[tuple] = []
         for i, r in requests:
@@ -350,7 +350,7 @@ class EngineReplay:
             done += 1
         return done, t
 
-    def _batch_cost(self, batch: list[Held]) -> float:
+    def _batch_cost(self, batch: list[ModelledSession]) -> float:
         """A batched read's seconds: each entry at its depth, a run's as a run's (`BatchTable`)."""
         counts: dict[str, int] = {}
         for h in batch:
@@ -360,7 +360,7 @@ class EngineReplay:
 
     # a batched read of the share in pieces (`BandwidthRule.batch_read_s`) ----------------------
 
-    def _begin_flight(self, read: Read, batch: list[Held], t: float) -> float:
+    def _begin_flight(self, read: Read, batch: list[ModelledSession], t: float) -> float:
         """A share batch estimated past `batch_s`: read in pieces between rounds (as `Reading.share`),
         its first ones now. Returns the device's time after them."""
         self.flight = Flight(read, batch, self._batch_cost(batch))
@@ -401,7 +401,7 @@ class EngineReplay:
         batch, as its chunks one after another. Then `read_done`, its sessions told, and after an
         idle read a settle."""
         start = t
-        batch: list[Held] = []
+        batch: list[ModelledSession] = []
         if read.others:
             pieces = in_pieces(read, self.sched.rule.batch_s)
             read, batch = batch_now(read, self.store.peek(read.session), self.store.peek, self.grid)

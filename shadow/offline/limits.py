@@ -41,7 +41,8 @@ LINE_EVERY_S = 10.0  # and one each this often while it writes (`LineTiming.prog
 class ReplayLimits:
     """The live service's limits, as the replay runs them; the defaults leave them all out (the
     idealised replay: ids at once, no cap, no voice, no asks). `cap_gib` per shadow (None: no cap)
-    with `state` the sessions' sizes; `disk`: spill (or drop, when cheaper) rather than drop;
+    with `state` the sessions' sizes; `host_cap_gib`: the host tier below the cap (None or 0: none);
+    `disk`: spill (or drop, when cheaper) rather than drop;
     `voice_share`: each decoding turn's voice phrases, one at each of its status lines (a tool call
     being written: `LINE_QUIET_S` after its first token, then every `LINE_EVERY_S`) where its
     budget (that share of the time since its first token) holds one and the device is free;
@@ -55,6 +56,7 @@ class ReplayLimits:
     cap_gib: float | None = None
     state: StateSize | None = None
     disk: bool = False
+    host_cap_gib: float | None = None
     voice_share: float = 0.0
     label_s: float = 0.0
     asks_per_hour: float = 0.0
@@ -73,6 +75,10 @@ class ReplayLimits:
     @property
     def cap_bytes(self) -> int | None:
         return None if self.cap_gib is None else int(self.cap_gib * 2**30)
+
+    @property
+    def host_cap_bytes(self) -> int | None:
+        return int(self.host_cap_gib * 2**30) if self.host_cap_gib else None
 
     @property
     def proxy(self) -> bool:

@@ -61,6 +61,9 @@ class Arm:
     drops: int = 0
     restore_s: float = 0.0
     spill_s: float = 0.0
+    to_host: int = 0  # sessions moved to the host tier
+    from_host: int = 0  # and back
+    host_s: float = 0.0  # seconds of those moves
 
     @property
     def fresh(self) -> int:
@@ -91,6 +94,8 @@ class Arm:
         c = store.counts
         self.spills, self.restores, self.drops = self.spills + c.spills, self.restores + c.restores, self.drops + c.drops
         self.restore_s, self.spill_s = self.restore_s + c.restore_s, self.spill_s + c.spill_s
+        self.to_host, self.from_host, self.host_s = self.to_host + c.to_host, self.from_host + c.from_host, \
+            self.host_s + c.host_s
 
 
 def replay(

@@ -1,8 +1,8 @@
 """The shadow's sessions as the ledger replay models them, without tensors: the ids each holds, its
 read position, KV capacity, checkpoints and marks (the reader's rules, `core.driving`, kept on counts), and
-whether it is resident, on disk or gone (the store's rules, `core.store.SessionStore`, through
-`core.residency`): the same sessions leave memory at the same settles as live, and each restore,
-spill and drop costs what the cost table says."""
+whether it is resident, in the host tier, on disk or gone (the store's rules, `core.store.SessionStore`,
+through `core.residency`): the same sessions leave memory at the same settles as live, and each
+move to or from the host tier, restore, spill and drop costs what the cost table says."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from shadow.offline.costs import CostTable
 
 
 @dataclass
-class Held:
+class ModelledSession:
     """One modelled session: ids held (`ids`), read position (`committed`, a grid multiple), KV rows
     its buffers have room for, checkpoint positions (oldest first) and marks (grid lines where a
     checkpoint is still wanted): a `driving.GridSession`."""
@@ -46,40 +46,53 @@ class StoreCounts:
     drops: int = 0
     restore_s: float = 0.0
     spill_s: float = 0.0
+    to_host: int = 0
+    from_host: int = 0
+    host_to_disk: int = 0
+    host_s: float = 0.0  # seconds of moves to and from the host tier
 
 
-class HeldSessions:
+class ModelledStore:
     """One shadow's sessions: resident ones in least-recently-used order under `cap` bytes (None: no
-    cap), with or without a `disk`. `reread_s(committed)`: the estimated seconds of reading a
+    cap), then a host tier of `host_cap` bytes (None or 0: none), with or without a `disk`. `reread_s(committed)`: the estimated seconds of reading a
     session again (the scheduler's estimate), for the spill-or-drop choice; the restore rate is
     known after the first restore, as live. It keeps the modelled states for the grid's rules
     (`driving.StateKeeper`)."""
 
     def __init__(self, grid: int, costs: CostTable, reread_s: Callable[[int], float | None], *,
                  size: StateSize | None = None, cap: int | None = None, disk: bool = False,
-                 max_checkpoints: int = MAX_CHECKPOINTS):
+                 host_cap: int | None = None, max_checkpoints: int = MAX_CHECKPOINTS):
         if cap is not None and size is None:
             raise ValueError("a cap needs the sessions' state sizes")
         self.grid, self.size, self.cap, self.disk, self.costs = grid, size, cap, disk, costs
         self.reread_s, self.max_checkpoints = reread_s, max_checkpoints
-        self.resident: OrderedDict[str, Held] = OrderedDict()
-        self.files: dict[str, Held] = {}  # on disk: spilled, or dropped with its ids (committed 0)
+        self.resident: OrderedDict[str, ModelledSession] = OrderedDict()
+        self.files: dict[str, ModelledSession] = {}  # on disk: spilled, or dropped with its ids (committed 0)
+        self.host_cap = host_cap or None
+        self.host: OrderedDict[str, ModelledSession] = OrderedDict()  # the host tier, least recently moved in first
         self.restore_rate = RestoreRate()
         self.counts = StoreCounts()
 
     # the store --------------------------------------------------------------------------
 
-    def peek(self, name: str) -> Held | None:
+    def peek(self, name: str) -> ModelledSession | None:
         return self.resident.get(name)
 
     def holds(self, name: str) -> bool:
-        """Resident, or a file of it on disk (a session dropped without a disk is gone)."""
-        return name in self.resident or name in self.files
+        """Resident, in the host tier, or a file of it on disk (a session dropped without a disk is gone)."""
+        return name in self.resident or name in self.host or name in self.files
 
-    def get(self, name: str) -> tuple[Held, float]:
+    def get(self, name: str) -> tuple[ModelledSession, float]:
         """(the session, resident and most recently used, seconds its restore took): as it was,
         restored from disk, or new."""
         h, seconds = self.resident.get(name), 0.0
+        if h is None and name in self.host:
+            h = self.host.pop(name)
+            h.capacity = self.size.capacity(h.committed) if self.size else 0  # a fresh state's buffers, as live
+            seconds = self.costs.host_s(self.host_bytes(h))
+            self.counts.from_host += 1
+            self.counts.host_s += seconds
+            self.resident[name] = h
         if h is None:
             f = self.files.pop(name, None)
             if f is not None:
@@ -88,10 +101,10 @@ class HeldSessions:
                 self.restore_rate.observe(nbytes, seconds)
                 self.counts.restores += 1
                 self.counts.restore_s += seconds
-                h = Held(name, f.ids, f.committed, self.size.capacity(f.committed) if self.size else 0,
+                h = ModelledSession(name, f.ids, f.committed, self.size.capacity(f.committed) if self.size else 0,
                          list(f.checkpoints), list(f.marks))
             else:
-                h = Held(name)
+                h = ModelledSession(name)
             self.resident[name] = h
         self.resident.move_to_end(name)
         return h, seconds
@@ -109,14 +122,39 @@ class HeldSessions:
             plan.left(nbytes)
         return out, seconds
 
-    def _evict(self, h: Held) -> float:
+    def _evict(self, h: ModelledSession) -> float:
         del self.resident[h.name]
+        moved = self._to_host(h)
+        if moved is not None:
+            return moved
+        return self._leave(h)
+
+    def _to_host(self, h: ModelledSession) -> float | None:
+        """Seconds of moving `h` into the host tier, its oldest copies leaving first (as the store
+        does); None where there is no tier or `h` alone is past its cap."""
+        if self.host_cap is None or self.host_bytes(h) > self.host_cap:
+            return None
+        seconds = 0.0
+        while sum(self.host_bytes(x) for x in self.host.values()) + self.host_bytes(h) > self.host_cap:
+            _, oldest = self.host.popitem(last=False)
+            if self.disk:
+                self.counts.host_to_disk += 1
+            seconds += self._leave(oldest, from_host=True)
+        moved = self.costs.host_s(self.host_bytes(h))
+        self.counts.to_host += 1
+        self.counts.host_s += moved
+        self.host[h.name] = h
+        return seconds + moved
+
+    def _leave(self, h: ModelledSession, from_host: bool = False) -> float:
+        """`h` leaves memory: spilled or dropped (`residency.leave_how`) with a disk, dropped without;
+        the seconds of its write. A host copy leaving for disk is spilled (as the store does)."""
         if not self.disk:
             self.counts.drops += 1
             return 0.0
         restore = self.restore_rate.seconds(self._file_bytes(h))
-        how, _ = leave_how(restore, self.reread_s(h.committed), h.committed)
-        kept = h if how == "spill" else Held(h.name, h.ids)  # a drop keeps its ids at committed 0
+        how = "spill" if from_host else leave_how(restore, self.reread_s(h.committed), h.committed)[0]
+        kept = h if how == "spill" else ModelledSession(h.name, h.ids)  # a drop keeps its ids at committed 0
         self.files[h.name] = kept
         seconds = self.costs.spill_s(self._file_bytes(kept))
         self.counts.spill_s += seconds
@@ -126,37 +164,40 @@ class HeldSessions:
             self.counts.drops += 1
         return seconds
 
-    def bytes(self, h: Held) -> int:
+    def host_bytes(self, h: ModelledSession) -> int:
+        return self.size.host(h.committed, h.ids, len(h.checkpoints)) if self.size else 0
+
+    def bytes(self, h: ModelledSession) -> int:
         return self.size.resident(h.capacity, len(h.checkpoints)) if self.size else 0
 
-    def _file_bytes(self, h: Held) -> int:
+    def _file_bytes(self, h: ModelledSession) -> int:
         return self.size.file(h.committed, h.ids, len(h.checkpoints)) if self.size else 0
 
     # the reader -------------------------------------------------------------------------
 
-    def feed_prompt(self, h: Held, tokens: int, shared: int) -> Feed:
+    def feed_prompt(self, h: ModelledSession, tokens: int, shared: int) -> Feed:
         """A prompt of `tokens` ids sharing `shared` with what the session's engine holds, fed as the
         reader feeds one (`driving.feed_prompt`)."""
         feed = driving.feed_prompt(self, h, min(h.ids, shared, tokens), tokens)
         h.ids = tokens
         return feed
 
-    def take_checkpoint(self, h: Held) -> int:
+    def take_checkpoint(self, h: ModelledSession) -> int:
         return h.committed
 
-    def return_to(self, h: Held, checkpoint: int | None) -> None:
+    def return_to(self, h: ModelledSession, checkpoint: int | None) -> None:
         h.committed = 0 if checkpoint is None else checkpoint
         if checkpoint is None:
             h.capacity = 0  # a new state
 
-    def advance(self, h: Held) -> None:
+    def advance(self, h: ModelledSession) -> None:
         """One chunk read."""
         h.committed += self.grid
         if self.size is not None:
             h.capacity = max(h.capacity, self.size.capacity(h.committed))
         driving.chunks_read(self, h)
 
-    def fork(self, h: Held, rows: int) -> None:
+    def fork(self, h: ModelledSession, rows: int) -> None:
         """An ask's fork read `rows` rows above the read position (the KV buffers grow for them)."""
         if self.size is not None:
             h.capacity = max(h.capacity, self.size.capacity(h.committed + rows))
