@@ -334,6 +334,21 @@ def test_live_and_replayed_spill_and_restore_at_the_same_costs(tiny, read_log, t
     assert min(seen) > 0  # sessions were restored, and some dropped as cheaper to read again
 
 
+def live_under_a_cap(requests, read_log, **store_options):
+    """`live_reads` through a store of `store_options` whose restore rate stays unknown (so it never
+    drops a session as cheaper to read again): (the reads, the service, the store)."""
+    stores = []
+
+    def store_for(reader, loaded, clock):
+        store = SessionStore(reader, loaded.weights_hash, **store_options)
+        store.restore_rate.observe = lambda nbytes, seconds: None
+        stores.append(store)
+        return store
+
+    live, service, _ = live_reads(requests, store_for, read_log)
+    return live, service, stores[0]
+
+
 @pytest.mark.parametrize("disk", [False, True], ids=["drop", "spill"])
 @pytest.mark.parametrize("seed", [4, 9, 21])
 def test_live_and_replayed_read_the_same_chunks_under_a_cap_that_forces_spills(tiny, read_log, tmp_path, seed, disk):
@@ -352,24 +367,16 @@ def test_live_and_replayed_read_the_same_chunks_under_a_cap_that_forces_spills(t
                  costs=CostTable(ChunkTable.flat(CHUNK_S * 1e6 / GRID, GRID), restore_gib_s=math.inf,
                                  spill_gib_s=math.inf))
     replayed = read_log.take()
-    stores = []
-
-    def store_for(reader, loaded, clock):
-        store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=tmp_path / "disk" if disk else None)
-        store.restore_rate.observe = lambda nbytes, seconds: None
-        stores.append(store)
-        return store
-
-    live, service, _ = live_reads(requests, store_for, read_log)
+    live, service, store = live_under_a_cap(requests, read_log, cap_gib=cap_gib, disk=tmp_path / "disk" if disk else None)
     try:
-        c = stores[0].counters
+        c = store.counters
         assert (arm.spills, arm.restores, arm.drops) == (c.spills, c.restores, c.drops)
         assert (c.spills if disk else c.drops) > 3 and (c.restores > 0) == disk  # the cap bit
         assert live == replayed
         counters = service.status()["counters"]
         assert (counters["chunks_idle"], counters["chunks_share"]) == (arm.chunks_idle, arm.chunks_share)
         for name in "abc":
-            if stores[0].holds(name):
+            if store.holds(name):
                 assert_exact(service, name)
     finally:
         service.stop()
@@ -392,24 +399,16 @@ def test_live_and_replayed_moves_through_the_host_tier_read_the_same_chunks(tiny
                  costs=CostTable(ChunkTable.flat(CHUNK_S * 1e6 / GRID, GRID), restore_gib_s=math.inf,
                                  spill_gib_s=math.inf, host_gib_s=math.inf))
     replayed = read_log.take()
-    stores = []
-
-    def store_for(reader, loaded, clock):
-        store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=tmp_path / "disk" if disk else None,
-                             host_cap_gib=host_gib)
-        store.restore_rate.observe = lambda nbytes, seconds: None
-        stores.append(store)
-        return store
-
-    live, service, _ = live_reads(requests, store_for, read_log)
+    live, service, store = live_under_a_cap(requests, read_log, cap_gib=cap_gib, disk=tmp_path / "disk" if disk else None,
+                                            host_cap_gib=host_gib)
     try:
-        c = stores[0].counters
+        c = store.counters
         assert (arm.to_host, arm.from_host, arm.spills, arm.restores, arm.drops) == \
             (c.to_host, c.from_host, c.spills, c.restores, c.drops)
         assert c.to_host > 3 and c.from_host > 0 and (c.host_to_disk if disk else c.drops) > 0  # the tier bit, and filled
         assert live == replayed
         for name in "abc":
-            if stores[0].holds(name):
+            if store.holds(name):
                 assert_exact(service, name)
     finally:
         service.stop()
