@@ -167,15 +167,15 @@ class EngineReplay:
     # what the shadow holds ----------------------------------------------------------------
 
     def _position(self, s: str) -> int:
-        """The session's read position here: resident, on disk, or 0 (gone, or never seen)."""
-        h = self.store.peek(s) or self.store.files.get(s)
+        """The session's read position here: resident, in the host tier, on disk, or 0 (gone, or never seen)."""
+        h = self.store.find(s)
         return h.committed if h is not None else 0
 
     def wait_s(self, s: str) -> float:
-        """Seconds of device work an ask about `s` would wait for now: a restore if it is on disk,
-        then the chunks from its read position to the grid line of the ids the shadow was told of."""
-        f = None if s in self.store.resident else self.store.files.get(s)
-        restore = self.costs.restore_s(self.store._file_bytes(f)) if f is not None else 0.0
+        """Seconds of device work an ask about `s` would wait for now: its move back if it is in the
+        host tier, or its restore if it is on disk, then the chunks from its read position to the
+        grid line of the ids the shadow was told of."""
+        restore = self.store.back_s(s)
         line = self.fed.get(s, 0) // self.grid
         return restore + self.read_time(self._position(s) // self.grid, line)
 
@@ -331,7 +331,7 @@ class EngineReplay:
 
     def _settle(self, keep: str | None, t: float) -> float:
         gone, seconds = self.store.settle(keep)
-        self.tally.left += [(t, s, s in self.store.files and self.store.files[s].committed > 0) for s in gone]
+        self.tally.left += [(t, s, (self.store.find(s) or ModelledSession(s)).committed > 0) for s in gone]
         if seconds:
             t = self._busy(t, seconds, locked=True)
         for s in gone:

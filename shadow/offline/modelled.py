@@ -78,6 +78,18 @@ class ModelledStore:
     def peek(self, name: str) -> ModelledSession | None:
         return self.resident.get(name)
 
+    def find(self, name: str) -> ModelledSession | None:
+        """The session wherever the store keeps it (resident, in the host tier, on disk), untouched."""
+        return self.resident.get(name) or self.host.get(name) or self.files.get(name)
+
+    def back_s(self, name: str) -> float:
+        """Seconds of bringing `name` back onto the device now: a move from the host tier or a
+        restore from disk (0 when it is resident, gone or new)."""
+        if name in self.host:
+            return self.costs.host_s(self.host_bytes(self.host[name]))
+        f = None if name in self.resident else self.files.get(name)
+        return self.costs.restore_s(self._file_bytes(f)) if f is not None else 0.0
+
     def holds(self, name: str) -> bool:
         """Resident, in the host tier, or a file of it on disk (a session dropped without a disk is gone)."""
         return name in self.resident or name in self.host or name in self.files
