@@ -2,7 +2,7 @@
 # The freshness tables and figures in docs/FRESHNESS.md, from `shadow replay-ledger` runs of the read
 # scheduler (shadow/core/schedule.py).
 # Usage: bash experiments/replay_tables.sh [DATA_DIR] [STEP ...]   (DATA_DIR default ../shared/data)
-#   the live service's limits: ledger live batches dense calls ablation share-sweep fleet curve
+#   the live service's limits: ledger live batches tiers dense calls ablation share-sweep fleet curve
 #   the idealised replay (ids at once, no cap, no voice, one chunk cost): trajectories packed density
 #     traj-fleet mooncake mooncake-fleet mooncake-routes
 #   default: every step, in that order. Each step prints its commands; outputs in out/freshness-*.txt (the
@@ -12,7 +12,7 @@
 set -euo pipefail
 data=../shared/data
 if [ $# -gt 0 ] && [ -d "$1" ]; then data=$1; shift; fi
-steps=${*:-ledger live batches dense calls ablation share-sweep fleet curve trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes}
+steps=${*:-ledger live batches tiers dense calls ablation share-sweep fleet curve trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes}
 RATE=${RATE:-docs/results/batch/read-rate-h200-batches.json}  # a read-rate run's costs by depth and batch (RATE=... to choose)
 RUN=$(basename "$RATE" .json)  # names the outputs charged by it
 H200=7.3647  # ms per 1,000: docs/results/read-rate-512-h200-r2-fixed.json, one chunk at 16k (the idealised runs)
@@ -58,6 +58,14 @@ for step in $steps; do
       # how fast the share's reads must be: one flat cost a chunk at every depth, no batches
       run "batch-29-cap0-flat" "$LEDGER" --pack 29 --share 0.02 --cap-gib 0 --read-ms-per-1k 7.3647 \
         --read-ms-per-1k 6.5 --read-ms-per-1k 6 --read-ms-per-1k 5.5 --read-ms-per-1k 5 --read-ms-per-1k 4 ;;
+    tiers)  # the store's tiers at the shipped defaults (4 GiB cap, 32 GiB host tier, no disk), charged $RATE:
+            # the Mooncake trace on 16 engines and the trajectories packed to 29, against no host tier, a disk, no cap
+      for store in "" "--host-cap-gib 0" "--disk" "--host-cap-gib 0 --disk" "--cap-gib 0"; do
+        tag=$(echo "default $store" | tr -d ' -')
+        run "tiers-mooncake16-$tag" "$MOON" --engines 16 --share 0.02 --read-rate-json "$RATE" $store
+        run "tiers-29-dense-$tag" "$LEDGER" --pack 29 --share 0.02 --batch 8 --batch-read-ms 50 --batch-wait-ms 1000 \
+          --read-rate-json "$RATE" --samples 300 $store
+      done ;;
     dense)  # runs, pieces and waiting for fuller batches, packed to 8 ... 29, no cap, idle + 2 %, charged $RATE
       for k in 8 16 24 29; do
         run "dense-$k-b1-$RUN" "$LEDGER" --pack "$k" --share 0.02 --cap-gib 0 --read-rate-json "$RATE" --samples 300
