@@ -136,9 +136,35 @@ def test_memory_stays_bounded_under_a_churn_of_200_sessions(reader, tmp_path):
     assert len(store.names()) == 200  # none lost: every session on the device, in host memory or on disk
 
 
-def test_the_host_tier_is_bounded_by_bytes_and_reports_them():
+def test_the_host_tier_is_bounded_by_bytes_and_reports_them(reader):
     tier = HostTier(cap=1000)
     assert tier.fits(1000) and not tier.fits(1001) and tier.room() == 1000 and tier.oldest() is None
+    a, b = reader.new_session("a"), reader.new_session("b")
+    tier.put(a, 300)
+    tier.put(b, 500)
+    tier.put(a, 400)  # the same name again replaces it, and is newest
+    assert tier.used() == 900 and tier.room() == 100 and tier.names() == ["b", "a"] and tier.oldest() is b
+    assert tier.take("b") is b and tier.take("b") is None and tier.used() == 400
+
+
+def test_a_move_back_that_fails_keeps_the_copy_in_host_memory(reader, monkeypatch):
+    import shadow.core.store as store_module
+
+    store = SessionStore(reader, "h", cap_gib=0, host_cap_gib=1.0)
+    before = fingerprint(fed(store, reader, "a", seed=60))
+    fed(store, reader, "b", seed=61)
+    store.settle(keep="b")
+    real = store_module.from_host
+
+    def out_of_memory(*args):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(store_module, "from_host", out_of_memory)
+    with pytest.raises(RuntimeError):
+        store.get("a")
+    assert "a" in store.host and store.holds("a") and store.counters.from_host == 0
+    monkeypatch.setattr(store_module, "from_host", real)
+    assert_same(before, fingerprint(store.get("a")))
 
 
 def test_the_served_host_tier_is_none_on_a_cpu_and_at_most_half_the_machines_memory():

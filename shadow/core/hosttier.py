@@ -95,6 +95,7 @@ class HostTier:
         self.cap = cap
         self._copies: OrderedDict[str, Session] = OrderedDict()
         self._bytes: dict[str, int] = {}
+        self._used = 0  # the sum of `_bytes`, kept as copies come and go
 
     def __contains__(self, name: str) -> bool:
         return name in self._copies
@@ -110,7 +111,7 @@ class HostTier:
         return list(self._copies.values())
 
     def used(self) -> int:
-        return sum(self._bytes.values())
+        return self._used
 
     def fits(self, nbytes: int) -> bool:
         """Whether a copy of `nbytes` could be held at all (with every other copy gone)."""
@@ -122,14 +123,16 @@ class HostTier:
     def oldest(self) -> Session | None:
         return next(iter(self._copies.values()), None)
 
-    def put(self, copy: Session) -> None:
+    def put(self, copy: Session, nbytes: int) -> None:
+        """Hold `copy` (of `nbytes`, `host_bytes`), newest; one of the same name is replaced."""
+        self.take(copy.name)
         self._copies[copy.name] = copy
-        self._copies.move_to_end(copy.name)
-        self._bytes[copy.name] = host_bytes(copy)
+        self._bytes[copy.name] = nbytes
+        self._used += nbytes
 
     def take(self, name: str) -> Session | None:
         """The copy of `name`, out of the tier (None where it holds none)."""
-        self._bytes.pop(name, None)
+        self._used -= self._bytes.pop(name, 0)
         return self._copies.pop(name, None)
 
     def peek(self, name: str) -> Session | None:

@@ -330,7 +330,7 @@ class SessionStore:
         c.to_host_seconds += time.perf_counter() - start
         c.to_host += 1
         c.bytes_to_host += need
-        host.put(copy)
+        host.put(copy, need)
         return True
 
     def _host_out(self, copy: Session) -> bool:
@@ -355,9 +355,9 @@ class SessionStore:
         if self.host is None or name not in self.host:
             return None
         need = self.host.nbytes(name)
-        copy = self.host.take(name)
         start = time.perf_counter()
-        session = from_host(copy, self.reader.model.new_state())
+        session = from_host(self.host.peek(name), self.reader.model.new_state())
+        self.host.take(name)  # only once it is back: a move that fails (out of device memory) keeps the copy
         c = self.counters
         c.from_host_seconds += time.perf_counter() - start
         c.from_host += 1

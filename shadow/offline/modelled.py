@@ -70,6 +70,7 @@ class ModelledStore:
         self.files: dict[str, ModelledSession] = {}  # on disk: spilled, or dropped with its ids (committed 0)
         self.host_cap = host_cap or None
         self.host: OrderedDict[str, ModelledSession] = OrderedDict()  # the host tier, least recently moved in first
+        self.host_used = 0  # bytes of the copies in the host tier (each counted as it moved in)
         self.restore_rate = RestoreRate()
         self.counts = StoreCounts()
 
@@ -100,6 +101,7 @@ class ModelledStore:
         h, seconds = self.resident.get(name), 0.0
         if h is None and name in self.host:
             h = self.host.pop(name)
+            self.host_used -= self.host_bytes(h)  # its size as it moved in: nothing changes it in the tier
             h.capacity = self.size.capacity(h.committed) if self.size else 0  # a fresh state's buffers, as live
             seconds = self.costs.host_s(self.host_bytes(h))
             self.counts.from_host += 1
@@ -146,16 +148,18 @@ class ModelledStore:
         does); None where there is no tier or `h` alone is past its cap."""
         if self.host_cap is None or self.host_bytes(h) > self.host_cap:
             return None
-        seconds = 0.0
-        while sum(self.host_bytes(x) for x in self.host.values()) + self.host_bytes(h) > self.host_cap:
+        seconds, need = 0.0, self.host_bytes(h)
+        while self.host_used + need > self.host_cap:
             _, oldest = self.host.popitem(last=False)
+            self.host_used -= self.host_bytes(oldest)
             if self.disk:
                 self.counts.host_to_disk += 1
             seconds += self._leave(oldest, from_host=True)
-        moved = self.costs.host_s(self.host_bytes(h))
+        moved = self.costs.host_s(need)
         self.counts.to_host += 1
         self.counts.host_s += moved
         self.host[h.name] = h
+        self.host_used += need
         return seconds + moved
 
     def _leave(self, h: ModelledSession, from_host: bool = False) -> float:
