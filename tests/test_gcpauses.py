@@ -46,3 +46,25 @@ def test_freeze_takes_what_exists_out_of_the_collectors_walks():
     finally:
         gc.unfreeze()  # the test process goes on collecting its own garbage
     assert gc.get_freeze_count() == 0
+
+
+def test_status_never_breaks_when_a_collection_runs_while_it_is_built():
+    """A collection that starts while status builds its answer (every allocation collects here)
+    appends a long pause meanwhile: status still answers, as /v1/shadow/status must."""
+    import gc
+
+    from shadow.server.gcpauses import GcPauses
+
+    pauses = GcPauses()
+    pauses.LONG_MS = -1.0  # every collection is kept as long
+    pauses.long = tuple((float(k), 0, 1.0) for k in range(GcPauses.KEEP))
+    threshold = gc.get_threshold()
+    gc.callbacks.append(pauses)
+    try:
+        gc.set_threshold(1)
+        for _ in range(20):
+            status = pauses.status()
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(pauses)
+    assert len(status["long_pauses"]) == GcPauses.KEEP and pauses.collections[0] > 0

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections import deque
 
 
 class GcPauses:
@@ -23,7 +22,9 @@ class GcPauses:
         self.collections = [0, 0, 0]
         self.longest_ms = [0.0, 0.0, 0.0]
         self.total_s = 0.0
-        self.long: deque = deque(maxlen=self.KEEP)  # (wall-clock end, generation, ms)
+        # (wall-clock end, generation, ms): a tuple replaced whole at each long pause, never changed in
+        # place, so a reader iterating it while a collection runs (and appends) keeps its own
+        self.long: tuple = ()
         self._started = threading.local()  # a collection runs on the thread that triggered it
 
     def __call__(self, phase: str, info: dict) -> None:
@@ -40,14 +41,16 @@ class GcPauses:
         self.longest_ms[g] = max(self.longest_ms[g], 1000 * seconds)
         self.total_s += seconds
         if 1000 * seconds >= self.LONG_MS:
-            self.long.append((time.time(), g, 1000 * seconds))
+            self.long = (*self.long, (time.time(), g, 1000 * seconds))[-self.KEEP:]
 
     def status(self) -> dict:
         """Counts and longest pauses by generation, and the last long pauses with when they ended
-        (seconds since the epoch: to set beside a client's stall)."""
+        (seconds since the epoch: to set beside a client's stall). A collection may run while the
+        answer is built (it allocates): the long pauses read here are the tuple of that moment."""
+        long = self.long
         return {"collections": list(self.collections), "longest_ms": [round(x, 3) for x in self.longest_ms],
                 "total_s": round(self.total_s, 6), "frozen": gc.get_freeze_count(),
-                "long_pauses": [{"at": round(at, 3), "generation": g, "ms": round(ms, 3)} for at, g, ms in self.long]}
+                "long_pauses": [{"at": round(at, 3), "generation": g, "ms": round(ms, 3)} for at, g, ms in long]}
 
 
 _pauses: GcPauses | None = None
