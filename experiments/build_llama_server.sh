@@ -1,38 +1,99 @@
 #!/usr/bin/env bash
-# Build llama.cpp's `llama-server` (CPU only, Release, portable) from the llama.cpp sources vendored
-# in PyPI's llama-cpp-python sdist, and install it under $SHADOW_LLAMA_HOME/bin.
+# Build llama.cpp's `llama-server` (Release, portable) from the llama.cpp sources vendored in PyPI's
+# llama-cpp-python sdist, and install it under $SHADOW_LLAMA_HOME/bin.
 #
-#   bash experiments/build_llama_server.sh        # prints the binary's path as its last line
+#   bash experiments/build_llama_server.sh            # CPU, from the sdist; prints the binary's path as its last line
+#   bash experiments/build_llama_server.sh pack DIR   # the vendored sources, packed for a device machine:
+#                                                     #   DIR/llama.cpp-VERSION.tar.xz (about 4 MB)
+#   bash experiments/build_llama_server.sh cuda [TAR] # CUDA (sm_90: H100, H200) from a pack (default
+#                                                     #   .carry/llama-src/llama.cpp-VERSION.tar.xz); prints the path
+#   bash experiments/build_llama_server.sh cpu-from-pack [TAR]   # the CPU build from a pack (checks a pack builds)
 #
 # Idempotent: when $SHADOW_LLAMA_HOME/bin/llama-server already runs (`--version`), nothing is built.
-# Portable: GGML_NATIVE=OFF (x86-64: AVX2/FMA/F16C, no -march=native), static libraries, no OpenMP,
-# no curl/OpenSSL, no web UI, so a cached binary runs on another CPU of the same arch.
-# Needs cmake, a C++17 compiler, pip; ninja when present. About 15-20 min on 2 cores.
+# SHADOW_LLAMA_HOME defaults to ~/.cache/shadow/engines/llama-server-VERSION (CPU) and
+# ~/.cache/shadow/engines/llama-server-VERSION-cuda (CUDA) and ...-VERSION-packed (cpu-from-pack). Portable: GGML_NATIVE=OFF (x86-64:
+# AVX2/FMA/F16C, no -march=native), static libraries, no OpenMP, no curl/OpenSSL, no web UI, so a
+# cached binary runs on another CPU of the same arch. Needs cmake, a C++17 compiler, pip (the sdist
+# only); ninja when present; CUDA: nvcc. About 15-20 min on 2 cores (CPU); CUDA with 16 jobs about
+# 3 min on an H100's host. SHADOW_LLAMA_JOBS: build jobs (2; CUDA 16). SHADOW_LLAMA_BUILD_TIMEOUT:
+# seconds the build may take before it is stopped (CUDA 300; CPU none). SHADOW_LLAMA_CONFIGURE_ONLY=1:
+# stop after cmake's configure (nothing installed).
+# A pack leaves out what llama-server's build never reads: the models, docs, tests, benches,
+# examples, conversion scripts, the web UI's tests and every ggml backend but CPU and CUDA.
 set -euo pipefail
 
 VERSION=0.3.36
-HOME_DIR="${SHADOW_LLAMA_HOME:-$HOME/.cache/shadow/engines/llama-server-$VERSION}"
+MODE=${1:-cpu}
+case $MODE in
+  cpu|pack) SUFFIX= ;;
+  cpu-from-pack) SUFFIX=-packed ;;
+  cuda) SUFFIX=-cuda ;;
+  *) echo "usage: build_llama_server.sh [cpu | pack DIR | cuda [TAR] | cpu-from-pack [TAR]]" >&2; exit 2 ;;
+esac
+SDIST_HOME="$HOME/.cache/shadow/engines/llama-server-$VERSION"
+HOME_DIR="${SHADOW_LLAMA_HOME:-$HOME/.cache/shadow/engines/llama-server-$VERSION$SUFFIX}"
 BIN="$HOME_DIR/bin/llama-server"
-JOBS="${SHADOW_LLAMA_JOBS:-2}"
+PACK_NAME="llama.cpp-$VERSION.tar.xz"
+
+sdist() {  # the sdist's path, downloaded once
+  local dir="${SHADOW_LLAMA_SDIST_DIR:-$SDIST_HOME/sdist}"
+  mkdir -p "$dir"
+  local path="$dir/llama_cpp_python-$VERSION.tar.gz"
+  if [ ! -s "$path" ]; then
+    echo "downloading llama-cpp-python==$VERSION (sdist) ..." >&2
+    python3 -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$dir" >&2
+  fi
+  echo "$path"
+}
+
+if [ "$MODE" = pack ]; then
+  dest=${2:?pack needs a folder}
+  mkdir -p "$dest"
+  if [ -s "$dest/$PACK_NAME" ]; then echo "$dest/$PACK_NAME"; exit 0; fi
+  tmp="$(mktemp -d)"; trap 'rm -rf "$tmp"' EXIT
+  tar -xzf "$(sdist)" -C "$tmp" "llama_cpp_python-$VERSION/vendor/llama.cpp"
+  excludes=()
+  for d in models docs tests benches examples media gguf-py conversion .github .devops pocs tools/ui/tests; do
+    excludes+=(--exclude="llama.cpp/$d"); done
+  for b in blas cann et hexagon hip metal musa opencl openvino rpc sycl virtgpu vulkan webgpu zdnn zendnn; do
+    excludes+=(--exclude="llama.cpp/ggml/src/ggml-$b"); done
+  tar --anchored "${excludes[@]}" -C "$tmp/llama_cpp_python-$VERSION/vendor" -cJf "$tmp/$PACK_NAME" llama.cpp
+  mv "$tmp/$PACK_NAME" "$dest/$PACK_NAME"
+  echo "packed $(du -h "$dest/$PACK_NAME" | cut -f1) of llama.cpp sources" >&2
+  echo "$dest/$PACK_NAME"
+  exit 0
+fi
 
 if [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; then
   echo "$BIN"
   exit 0
 fi
 
-mkdir -p "$HOME_DIR/sdist" "$HOME_DIR/bin"
-SDIST="$HOME_DIR/sdist/llama_cpp_python-$VERSION.tar.gz"
-if [ ! -s "$SDIST" ]; then
-  echo "downloading llama-cpp-python==$VERSION (sdist) ..." >&2
-  python3 -m pip download -q --no-binary :all: --no-deps "llama-cpp-python==$VERSION" -d "$HOME_DIR/sdist" >&2
-fi
-
+mkdir -p "$HOME_DIR/bin"
 WORK="$(mktemp -d "$HOME_DIR/build.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
-tar -xzf "$SDIST" -C "$WORK"
-SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
-[ -f "$SRC/tools/server/server.cpp" ] || { echo "no llama.cpp server sources in $SDIST" >&2; exit 1; }
+if [ "$MODE" = cpu ]; then
+  SDIST="$(sdist)"
+  tar -xzf "$SDIST" -C "$WORK"
+  SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
+else
+  PACK="${2:-.carry/llama-src/$PACK_NAME}"
+  [ -s "$PACK" ] || { echo "no packed sources at $PACK: run 'bash experiments/build_llama_server.sh pack .carry/llama-src' first" >&2; exit 1; }
+  tar -xJf "$PACK" -C "$WORK"
+  SRC="$WORK/llama.cpp"
+fi
+[ -f "$SRC/tools/server/server.cpp" ] || { echo "no llama.cpp server sources in ${SDIST:-$PACK}" >&2; exit 1; }
 
+GPU=()
+JOBS="${SHADOW_LLAMA_JOBS:-2}"
+LIMIT="${SHADOW_LLAMA_BUILD_TIMEOUT:-0}"
+if [ "$MODE" = cuda ]; then
+  GPU=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90)
+  JOBS="${SHADOW_LLAMA_JOBS:-16}"
+  LIMIT="${SHADOW_LLAMA_BUILD_TIMEOUT:-300}"
+  command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || { echo "no nvcc: the CUDA build needs the CUDA toolkit" >&2; exit 1; }
+  command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+fi
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 start=$(date +%s)
@@ -43,10 +104,17 @@ cmake -S "$SRC" -B "$WORK/build" "${GEN[@]}" \
   -DLLAMA_BUILD_COMMON=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
   -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-  -DLLAMA_BUILD_COMMIT="llama-cpp-python-$VERSION" >&2
-cmake --build "$WORK/build" --target llama-server -j "$JOBS" >&2
+  -DLLAMA_BUILD_COMMIT="llama-cpp-python-$VERSION" "${GPU[@]}" >&2
+echo "configured in $(( $(date +%s) - start )) s" >&2
+if [ "${SHADOW_LLAMA_CONFIGURE_ONLY:-0}" = 1 ]; then
+  echo "configure only: nothing built" >&2
+  exit 0
+fi
+BUILD=(cmake --build "$WORK/build" --target llama-server -j "$JOBS")
+if [ "$LIMIT" -gt 0 ]; then BUILD=(timeout "$LIMIT" "${BUILD[@]}"); fi
+"${BUILD[@]}" >&2 || { echo "the build failed or passed ${LIMIT} s (exit $?)" >&2; exit 1; }
 install -m 0755 "$WORK/build/bin/llama-server" "$BIN.tmp"
 mv "$BIN.tmp" "$BIN"
 "$BIN" --version >&2
-echo "built llama-server in $(( $(date +%s) - start )) s with -j$JOBS" >&2
+echo "built llama-server ($MODE) in $(( $(date +%s) - start )) s with -j$JOBS" >&2
 echo "$BIN"

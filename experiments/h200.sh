@@ -2,6 +2,7 @@
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
 #     timeline abdefault abzero abbatch abdense proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch attnkernels verifybatch ratebatch
+#     density
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -102,6 +103,30 @@ for step in "$@"; do
                > "$OUT/voice-replay-$m.txt" 2>&1; tail -n 12 "$OUT/voice-replay-$m.txt"; done ;;
     restore) timeout 240 python3 experiments/restore_speed.py --device cuda --runs 5 --folder /var/tmp/shadow-restore \
                > "$OUT/restore-h200.txt" 2>&1; tail -c 2500 "$OUT/restore-h200.txt" ;;
+    density) # 24 agent sessions at once beside a CUDA llama-server, measured against the replay of the same run.
+             # Needs .carry/llama-src (build_llama_server.sh pack), $D's trajectories, .carry/qwen3.5.jinja and the
+             # gguf wheel (device-wheels.sh gguf==0.19.0). Budget (9 min): the build <= 240 s (172 s measured; 0 once
+             # cached on a warm machine), the GGUF, engine and shadow up in about 90 s, DENSITY_S (120) of density,
+             # PAIRS x 2 x WINDOW_S (2 x 2 x 15 s) off/on, the engine's tokenization and the replay in about 30 s;
+             # the driver is stopped at 540 s from the step's start. Warm, a second call can give DENSITY_S about 400.
+             # Writes 6 files: density-build.txt, density.log, density-{live-density.json,table.txt,ledger.jsonl}, and
+             # density-more.tgz (status, costs, replay, journal, metrics, engine and serve logs).
+             start=$(date +%s)
+             python3 -c 'import gguf' 2>/dev/null || { echo "no gguf module: ../shared/tools/device-wheels.sh gguf==0.19.0"; continue; }
+             llama=$(SHADOW_LLAMA_BUILD_TIMEOUT=${BUILD_TIMEOUT:-240} bash experiments/build_llama_server.sh cuda \
+                       "${LLAMA_SRC:-.carry/llama-src/llama.cpp-0.3.36.tar.xz}" 2> "$OUT/density-build.txt" | tail -n 1)
+             tail -n 3 "$OUT/density-build.txt"
+             [ -x "$llama" ] || { echo "no CUDA llama-server"; continue; }
+             echo "llama-server ready after $(( $(date +%s) - start )) s"
+             timeout $(( 540 - ($(date +%s) - start) )) python3 experiments/live_density.py --out /tmp/density \
+               --llama-server "$llama" --sessions ${SESSIONS:-24} --duration ${DENSITY_S:-120} --pairs ${PAIRS:-2} \
+               --window ${WINDOW_S:-15} --model qwen3.5-0.8b --device cuda --trajectories "${TRAJ:-$D}" \
+               --template "${TEMPLATE:-.carry/qwen3.5.jinja}" --hidden ${HIDDEN:-1024} --layers ${LAYERS:-8} --heads 8 \
+               --kv-heads 2 --engine-arg=-ngl --engine-arg=999 ${DENSITY_ARGS:-} > /tmp/density-stdout.json 2> "$OUT/density.log"
+             echo "driver exit $? after $(( $(date +%s) - start )) s"; tail -n 22 "$OUT/density.log" | cut -c1-300
+             for f in live-density.json table.txt ledger.jsonl; do cp "/tmp/density/$f" "$OUT/density-$f" 2>/dev/null; done
+             tar -czf "$OUT/density-more.tgz" -C /tmp/density --exclude=engine.gguf --exclude=live-density.json \
+               --exclude=table.txt --exclude=ledger.jsonl . 2>/dev/null ;;
     *) echo "unknown step $step" ;;
   esac
 done

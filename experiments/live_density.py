@@ -1,0 +1,421 @@
+"""Live density: N agent sessions at once through `shadow serve --upstream` beside a real batching
+llama-server, at their recorded pacing, measured against the ledger replay of the same run.
+
+    python experiments/live_density.py --out /tmp/density --sessions 3 --duration 90 \
+        --trajectories ../shared/data/trajectories/mini-swe-agent/django__django-14559.traj.json ...
+
+Each of the N session slots replays a mini-swe-agent trajectory (the next one in the list when its
+last ends, so N stay active): each request when its turn comes (the recorded time since the
+session's first request, `--pace` times it, or the previous response's end if later), its messages
+the recorded history (llama-server renders them with the GGUF's chat template, the real Qwen3.5
+one), `max_tokens` the recorded output's length in Qwen3.5 ids (`render_output`, as the ledger
+importer counts it; at most `--max-output`) with `ignore_eos`, streamed, with logprobs (their ids
+are the output's ids). A slot's first trajectory starts at a seeded random turn of its first half
+(`--start random`), so the sessions are at different depths from the start. Asks
+(`/v1/shadow/ask`) go out at each turn start of a session with earlier turns (just before the
+request) and at seeded random times (`--asks-per-hour` per active session, Poisson). The
+service's status is polled every `--poll-s` (time to fresh, share charged, the store's moves).
+
+The engine is llama-server (`--llama-server`, default the CPU build of
+`experiments/build_llama_server.sh`) with `--parallel N` (continuous batching is its default) and a
+context of N x the longest session (prompt and output in Qwen3.5 ids), serving a random-weight GGUF
+of `shadow/engines/gguf.py` (`--hidden`, `--layers`). After `--duration` s, `--pairs` K pairs of
+windows of `--window` s switch the shadow off, then on (`/v1/shadow/switch`), the sessions going
+on: the engine's decode tokens/s and inter-token gaps in each (`live_figures.engine_cost`).
+
+Writes in `--out`: `live-density.json` (its last line too on stdout: settings, live figures,
+replay, side by side, engine cost), `ledger.jsonl` (the density phase's requests), `costs.json`
+(the chunk costs the live service learned, charged by the replay), `journal.jsonl`, `status.json`
+(the last status), `replay.txt`, `engine.log`, `serve.log`, `table.txt`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]
+
+import live_figures as fig  # noqa: E402
+
+QUESTION = {"question": "Is the agent about to finish the task? A: yes, B: no.", "choices": ["A", "B"]}
+CPU_BINARY = Path.home() / ".cache/shadow/engines/llama-server-0.3.36/bin/llama-server"
+
+
+@dataclass(frozen=True)
+class Turn:
+    offset_s: float  # since the trajectory's first request
+    messages: list[dict]
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    name: str
+    turns: list[Turn]
+    longest: int  # the last prompt and its output, Qwen3.5 ids
+
+
+def load_trajectory(path: Path, tokenizer) -> Trajectory:
+    """A mini-swe-agent trajectory's requests: recorded times, messages, output lengths."""
+    from shadow.text.chat import render_output, render_prompt
+    from shadow.text.conversations import load_conversation
+
+    doc = json.loads(path.read_text())
+    times = [m["extra"]["response"]["created"] for m in doc["messages"] if m.get("role") == "assistant"]
+    conv = load_conversation(path)
+    turns = []
+    for t, (history, out) in zip(times, conv.requests()):
+        msgs = [{"role": m.role, "content": m.content,
+                 **({"reasoning_content": m.reasoning} if m.role == "assistant" and m.reasoning else {})} for m in history]
+        turns.append(Turn(float(t - times[0]), msgs, len(tokenizer.encode(render_output(out)))))
+    last_history, _ = list(conv.requests())[-1]
+    longest = len(tokenizer.encode(render_prompt(last_history))) + turns[-1].output_tokens
+    return Trajectory(conv.name, turns, longest)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(url: str, proc: subprocess.Popen, timeout: float, ready=lambda r: r.status_code == 200) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[0]} exited {proc.returncode} before {url} answered")
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if ready(httpx.get(url, timeout=2.0)):
+                return
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not come up in {timeout:.0f} s")
+
+
+class Run:
+    """One run: the engine and the service already up at `url`; drives the sessions and records."""
+
+    def __init__(self, args, url: str, trajectories: list[Trajectory]):
+        self.args, self.url, self.trajectories = args, url, trajectories
+        self.rng = random.Random(args.seed)
+        self.sent: list[fig.Sent] = []
+        self.asks: list[fig.Asked] = []
+        self.polls: list[fig.Poll] = []
+        self.windows: list[tuple[str, float, float]] = []
+        self.held: dict[str, int] = {}  # ids a session held after its last response (prompt + output)
+        self.active: set[str] = set()
+        self.next_traj = 0
+        self.t0 = 0.0
+        self.status: dict = {}
+        self.metrics = ""  # the last /metrics scrape (Prometheus text)
+        self.tasks: set[asyncio.Task] = set()
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def main(self) -> None:
+        a = self.args
+        self.stop_at = a.duration + 2 * a.pairs * a.window
+        limits = httpx.Limits(max_connections=4 * a.sessions + 16, max_keepalive_connections=4 * a.sessions + 16)
+        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(a.request_timeout), limits=limits) as c:
+            self.client = c
+            self.t0 = time.monotonic()
+            background = [asyncio.create_task(self.poll()), asyncio.create_task(self.random_asks()),
+                          asyncio.create_task(self.switches())]
+            await asyncio.gather(*(self.slot(k) for k in range(a.sessions)))
+            if self.tasks:
+                await asyncio.wait(list(self.tasks), timeout=a.request_timeout)
+            for t in background:
+                t.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            await self.poll_once()
+            with contextlib.suppress(httpx.HTTPError):
+                self.metrics = (await c.get("/metrics")).text
+
+    # the sessions -------------------------------------------------------------------------------
+
+    async def slot(self, k: int) -> None:
+        first, copy = True, 0
+        while self.now() < self.stop_at:
+            traj = self.trajectories[self.next_traj % len(self.trajectories)]
+            copy = self.next_traj // len(self.trajectories)
+            self.next_traj += 1
+            name = f"{traj.name}.s{k}" + (f".c{copy + 1}" if copy else "")
+            begin = self.rng.randrange(len(traj.turns) // 2 + 1) if first and self.args.start == "random" else 0
+            first = False
+            base = self.now() - traj.turns[begin].offset_s * self.args.pace
+            for i in range(begin, len(traj.turns)):
+                due = base + traj.turns[i].offset_s * self.args.pace
+                await asyncio.sleep(max(0.0, due - self.now()))
+                if self.now() >= self.stop_at:
+                    return
+                if i > begin and self.rng.random() < self.args.turn_asks:
+                    self.spawn(self.ask("turn", name, self.held.get(name)))
+                    await asyncio.sleep(0)  # the ask leaves before the request
+                ok = await self.request(name, i, traj.turns[i])
+                if not ok:
+                    break
+            self.active.discard(name)
+
+    async def request(self, name: str, i: int, turn: Turn) -> bool:
+        a = self.args
+        body = {"messages": turn.messages, "max_tokens": max(1, min(turn.output_tokens, a.max_output)),
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "logprobs": True, "top_logprobs": 1, "temperature": 0}
+        rec = fig.Sent(name, i, self.now(), turn.messages)
+        self.sent.append(rec)
+        self.active.add(name)
+        try:
+            async with self.client.stream("POST", "/v1/chat/completions", json=body,
+                                          headers={"x-session-id": name}) as r:
+                rec.status = r.status_code
+                if r.status_code != 200:
+                    rec.error = (await r.aread()).decode("utf-8", "replace")[:300]
+                    return False
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[len("data: "):])
+                    for choice in event.get("choices") or ():
+                        ids = [t["id"] for t in ((choice.get("logprobs") or {}).get("content") or ()) if "id" in t]
+                        if ids:
+                            t = self.now()
+                            rec.first_token = rec.first_token if rec.first_token is not None else t
+                            rec.output_ids += ids
+                            rec.token_times += [t] * len(ids)
+                    if event.get("usage"):
+                        rec.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+                        rec.output_tokens = event["usage"].get("completion_tokens", 0)
+                    if event.get("error"):
+                        rec.error = json.dumps(event["error"])[:300]
+        except httpx.HTTPError as e:
+            rec.error = f"{type(e).__name__}: {e}"
+        rec.end = self.now()
+        self.held[name] = rec.prompt_tokens + rec.output_tokens
+        return rec.error is None
+
+    # asks, polls, switches ----------------------------------------------------------------------
+
+    def spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def ask(self, kind: str, session: str, held: int | None) -> None:
+        t = self.now()
+        try:
+            r = await self.client.post("/v1/shadow/ask", json={"session": session, **QUESTION, "timeout_s": 60})
+            d = r.json() if r.status_code == 200 else {}
+            self.asks.append(fig.Asked(kind, session, t, r.status_code, d.get("latency_ms"), d.get("behind"),
+                                       d.get("read_chunks"), d.get("insertion"), held))
+        except (httpx.HTTPError, ValueError):
+            self.asks.append(fig.Asked(kind, session, t, 0, held=held))
+
+    async def random_asks(self) -> None:
+        rate = self.args.asks_per_hour * self.args.sessions / 3600
+        if rate <= 0:
+            return
+        rng = random.Random(self.args.seed + 1)
+        t = 0.0
+        while True:
+            t += rng.expovariate(rate)
+            if t >= self.stop_at:
+                return
+            await asyncio.sleep(max(0.0, t - self.now()))
+            known = sorted(s for s in self.active if s in self.held)
+            if known:
+                self.spawn(self.ask("random", rng.choice(known), None))
+
+    async def poll_once(self) -> None:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            r = await self.client.get("/v1/shadow/status")
+            s = r.json()
+            self.status = s
+            self.polls.append(fig.Poll(self.now(), {x["name"]: x["committed"] for x in s["sessions"]},
+                                       s["counters"], s["store"]))
+
+    async def poll(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.args.poll_s)
+
+    async def switches(self) -> None:
+        a = self.args
+        await asyncio.sleep(max(0.0, a.duration - self.now()))
+        for _ in range(a.pairs):
+            for on in (False, True):
+                start = self.now()
+                r = await self.client.post("/v1/shadow/switch", json={"on": on})
+                r.raise_for_status()
+                await asyncio.sleep(max(0.0, start + a.window - self.now()))
+                self.windows.append(("on" if on else "off", start, self.now()))
+
+
+def tokenize_prompts(engine: str, sent: list[fig.Sent]) -> None:
+    """Each request's prompt ids as the engine reads them (`/apply-template`, then `/tokenize`
+    with special tokens), after the run; a fresh connection each (llama-server closes idle ones)."""
+    for r in sent:
+        if r.first_token is None:
+            continue
+        text = httpx.post(f"{engine}/apply-template", json={"messages": r.messages}, timeout=120).json()["prompt"]
+        r.prompt_ids = httpx.post(f"{engine}/tokenize", json={"content": text, "add_special": True,
+                                                              "parse_special": True}, timeout=120).json()["tokens"]
+
+
+def trajectory_paths(items: list[str]) -> list[Path]:
+    out = []
+    for item in items:
+        p = Path(item)
+        out += sorted(p.glob("*.traj.json")) if p.is_dir() else [p]
+    if not out:
+        raise SystemExit("no trajectories")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from shadow.engines.gguf import write_gguf
+    from shadow.text.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    trajectories = [load_trajectory(p, tokenizer) for p in trajectory_paths(a.trajectories)]
+    ctx = a.sessions * max(t.longest for t in trajectories) + a.sessions * 64
+    template = Path(a.template).read_text()
+    gguf = write_gguf(out / "engine.gguf", template, hidden=a.hidden, layers=a.layers, heads=a.heads,
+                      kv_heads=a.kv_heads, intermediate=4 * a.hidden, context=max(ctx, 262_144))
+    engine_port, port = free_port(), free_port()
+    engine_url, url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{port}"
+    journal = out / "journal.jsonl"
+    journal.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+    with contextlib.ExitStack() as stack:
+        engine_cmd = [a.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(engine_port), "--jinja",
+                      "-c", str(ctx), "-np", str(a.sessions), "-cb", "--reasoning-format", "none", "--no-webui",
+                      *(["-t", str(a.threads)] if a.threads else []), *a.engine_arg]
+        engine = start(stack, engine_cmd, out / "engine.log", env)
+        wait_up(f"{engine_url}/health", engine, 300)
+        serve_cmd = [sys.executable, "-c", "from shadow.cli.main import main; main()", "serve", "--upstream",
+                     f"{engine_url}/v1", "--model", a.model, "--device", a.device, "--port", str(port),
+                     "--journal", str(journal), "--share", str(a.share), "--grid", str(a.grid),
+                     "--max-concurrent", str(8 * a.sessions + 32), *(["--cap-gib", str(a.cap_gib)] if a.cap_gib else []),
+                     *(["--batch", str(a.batch)] if a.batch > 1 else []), *(["--disk", a.disk] if a.disk else []),
+                     *a.serve_arg]
+        serve = start(stack, serve_cmd, out / "serve.log", env)
+        wait_up(f"{url}/v1/shadow/status", serve, 900, ready=lambda r: r.status_code == 200 and r.json()["ready"])
+        run = Run(a, url, trajectories)
+        started = time.time()
+        asyncio.run(run.main())
+        wall = time.time() - started
+        tokenize_prompts(engine_url, [r for r in run.sent if r.start < a.duration])
+    (out / "status.json").write_text(json.dumps(run.status, indent=1))
+    return report(a, run, out, journal, ctx, wall)
+
+
+def start(stack: contextlib.ExitStack, cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
+    f = stack.enter_context(open(log, "w"))
+    proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+    def stop():
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    stack.callback(stop)
+    return proc
+
+
+def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict:
+    """Figures, ledger, replay, side by side and engine cost into `out`; the document."""
+    requests = fig.ledger([r for r in run.sent if r.start < a.duration])
+    fig.write_ledger(out / "ledger.jsonl", requests)
+    (out / "costs.json").write_text(json.dumps(fig.costs_document(run.status)))
+    (out / "metrics.txt").write_text(run.metrics)
+    live = fig.live(run.sent, run.asks, run.polls, journal, a.grid, a.duration)
+    live["service"] = fig.scraped(run.metrics)
+    dens = fig.density(requests)
+    live["density"] = {"active": round(dens.active, 3), "new_tok_s": round(dens.new_tok_s, 1), "span_s": round(dens.span_s, 3)}
+    hours = sum(max(0.0, min(a.duration, r.end) - r.start) for r in requests) / 3600  # session-hours in a request
+    span_hours = dens.active * dens.span_s / 3600
+    asked = sum(1 for x in run.asks if x.time < a.duration)
+    forwards = sorted(x.latency_ms for x in run.asks if x.status == 200 and x.read_chunks == 0 and x.latency_ms)
+    settings = {"share": a.share, "grid": a.grid, "cap_gib": a.cap_gib, "batch": a.batch, "model": a.model, "disk": bool(a.disk),
+                "seed": a.seed, "asks_per_hour": round(asked / span_hours, 3) if span_hours else 0.0,
+                "ask_ms": forwards[len(forwards) // 2] if forwards else None}
+    replayed = fig.replay(out / "ledger.jsonl", out / "costs.json", settings, out)
+    doc = {"experiment": "live-density", "settings": {**{k: v for k, v in vars(a).items() if k != "trajectories"},
+                                                      "trajectories": [t.name for t in run.trajectories],
+                                                      "context": ctx, "wall_s": round(wall, 1), "replay": settings,
+                                                      "request_hours": round(hours, 4)},
+           "live": live, "replay": replayed, "side_by_side": fig.side_by_side(live, replayed, requests),
+           "engine": fig.engine_cost(run.sent, run.windows, run.polls),
+           "sent": {"requests": len(run.sent), "asks": len(run.asks),
+                    "sessions": sorted({r.session for r in run.sent})}}
+    (out / "table.txt").write_text(fig.table(doc) + "\n")
+    (out / "live-density.json").write_text(json.dumps(doc, indent=1))
+    (out / "sent.jsonl").write_text("".join(json.dumps({k: v for k, v in asdict(r).items()
+                                                        if k not in ("messages", "output_ids", "prompt_ids", "token_times")})
+                                            + "\n" for r in run.sent))
+    return doc
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="folder for the results")
+    p.add_argument("--trajectories", nargs="+", default=[str(ROOT.parent / "shared/data/trajectories/mini-swe-agent")],
+                   help="trajectory files or folders (used in this order, cycled)")
+    p.add_argument("--template", default=str(ROOT.parent / "shared/data/templates/qwen3.5.jinja"))
+    p.add_argument("--sessions", type=int, default=3, help="N: sessions active at once (the engine's slots)")
+    p.add_argument("--duration", type=float, default=90.0, help="seconds of the density phase")
+    p.add_argument("--pairs", type=int, default=0, help="then this many off/on pairs of windows (engine cost)")
+    p.add_argument("--window", type=float, default=30.0, help="seconds of each off or on window")
+    p.add_argument("--pace", type=float, default=1.0, help="recorded gaps between a session's requests times this")
+    p.add_argument("--start", choices=("random", "first"), default="random", help="a slot's first trajectory's first turn")
+    p.add_argument("--max-output", type=int, default=100_000, help="cap on a request's max_tokens")
+    p.add_argument("--turn-asks", type=float, default=1.0, help="fraction of turn starts with an ask")
+    p.add_argument("--asks-per-hour", type=float, default=120.0, help="random asks per active session per hour")
+    p.add_argument("--poll-s", type=float, default=0.5, help="status poll interval")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--llama-server", default=os.environ.get("SHADOW_LLAMA_SERVER", str(CPU_BINARY)))
+    p.add_argument("--threads", type=int, default=0, help="llama-server -t (0: its default)")
+    p.add_argument("--engine-arg", action="append", default=[], help="one more llama-server argument (repeatable)")
+    p.add_argument("--hidden", type=int, default=128, help="the random GGUF's width")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--model", default="tiny", help="the shadow (serve --model; the replay's state sizes)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--share", type=float, default=0.02)
+    p.add_argument("--grid", type=int, default=512)
+    p.add_argument("--cap-gib", type=float, default=None, help="serve --cap-gib and the replay's (default: serve's)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--disk", default=None, help="serve --disk (sessions past the cap spill and are restored; the replay's --disk)")
+    p.add_argument("--serve-arg", action="append", default=[], help="one more serve argument (repeatable)")
+    a = p.parse_args(argv)
+    if a.sessions < 1 or a.duration <= 0 or a.pairs < 0 or a.window <= 0 or a.pace <= 0:
+        p.error("--sessions, --duration, --window and --pace are positive, --pairs at least 0")
+    return a
+
+
+if __name__ == "__main__":
+    doc = main()
+    print(fig.table(doc), file=sys.stderr)
+    print(json.dumps(doc, separators=(",", ":")))

@@ -1,0 +1,336 @@
+"""The figures of a live density run (`experiments/live_density.py`), from its records: what the
+driver saw (each request's start, first token, end and token times; each ask's answer), the
+service's status polled during the run and its journal, read with the library's readers
+(`shadow.server.journaled.JournalCounts`, `shadow.offline.ledger`, `shadow.offline.timelines`,
+`shadow.offline.metrics.spread`). Also the run's ledger, its replay (`shadow replay-ledger`, the
+same settings, the costs the live service measured), and the engine's decode with the shadow off
+and on, window by window. Prints nothing; `table` returns the short table as text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shadow.offline.ledger import Request, write_ledger
+from shadow.offline.metrics import spread
+from shadow.offline.timelines import density
+from shadow.server.journaled import JournalCounts
+
+
+@dataclass
+class Sent:
+    """One request the driver sent: its session, turn (index in the trajectory), times (s from the
+    run's start; first_token and end None when it never got one), the engine's usage counts, the
+    output ids (the ids beside the logprobs), each streamed token's arrival time, and its messages
+    (for the engine's tokenization after the run)."""
+
+    session: str
+    turn: int
+    start: float
+    messages: list[dict]
+    first_token: float | None = None
+    end: float | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    status: int = 0
+    error: str | None = None
+    prompt_ids: list[int] | None = None  # the engine's own, after the run
+
+
+@dataclass(frozen=True)
+class Asked:
+    """One ask: `kind` 'turn' (sent at a turn start of a session with earlier turns) or 'random';
+    `held` the ids the session held before that turn (turn asks; the answer's `insertion` above it
+    means the new prompt was fed first: `raced`)."""
+
+    kind: str
+    session: str
+    time: float
+    status: int
+    latency_ms: float | None = None
+    behind: int | None = None
+    read_chunks: int | None = None
+    insertion: int | None = None
+    held: int | None = None
+
+    @property
+    def raced(self) -> bool:
+        return self.kind == "turn" and self.insertion is not None and self.held is not None and self.insertion > self.held
+
+
+@dataclass(frozen=True)
+class Poll:
+    """The service's status at time `time`: each session's committed ids, and its counters."""
+
+    time: float
+    committed: dict[str, int]
+    counters: dict
+    store: dict
+
+
+def new_prompt_tokens(requests: list[Sent]) -> dict[int, int]:
+    """Each request's prompt ids past the prefix it shares with its session's previous prompt and
+    output (by `id()`; a session's first request: its whole prompt), as the ledger defines them."""
+    from shadow.core.reader import common_prefix
+
+    out, last = {}, {}
+    for r in sorted(requests, key=lambda r: r.start):
+        ids = r.prompt_ids or []
+        before = last.get(r.session)
+        out[id(r)] = len(ids) - (common_prefix(before, ids) if before is not None else 0)
+        last[r.session] = ids + r.output_ids
+    return out
+
+
+def ledger(requests: list[Sent]) -> list[Request]:
+    """The run's requests that got a first token and an end, as ledger requests (prompt and
+    output counts from the engine's usage; new prompt ids from the engine's own ids)."""
+    done = [r for r in requests if r.first_token is not None and r.end is not None]
+    new = new_prompt_tokens(done)
+    return [Request(r.session, r.start, r.first_token, r.end, r.prompt_tokens,
+                    min(r.prompt_tokens, max(0, new[id(r)])), r.output_tokens) for r in sorted(done, key=lambda r: r.start)]
+
+
+def to_fresh(requests: list[Sent], polls: list[Poll], grid: int, until: float) -> list[tuple[float, bool]]:
+    """Each request's (seconds until a poll saw its session read to its prompt's last grid line,
+    censored): censored where no poll did before the session's next request or `until`."""
+    nxt: dict[int, float] = {}
+    by: dict[str, list[Sent]] = {}
+    for r in sorted(requests, key=lambda r: r.start):
+        by.setdefault(r.session, []).append(r)
+    for rs in by.values():
+        for a, b in zip(rs, rs[1:]):
+            nxt[id(a)] = b.start
+    out = []
+    for r in requests:
+        line = r.prompt_tokens // grid * grid
+        stop = min(nxt.get(id(r), until), until)
+        seen = next((p.time for p in polls if r.start <= p.time <= stop and p.committed.get(r.session, -1) >= line), None)
+        out.append((stop - r.start, True) if seen is None else (seen - r.start, False))
+    return out
+
+
+def decode_union_s(requests: list[Request]) -> float:
+    """Seconds in which at least one request was decoding (its first token to its end)."""
+    spans = sorted((r.first_token, r.end) for r in requests if r.end > r.first_token)
+    total, reach = 0.0, -math.inf
+    for a, b in spans:
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def _delta(polls: list[Poll], key: str, t0: float, t1: float) -> float | None:
+    """A counter's growth between the last polls at or before t0 and t1."""
+    a = [p for p in polls if p.time <= t0] or polls[:1]
+    b = [p for p in polls if p.time <= t1]
+    if not a or not b:
+        return None
+    return float(b[-1].counters.get(key, 0.0)) - float(a[-1].counters.get(key, 0.0))
+
+
+def live(requests: list[Sent], asks: list[Asked], polls: list[Poll], journal: Path, grid: int,
+         phase_end: float) -> dict:
+    """The live figures of the density phase (requests started before `phase_end`), the journal's
+    counts over the whole run, and the store's moves at the last poll."""
+    mine = [r for r in requests if r.start < phase_end]
+    turn = [a for a in asks if a.kind == "turn" and a.time < phase_end and a.status == 200]
+    kept = [a for a in turn if not a.raced]
+    rand = [a for a in asks if a.kind == "random" and a.time < phase_end and a.status == 200]
+    times = to_fresh([r for r in mine if r.first_token is not None], polls, grid, phase_end)
+    fresh = [math.inf if censored else s for s, censored in times]
+    share = _delta(polls, "share_s", 0.0, phase_end)
+    decode = _delta(polls, "decode_s", 0.0, phase_end)
+    counts = JournalCounts(None)
+    counts.path = journal  # read from the file's start (JournalCounts counts from its own start)
+    counts.update()
+    last = polls[-1] if polls else None
+    return {
+        "requests": len(mine), "failed": sum(r.error is not None for r in mine),
+        "sessions": len({r.session for r in mine}),
+        "turn_starts": {"n": len(kept), "raced": len(turn) - len(kept),
+                        "fresh_pct": _pct([a.behind < grid for a in kept]),
+                        "behind": spread([a.behind for a in kept], digits=0),
+                        "ask_wait_ms": spread([a.latency_ms for a in kept])},
+        "random": {"n": len(rand), "ask_wait_ms": spread([a.latency_ms for a in rand]),
+                   "lag": spread([a.behind for a in rand], digits=0),
+                   "stale_pct": _pct([a.behind >= grid for a in rand])},
+        "asks_failed": sum(a.status != 200 for a in asks if a.time < phase_end),
+        "to_fresh_s": {**spread(fresh), "n": len(fresh), "never": sum(c for _, c in times),
+                       "poll_s": _poll_step(polls)},
+        "share": {"share_s": _round(share), "decode_s": _round(decode),
+                  "charged_pct": _round(100 * share / decode) if share is not None and decode else None},
+        "chunks": {k: last.counters.get(k) for k in ("chunks_idle", "chunks_share", "chunks_ask", "rollbacks")}
+        if last is not None else {},
+        "journal": {"turns": sum(counts.checks[("prompt", s)] for s in ("verified", "unverified", "mismatched", "not_read")),
+                    "prompt": {s: counts.checks[("prompt", s)] for s in ("verified", "unverified", "mismatched", "not_read")},
+                    "output": {s: counts.checks[("output", s)] for s in ("verified", "unverified", "mismatched", "not_read")}},
+    }
+
+
+STORE_MOVES = ("spills", "restores", "drops", "to_host", "from_host", "host_to_disk")
+
+
+def scraped(text: str) -> dict:
+    """From the service's last `/metrics` scrape: the store's moves over the whole run (spills,
+    restores, drops, moves to and from the host tier) and its own time to fresh (each turn's
+    seconds until its prompt was read to its last grid line, a histogram: count, mean, and the
+    bucket bound under which half and 90 % of turns were fresh)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples: dict[str, float] = {}
+    buckets: list[tuple[float, float]] = []
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "shadow_time_to_fresh_seconds_bucket":
+                buckets.append((float(s.labels["le"]), s.value))
+            elif not set(s.labels) - {"engine", "instance", "model"}:
+                samples[s.name] = s.value
+    count = samples.get("shadow_time_to_fresh_seconds_count", 0.0)
+
+    def bound(q: float) -> float | None:
+        return next((le for le, n in sorted(buckets) if count and n >= q * count), None)
+
+    return {"store": {k: int(samples[f"shadow_{k}_total"]) for k in STORE_MOVES if f"shadow_{k}_total" in samples},
+            "to_fresh_s": {"n": int(count), "mean": _round(samples.get("shadow_time_to_fresh_seconds_sum", 0.0) / count)
+                           if count else None, "p50_bucket": bound(0.5), "p90_bucket": bound(0.9)}}
+
+
+def costs_document(status: dict) -> dict:
+    """A `read-rate --json`-shaped document of the chunk costs the live service had learned (its
+    `reading.chunk_ms_by_depth` at the run's end), for the replay to charge the same."""
+    rows = [{"context": int(d), "ms_per_chunk": float(ms)} for d, ms in status["reading"]["chunk_ms_by_depth"].items()]
+    return {"source": "live status reading.chunk_ms_by_depth", "rows": sorted(rows, key=lambda r: r["context"])}
+
+
+def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path) -> dict:
+    """`shadow replay-ledger` over the run's ledger with the run's settings (`settings`: share,
+    grid, cap_gib, batch, disk, model, asks_per_hour, ask_ms, seed) and the live costs; its `--json`
+    document (the arm with the share)."""
+    cmd = [sys.executable, "-c", "from shadow.cli.main import main; main()", "replay-ledger", str(ledger_path),
+           "--format", "ledger", "--ids", "tokenizer", "--read-rate-json", str(costs_path),
+           "--share", str(settings["share"]), "--grid", str(settings["grid"]), "--model", settings["model"],
+           "--asks-per-hour", str(settings["asks_per_hour"]), "--seed", str(settings["seed"]),
+           "--disk" if settings.get("disk") else "--no-disk", "--json"]
+    if settings.get("cap_gib") is not None:
+        cmd += ["--cap-gib", str(settings["cap_gib"])]
+    if settings.get("batch", 1) > 1:
+        cmd += ["--batch", str(settings["batch"])]
+    if settings.get("ask_ms") is not None:
+        cmd += ["--ask-ms", str(settings["ask_ms"])]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    (out_dir / "replay.txt").write_text(done.stdout + done.stderr)
+    if done.returncode not in (0, 1):  # 1: its monotone checks failed; the figures are still there
+        raise RuntimeError(f"replay-ledger exit {done.returncode}: {done.stderr[-2000:]}")
+    doc = json.loads(done.stdout.strip().splitlines()[-1])
+    arm = next(a for a in doc["arms"] if a["share"])
+    return {"command": " ".join(cmd[3:]), "density": doc["density"], "ask_ms": doc["limits"]["ask_ms"], "arm": arm["arm"], "summary": arm["summary"],
+            "share_s": arm["share_s"], "chunks": {k: arm[k] for k in ("chunks_idle", "chunks_share", "chunks_ask", "rollbacks")},
+            "checks_ok": doc["checks"]["ok"]}
+
+
+def side_by_side(live_: dict, replayed: dict, requests: list[Request]) -> dict:
+    """The figures both give, live beside replayed: an ask live is its whole `latency_ms` (the wait
+    for the device and the reading, then its own forward), replayed the reading it would wait for
+    plus the forward the replay charges (`--ask-ms`: the median latency of the live asks that read
+    no chunk); the share charged live is the service's `share_s` over its `decode_s`, replayed its
+    share seconds over the ledger's decode time (a stream decoding)."""
+    s, store = replayed["summary"], live_["service"]["store"]
+    union = decode_union_s(requests)
+    forward = replayed["ask_ms"] or 0.0
+    rows = {
+        "turn starts fresh %": (live_["turn_starts"]["fresh_pct"], s["turn_starts"]["fresh_pct"]),
+        "ask at turn starts p50 ms": (live_["turn_starts"]["ask_wait_ms"]["p50"], _plus(s["turn_starts"]["ask_wait_ms"]["p50"], forward)),
+        "ask at turn starts p99 ms": (live_["turn_starts"]["ask_wait_ms"]["p99"], _plus(s["turn_starts"]["ask_wait_ms"]["p99"], forward)),
+        "ask at random times p50 ms": (live_["random"]["ask_wait_ms"]["p50"], _plus(s["random"]["ask_wait_ms"]["p50"], forward)),
+        "ask at random times p99 ms": (live_["random"]["ask_wait_ms"]["p99"], _plus(s["random"]["ask_wait_ms"]["p99"], forward)),
+        "time to fresh p50 s": (live_["to_fresh_s"]["p50"], s["to_fresh_s"]["p50"]),
+        "time to fresh p90 s": (live_["to_fresh_s"]["p90"], s["to_fresh_s"]["p90"]),
+        "share charged %": (live_["share"]["charged_pct"], _round(100 * replayed["share_s"] / union) if union else None),
+        "spills": (store.get("spills"), s["store"]["spills"]),
+        "restores": (store.get("restores"), s["store"]["restores"]),
+        "drops": (store.get("drops"), s["store"]["drops"]),
+        "to host / from host": (_pair(store, "to_host", "from_host"), f"{s['store']['to_host']} / {s['store']['from_host']}"),
+        "chunks idle": (live_["chunks"].get("chunks_idle"), replayed["chunks"]["chunks_idle"]),
+        "chunks share": (live_["chunks"].get("chunks_share"), replayed["chunks"]["chunks_share"]),
+    }
+    return {k: {"live": a, "replay": b} for k, (a, b) in rows.items()}
+
+
+def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], polls: list[Poll]) -> dict:
+    """The engine's decode in each window ('off' or 'on', start, end; seconds from the run's
+    start): tokens streamed in it over the seconds in it with a stream decoding (aggregate decode
+    tokens/s), the gaps between a stream's consecutive tokens within it (p50, p99 ms), and the
+    share charged in it (from the polls); each off window paired with the on window after it."""
+    rows = []
+    for kind, a, b in windows:
+        times, gaps, spans = 0, [], []
+        for r in requests:
+            inside = [t for t in r.token_times if a <= t < b]
+            times += len(inside)
+            gaps += [(y - x) * 1000 for x, y in zip(inside, inside[1:])]
+            if inside:
+                spans.append(Request(r.session, a, max(a, r.first_token or a), min(b, r.end or b), 0, 0, 0))
+        busy = decode_union_s(spans)
+        share, decode = _delta(polls, "share_s", a, b), _delta(polls, "decode_s", a, b)
+        rows.append({"shadow": kind, "start": round(a, 3), "end": round(b, 3), "tokens": times,
+                     "decode_busy_s": round(busy, 3), "tok_s": _round(times / busy) if busy else None,
+                     "gap_ms": spread(gaps), "gaps": len(gaps),
+                     "share_charged_pct": _round(100 * share / decode) if share is not None and decode else None})
+    pairs = []
+    for off, on in zip(rows[0::2], rows[1::2]):
+        if off["shadow"] == "off" and on["shadow"] == "on" and off["tok_s"] and on["tok_s"]:
+            pairs.append({"tok_s_change_pct": _round(100 * (on["tok_s"] / off["tok_s"] - 1)),
+                          "gap_p99_ms": (off["gap_ms"]["p99"], on["gap_ms"]["p99"]),
+                          "share_charged_pct": on["share_charged_pct"]})
+    return {"windows": rows, "pairs": pairs}
+
+
+def table(doc: dict) -> str:
+    """The short table: live beside replayed, then the engine's pairs."""
+    lines = [f"{'figure':34} {'live':>14} {'replay':>14}"]
+    for name, v in doc["side_by_side"].items():
+        lines.append(f"{name:34} {_fmt(v['live']):>14} {_fmt(v['replay']):>14}")
+    for i, p in enumerate(doc.get("engine", {}).get("pairs", [])):
+        lines.append(f"pair {i + 1}: decode tok/s {p['tok_s_change_pct']:+.2f} % with the shadow on, inter-token p99 "
+                     f"{_fmt(p['gap_p99_ms'][0])} -> {_fmt(p['gap_p99_ms'][1])} ms, share charged {_fmt(p['share_charged_pct'])} %")
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.2f}" if isinstance(v, float) else str(v)
+
+
+def _pair(store: dict, a: str, b: str) -> str | None:
+    return f"{store[a]} / {store[b]}" if a in store and b in store else None
+
+
+def _plus(v: float | None, forward: float) -> float | None:
+    return None if v is None else round(v + forward, 3)
+
+
+def _pct(flags: list[bool]) -> float | None:
+    return round(100 * sum(flags) / len(flags), 2) if flags else None
+
+
+def _round(v: float | None) -> float | None:
+    return None if v is None else round(v, 3)
+
+
+def _poll_step(polls: list[Poll]) -> float | None:
+    steps = sorted(b.time - a.time for a, b in zip(polls, polls[1:]))
+    return round(steps[len(steps) // 2], 3) if steps else None
+
+
+__all__ = ["Asked", "Poll", "Sent", "costs_document", "decode_union_s", "density", "engine_cost", "ledger", "live",
+           "replay", "side_by_side", "table", "to_fresh"]
