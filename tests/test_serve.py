@@ -215,8 +215,7 @@ def test_sigterm_writes_resident_sessions_to_disk(tmp_path):
                            json={"messages": [{"role": "user", "content": long_text(7, 200)}], "max_tokens": 4})
             assert r.status_code == 200
         proc.send_signal(signal.SIGTERM)
-        # uvicorn shuts down gracefully, then re-raises the signal: the exit status says SIGTERM
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0  # a planned stop that wrote every session is a success
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -7,6 +7,7 @@ in a --config TOML file."""
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -21,6 +22,7 @@ from shadow.server.settings import READING, SERVICE, check, options, settings_fr
 
 log = logging.getLogger("shadow.serve")
 ENV_PREFIX = "SHADOW_SERVE_"
+EXIT_UNSAVED = 1  # a stop that could not write every session (or a second signal cut it short)
 
 
 def _load_config(ctx: typer.Context, path: Path | None) -> Path | None:
@@ -77,7 +79,7 @@ def serve(
     from shadow.server import logs
     from shadow.server.http.build import build
 
-    logs.setup(log_format)
+    logs.setup(log_format, settings.log_level)
 
     try:
         built = build(settings)
@@ -89,7 +91,9 @@ def serve(
     elif built.random:
         console.print("[yellow]weights are random:[/] answers and generated text mean nothing; exactness and timing do.")
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` prints every thread's stack
-    _run(built.app, listener, host, port)
+    _run(built, listener, settings)
+    if built.service.unsaved:  # each one was logged with its reason
+        raise typer.Exit(EXIT_UNSAVED)
 
 
 def _check_standing(path: Path, model: str) -> None:
@@ -116,11 +120,19 @@ def _bind(host: str, port: int):
     return sock
 
 
-def _run(app, listener, host: str, port: int) -> None:
-    """uvicorn on the bound socket; says when it listens (the service says what it wrote at the stop)."""
+def _run(built, listener, settings) -> None:
+    """uvicorn on the bound socket; says when it listens. A stop signal (SIGTERM or SIGINT) stops
+    taking requests, writes the idle sessions, gives turns in flight `shutdown_timeout_s` to end,
+    writes the rest (the service's stop) and returns; a second signal exits at once (every file is
+    written whole or not at all, so none is half written)."""
+    import asyncio
+    import signal
+
     import uvicorn
 
     from shadow.server import gcpauses
+
+    host, port, service = settings.host, settings.port, built.service
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None):
@@ -132,7 +144,23 @@ def _run(app, listener, host: str, port: int) -> None:
                 log.info("listening on http://%s:%d (%d objects of the load frozen out of garbage collection)",
                          host if ":" not in host else f"[{host}]", port, frozen)
 
-    server = Server(uvicorn.Config(app, log_level="warning", log_config=None))  # its lines in the one format
+        def handle_exit(self, sig, frame):  # not uvicorn's: a stop is a success, not the signal raised again
+            if self.should_exit:
+                log.warning("%s again: exiting now; sessions of turns in flight may be unwritten",
+                            signal.Signals(sig).name)
+                os._exit(EXIT_UNSAVED)
+            log.info("%s: stopping; turns in flight have %g s to end", signal.Signals(sig).name,
+                     settings.shutdown_timeout_s)
+            self.should_exit = True
+
+        async def shutdown(self, sockets=None):
+            for server in self.servers:  # no new connection, then the idle sessions to disk first
+                server.close()
+            await asyncio.to_thread(service.save_idle)
+            await super().shutdown(sockets=sockets)
+
+    server = Server(uvicorn.Config(built.app, log_level="warning", log_config=None,  # its lines in the one format
+                                   timeout_graceful_shutdown=settings.shutdown_timeout_s))
     try:
         server.run(sockets=[listener])
     finally:

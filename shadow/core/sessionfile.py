@@ -74,11 +74,12 @@ def file_bytes(session: Session) -> int:
 
 def write_session(path: Path, session: Session, identity: Identity, last_use: float, model: str = "", *,
                   key: bytes | None = None, block_bytes: int | None = None, direct: bool | None = None,
-                  workers: int | None = None) -> int:
+                  workers: int | None = None, checks: dict | None = None) -> int:
     """Write atomically (temporary file, fsync, rename, fsync of the folder), mode 0600, its
     keyed digest made with `key` (None: zeros), digested in blocks of `block_bytes` (None: this
     module's BLOCK_BYTES); returns the bytes written. Raises OSError when
-    the disk refuses (the old file, if any, is left as it was)."""
+    the disk refuses (the old file, if any, is left as it was). `checks`: what the service knows of
+    the session's ids against the engine (a JSON object), carried as it is (`Header.checks`)."""
     last_use = float(last_use) if math.isfinite(last_use) and last_use >= 0 else 0.0
     meta = {
         "name": session.name, "model": model, "weights_hash": identity.weights_hash, "grid": str(identity.grid),
@@ -86,6 +87,8 @@ def write_session(path: Path, session: Session, identity: Identity, last_use: fl
         "last_use": repr(last_use), "rollbacks": str(session.rollbacks), "ids_reread": str(session.ids_reread),
         "checkpoints": json.dumps([c.position for c in session.checkpoints]), "marks": json.dumps(session.marks),
     }
+    if checks is not None:
+        meta["checks"] = json.dumps(checks, separators=(",", ":"))
     sources = session_tensors(session)
     lay = layout({k: (v.dtype, tuple(v.shape)) for k, v in sources.items()}, meta, block_bytes or BLOCK_BYTES)
     return _write_atomic(Path(path), lay, _Tiles(lay.spans, sources), key, DIRECT if direct is None else direct, workers)

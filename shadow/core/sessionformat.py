@@ -53,6 +53,7 @@ COMMON = frozenset({
     "last_use", "rollbacks", "ids_reread", "checkpoints", "marks", "header_sha256",
 })
 KEYS = {2: COMMON | {"data_sha256"}, 3: COMMON | {"block_bytes", "blocks_sha256", "header_hmac"}}
+OPTIONAL = {2: frozenset(), 3: frozenset({"checks"})}  # fields a file may carry (`Header.checks`)
 DATA_MISMATCH = "data digest mismatch"
 
 
@@ -91,6 +92,7 @@ class Header:
     marks: tuple[int, ...]
     meta: dict[str, str]
     start: int = 0
+    checks: dict | None = None  # the service's record of the session's ids against the engine, as written
     block_bytes: int = 0
     blocks: tuple[bytes, ...] = ()
     data_sha256: str = ""
@@ -206,8 +208,9 @@ def parse(prefix: bytes, raw: bytes, size: int, key: bytes | None = None) -> tup
         version = {str(v): v for v in READS}.get(meta.get("version"))
         if version is None:
             raise SessionFileError(f"format version {meta.get('version')!r}, this build reads {_reads()}")
-        if set(meta) != KEYS[version]:
-            missing, unknown = sorted(KEYS[version] - set(meta)), sorted(set(meta) - KEYS[version])[:5]
+        if not KEYS[version] <= set(meta) <= KEYS[version] | OPTIONAL[version]:
+            known = KEYS[version] | OPTIONAL[version]
+            missing, unknown = sorted(KEYS[version] - set(meta)), sorted(set(meta) - known)[:5]
             raise SessionFileError(f"metadata fields differ (missing {missing}, unknown {unknown})")
         if key is not None:
             _check_key(prefix, raw, meta, version, key)
@@ -310,8 +313,21 @@ def _fields(meta: dict[str, str], version: int, start: int) -> Header:
         rollbacks=_count(meta, "rollbacks"), ids_reread=_count(meta, "ids_reread"),
         checkpoints=_positions(meta, "checkpoints", grid, 0, committed),
         marks=_positions(meta, "marks", grid, committed, tokens), meta=dict(meta), start=start,
-        data_sha256=meta.get("data_sha256", ""),
+        data_sha256=meta.get("data_sha256", ""), checks=_checks(meta),
     )
+
+
+def _checks(meta: dict[str, str]) -> dict | None:
+    """The optional `checks` field: a JSON object (its meaning is the service's), else None."""
+    if "checks" not in meta:
+        return None
+    try:
+        value = json.loads(meta["checks"])
+    except (ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict):
+        raise SessionFileError(f"checks is {meta['checks'][:40]!r}, not a JSON object")
+    return value
 
 
 def _blocks(meta: dict[str, str], start: int, data_bytes: int) -> dict:

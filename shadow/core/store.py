@@ -30,7 +30,7 @@ import re
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -172,6 +172,11 @@ class SessionStore:
         self.direct = direct
         self._spilled_why: dict[str, str] = {}  # sessions on disk: why they were spilled, not dropped
         self.recent_drops: OrderedDict[str, str] = OrderedDict()  # dropped sessions: why (the last RECENT_DROPS)
+        self.timed: Callable[[str, float], None] = lambda kind, seconds: None  # each "spill" and "restore", timed
+        # the caller's record of a session (a JSON object, or None), written into its file: the
+        # service sets it to its checks of the session's ids, so a restart knows what was exact
+        self.annotate: Callable[[str], dict | None] | None = None
+        self._saved: dict[str, tuple] = {}  # sessions whose file holds them as they were: `_version` then
         if self.disk:
             _make_folder(self.disk)
             self.sweep()
@@ -223,6 +228,13 @@ class SessionStore:
         in_host = set(self.host.names()) if self.host is not None else set()
         return sorted(set(self._resident) | in_host | on_disk)
 
+    def records(self) -> dict[str, tuple[dict, int]]:
+        """Each session on disk whose file carries the caller's record (`annotate`): (the record,
+        the ids the file holds), from the headers alone."""
+        mine = self.identity
+        return {h.name: (h.checks, h.tokens) for _, h, _ in self._headers() if h.checks is not None
+                and (h.weights_hash, h.grid, h.arithmetic) == (mine.weights_hash, mine.grid, mine.arithmetic)}
+
     def settle(self, keep: str | None = None) -> None:
         """Spill (or drop) least recently used sessions until resident bytes fit the cap; `keep`
         stays resident even when it alone is over the cap. A session whose write fails stays
@@ -241,19 +253,33 @@ class SessionStore:
             elif error in DISK_FULL:
                 break
 
-    def close(self) -> list[tuple[str, str]]:
-        """A planned stop: write every session it holds in memory, resident or in the host tier
-        (without a disk, nothing to do). Returns (session, reason) for each one it could not write;
-        those stay where they were."""
+    def save(self, skip: Container[str] = ()) -> list[tuple[str, str]]:
+        """Write every session held in memory (resident or in the host tier) but those named in
+        `skip`, passing over one whose file already holds it as it is now (without a disk, nothing
+        to do). Returns (session, reason) for each one it could not write; every session stays
+        where it was."""
         if not self.disk:
             return []
         self.reader.settle()
         failed = []
         held = [*self._resident.items(), *((c.name, c) for c in (self.host.copies() if self.host else []))]
         for name, session in held:
+            if name in skip or self._saved.get(name) == self._version(session):
+                continue
             if self._write(session) is not None:
                 failed.append((name, self._unwritten[name]))
         return failed
+
+    def close(self) -> list[tuple[str, str]]:
+        """A planned stop: `save` every session."""
+        return self.save()
+
+    def _version(self, session: Session) -> tuple:
+        """What a file of `session` would hold, in brief: equal versions, equal files (but the
+        last use)."""
+        record = self.annotate(session.name) if self.annotate is not None else None
+        return (hash(tuple(session.ids)), session.committed, session.rollbacks, session.ids_reread,
+                tuple(c.position for c in session.checkpoints), tuple(session.marks), repr(record))
 
     def resident_bytes(self) -> int:
         return sum(session_bytes(s) for s in self._resident.values())
@@ -384,6 +410,7 @@ class SessionStore:
             written = write_session(
                 self.path_of(session.name), session, self.identity,
                 self._last_use.get(session.name, self.clock()), self.model, key=self.key, direct=self.direct,
+                checks=self.annotate(session.name) if self.annotate is not None else None,
             )
         except Exception as e:
             reason = f"{type(e).__name__}: {getattr(e, 'strerror', None) or e}"
@@ -395,8 +422,11 @@ class SessionStore:
             return getattr(e, "errno", None) or 0
         self._unwritten.pop(session.name, None)
         self._retry_at.pop(session.name, None)
+        self._saved[session.name] = self._version(session)
         self.counters.bytes_written += written
-        self.counters.spill_seconds += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        self.counters.spill_seconds += seconds
+        self.timed("spill", seconds)
         return None
 
     def restore_ahead(self, name: str) -> Restored | None:
@@ -462,6 +492,7 @@ class SessionStore:
 
     def _restored(self, name: str, size: int, seconds: float) -> None:
         self.counters.restore_seconds += seconds
+        self.timed("restore", seconds)
         self.counters.bytes_restored += size
         self.counters.restores += 1
         self.restore_rate.observe(size, seconds)

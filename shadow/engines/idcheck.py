@@ -171,6 +171,12 @@ def _output_count_ok(t: TurnIds) -> bool:
     return t.completion_tokens == n or ("end token appended" in t.notes and t.completion_tokens == n - 1)
 
 
+RECORD_REASONS = 8  # the last reasons a session file keeps, each at most RECORD_REASON_CHARS
+RECORD_REASON_CHARS = 1000
+RECORD_KEYS = ("frontier", "verified", "unverified", "mismatched", "parts", "first_mismatch_turn", "first_diff",
+               "reasons")
+
+
 def _zero() -> dict[str, int]:
     return dict.fromkeys(PART_STATES, 0)
 
@@ -241,6 +247,39 @@ class SessionChecks:
             return "no turn of this session has been checked against the engine yet"
         why = f"ids {self.frontier:,} to {length:,} are not verified"
         return why + (f" ({'; '.join(self.last_reasons)})" if self.last_reasons else " (a turn in flight)")
+
+    def record(self) -> dict:
+        """What a session file carries of these checks (`from_record` reads it back): the frontier,
+        the turns by result, each part's states, the first mismatch, the last reasons; a restart
+        keeps the session as exact as it was."""
+        return {"frontier": self.frontier, "verified": self.verified, "unverified": self.unverified,
+                "mismatched": self.mismatched, "parts": {k: dict(v) for k, v in self.parts.items()},
+                "first_mismatch_turn": self.first_mismatch_turn, "first_diff": self.first_diff,
+                "reasons": [r[:RECORD_REASON_CHARS] for r in self.last_reasons[:RECORD_REASONS]]}
+
+    @classmethod
+    def from_record(cls, record: dict, length: int) -> SessionChecks:
+        """The checks a session file carried (`record`), for a session of `length` ids; a record
+        that is not one (other keys or types, a frontier past the ids) is refused (ValueError)."""
+        def count(v, none: bool = False) -> bool:
+            return (none and v is None) or (type(v) is int and v >= 0)
+
+        if not isinstance(record, dict) or set(record) != set(RECORD_KEYS):
+            raise ValueError("not a record of a session's checks")
+        parts, reasons = record["parts"], record["reasons"]
+        if not all(count(record[k]) for k in ("frontier", "verified", "unverified", "mismatched")) \
+                or record["frontier"] > length \
+                or not all(count(record[k], none=True) for k in ("first_mismatch_turn", "first_diff")) \
+                or not isinstance(parts, dict) or set(parts) != {"prompt", "output"} \
+                or any(not isinstance(v, dict) or set(v) != set(PART_STATES) or not all(map(count, v.values()))
+                       for v in parts.values()) \
+                or not isinstance(reasons, list) or len(reasons) > RECORD_REASONS \
+                or any(not isinstance(r, str) or len(r) > RECORD_REASON_CHARS for r in reasons):
+            raise ValueError("not a record of a session's checks")
+        return cls(verified=record["verified"], unverified=record["unverified"], mismatched=record["mismatched"],
+                   parts={k: dict(v) for k, v in parts.items()}, first_mismatch_turn=record["first_mismatch_turn"],
+                   first_diff=record["first_diff"], frontier=record["frontier"], last_reasons=tuple(reasons),
+                   logged=record["mismatched"] > 0)
 
     def as_dict(self, length: int) -> dict:
         return {"exact": self.exact(length), "why_not": self.why_not(length), "verified_ids": min(self.frontier, length),

@@ -41,6 +41,7 @@ from shadow.server.reading import Questions, Reading
 from shadow.server.settings import ServeSettings
 from shadow.server.shared import Shared
 from shadow.server.standing import Standing, StandingQuestion
+from shadow.server.timings import ServiceTimes
 from shadow.server.turn import Fed, Rounds, ServedTurn, Shown
 from shadow.server.voicing import VoiceParts, Voicing
 from shadow.voice.voice import VoiceBudget
@@ -65,6 +66,7 @@ class ShadowService:
         self.shared = shared = Shared(settings, clock)
         self.device, self.state_lock, self.clock = shared.device, shared.lock, clock
         self.turns, self.counters = shared.turns, shared.counters
+        self.timings = ServiceTimes()  # each turn's time to its first token, each spill's and restore's seconds
         self.sched = ReadScheduler(settings.schedule, settings.model.grid, priorities=settings.priorities,
                                    turns=shared.turns)
         if settings.read_costs is not None:  # the load's own measurements replace them where it measures
@@ -83,6 +85,7 @@ class ShadowService:
         self._overdue_told: set[int] = set()  # turns the watchdog has logged as overdue
         self.waiting = 0
         self.engine: dict | None = None  # proxy mode: the engine's dialect and id sources
+        self.unsaved: list[tuple[str, str]] = []  # after `stop`: sessions it could not write, and why
         slack = settings.store.unload_slack_gib
         self.unload_slack = None if slack is None else int(slack * 2**30)  # None: never unload
         self._pool_free = pool_free or self.host.pool_free
@@ -92,6 +95,27 @@ class ShadowService:
         """On the loading thread, before the shadow is handed out: the scheduler's estimates, the voice."""
         self.reading.warm(shadow)
         self.voicing.on_load(shadow)
+        shadow.store.timed = self.timings.stored
+        shadow.store.annotate = self._checks_record
+        self._restore_checks(shadow)
+
+    def _checks_record(self, name: str) -> dict | None:
+        """What a session's file carries of its checks (the store calls it at each write)."""
+        checks = self.checks.get(name)
+        return None if checks is None else checks.record()
+
+    def _restore_checks(self, shadow: Shadow) -> None:
+        """The checks the store's files carry, for the sessions this service has none of (after a
+        restart): a session is as exact as it was when written."""
+        records = shadow.store.records()
+        with self.state_lock:
+            for name, (record, tokens) in records.items():
+                if name in self.checks:
+                    continue
+                try:
+                    self.checks[name] = SessionChecks.from_record(record, tokens)
+                except ValueError:
+                    log.warning("session %r: its file's record of checks is not one; it is not exact", name)
 
     # what the parts hold, for status and tests ----------------------------------------------
 
@@ -124,8 +148,28 @@ class ShadowService:
         self.host.start_load()
         self.reading.start()
 
+    def save_idle(self) -> list[tuple[str, str]]:
+        """The first step of a stop: write every session no turn is in flight for (the store's
+        `save`), on the device between reads; reading goes on. Returns those it could not write."""
+        def save() -> list[tuple[str, str]]:
+            self.reading.finish_in_flight()
+            with self.state_lock:
+                shadow = self.host.shadow
+                if shadow is None:
+                    return []
+                in_turn = {t.session or t.requested for t in self.turns} - {None}
+                return shadow.store.save(skip=in_turn)
+
+        failed = self.device.run(save, "save")
+        if failed:
+            log.warning("stopping: %d idle session(s) not written yet: %s", len(failed),
+                        ", ".join(name for name, _ in failed))
+        return failed
+
     def stop(self) -> None:
-        """A planned stop: the idle reader ends after its chunk in flight; sessions go to disk."""
+        """A planned stop: the idle reader ends after its chunk in flight; sessions go to disk
+        (those whose file already holds them are not written again). `unsaved` then lists those
+        that could not be written, with why."""
         self.reading.stop()
 
         def close() -> tuple[SessionStore | None, int, list[tuple[str, str]]]:
@@ -139,8 +183,9 @@ class ShadowService:
 
         store, held, failed = self.device.run(close, "stop")
         self.device.close()
+        self.unsaved = failed
         if store is not None and store.disk is not None:
-            log.info("stopped: %d session(s) written to %s", held - len(failed), store.disk)
+            log.info("stopped: %d session(s) on disk in %s", held - len(failed), store.disk)
         else:
             log.info("stopped (no --disk: sessions are not kept)")
         for name, reason in failed:
@@ -237,6 +282,7 @@ class ShadowService:
             behind = len(session.ids) - session.committed
             known = len(session.ids)
             feed = shadow.reader.feed_prompt(session, ids)
+            self.reading.fresh.due(name, turn.started, len(ids) // shadow.grid * shadow.grid)
             if feed.rolled_back_to is not None:
                 self.counters.rollbacks += 1
                 self.counters.ids_reread += feed.reread
@@ -252,6 +298,7 @@ class ShadowService:
         with self.state_lock:
             if turn.id in self.turns:
                 self.sched.first_token(turn.id, self.clock())
+                self.timings.first_token.observe(self.clock() - turn.started)
 
     def add_output(self, turn: ServedTurn, ids: Sequence[int]) -> None:
         """On the device thread: append output ids, unless a newer turn of the session has fed its

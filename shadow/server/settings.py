@@ -14,7 +14,7 @@ parts read the branch they need.
       limits    Limits            body, prompt, question and ask sizes, requests in flight
       access    Access            API and admin keys, probes without a key
       probes    ProbeSettings     liveness and readiness: how long they wait
-      journal, standing_question, require_exact, shadow_on, log_format, host, port
+      journal, standing_question, require_exact, shadow_on, log_format, log_level, shutdown_timeout_s, host, port
 
 A field that is a command-line option carries its `Option` (help, flag, range, unit) in its
 metadata (`setting`); `BandwidthRule`'s, whose module lies below this one, are `SCHEDULE`.
@@ -44,6 +44,7 @@ SHADOW_PATHS = "/v1/shadow/"
 METRICS_PATH = "/metrics"
 PROBE_PATHS = ("/health", "/ready")
 LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 BATCHES = (1, 2, 4, 8)  # the batch sizes a reader has CUDA graphs for
 
 # the panels of `shadow serve --help`
@@ -203,7 +204,9 @@ class EngineSettings:
     """Proxy mode: the engine's OpenAI-compatible base URL (None: embedded mode), its dialect
     ('auto' probes it), the big model's chat template and tokenizer, the template kwargs the
     engine applies by default, the engine's own key, and whether a turn without a label header
-    asks the engine the standing question for one."""
+    asks the engine the standing question for one; the timeouts of every call to the engine
+    (connect, first byte of the body, silence between two pieces, the dialect probe) and the
+    watchdog's `timeout_s`."""
 
     upstream: str | None = setting(None, panel=ENGINE, help=(
         "Proxy mode: the engine's OpenAI-compatible base URL (e.g. http://127.0.0.1:8001/v1). Without it: embedded "
@@ -227,7 +230,19 @@ class EngineSettings:
     label_from_upstream: bool = setting(False, panel=ENGINE, help=(
         "With --standing-question: after a turn with no label header, ask the engine the standing question (one "
         "greedy token) and journal its answer as the reference label."))
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # the watchdog: a turn in flight longer is listed as overdue
+    connect_timeout_s: float = setting(10.0, name="engine_connect_timeout_s", gt=0, panel=ENGINE, help=(
+        "Proxy mode: the longest a connection to the engine may take to open, s (504 beyond)."))
+    first_byte_timeout_s: float = setting(300.0, name="engine_first_byte_timeout_s", gt=0, panel=ENGINE, help=(
+        "Proxy mode: the longest the engine may take from the request to the first byte of its response's body, s "
+        "(a stream's first event; a whole response's body, so all of a non-streamed generation): 504 beyond, and "
+        "the turn ends."))
+    idle_timeout_s: float = setting(60.0, name="engine_idle_timeout_s", gt=0, panel=ENGINE, help=(
+        "Proxy mode: the longest the engine may send nothing between two pieces of a response's body, s (a stream "
+        "then ends with an upstream_timeout error event, and the turn ends)."))
+    probe_timeout_s: float = setting(5.0, name="engine_probe_timeout_s", gt=0, panel=ENGINE, help=(
+        "Proxy mode, --engine auto: the longest the dialect probe waits for the engine's endpoints, s (asked all "
+        "at once)."))
 
 
 @dataclass(frozen=True)
@@ -294,7 +309,8 @@ class Limits:
     passed on, not read), question and instruction tokens, tokens to generate and to summarise,
     the unread tail an ask may prefill in one fork, requests in flight, JSON nesting; in embedded
     mode, the requests generating or waiting to (429 beyond) and the generations that hold their
-    state at once (taking turns on the device, a slice each)."""
+    state at once (taking turns on the device, a slice each); how long a body may take to arrive,
+    how many bodies are read at once, and how long a write may wait for its client to read."""
 
     max_body_bytes: int = setting(32 * 2**20, name="max_body_mb", scale=2**-20, gt=0, panel=LIMITS,
                                   help="Largest request body, MiB (413 beyond).")
@@ -316,6 +332,14 @@ class Limits:
     max_generating: int = setting(2, ge=1, panel=LIMITS, help=(
         "Embedded mode: generations that hold their state at once, taking turns on the device (a short request is "
         "served between a long prefill's chunks); the others wait in arrival order."))
+    body_timeout_s: float = setting(30.0, gt=0, panel=LIMITS, help=(
+        "The longest a request's body may take to arrive, from the request's start, s (408 beyond); a body still "
+        "arriving holds no request slot."))
+    max_sending: int = setting(16, ge=1, panel=LIMITS, help=(
+        "Requests whose body is still arriving, read at once; more wait their turn (within --body-timeout-s)."))
+    write_timeout_s: float = setting(30.0, gt=0, panel=LIMITS, help=(
+        "The longest one write to a client may wait for it to read, s: beyond, the connection is closed and its "
+        "turn ends (an embedded generation stops and frees its slot; a proxied one closes its engine request)."))
 
 
 @dataclass(frozen=True)
@@ -355,7 +379,9 @@ class ProbeSettings:
     """Liveness (`/health`): the device thread must run a no-op job within `stuck_s` of it being
     handed in (each probe waits at most `wait_s` for it; a job running longer, a model load or a
     long generation, is no failure until then). Readiness (`/ready`, proxy mode): the engine
-    must answer `GET {upstream}/models` within `engine_timeout_s`, with a status below 500."""
+    must answer `GET {upstream}/models` within `engine_timeout_s`, with a status below 500.
+    `/health_generate`: one token generated within `generate_timeout_s`, the answer kept
+    `generate_cache_s`."""
 
     wait_s: float = 1.0
     stuck_s: float = setting(300.0, name="health_stuck_s", ge=0, panel=OPERATIONS, help=(
@@ -364,6 +390,10 @@ class ProbeSettings:
     engine_timeout_s: float = setting(2.0, name="ready_engine_timeout_s", ge=0, panel=OPERATIONS, help=(
         "Proxy mode: GET /ready answers 503 when the engine's /models does not answer below 500 within this many "
         "seconds."))
+    generate_timeout_s: float = setting(30.0, name="health_generate_timeout_s", gt=0, panel=OPERATIONS, help=(
+        "GET /health_generate answers 503 when one generated token (through the engine, or the embedded generator) "
+        "takes longer than this, s."))
+    generate_cache_s: float = 5.0  # a /health_generate answer serves the probes of the next seconds
 
 
 @dataclass(frozen=True)
@@ -401,6 +431,13 @@ class ServeSettings:
     log_format: str = setting("text", panel=OPERATIONS, help=(  # one of LOG_FORMATS: json is one object a line
         "Log lines on stderr: text, or json (one object a line, with the session and turn where the line has them; "
         "uvicorn's lines too)."))
+    log_level: str = setting("info", panel=OPERATIONS, help=(  # one of LOG_LEVELS
+        "The least level of the service's log lines: debug, info (each request's access line, what the service "
+        "did), warning or error; other libraries' lines from warning (or this level, if higher)."))
+    shutdown_timeout_s: float = setting(20.0, ge=0, panel=OPERATIONS, help=(
+        "On SIGTERM or SIGINT: the idle sessions are written first, then turns in flight get this long to end "
+        "(then they are cut), then every session is written and the process exits 0 (1 when a session could not "
+        "be written); a second signal exits at once. Under an orchestrator's grace period (Kubernetes: 30 s)."))
     host: str = setting("127.0.0.1", panel=SERVICE, help=(
         "Address to listen on. Beyond loopback, an --api-key is required."))
     port: int = setting(8000, ge=1, le=65535, panel=SERVICE, help="Port to listen on.")
@@ -522,6 +559,8 @@ def check(s: ServeSettings) -> None:
         raise ShadowInputError(f"--engine must be auto or one of {', '.join(ENGINES)}")
     if s.log_format not in LOG_FORMATS:
         raise ShadowInputError(f"--log-format must be one of {', '.join(LOG_FORMATS)}")
+    if s.log_level not in LOG_LEVELS:
+        raise ShadowInputError(f"--log-level must be one of {', '.join(LOG_LEVELS)}")
     p = s.probes
     if not all(math.isfinite(v) and v >= 0 for v in (p.wait_s, p.stuck_s, p.engine_timeout_s)):
         raise ShadowInputError("--health-stuck-s and --ready-engine-timeout-s must be finite numbers, 0 or more")
@@ -544,6 +583,14 @@ def check(s: ServeSettings) -> None:
                                "the in-code template otherwise, and reads no tokenizer)")
     if not (math.isfinite(s.engine.timeout_s) and s.engine.timeout_s > 0):
         raise ShadowInputError("the engine's timeout must be a positive number of seconds")
+    for name, value in (("--engine-connect-timeout-s", s.engine.connect_timeout_s),
+                        ("--engine-first-byte-timeout-s", s.engine.first_byte_timeout_s),
+                        ("--engine-idle-timeout-s", s.engine.idle_timeout_s),
+                        ("--engine-probe-timeout-s", s.engine.probe_timeout_s),
+                        ("--body-timeout-s", s.limits.body_timeout_s), ("--write-timeout-s", s.limits.write_timeout_s),
+                        ("--health-generate-timeout-s", s.probes.generate_timeout_s)):
+        if not (math.isfinite(value) and value > 0):
+            raise ShadowInputError(f"{name} must be a positive number of seconds")
     for name, value in (("--max-body-mb", s.limits.max_body_bytes), ("--cap-gib", s.store.cap_gib),
                         ("--disk-cap-gib", s.store.disk_cap_gib), ("--voice-share", s.voice.share)):
         if value is not None and not math.isfinite(value):
