@@ -4,7 +4,7 @@
 #
 #   bash experiments/build_llama_server.sh            # CPU, from the sdist; prints the binary's path as its last line
 #   bash experiments/build_llama_server.sh pack DIR   # the vendored sources, packed for a device machine:
-#                                                     #   DIR/llama.cpp-VERSION.tar.xz (about 4 MB)
+#                                                     #   DIR/llama.cpp-VERSION.tar.xz (about 5 MB)
 #   bash experiments/build_llama_server.sh cuda [TAR] # CUDA (sm_90: H100, H200) from a pack (default
 #                                                     #   .carry/llama-src/llama.cpp-VERSION.tar.xz); prints the path
 #   bash experiments/build_llama_server.sh cpu-from-pack [TAR]   # the CPU build from a pack (checks a pack builds)

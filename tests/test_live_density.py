@@ -1,0 +1,111 @@
+"""`experiments/live_density.py` on the CPU: a real llama-server (the CPU build of
+`experiments/build_llama_server.sh`, skipped when absent) with three slots, `shadow serve --upstream`
+in front of it, three shared trajectories driven at once at their recorded pacing for a short
+while, then one off/on pair of windows. Checks that the live figures, the ledger and its replay
+come from the run's own records."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from conftest import shared_file
+from llama_server import require_binary
+
+pytestmark = pytest.mark.slow  # real servers, engines or clients: `pytest -m 'not slow'` leaves them out
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = ("pydata__xarray-4629", "django__django-14559", "scikit-learn__scikit-learn-13135")  # the shortest contexts
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    exe = require_binary()
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import live_density
+
+    trajectories = [str(shared_file("trajectories", "mini-swe-agent", f"{name}.traj.json")) for name in SHORT]
+    out = tmp_path_factory.mktemp("density")
+    doc = live_density.main(["--out", str(out), "--llama-server", str(exe), "--sessions", "3", "--duration", "45",
+                             "--pairs", "1", "--window", "8", "--max-output", "16", "--threads", "2",
+                             "--template", str(shared_file("templates", "qwen3.5.jinja")),
+                             "--cap-gib", "0.008", "--disk", str(out / "disk"), "--trajectories", *trajectories])
+    return doc, out
+
+
+def test_the_ledger_holds_the_driven_sessions_and_the_journal_every_request(run):
+    from shadow.offline.ledger import read_ledger
+
+    doc, out = run
+    sent = [json.loads(line) for line in (out / "sent.jsonl").read_text().splitlines()]
+    assert len(sent) == doc["sent"]["requests"] > 0 and not [s for s in sent if s["error"]]
+    ledger = read_ledger(out / "ledger.jsonl")
+    driven = {s["session"] for s in sent if s["start"] < 45}
+    assert {r.session for r in ledger} == driven and len(driven) >= 3
+    assert len(ledger) == sum(s["start"] < 45 for s in sent)
+    # every request the driver sent is a turn in the service's journal, read and checked
+    turns = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    turns = [t for t in turns if t.get("kind") == "turn"]
+    assert len(turns) == len(sent) == doc["live"]["journal"]["turns"]
+    read = Counter(t["prompt_ids"] for t in turns if t["prompt_ids"] is not None)  # the shadow off: none
+    assert read and not read - Counter(s["prompt_tokens"] for s in sent)
+    assert doc["live"]["journal"]["prompt"]["verified"] > 0
+    # the ledger's token counts are the engine's: new prompt ids never exceed the prompt, a
+    # session's first request in the run is new whole, later ones share a prefix
+    first = {}
+    for r in sorted(ledger, key=lambda r: r.start):
+        assert 0 < r.new_prompt_tokens <= r.prompt_tokens and r.output_tokens > 0
+        assert r.start <= r.first_token <= r.end
+        if r.session not in first:
+            first[r.session] = r
+            assert r.new_prompt_tokens == r.prompt_tokens
+    assert any(r.new_prompt_tokens < r.prompt_tokens for r in ledger)
+
+
+def test_live_figures_come_from_real_asks_polls_and_counters(run):
+    doc, out = run
+    live = doc["live"]
+    assert live["requests"] > 0 and live["failed"] == 0
+    starts = live["turn_starts"]
+    assert starts["n"] > 0 and starts["fresh_pct"] is not None and starts["ask_wait_ms"]["p50"] > 0
+    assert live["to_fresh_s"]["n"] == live["requests"] and live["to_fresh_s"]["poll_s"] > 0
+    assert live["share"]["decode_s"] > 0
+    assert live["chunks"]["chunks_idle"] + live["chunks"]["chunks_share"] + live["chunks"]["chunks_ask"] > 0
+    assert live["service"]["to_fresh_s"]["n"] > 0
+    assert live["service"]["store"]["spills"] > 0  # a cap of 8 MiB: sessions went to disk
+    status = json.loads((out / "status.json").read_text())
+    assert {s["name"] for s in status["sessions"]} <= set(doc["sent"]["sessions"])
+    costs = json.loads((out / "costs.json").read_text())
+    assert [r["context"] for r in costs["rows"]] == sorted(int(d) for d in status["reading"]["chunk_ms_by_depth"])
+
+
+def test_the_replay_runs_on_the_same_ledger_and_costs(run):
+    doc, out = run
+    replay = doc["replay"]
+    assert "--read-rate-json" in replay["command"] and str(out / "ledger.jsonl") in replay["command"]
+    assert "--disk" in replay["command"].split() and "--cap-gib 0.008" in replay["command"]
+    summary = replay["summary"]
+    # the replay looks at the same turn starts the driver asked at (a raced ask is left out live)
+    assert summary["turn_starts"]["n"] == doc["live"]["turn_starts"]["n"] + doc["live"]["turn_starts"]["raced"]
+    assert summary["to_fresh_s"]["n"] == doc["live"]["to_fresh_s"]["n"]
+    assert replay["density"]["span_s"] == doc["live"]["density"]["span_s"] > 0
+    rows = doc["side_by_side"]
+    assert rows["turn starts fresh %"]["live"] == doc["live"]["turn_starts"]["fresh_pct"]
+    assert rows["turn starts fresh %"]["replay"] == summary["turn_starts"]["fresh_pct"]
+    table = (out / "table.txt").read_text()
+    assert "turn starts fresh %" in table and "pair 1" in table
+
+
+def test_engine_cost_pairs_an_off_window_with_an_on_window(run):
+    doc, _ = run
+    windows = doc["engine"]["windows"]
+    assert [w["shadow"] for w in windows] == ["off", "on"]
+    assert windows[0]["end"] <= windows[1]["start"] + 1e-6
+    for w in windows:
+        assert w["tokens"] > 0 and w["tok_s"] > 0 and w["gaps"] > 0
+    assert windows[0]["share_charged_pct"] == 0.0  # the shadow read nothing inside the engine's decode while off
+    assert len(doc["engine"]["pairs"]) == 1
