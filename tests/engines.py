@@ -1,11 +1,15 @@
 """Real engines on loopback for the tests: Hugging Face `transformers serve` over a random-weight
-big-model folder (`shadow.engines.bigmodel`) with the real Qwen3.5 vocabulary and chat template."""
+big-model folder (`shadow.engines.bigmodel`) with the real Qwen3.5 vocabulary and chat template;
+and `HungEngine`, a TCP server that reads requests and answers none, noting when each request's
+connection closes."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -67,3 +71,66 @@ def transformers_serve(folder: Path, log: Path):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+class HungEngine:
+    """An engine that hangs: it accepts connections on a free loopback port, reads what comes and
+    never answers. `requests` holds one dict per request line seen (`path`, `at`, `closed`: when
+    its connection closed, None while open), in arrival order."""
+
+    def __init__(self):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}/v1"
+        self.requests: list[dict] = []
+        self.lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            self._conns.append(conn)
+            threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
+
+    def _hold(self, conn: socket.socket) -> None:
+        mine: list[dict] = []
+        data = b""
+        while True:
+            try:
+                chunk = conn.recv(65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            data += chunk
+            while b"\r\n" in data and data.split(b"\r\n", 1)[0].split(b" ")[0] in (b"GET", b"POST"):
+                line, data = data.split(b"\r\n", 1)
+                record = {"path": line.split(b" ")[1].decode(), "at": time.time(), "closed": None}
+                with self.lock:
+                    self.requests.append(record)
+                mine.append(record)
+                data = b""  # headers and body: nothing more is parsed on this connection
+        with self.lock:
+            for record in mine:
+                record["closed"] = time.time()
+
+    def sent(self, path: str) -> list[dict]:
+        with self.lock:
+            return [dict(r) for r in self.requests if r["path"].endswith(path)]
+
+    def close(self) -> None:
+        self.server.close()
+        for conn in self._conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "HungEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,6 +1,9 @@
 """The embedded generator's requests on the device: each `Generation` takes a slot among the
 engine's (`EmbeddedEngine.slots`), then slices on the device thread until it is over, the shadow
-reading between its rounds; its events (tokens, its end, an error) go to its stream's `Events`."""
+reading between its rounds; its events (tokens, its end, an error) go to its stream's
+`StreamEvents`. A generation runs at most `AHEAD` events ahead of what its relay has taken: a
+client that reads nothing holds its stream's writes, and so its generation, until the write
+times out and the stream's close cancels it (its slot is free again)."""
 
 from __future__ import annotations
 
@@ -17,6 +20,34 @@ from shadow.server.turn import ServedTurn
 
 END = object()  # the generator's steps are over
 SLICE_S = 0.1  # how long a generation holds the device while another job waits, before it gives way
+AHEAD = 64  # events a generation may run ahead of its relay
+
+
+class StreamEvents(Events):
+    """A stream's events, counting those its relay has taken (`ahead`: put and not taken yet)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.put_n = 0  # written on the generation's thread
+        self.taken_n = 0  # written on the event loop
+
+    def put(self, event: tuple) -> None:
+        self.put_n += 1
+        super().put(event)
+
+    async def get(self, timeout_s: float) -> tuple | None:
+        event = await super().get(timeout_s)
+        self.taken_n += event is not None
+        return event
+
+    def get_nowait(self) -> tuple | None:
+        event = super().get_nowait()
+        self.taken_n += event is not None
+        return event
+
+    @property
+    def ahead(self) -> int:
+        return self.put_n - self.taken_n
 
 
 class EmbeddedEngine:
@@ -64,7 +95,7 @@ class Generation:
                 self._record()
                 return
             while not self.service.run_request(self._slice):
-                pass
+                self._wait_for_relay()
         except Exception as e:  # noqa: BLE001 - the device has stopped, or the generator failed: the client is told
             self.events.put(("error", f"{type(e).__name__}: {e}"))
         finally:
@@ -75,6 +106,14 @@ class Generation:
                 self.steps.close()
             self.service.voicing.drop_waiting(self.turn)
             self.service.end_turn(self.turn)
+
+    def _wait_for_relay(self) -> None:
+        """Off the device: while the generation is `AHEAD` events ahead of its relay (a client that
+        does not read), until the relay takes them or the client is gone."""
+        ahead = getattr(self.events, "ahead", 0)
+        while ahead >= AHEAD and not self.turn.client_gone:
+            time.sleep(0.01)
+            ahead = self.events.ahead
 
     def _slice(self) -> bool:
         """On the device thread: steps until the generation is over (True) or it has held the
@@ -105,7 +144,7 @@ class Generation:
                     begun, read, spoken = perf(), turn.share_used, turn.voice.used_s
                     service.between_rounds(turn, (token,))
                     clock.after(perf() - begun, turn.share_used - read, turn.voice.used_s - spoken)
-                if device.queued() and perf() - start >= SLICE_S:
+                if (device.queued() and perf() - start >= SLICE_S) or getattr(self.events, "ahead", 0) >= AHEAD:
                     clock.away()
                     return False
         finally:  # the device goes to another job, or the turn ends: no phrase's fork is left open

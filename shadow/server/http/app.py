@@ -26,6 +26,7 @@ from shadow.server.http.embedded import EmbeddedCompletions
 from shadow.server.http.guard import Guard, valid_session_id
 from shadow.server.http.health import Probes
 from shadow.server.http.proxy import Proxy, response_headers
+from shadow.server.http.transfers import Transfers
 from shadow.server.http.schemas import ChatBody, CompletionBody, openapi_body
 from shadow.server.http.shadow_api import shadow_routes
 from shadow.server.metrics import Metrics
@@ -61,13 +62,15 @@ class ShadowApp:
         eos_id = service.config.eos_token_id if generator is None else generator.model.config.eos_token_id
         engine = settings.engine
         self.engine = EngineChoice(engine.upstream, dialect or (None if engine.dialect == "auto" else engine.dialect),
-                                   renderer, eos_id, engine.template_kwargs) if settings.proxy else None
+                                   renderer, eos_id, engine.template_kwargs,
+                                   probe_timeout_s=engine.probe_timeout_s) if settings.proxy else None
         self.embedded = EmbeddedCompletions(settings, service, generator, tokenizer, model_name, renderer) \
             if generator is not None else None
         self.proxy: Proxy | None = None  # made at start, in the server's event loop
         self.fallback = Dialect(renderer, eos_id=eos_id)  # until the engine answers the probe
         app = self.app = FastAPI(title="shadow serve", lifespan=self._lifespan)
         app.add_middleware(Guard, access=settings.access, limits=settings.limits)
+        app.add_middleware(Transfers, access=settings.access, limits=settings.limits)  # outside the guard
         errors.install(app)
         # the routes hold the app, its service and tokenizer weakly (the FastAPI app holds this object
         # through its lifespan): FastAPI keeps every endpoint it was given in a process-wide cache,
@@ -79,7 +82,7 @@ class ShadowApp:
         app.add_api_route("/v1/completions", weakly(self.completions), methods=["POST"],
                           openapi_extra=openapi_body(CompletionBody))
         app.include_router(shadow_routes(held, weakref.proxy(tokenizer), [eos_id], settings.limits))
-        app.include_router(Probes(held, lambda: me.proxy).routes())
+        app.include_router(Probes(held, me).routes())
         self.metrics = Metrics(service)  # the app's own registry
         app.add_api_route(METRICS_PATH, weakly(self.scrape), methods=["GET"], include_in_schema=False)
 
@@ -88,8 +91,9 @@ class ShadowApp:
         self.service.start()
         if self.engine is not None:
             self.proxy = Proxy(self.settings, self.engine.dialect or self.fallback, self.service, self.tokenizer)
-            await asyncio.to_thread(self.engine.choose)
             self.service.engine = self.engine.describe()
+            self.engine.on_chosen = lambda: setattr(self.service, "engine", self.engine.describe())
+            self.engine.begin()  # beside the service: the port answers while the engine is probed
         yield
         if self.proxy is not None:
             await self.proxy.close()
@@ -155,8 +159,7 @@ class ShadowApp:
         its session by prefix); one that names it does not."""
         proxy, service = self.proxy, self.service
         if self.engine.dialect is None:  # the engine did not answer at start: probe it now
-            proxy.dialect = await asyncio.to_thread(self.engine.choose)
-            service.engine = self.engine.describe()
+            proxy.dialect = await self.engine.settled()
         else:
             proxy.dialect = self.engine.dialect
         before = proxy.prompt(body, chat)

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from shadow.engines.dialects import as_carried
 from shadow.errors import ShadowInputError
 from shadow.server.events import Events
-from shadow.server.generation import EmbeddedEngine
+from shadow.server.generation import EmbeddedEngine, StreamEvents
 from shadow.server.generator import Generator
 from shadow.server.http.channels import Channel, LineWriter
 from shadow.server.http.closing import ClosingStream
@@ -97,7 +97,7 @@ class EmbeddedCompletions:
         session = self.service.name_turn(turn, prompt)  # (what raises here or below ends the turn: the app's)
         want_ids = bool(body.get("return_token_ids"))  # as vLLM: ids only when asked for
         rid, created = f"cmpl-{uuid.uuid4().hex[:16]}", int(time.time())
-        events = Events()
+        events = StreamEvents()  # a generation runs at most a few events ahead of its relay
         self.load.sent(turn, time.monotonic(), len(prompt))  # no prefix cache: it reads the whole prompt
         lines = None
         if chat and body.get("stream") and channel.on:

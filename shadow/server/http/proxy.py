@@ -30,6 +30,7 @@ from shadow.engines.dialects import Asked, Dialect, Prompt, engine_root
 from shadow.engines.idcheck import check_turn
 from shadow.server.http.channels import Channel
 from shadow.server.http.closing import ClosingStream
+from shadow.server.http.deadlines import Deadlines
 from shadow.server.http.errors import error_event, error_response
 from shadow.server.http.lines import TurnStatus
 from shadow.server.http.lines import said as shown_lines
@@ -78,12 +79,16 @@ class Proxy:
         self.dialect = dialect
         self.service = service
         self.label_from_upstream = engine.label_from_upstream
-        timeout_s = engine.timeout_s
+        self.first_byte_s, self.idle_s = engine.first_byte_timeout_s, engine.idle_timeout_s
         # an idle connection is given up before the engine would close it (llama.cpp: after 5 s), so
-        # a request never goes out on a connection the engine has just closed
+        # a request never goes out on a connection the engine has just closed. A completion's reads
+        # are timed by its `Deadlines`; every other call waits at most `idle_s` for each read.
         limits = httpx.Limits(keepalive_expiry=3.0)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits)
-        self.sync_client = httpx.Client(timeout=httpx.Timeout(60.0, connect=10.0), limits=limits)  # /tokenize
+        self.completion_timeout = httpx.Timeout(None, connect=engine.connect_timeout_s)
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(self.idle_s, connect=engine.connect_timeout_s),
+                                        limits=limits)
+        self.sync_client = httpx.Client(timeout=httpx.Timeout(self.idle_s, connect=engine.connect_timeout_s),
+                                        limits=limits)  # /tokenize
         self.pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="shadow-prompt")
         self.load = service.load  # requests in flight to the engine, its prefill rate
         self._feeds: set[asyncio.Task] = set()  # hand-overs to the shadow in flight (held till done)
@@ -121,8 +126,17 @@ class Proxy:
         if chat and proxied.stream and channel.on:
             proxied.lines = Lines(channel, TurnStatus(time.monotonic(), **self.timing), self.load, turn, before, cached)
         self.load.sent(turn, time.monotonic())
+        proxied.deadlines = Deadlines(self.first_byte_s, self.idle_s)
         url = self.upstream + ("/chat/completions" if chat else "/completions")
         sending = asyncio.ensure_future(self._send(url, asked, proxied, request_headers))
+        try:
+            return await self._answer(proxied, sending, session)
+        except asyncio.CancelledError:  # the client went away before its response began
+            await self._client_gone(proxied, sending)
+            raise
+
+    async def _answer(self, proxied: ProxiedTurn, sending: asyncio.Future, session: str | None) -> Response:
+        """The client's response to a request sent: a stream, or the engine's whole answer."""
         headers = {"x-shadow-session": session} if session else {}
         if proxied.lines is not None:
             done, _ = await asyncio.wait({sending}, timeout=proxied.lines.status.quiet_s)
@@ -132,6 +146,9 @@ class Proxy:
                                      status_code=200, media_type="text/event-stream", headers=headers)
         try:
             upstream, asked = await sending
+        except httpx.TimeoutException as e:
+            await self._end_unanswered(proxied, "timeout")
+            return error_response(504, f"upstream timeout: {_said(e)}", "upstream_timeout")
         except httpx.HTTPError as e:
             await self._end_unanswered(proxied, "unreachable")
             return error_response(502, f"upstream unreachable: {type(e).__name__}: {e}", "upstream_error")
@@ -144,18 +161,31 @@ class Proxy:
         return ClosingStream(self._relay(proxied, upstream), on_close=lambda: self._closed(proxied, finished),
                              status_code=200, headers=headers)
 
+    async def _client_gone(self, proxied: ProxiedTurn, sending: asyncio.Future) -> None:
+        """A request whose client went away before its response began (`transfers.Transfers`
+        cancels it): the engine's request is closed, and the turn ends as `_closed` ends one."""
+        if not sending.done():
+            sending.cancel()
+        elif not sending.cancelled() and sending.exception() is None:
+            await sending.result()[0].aclose()
+        turn = proxied.turn
+        if turn.reach(Phase.ENDING):
+            turn.notes.append("the client went away before the engine answered: its request was closed")
+            self.load.answered(turn)
+            await asyncio.to_thread(self._finish, proxied)
+
     async def _whole_response(self, proxied: ProxiedTurn, upstream: httpx.Response, headers: dict) -> Response:
         """A response that is not a 200 stream: read whole, passed on (less what the proxy added)."""
         try:
-            content = await upstream.aread()
+            content = await proxied.deadlines.read(upstream)
+        except httpx.TimeoutException as e:
+            await self._end_unanswered(proxied, "timeout")
+            return error_response(504, f"upstream timeout: {_said(e)}", "upstream_timeout")
         except httpx.HTTPError as e:
-            content = None
-            broke = f"the engine's response broke off: {type(e).__name__}: {e}"
+            await self._end_unanswered(proxied, "broke_off")
+            return error_response(502, f"the engine's response broke off: {type(e).__name__}: {e}", "upstream_error")
         finally:
             await upstream.aclose()
-        if content is None:
-            await self._end_unanswered(proxied, "broke_off")
-            return error_response(502, broke, "upstream_error")
         if upstream.status_code != 200:
             await self._end_unanswered(proxied, f"status_{upstream.status_code // 100}xx")
             return Response(content, status_code=upstream.status_code, headers=headers)
@@ -200,10 +230,11 @@ class Proxy:
         """Send the request as the dialect asks it; an engine that refuses what the proxy added
         (a 400 or 422) gets the client's request as it came instead: the client's response never
         depends on the shadow (that turn's ids then come from what the engine shows unasked)."""
-        headers = self.engine_headers(request_headers)
+        headers, deadlines = self.engine_headers(request_headers), proxied.deadlines
 
         def post(body: dict):
-            return self.client.send(self.client.build_request("POST", url, json=body, headers=headers), stream=True)
+            request = self.client.build_request("POST", url, json=body, headers=headers, timeout=self.completion_timeout)
+            return deadlines.within(self.client.send(request, stream=True))
 
         try:
             upstream = await post(asked.body)
@@ -211,8 +242,10 @@ class Proxy:
             upstream = await post(asked.body)
         if upstream.status_code not in (400, 422) or not asked.added:
             return upstream, asked
-        refusal = _error_summary(upstream.status_code, await upstream.aread())
-        await upstream.aclose()
+        try:
+            refusal = _error_summary(upstream.status_code, await Deadlines(self.idle_s, self.idle_s).read(upstream))
+        finally:
+            await upstream.aclose()
         self.service.count_upstream_error("refused_added_fields")
         fields = ", ".join(sorted(asked.added))
         log.warning("the engine refused the fields the proxy adds (%s): %s; sent as the client sent it", fields, refusal)
@@ -238,23 +271,26 @@ class Proxy:
                 yield data
             await asyncio.wait({sending}, timeout=lines.status.until_due(time.monotonic()))
         failure = error = None
+        kind = "upstream_error"
         try:
             upstream, asked = sending.result()
             proxied.added = asked.added
+        except httpx.TimeoutException as e:
+            failure, error, kind = f"upstream timeout: {_said(e)}", "timeout", "upstream_timeout"
         except httpx.HTTPError as e:
             failure, error = f"upstream unreachable: {type(e).__name__}: {e}", "unreachable"
         else:
             if upstream.status_code != 200:
                 error = f"status_{upstream.status_code // 100}xx"
                 try:
-                    content = (await upstream.aread()).decode("utf-8", "replace")
+                    content = (await proxied.deadlines.read(upstream)).decode("utf-8", "replace")
                 except httpx.HTTPError:
                     content = ""
                 await upstream.aclose()
                 failure = f"the engine answered {upstream.status_code}: {content[:500]}"
         if failure is not None:
             await self._end_unanswered(proxied, error)
-            yield error_event(failure, "upstream_error") + b"data: [DONE]\n\n"
+            yield error_event(failure, kind) + b"data: [DONE]\n\n"
             return
         relay = self._relay(proxied, upstream)
         try:
@@ -271,7 +307,7 @@ class Proxy:
 
         async def pump():
             try:
-                async for piece in upstream.aiter_bytes():
+                async for piece in proxied.deadlines.pieces(upstream):
                     await pieces.put(piece)
             except httpx.HTTPError as e:
                 await pieces.put(e)
@@ -293,6 +329,10 @@ class Proxy:
                     piece = b""
                 arrived = time.perf_counter()
                 if piece is None:
+                    break
+                if isinstance(piece, httpx.TimeoutException):  # the engine fell silent: the client is told
+                    self.service.count_upstream_error("timeout")
+                    yield error_event(f"upstream timeout: {_said(piece)}", "upstream_timeout")
                     break
                 if isinstance(piece, httpx.HTTPError):  # the engine broke off mid-stream: the client is told
                     self.service.count_upstream_error("broke_off")
@@ -449,6 +489,13 @@ class Proxy:
             log.exception("the shadow could not finish turn %s", turn.id, extra={"session": turn.session, "turn": turn.id})
         finally:
             service.end_turn(turn)
+
+
+def _said(e: httpx.TimeoutException) -> str:
+    """A timeout in words: ours say which limit passed; httpx's own (the connection) say little."""
+    if isinstance(e, httpx.ConnectTimeout):
+        return f"the engine did not accept a connection in time ({type(e).__name__})"
+    return str(e) or type(e).__name__
 
 
 def _error_summary(status: int, body: bytes) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from shadow.engines.dialects import Prompt
 from shadow.server.http.channels import Channel, LineWriter
+from shadow.server.http.deadlines import Deadlines
 from shadow.server.http.lines import TurnStatus
 from shadow.server.load import EngineLoad
 from shadow.server.turn import ServedTurn
@@ -36,6 +37,7 @@ class ProxiedTurn:
     label: Callable[[], tuple[str | None, str | None]] | None = None  # asks the engine for a standing label
     lines: "Lines | None" = None  # its status lines (a streamed chat with a channel on)
     added: frozenset = frozenset()  # the fields the proxy added to the client's request
+    deadlines: "Deadlines | None" = None  # the engine's time limits on it (`deadlines`), from when it went out
 
     @property
     def stream(self) -> bool:
