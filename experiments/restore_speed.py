@@ -122,8 +122,6 @@ def main() -> None:
         tokens_read, runs = reread
         out |= {"reread_tokens": tokens_read, "reread_s": round(statistics.median(runs), 4),
                 "reread_runs": [round(t, 4) for t in runs]}
-        if tokens_read == len(session.ids):
-            out |= choice(reader, loaded.weights_hash, session, file_bytes / restore_s, statistics.median(runs))
     print(json.dumps(out))
 
 
@@ -280,14 +278,6 @@ def reread_times(reader, ids: list[int], tokens: int, runs: int, cuda: bool) -> 
         out.append(time.perf_counter() - start)
         del s
     return tokens, out
-
-
-def choice(reader, weights_hash: str, session, bytes_per_s: float, reread_s: float) -> dict:
-    """What the store would do with this session, given the two measured costs."""
-    store = SessionStore(reader, weights_hash, cap_gib=None, reread_s=lambda committed: reread_s)
-    store.restore_rate.warm(bytes_per_s / 2**30)
-    how, why = store.choice(session)
-    return {"store_choice": how, "store_choice_why": why}
 
 
 def arm_summary(t: dict[str, list[float]], nbytes: int) -> dict:

@@ -4,6 +4,8 @@ choice, a planned stop writing its copies, memory bounded under a churn of sessi
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_store import GRID, assert_same, fed, fingerprint, ids
@@ -190,4 +192,4 @@ def test_the_service_reports_the_host_tier_in_status_and_metrics(tiny, tmp_path)
         status = client.get("/v1/shadow/status").json()
         metrics = client.get("/metrics").text
     assert status["store"]["host_sessions"] >= 1 and status["store"]["host_bytes"] > 0
-    assert "shadow:sessions_in_host " in metrics and "shadow:to_host_total " in metrics
+    assert re.search(r"^shadow_sessions_in_host[{ ]", metrics, re.M) and re.search(r"^shadow_to_host_total[{ ]", metrics, re.M)

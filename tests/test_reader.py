@@ -246,7 +246,7 @@ def test_the_replays_modelled_sessions_follow_the_readers_rules(reader):
     from shadow.offline.modelled import ModelledStore
 
     rng = random.Random(3)
-    held = ModelledStore(GRID, CostTable(ChunkTable.flat(1.0, GRID)), lambda committed: None,
+    held = ModelledStore(GRID, CostTable(ChunkTable.flat(1.0, GRID)),
                         max_checkpoints=reader.max_checkpoints)
     s, (h, _) = reader.new_session("s"), held.get("s")
     rollbacks, to_checkpoint = 0, 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from shadow.core.reader import open_reader
-from shadow.core.residency import Settle, StateSize, leave_how
+from shadow.core.residency import Settle, StateSize
 from shadow.core.sessionfile import file_bytes
 from shadow.core.store import session_bytes
 from shadow.model.config import PRESETS
@@ -57,8 +57,3 @@ def test_a_settle_moves_out_the_least_recently_used_until_the_rest_fit():
     assert list(Settle([("a", 5)], cap=5)) == []
 
 
-def test_spill_or_drop():
-    assert leave_how(0.4, 0.5, 57_856)[0] == "spill"
-    how, why = leave_how(0.8, 0.5, 57_856)
-    assert how == "drop" and why.startswith("dropped: cheaper to re-read (restore ~0.800 s")
-    assert leave_how(None, 0.5, 1) == ("spill", "spilled (no restore estimate)")

@@ -427,72 +427,24 @@ def test_a_state_of_several_kv_heads_goes_to_and_from_its_own_buffers_bit_for_bi
 # spill or drop ----------------------------------------------------------------------------------
 
 
-def test_a_session_cheaper_to_reread_drops_its_state_and_keeps_its_ids(reader, tmp_path):
+def test_a_session_past_the_cap_is_spilled_whenever_a_disk_holds_it_and_says_why(reader, tmp_path):
+    """A restore costs disk time and a copy, reading again costs the shadow's device time: with a
+    disk every session past the cap is spilled, however slow the disk, and dropped only without."""
     store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
-    a = fed(store, reader, "a", n=600)
-    fed(store, reader, "b", seed=2)
-    store.settle(keep="b")  # no estimate of either cost: spilled, as without one
-    assert store.counters.spills == 1 and store.path_of("a").exists()
-    assert next(r for r in store.status() if r.name == "a").left_memory == "spilled (no re-read or restore estimate)"
-    a = store.get("a")  # its restore measures the store's restore rate
-    assert store.restore_rate.gib_per_s > 0
-    reader.feed_output(a, ids(100, 3))
-    reader.advance(a)
-    store.reread_s = lambda committed: 1e-12 * committed  # reading it again costs next to nothing
-    held = list(a.ids)
-    store.settle(keep="b")
-    assert store.peek("a") is None  # its state left memory unwritten: only its ids went to disk
-    assert (store.counters.drops, store.counters.drops_cheaper_to_reread, store.counters.spills) == (1, 1, 1)
-    why = store.totals()["recent_drops"]["a"]
-    assert why.startswith("dropped: cheaper to re-read") and f"re-read of {a.committed} tokens" in why
-    assert store.totals()["drops_cheaper_to_reread"] == 1
-    row = next(r for r in store.status() if r.name == "a")
-    assert not row.resident and row.committed == 0 and row.pending == len(held)
-    again = store.get("a")
-    assert again.committed == 0 and again.ids == held  # its ids back, to be read again from the start
-
-
-def test_a_session_cheaper_to_restore_is_spilled_and_says_why(reader, tmp_path):
-    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path, reread_s=lambda committed: 1e3 * committed)
-    store.restore_rate.warm(1.0)
+    store.restore_rate.warm(1e-9)  # restores crawl
     before = fingerprint(fed(store, reader, "a"))
     fed(store, reader, "b", seed=2)
     store.settle(keep="b")
     row = next(r for r in store.status() if r.name == "a")
-    assert not row.resident and row.left_memory.startswith("spilled: cheaper to restore")
-    assert store.counters.drops == 0
+    assert not row.resident and row.tier == "disk" and row.left_memory == "spilled: past the device cap"
+    assert (store.counters.spills, store.counters.drops) == (1, 0)
     assert_same(before, fingerprint(store.get("a")))
-
-
-def test_without_a_restore_rate_or_a_reread_estimate_the_store_spills(reader, tmp_path):
-    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path, reread_s=lambda committed: None)
-    store.restore_rate.warm(1.0)
-    assert store.choice(fed(store, reader, "a")) == ("spill", "spilled (no re-read estimate)")
-    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path, reread_s=lambda committed: 0.0)
-    assert store.choice(fed(store, reader, "a")) == ("spill", "spilled (no restore estimate)")
-
-
-def test_the_reread_estimate_sums_the_schedulers_chunk_costs_by_depth(reader, tmp_path):
-    from shadow.core.schedule import ChunkCosts
-    from shadow.core.store import reread_estimate
-
-    costs = ChunkCosts(bucket_tokens=128)
-    reread = reread_estimate(costs.estimate, GRID)
-    assert reread(640) is None  # nothing measured yet
-    costs.warm(0, 0.01)
-    costs.warm(256, 0.03)
-    assert reread(0) == 0.0
-    # chunks at depths 0, 64 (0.01 each), 128, 192 (interpolated: 0.02 each), 256, 320 (0.03 each)
-    assert reread(384) == pytest.approx(2 * 0.01 + 2 * 0.02 + 2 * 0.03)
-    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
-    store.estimate_reread(costs.estimate, GRID)  # the server's one line, at load
-    assert store.reread_s(384) == reread(384)
-    store.restore_rate.warm(1e-9)  # restores crawl: every session is cheaper to read again
-    fed(store, reader, "a")
-    fed(store, reader, "b", seed=2)
-    store.settle(keep="b")
-    assert store.counters.drops_cheaper_to_reread == 1
-
+    alone = SessionStore(reader, "h", cap_gib=0)
+    fed(alone, reader, "a")
+    fed(alone, reader, "b", seed=2)
+    alone.settle(keep="b")
+    assert alone.peek("a") is None and not alone.holds("a") and alone.counters.drops == 1
+    assert alone.totals()["recent_drops"] == {"a": "dropped: no tier had room (no --disk); its next turn reads it again"}
 
 def test_measure_restore_times_a_scratch_session_and_leaves_nothing(reader, tmp_path):
     store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)

@@ -1,6 +1,5 @@
 """What the resident cap keeps, without tensors: a session's bytes from the model's shapes, which
-sessions leave memory when a settle finds the cap passed, and whether one leaving is spilled or
-dropped.
+sessions leave memory when a settle finds the cap passed, and how fast restores run.
 
 The store (`store.SessionStore`) applies these rules to real sessions and the ledger replay to
 modelled ones, so the two keep, spill and drop the same sessions at the same settles.
@@ -108,16 +107,3 @@ class RestoreRate:
     def seconds(self, nbytes: int) -> float | None:
         """The estimated seconds to restore a file of `nbytes`."""
         return nbytes * self._seconds / self._bytes if self._bytes else None
-
-
-def leave_how(restore_s: float | None, reread_s: float | None, committed: int) -> tuple[str, str]:
-    """("spill" or "drop", why) for a session leaving memory where a disk is: dropped when its
-    restore would take longer than reading its `committed` tokens again; spilled otherwise, and
-    whenever a cost is unknown (None)."""
-    if reread_s is None or restore_s is None:
-        missing = " or ".join(w for w, v in (("re-read", reread_s), ("restore", restore_s)) if v is None)
-        return "spill", f"spilled (no {missing} estimate)"
-    costs = f"restore ~{restore_s:.3f} s, re-read of {committed} tokens ~{reread_s:.3f} s"
-    if restore_s > reread_s:
-        return "drop", f"dropped: cheaper to re-read ({costs})"
-    return "spill", f"spilled: cheaper to restore ({costs})"

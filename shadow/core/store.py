@@ -8,9 +8,8 @@ to the host tier where one is set (`hosttier`: host copies of the same tensors, 
 memory only once its file is written and fsynced: a write that fails (disk full, I/O error) keeps
 it resident, over the cap if it must, counts it, and a later settle tries again. Without a disk
 folder sessions past the cap are dropped and read again from the start by whoever feeds them next.
-With both costs known (`reread_s`, the caller's estimate of reading N committed tokens again, and
-the store's own measured restore rate), a session whose restore would take longer than reading
-it again is dropped rather than spilled; status says which was done and why.
+A session leaves for the fastest tier with room and is dropped only where none holds it (no
+disk); status says where each one is and why it left.
 
 The folder may hold anything else: the store touches only its own files (named
 `<32 hex>.safetensors`, with the session marker in their header), never follows a symbolic link,
@@ -40,7 +39,7 @@ from shadow.model.runtime import arithmetic
 from shadow.core import blockio
 from shadow.core.hosttier import HostTier, from_host, host_bytes, to_host
 from shadow.core.reader import Reader, Session
-from shadow.core.residency import GIB, RestoreRate, Settle, leave_how
+from shadow.core.residency import GIB, RestoreRate, Settle
 from shadow.core.sessionfile import (
     MARKER, MAX_HEADER, SUFFIX, Header, Identity, SessionFileError, file_bytes, read_fields, read_session,
     session_file_name, write_session,
@@ -71,7 +70,7 @@ class SessionRow:
     resident: bool
     last_use: float
     write_error: str | None = None  # why its last write failed (it stays resident until one succeeds)
-    left_memory: str | None = None  # on disk: why this store spilled it rather than drop it
+    left_memory: str | None = None  # in the host tier or on disk: why it left the device
     tier: str = "device"  # where it is: "device" (resident), "host" or "disk"
 
 
@@ -79,8 +78,7 @@ class SessionRow:
 class StoreCounters:
     spills: int = 0
     restores: int = 0
-    drops: int = 0  # every session that left memory unwritten (no disk, or cheaper to re-read)
-    drops_cheaper_to_reread: int = 0  # of those, the ones a disk could have kept
+    drops: int = 0  # every session that left memory unwritten: no tier could hold it (no disk)
     bytes_written: int = 0
     bytes_restored: int = 0
     restore_seconds: float = 0.0
@@ -106,23 +104,6 @@ class StoreCounters:
         return self.bytes_written / GIB / self.spill_seconds if self.spill_seconds else None
 
 
-def reread_estimate(chunk_s: Callable[[int], float | None], grid: int) -> Callable[[int], float | None]:
-    """`reread_s` from a per-depth chunk cost (`ChunkCosts.estimate`: seconds of one chunk whose
-    first row sits at a depth): reading N committed tokens again is the sum of its N / grid
-    chunks' estimates; None while a chunk has none."""
-
-    def reread_s(committed: int) -> float | None:
-        total = 0.0
-        for depth in range(0, committed, grid):
-            est = chunk_s(depth)
-            if est is None:
-                return None
-            total += est
-        return total
-
-    return reread_s
-
-
 def session_bytes(session: Session) -> int:
     return session.state.allocated_bytes() + sum(c.nbytes() for c in session.checkpoints)
 
@@ -136,15 +117,11 @@ class SessionStore:
         self, reader: Reader, weights_hash: str, *, cap_gib: float | None = 4.0, disk: Path | None = None,
         disk_cap_gib: float | None = 64.0, max_age_s: float = 48 * 3600, model: str = "",
         clock: Callable[[], float] = time.time, retry_s: float = RETRY_S, key: str | bytes | None = None,
-        reread_s: Callable[[int], float | None] | None = None, direct: bool = True,
-        host_cap_gib: float | None = None,
+        direct: bool = True, host_cap_gib: float | None = None,
     ):
         """`disk_cap_gib` bounds the store's own files in `disk` (None: no bound); a session whose
         spill failed is tried again at the first settle `retry_s` or more later. With `key`, files
-        carry a keyed digest made with it and only files with that digest are read. `reread_s`
-        (settable later): the estimated seconds of reading a session of N committed tokens again
-        (None: no estimate); with it and a measured restore rate, a session whose restore would be
-        slower is dropped, not spilled. `direct`: O_DIRECT file I/O where the file system takes it.
+        carry a keyed digest made with it and only files with that digest are read. `direct`: O_DIRECT file I/O where the file system takes it.
         `host_cap_gib`: the host tier's bound (None or 0: no host tier, sessions past the cap
         go to disk or are dropped)."""
         self.reader = reader
@@ -167,7 +144,6 @@ class SessionStore:
             self.key = key_bytes(key)
         except ValueError as e:
             raise ShadowInputError(str(e)) from None
-        self.reread_s = reread_s
         self.restore_rate = RestoreRate()
         self.direct = direct
         self._spilled_why: dict[str, str] = {}  # sessions on disk: why they were spilled, not dropped
@@ -293,19 +269,6 @@ class SessionStore:
         assert self.disk is not None
         return self.disk / session_file_name(name)
 
-    def estimate_reread(self, chunk_s: Callable[[int], float | None], grid: int) -> None:
-        """Take `reread_s` from a per-depth chunk cost (the scheduler's `ChunkCosts.estimate`), as
-        `reread_estimate` makes it."""
-        self.reread_s = reread_estimate(chunk_s, grid)
-
-    def choice(self, session: Session) -> tuple[str, str]:
-        """("spill" or "drop", why) for a session leaving memory with a disk (`residency.leave_how`):
-        dropped when its restore (its file's bytes at the measured restore rate) would take longer
-        than reading its committed tokens again (`reread_s`); spilled otherwise, and whenever a
-        cost is unknown."""
-        reread = self.reread_s(session.committed) if self.reread_s is not None else None
-        return leave_how(self.restore_rate.seconds(file_bytes(session)), reread, session.committed)
-
     def _evict(self, name: str) -> int | None:
         """Move `name` to the host tier, or spill or drop it; None when it left device memory,
         else the failed write's errno (0 if none)."""
@@ -314,21 +277,14 @@ class SessionStore:
             del self._resident[name]
             return None
         if not self.disk:
-            self.counters.drops += 1
+            self._dropped(name, "dropped: no tier had room (no --disk); its next turn reads it again")
         else:
-            how, why = self.choice(session)
-            if how == "drop":  # its state is dropped, its ids kept: a file of them at committed 0
-                error = self._write(Session(name, self.reader.model.new_state(), ids=list(session.ids),
-                                            rollbacks=session.rollbacks, ids_reread=session.ids_reread))
-                if error is not None:
-                    return error
-                self._dropped(name, why)
-            else:
-                error = self._write(session)
-                if error is not None:
-                    return error
-                self.counters.spills += 1
-                self._spilled_why[name] = why
+            error = self._write(session)
+            if error is not None:
+                return error
+            self.counters.spills += 1
+            self._spilled_why[name] = "spilled: past the device cap" + (
+                " and the host tier's" if self.host is not None else "")
         del self._resident[name]
         self._last_use.pop(name, None)
         if self.disk:
@@ -357,6 +313,7 @@ class SessionStore:
         c.to_host += 1
         c.bytes_to_host += need
         host.put(copy, need)
+        self._spilled_why[session.name] = "in host memory: past the device cap"
         return True
 
     def _host_out(self, copy: Session) -> bool:
@@ -369,8 +326,7 @@ class SessionStore:
             self.counters.host_to_disk += 1
             self._spilled_why[copy.name] = "spilled: the host tier was full"
         else:
-            self.counters.drops += 1
-            self._last_use.pop(copy.name, None)
+            self._dropped(copy.name, "dropped: the host tier was full and there is no --disk")
         self.host.take(copy.name)
         if self.disk:
             self.sweep(protect=self.path_of(copy.name))
@@ -384,6 +340,7 @@ class SessionStore:
         start = time.perf_counter()
         session = from_host(self.host.peek(name), self.reader.model.new_state())
         self.host.take(name)  # only once it is back: a move that fails (out of device memory) keeps the copy
+        self._spilled_why.pop(name, None)
         c = self.counters
         c.from_host_seconds += time.perf_counter() - start
         c.from_host += 1
@@ -391,16 +348,16 @@ class SessionStore:
         return session
 
     def _dropped(self, name: str, why: str) -> None:
-        """`name`'s state was dropped rather than spilled (its ids are on disk, at committed 0: the
-        next turn reads it again from the start): counted, its reason kept."""
+        """`name` left memory unwritten (no tier held it; whoever feeds it next reads it again from
+        the start): counted, its reason kept."""
         self.counters.drops += 1
-        self.counters.drops_cheaper_to_reread += 1
         self.recent_drops.pop(name, None)
         self.recent_drops[name] = why
         while len(self.recent_drops) > RECENT_DROPS:
             self.recent_drops.popitem(last=False)
         self._spilled_why.pop(name, None)
-        log.info("session %r %s; its ids are kept", name, why)
+        self._last_use.pop(name, None)
+        log.info("session %r %s", name, why)
 
     def _write(self, session: Session) -> int | None:
         """Write `session`'s file; None when written and fsynced, else the errno (0 if none),
@@ -620,8 +577,7 @@ class SessionStore:
             "write_failures": self.counters.write_failures, "unwritten_sessions": len(self._unwritten),
             "files_refused": len(self.counters.rejected), "last_error": self.counters.last_error,
             "keyed": self.key is not None, "drops": self.counters.drops,
-            "drops_cheaper_to_reread": self.counters.drops_cheaper_to_reread,
-            "restore_estimate_gib_per_s": self.restore_rate.gib_per_s, "reread_estimate": self.reread_s is not None,
+            "restore_estimate_gib_per_s": self.restore_rate.gib_per_s,
             "recent_drops": dict(self.recent_drops),
             "host_bytes": self.host_bytes(), "host_cap_bytes": self.host.cap if self.host is not None else None,
             "host_sessions": len(self.host) if self.host is not None else 0,
@@ -637,7 +593,8 @@ class SessionStore:
         ]
         for c in self.host.copies() if self.host is not None else []:
             rows.append(SessionRow(c.name, c.committed, c.pending, self.host.nbytes(c.name), len(c.checkpoints), False,
-                                   self._last_use.get(c.name, 0.0), self._unwritten.get(c.name), tier="host"))
+                                   self._last_use.get(c.name, 0.0), self._unwritten.get(c.name),
+                                   self._spilled_why.get(c.name), tier="host"))
         seen = {r.name for r in rows}
         for _, h, st in self._headers():
             if h.name not in seen:

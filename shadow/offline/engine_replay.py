@@ -120,7 +120,7 @@ class EngineReplay:
             sched.costs.warm(depth, costs.chunk(depth))
             for size in batch_sizes(sched.rule.batch):
                 sched.warm_batch(size, depth, costs.batch_s([depth] * size))
-        self.store = ModelledStore(g, costs, self._reread_estimate, size=limits.state, cap=limits.cap_bytes,
+        self.store = ModelledStore(g, costs, size=limits.state, cap=limits.cap_bytes,
                                   disk=limits.disk, host_cap=limits.host_cap_bytes)
         self.req = dict(requests)
         self.heap: list[tuple] = []
@@ -154,15 +154,6 @@ class EngineReplay:
 
     def _at(self, t: float, kind: int, what) -> None:
         heapq.heappush(self.heap, (t, kind, len(self.heap), what))
-
-    def _reread_estimate(self, committed: int) -> float | None:
-        total = 0.0
-        for depth in range(0, committed, self.grid):
-            est = self.sched.costs.estimate(depth)
-            if est is None:
-                return None
-            total += est
-        return total
 
     # what the shadow holds ----------------------------------------------------------------
 

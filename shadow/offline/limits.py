@@ -42,7 +42,7 @@ class ReplayLimits:
     """The live service's limits, as the replay runs them; the defaults leave them all out (the
     idealised replay: ids at once, no cap, no voice, no asks). `cap_gib` per shadow (None: no cap)
     with `state` the sessions' sizes; `host_cap_gib`: the host tier below the cap (None or 0: none);
-    `disk`: spill (or drop, when cheaper) rather than drop;
+    `disk`: spill rather than drop;
     `voice_share`: each decoding turn's voice phrases, one at each of its status lines (a tool call
     being written: `LINE_QUIET_S` after its first token, then every `LINE_EVERY_S`) where its
     budget (that share of the time since its first token) holds one and the device is free;

@@ -7,13 +7,12 @@ move to or from the host tier, restore, spill and drop costs what the cost table
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shadow.core import driving
 from shadow.core.driving import Feed
 from shadow.core.reader import MAX_CHECKPOINTS
-from shadow.core.residency import RestoreRate, Settle, StateSize, leave_how
+from shadow.core.residency import Settle, StateSize
 from shadow.offline.costs import CostTable
 
 
@@ -54,24 +53,22 @@ class StoreCounts:
 
 class ModelledStore:
     """One shadow's sessions: resident ones in least-recently-used order under `cap` bytes (None: no
-    cap), then a host tier of `host_cap` bytes (None or 0: none), with or without a `disk`. `reread_s(committed)`: the estimated seconds of reading a
-    session again (the scheduler's estimate), for the spill-or-drop choice; the restore rate is
-    known after the first restore, as live. It keeps the modelled states for the grid's rules
+    cap), then a host tier of `host_cap` bytes (None or 0: none), with or without a `disk`: a
+    session leaves for the fastest tier with room and is dropped only without a disk, as live. It keeps the modelled states for the grid's rules
     (`driving.StateKeeper`)."""
 
-    def __init__(self, grid: int, costs: CostTable, reread_s: Callable[[int], float | None], *,
+    def __init__(self, grid: int, costs: CostTable, *,
                  size: StateSize | None = None, cap: int | None = None, disk: bool = False,
                  host_cap: int | None = None, max_checkpoints: int = MAX_CHECKPOINTS):
         if cap is not None and size is None:
             raise ValueError("a cap needs the sessions' state sizes")
         self.grid, self.size, self.cap, self.disk, self.costs = grid, size, cap, disk, costs
-        self.reread_s, self.max_checkpoints = reread_s, max_checkpoints
+        self.max_checkpoints = max_checkpoints
         self.resident: OrderedDict[str, ModelledSession] = OrderedDict()
         self.files: dict[str, ModelledSession] = {}  # on disk: spilled, or dropped with its ids (committed 0)
         self.host_cap = host_cap or None
         self.host: OrderedDict[str, ModelledSession] = OrderedDict()  # the host tier, least recently moved in first
         self.host_used = 0  # bytes of the copies in the host tier (each counted as it moved in)
-        self.restore_rate = RestoreRate()
         self.counts = StoreCounts()
 
     # the store --------------------------------------------------------------------------
@@ -112,7 +109,6 @@ class ModelledStore:
             if f is not None:
                 nbytes = self._file_bytes(f)
                 seconds = self.costs.restore_s(nbytes)
-                self.restore_rate.observe(nbytes, seconds)
                 self.counts.restores += 1
                 self.counts.restore_s += seconds
                 h = ModelledSession(name, f.ids, f.committed, self.size.capacity(f.committed) if self.size else 0,
@@ -154,7 +150,7 @@ class ModelledStore:
             self.host_used -= self.host_bytes(oldest)
             if self.disk:
                 self.counts.host_to_disk += 1
-            seconds += self._leave(oldest, from_host=True)
+            seconds += self._leave(oldest)
         moved = self.costs.host_s(need)
         self.counts.to_host += 1
         self.counts.host_s += moved
@@ -162,22 +158,15 @@ class ModelledStore:
         self.host_used += need
         return seconds + moved
 
-    def _leave(self, h: ModelledSession, from_host: bool = False) -> float:
-        """`h` leaves memory: spilled or dropped (`residency.leave_how`) with a disk, dropped without;
-        the seconds of its write. A host copy leaving for disk is spilled (as the store does)."""
+    def _leave(self, h: ModelledSession) -> float:
+        """`h` leaves memory: spilled with a disk, dropped without; the seconds of its write."""
         if not self.disk:
             self.counts.drops += 1
             return 0.0
-        restore = self.restore_rate.seconds(self._file_bytes(h))
-        how = "spill" if from_host else leave_how(restore, self.reread_s(h.committed), h.committed)[0]
-        kept = h if how == "spill" else ModelledSession(h.name, h.ids)  # a drop keeps its ids at committed 0
-        self.files[h.name] = kept
-        seconds = self.costs.spill_s(self._file_bytes(kept))
+        self.files[h.name] = h
+        seconds = self.costs.spill_s(self._file_bytes(h))
         self.counts.spill_s += seconds
-        if how == "spill":
-            self.counts.spills += 1
-        else:
-            self.counts.drops += 1
+        self.counts.spills += 1
         return seconds
 
     def host_bytes(self, h: ModelledSession) -> int:
