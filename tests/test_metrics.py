@@ -32,10 +32,6 @@ DASHBOARD = ROOT / "docs" / "grafana" / "shadow-dashboard.json"
 ALERTS = ROOT / "docs" / "grafana" / "shadow-alerts.yml"
 ADMIN, API = "admin-key-1", "api-key-1"
 LABELS = {"model": "tiny", "engine": "openai"}
-# series the exporter writes only once the service counts them (see docs/SERVE.md)
-WHEN_COUNTED = {"shadow:decode_seconds_total", "shadow:bookkeeping_seconds", "shadow:bookkeeping_rounds_total",
-                "shadow:upstream_errors_total", "shadow:rollbacks_total", "shadow:ids_reread_total",
-                "shadow:voice_phrases_total"}
 
 
 @contextmanager
@@ -103,7 +99,7 @@ def query(prom: httpx.Client, expr: str) -> list[dict]:
 def series(prom: httpx.Client) -> dict[tuple, float]:
     """Every shadow series Prometheus holds now: (name, extra labels...) -> value."""
     out = {}
-    for r in query(prom, '{__name__=~"shadow:.+"}'):
+    for r in query(prom, '{__name__=~"shadow_.+"}'):
         labels = dict(r["metric"])
         name = labels.pop("__name__")
         assert {k: labels.pop(k) for k in ("model", "engine")} == LABELS, r["metric"]
@@ -120,35 +116,35 @@ def wanted(status: dict, store_counters: dict, journal: Path) -> dict[tuple, flo
     lines = [x["kind"] for r in records for x in r.get("status_lines", [])]
     turns = [r for r in records if r.get("kind") == "turn"]
     out = {
-        ("shadow:ready",): 1.0, ("shadow:requests_total",): c["requests"], ("shadow:asks_total",): c["asks"],
-        ("shadow:turns_in_flight",): status["turns_in_flight"], ("shadow:turns_overdue",): len(status["overdue_turns"]),
-        ("shadow:sessions_resident",): totals["resident_sessions"], ("shadow:sessions_on_disk",): totals["files"],
-        ("shadow:resident_bytes",): totals["resident_bytes"], ("shadow:disk_bytes",): totals["disk_bytes"],
-        ("shadow:write_failures_total",): totals["write_failures"],
-        ("shadow:spills_total",): store_counters["spills"], ("shadow:restores_total",): store_counters["restores"],
-        ("shadow:drops_total",): store_counters["drops"],
-        ("shadow:backlog_ids",): sum(r["pending"] for r in rows),
-        ("shadow:sessions_behind",): sum(r["resident"] and r["pending"] >= status["grid"] for r in rows),
-        ("shadow:session_backlog_ids_gcount",): len(rows),
-        ("shadow:sessions_not_exact",): sum(not x["exact"] for x in checks),
-        ("shadow:unverified_ids",): sum(x["ids"] - x["verified_ids"] for x in checks),
-        ("shadow:ask_latency_seconds_count",): c["asks"], ("shadow:ask_wait_seconds_count",): c["asks"],
-        ("shadow:idle_reader_up",): 1.0,
-        ("shadow:idle_reader_state", ("state", status["idle_reader"]["state"].replace(" ", "_"))): 1.0,
-        ("shadow:idle_reader_errors_total",): status["idle_reader"]["errors"],
-        ("shadow:read_seconds_total", ("window", "share")): c["share_s"],
+        ("shadow_ready",): 1.0, ("shadow_requests_total",): c["requests"], ("shadow_asks_total",): c["asks"],
+        ("shadow_turns_in_flight",): status["turns_in_flight"], ("shadow_turns_overdue",): len(status["overdue_turns"]),
+        ("shadow_sessions_resident",): totals["resident_sessions"], ("shadow_sessions_on_disk",): totals["files"],
+        ("shadow_resident_bytes",): totals["resident_bytes"], ("shadow_disk_bytes",): totals["disk_bytes"],
+        ("shadow_write_failures_total",): totals["write_failures"],
+        ("shadow_spills_total",): store_counters["spills"], ("shadow_restores_total",): store_counters["restores"],
+        ("shadow_drops_total",): store_counters["drops"],
+        ("shadow_backlog_ids",): sum(r["pending"] for r in rows),
+        ("shadow_sessions_behind",): sum(r["resident"] and r["pending"] >= status["grid"] for r in rows),
+        ("shadow_session_backlog_ids_gcount",): len(rows),
+        ("shadow_sessions_not_exact",): sum(not x["exact"] for x in checks),
+        ("shadow_unverified_ids",): sum(x["ids"] - x["verified_ids"] for x in checks),
+        ("shadow_ask_latency_seconds_count",): c["asks"], ("shadow_ask_wait_seconds_count",): c["asks"],
+        ("shadow_idle_reader_up",): 1.0,
+        ("shadow_idle_reader_state", ("state", status["idle_reader"]["state"].replace(" ", "_"))): 1.0,
+        ("shadow_idle_reader_errors_total",): status["idle_reader"]["errors"],
+        ("shadow_read_seconds_total", ("window", "share")): c["share_s"],
     }
     for window in ("idle", "share", "ask"):
-        out[("shadow:chunks_read_total", ("window", window))] = c[f"chunks_{window}"]
+        out[("shadow_chunks_read_total", ("window", window))] = c[f"chunks_{window}"]
     for result in ("verified", "unverified", "mismatched"):
-        out[("shadow:turns_total", ("result", result))] = sum(x[f"turns_{result}"] for x in checks)
+        out[("shadow_turns_total", ("result", result))] = sum(x[f"turns_{result}"] for x in checks)
     for part in ("prompt", "output"):
         for result in ("verified", "unverified", "mismatched", "not_read"):
-            out[("shadow:turn_parts_total", ("part", part), ("result", result))] = sum(
+            out[("shadow_turn_parts_total", ("part", part), ("result", result))] = sum(
                 t[f"{part}_check"] == result for t in turns)
             assert c["turn_parts"][part][result] == sum(t[f"{part}_check"] == result for t in turns)
     for kind in set(lines):
-        out[("shadow:status_lines_total", ("kind", kind))] = lines.count(kind)
+        out[("shadow_status_lines_total", ("kind", kind))] = lines.count(kind)
     return {k: float(v) for k, v in out.items()}
 
 
@@ -180,11 +176,11 @@ def test_a_real_prometheus_finds_the_shadow_series_status_reports(tiny, tmp_path
                 assert asked.status_code == 200 and asked.json()["exact"] is False
                 have, want = _scraped_as_status(proxy, service, prom, tmp_path / "journal.jsonl")
                 assert not differences(have, want), differences(have, want)
-                assert want[("shadow:spills_total",)] >= 1 and want[("shadow:restores_total",)] >= 1
-                assert want[("shadow:turns_total", ("result", "unverified"))] == 2
-                assert want[("shadow:turn_parts_total", ("part", "output"), ("result", "not_read"))] == 2
-                assert want[("shadow:turn_parts_total", ("part", "prompt"), ("result", "unverified"))] == 2
-                assert want[("shadow:status_lines_total", ("kind", "reading"))] >= 2
+                assert want[("shadow_spills_total",)] >= 1 and want[("shadow_restores_total",)] >= 1
+                assert want[("shadow_turns_total", ("result", "unverified"))] == 2
+                assert want[("shadow_turn_parts_total", ("part", "output"), ("result", "not_read"))] == 2
+                assert want[("shadow_turn_parts_total", ("part", "prompt"), ("result", "unverified"))] == 2
+                assert want[("shadow_status_lines_total", ("kind", "reading"))] >= 2
                 _dashboard_runs(prom, {k[0] for k in have})
                 _alerts_evaluate(prom)
 
@@ -211,7 +207,7 @@ def _scraped_as_status(proxy, service, prom, journal: Path, timeout: float = 90.
             store_counters = dict(vars(service.store.counters))
         asked_at = time.time()
         while time.time() < deadline:  # a scrape that began after the status read
-            stamp = query(prom, 'timestamp(shadow:ready{job="shadow"})')
+            stamp = query(prom, 'timestamp(shadow_ready{job="shadow"})')
             if stamp and float(stamp[0]["value"][1]) > asked_at + 0.05:
                 break
             time.sleep(0.2)
@@ -223,17 +219,18 @@ def _scraped_as_status(proxy, service, prom, journal: Path, timeout: float = 90.
 
 def _dashboard_runs(prom: httpx.Client, exposed: set[str]) -> None:
     """Every query of the Grafana dashboard parses and runs in Prometheus, and names only series
-    the exporter writes (now, or once the service counts what they need)."""
+    Prometheus holds from this service's scrapes."""
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 15
     names = set()
     for expr in exprs:
-        names |= set(re.findall(r"shadow:[a-z_:]+", expr))
+        names |= set(re.findall(r"\b(?:shadow|process)_[a-z0-9_]+", expr))
         concrete = expr.replace("$model", "tiny").replace("$engine", "openai").replace("$__rate_interval", "1m")
         query(prom, concrete)
-    bases = {n.removesuffix("_bucket") for n in exposed} | exposed | WHEN_COUNTED
-    assert names <= bases, names - bases
+    held = {r["metric"]["__name__"] for r in query(prom, '{__name__=~"(shadow|process)_.+", job="shadow"}')}
+    assert names <= held, names - held
+    assert {"shadow_ready", "process_cpu_seconds_total"} <= held and not [n for n in exposed if ":" in n]
 
 
 def _alerts_evaluate(prom: httpx.Client, timeout: float = 30.0) -> None:
@@ -263,7 +260,7 @@ def test_metrics_want_the_admin_key_and_each_app_has_its_own_registry(tiny, tmp_
             assert one.get("/metrics", headers={"authorization": f"Bearer {API}"}).status_code == 401
             r = one.get("/metrics", headers={"authorization": f"Bearer {ADMIN}"})
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain; version=0.0.4")
-            assert 'shadow:ready{engine="openai",model="tiny"} 1.0' in r.text
+            assert 'shadow_ready{engine="openai",model="tiny"} 1.0' in r.text
             assert two.get("/metrics").status_code == 401
             assert two.get("/metrics", headers={"authorization": f"Bearer {API}"}).status_code == 200
 

@@ -8,6 +8,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from shadow.server.gaps import LongGaps
+from shadow.server.timings import ROUND_SECONDS, Histogram
 
 
 @dataclass
@@ -48,15 +49,18 @@ class Counters:
 class RoundTimes:
     """What the shadow's own bookkeeping costs between two rounds of the engine (or two streamed
     deltas): the seconds of each of the last `keep` rounds, not counting the chunks read and the
-    phrases written (those are charged to the shares). `add` takes no lock (one append)."""
+    phrases written (those are charged to the shares); every round is counted in `seconds` too (a
+    histogram, the metrics'). `add` takes no lock but the histogram's."""
 
     def __init__(self, keep: int = 4096):
         self._last: deque[float] = deque(maxlen=keep)
         self.rounds = 0
+        self.seconds = Histogram(ROUND_SECONDS)
 
     def add(self, seconds: float) -> None:
         self._last.append(max(0.0, seconds))
         self.rounds += 1
+        self.seconds.observe(max(0.0, seconds))
 
     def summary(self) -> dict:
         """p50 and p99 in microseconds over the rounds kept, and the rounds counted."""

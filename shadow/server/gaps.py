@@ -10,12 +10,15 @@ ran inside it, at the two places a gap can come from:
 - `write`: in the HTTP stream, between two writes that carried tokens (what the client receives).
 
 A round gap without a write gap beside it never reached the client; a write gap without a round
-gap came from the HTTP side (the event loop, the thread hop). `add` takes no lock (one append)."""
+gap came from the HTTP side (the event loop, the thread hop). `add` takes no lock but its write
+gaps' histogram's (`timings.Histogram`)."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
+
+from shadow.server.timings import TOKEN_SECONDS, Histogram
 
 LONG_MS = 10.0  # a gap this long is kept (the stall a user notices)
 KEEP = 64  # the last this many of each place
@@ -28,10 +31,13 @@ class LongGaps:
         self.long_s = long_ms / 1000
         self._kept = {"round": deque(maxlen=keep), "write": deque(maxlen=keep)}
         self.counts = {"round": 0, "write": 0}
+        self.writes = Histogram(TOKEN_SECONDS)  # every write gap, long or not: the streams' inter-token latency
 
     def add(self, place: str, seconds: float, parts: dict[str, float] | None = None) -> None:
         """A gap of `seconds` at `place` ("round" or "write") that ended now; `parts`: seconds of
-        what ran inside it, by name. Kept only when it is long."""
+        what ran inside it, by name. Kept only when it is long; a write gap is timed either way."""
+        if place == "write":
+            self.writes.observe(seconds)
         if seconds < self.long_s:
             return
         self.counts[place] += 1

@@ -1,12 +1,19 @@
 """The service's Prometheus metrics: one `CollectorRegistry` per app, holding one collector that
 reads the service when scraped (`service.status()` and the objects it reads, under the service's
-lock), so no request pays for them. Every series is named `shadow:...` and labelled by `model`
-(the shadow's) and `engine` (the engine's dialect; `embedded` for the embedded generator).
+lock), so no request pays for them, beside `prometheus_client`'s process, platform and garbage
+collector collectors (`process_*`, `python_*`). Every series of the service is named `shadow_...`
+(Prometheus's naming: base units, `_total` counters, no colons, which are for recording rules)
+and labelled by `model` (the shadow's) and `engine` (the engine's dialect; `embedded` for the
+embedded generator).
 
-Counters come from the service's counters, the store's, each session's checks and the asks'
-histograms; where the service keeps a figure only in its journal (each turn's prompt and output
-checks apart, status lines, voice phrases), from the journal's new records (`journaled`), with a
-`--journal` only. A figure the service does not keep yet is left out, never made up.
+Latencies are histograms (`_bucket`, `_sum`, `_count`, in seconds), each kept by the part that
+times it (`timings.Histogram`): a request's time to first token and end to end, the streams'
+inter-token latency, a chunk read, a spill, a restore, a turn's time to fresh, an ask's latency
+and wait, the shadow's bookkeeping a round. Counters come from the service's counters, the
+store's and each session's checks; where the service keeps a figure only in its journal, from the
+journal's new records (`journaled`), with a `--journal` only. A labelled series is there from the
+start, at 0, for each of its known labels. A figure the service does not keep is left out, never
+made up.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
 from prometheus_client.core import (
     CollectorRegistry, CounterMetricFamily, GaugeHistogramMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
     Metric,
@@ -31,13 +39,18 @@ PART_RESULTS = (*RESULTS, "not_read")  # a prompt's or an output's (idcheck.PART
 IDLE_STATES = ("reading", "caught up", "between bursts", "engine busy", "device busy", "no shadow", "off", "error",
                "stopped", "dead", "not started")
 BACKLOG_IDS = (0, 512, 2048, 8192, 32768, 131072)  # a session's unread ids: the histogram's bounds
+UPSTREAM_ERRORS = ("unreachable", "timeout", "status_4xx", "status_5xx", "broke_off", "refused_added_fields")
+LINE_KINDS = ("waiting", "reading", "thinking", "decided", "writing", "checking", "waited")  # http.lines.Line
+REFUSALS = ("empty", "too long", "markup", "first person", "unread name", "unread number", "unread words", "example",
+            "repeat", "language")  # voice.checks' reasons a phrase is not said
 
 
 class ShadowCollector:
-    """Reads `service` at each scrape; `journal` counts what only the journal keeps."""
+    """Reads `service` at each scrape; `journal` counts what only the journal keeps; `latency`
+    holds each completion's seconds end to end (the HTTP side times them)."""
 
-    def __init__(self, service: ShadowService, journal: JournalCounts):
-        self.service, self.journal = service, journal
+    def __init__(self, service: ShadowService, journal: JournalCounts, latency: Histogram):
+        self.service, self.journal, self.latency = service, journal, latency
 
     def describe(self) -> list:
         return []  # registering reads nothing: the series are known at scrape time
@@ -58,11 +71,12 @@ class ShadowCollector:
         self._asks(out, status, held)
         self._journaled(out, status)
         self._engine(out, status)
+        self._latencies(out, held)
         yield from out.families
 
     def _held(self, resident: list[str]) -> dict:
         """What status does not show, read under the lock: the store's counters, every session's
-        checks, the `resident` sessions' rollbacks and re-reads, the asks' histograms."""
+        checks, the `resident` sessions' rollbacks and re-reads, the histograms."""
         service = self.service
         with service.state_lock:
             shadow = service.host.shadow
@@ -74,7 +88,12 @@ class ShadowCollector:
                 "turns": {r: sum(getattr(c, r) for c in checks) for r in RESULTS},
                 "mismatched_sessions": sum(c.first_mismatch_turn is not None for c in checks),
                 "rollbacks": sum(s.rollbacks for s in resident), "ids_reread": sum(s.ids_reread for s in resident),
-                "latency": _copy(service.asking.latency), "wait": _copy(service.asking.wait),
+                "latency": service.asking.latency.snapshot(), "wait": service.asking.wait.snapshot(),
+                "chunk": {w: h.snapshot() for w, h in service.reading.chunk_seconds.items()},
+                "fresh": service.reading.fresh.seconds.snapshot(), "never_fresh": service.reading.fresh.never,
+                "first_token": service.timings.first_token.snapshot(), "spill": service.timings.spill.snapshot(),
+                "restore": service.timings.restore.snapshot(), "rounds": service.counters.rounds.seconds.snapshot(),
+                "writes": service.counters.gaps.writes.snapshot(), "e2e": self.latency.snapshot(),
             }
 
     @staticmethod
@@ -135,7 +154,6 @@ class ShadowCollector:
                            ("removed", "Session files removed by retention"),
                            ("bytes_written", "Bytes of session files written"),
                            ("bytes_restored", "Bytes of session files read back"),
-                           ("restore_seconds", "Seconds spent reading sessions back"),
                            ("to_host", "Sessions moved from the device to the host-memory tier"),
                            ("from_host", "Sessions moved back from the host-memory tier"),
                            ("host_to_disk", "Host-tier copies written to disk to make room in the tier"),
@@ -169,14 +187,6 @@ class ShadowCollector:
                               "row", ["depth"])
         for depth, ms in r["chunk_ms_by_depth"].items():
             estimate.add(depth, value=ms / 1000)
-        book = r.get("bookkeeping_us")
-        if isinstance(book, dict):
-            q = out.family("bookkeeping_seconds", "The rule's own time a round, by quantile", ["quantile"])
-            for key, quantile in (("p50", "0.5"), ("p99", "0.99")):
-                if book.get(key) is not None:
-                    q.add(quantile, value=book[key] / 1e6)
-            if book.get("rounds") is not None:
-                out.counter("bookkeeping_rounds", "Rounds the rule's own time was measured over", book["rounds"])
 
     @staticmethod
     def _checks(out: "Families", status: dict, held: dict) -> None:
@@ -208,11 +218,9 @@ class ShadowCollector:
         out.counter("standing_replaced", "Standing questions a newer turn replaced before the reader reached them",
                     c["standing_replaced"])
         out.gauge("standing_pending", "Standing questions waiting for the reader", c["standing_pending"])
-        for key, help_ in (("latency", "Seconds from an ask's start (the shadow ready) to its answer"),
-                           ("wait", "Seconds an ask waited for the device before reading")):
-            h: Histogram = held[key]
-            family = out.family(f"ask_{key}_seconds", help_, kind=HistogramMetricFamily)
-            family.add(buckets=[(_le(b), n) for b, n in h.cumulative()], sum_value=h.sum)
+        out.histogram("ask_latency_seconds", "Seconds from an ask's start (the shadow ready) to its answer",
+                      held["latency"])
+        out.histogram("ask_wait_seconds", "Seconds an ask waited for the device before reading", held["wait"])
 
     def _journaled(self, out: "Families", status: dict) -> None:
         """Turns' parts, status lines and phrases: from the service's counters where it keeps them
@@ -236,8 +244,8 @@ class ShadowCollector:
         if kept:
             shown = out.family("status_lines", "Status lines clients were shown, by kind", ["kind"],
                                CounterMetricFamily)
-            for kind, n in sorted(lines.items()):
-                shown.add(str(kind), value=n)
+            for kind in sorted({*LINE_KINDS, *map(str, lines)}):
+                shown.add(kind, value=lines.get(kind, 0))
         kept = j.path is not None
         if isinstance(c.get("voice_refused"), dict) and c.get("voice_said") is not None:
             phrases = {("said", ""): c["voice_said"], **{("refused", str(r)): n for r, n in c["voice_refused"].items()}}
@@ -245,7 +253,8 @@ class ShadowCollector:
         if kept:
             said = out.family("voice_phrases", "Voice phrases written, said or refused by reason", ["result", "reason"],
                               CounterMetricFamily)
-            for (result, reason), n in sorted(phrases.items()):
+            known = {("said", ""): 0, **{("refused", r): 0 for r in REFUSALS}}
+            for (result, reason), n in sorted((known | phrases).items()):
                 said.add(result, reason, value=n)
 
     @staticmethod
@@ -253,8 +262,30 @@ class ShadowCollector:
         errors = status["counters"].get("upstream_errors")
         if isinstance(errors, dict):
             family = out.family("upstream_errors", "Engine requests that failed, by kind", ["kind"], CounterMetricFamily)
-            for kind, n in sorted(errors.items()):
-                family.add(str(kind), value=n)
+            for kind in sorted({*UPSTREAM_ERRORS, *map(str, errors)}):
+                family.add(kind, value=errors.get(kind, 0))
+
+    @staticmethod
+    def _latencies(out: "Families", held: dict) -> None:
+        out.histogram("time_to_first_token_seconds", "Seconds from a request's start to its first token (behind a "
+                      "proxy: the engine's first streamed event; a whole response has none)", held["first_token"])
+        out.histogram("e2e_request_latency_seconds", "Seconds from a completion request's arrival to its last byte, "
+                      "of those answered 200", held["e2e"])
+        out.histogram("inter_token_latency_seconds", "Seconds between two writes of a stream that carried tokens "
+                      "(a write may carry several)", held["writes"])
+        chunk = out.family("chunk_read_seconds", "Seconds of one chunk, each read (a read of several: its seconds "
+                           "over its chunks), by window", ["window"], HistogramMetricFamily)
+        for window in WINDOWS:
+            chunk.add(window, **_buckets(held["chunk"][window]))
+        out.histogram("spill_seconds", "Seconds of each session file written (a spill, a host copy written out, a "
+                      "write at the stop)", held["spill"])
+        out.histogram("restore_seconds", "Seconds of each session read back from disk", held["restore"])
+        out.histogram("time_to_fresh_seconds", "Seconds from a turn's start until the shadow has read its prompt to "
+                      "its last grid line", held["fresh"])
+        out.counter("turns_never_fresh", "Turns whose session's next prompt came before the shadow had read theirs",
+                    held["never_fresh"])
+        out.histogram("bookkeeping_seconds", "The shadow's own seconds between two rounds of the engine (or two "
+                      "streamed deltas), beyond the chunks read and the phrases written", held["rounds"])
 
 
 class Families:
@@ -265,7 +296,7 @@ class Families:
         self.families: list[Metric] = []
 
     def family(self, name: str, help_: str, extra: list[str] = (), kind=GaugeMetricFamily) -> "Family":
-        metric = kind(f"shadow:{name}", help_, labels=[*LABELS, *extra])
+        metric = kind(f"shadow_{name}", help_, labels=[*LABELS, *extra])
         self.families.append(metric)
         return Family(metric, self.labels)
 
@@ -274,6 +305,9 @@ class Families:
 
     def counter(self, name: str, help_: str, value: float) -> None:
         self.family(name, help_, kind=CounterMetricFamily).add(value=value)
+
+    def histogram(self, name: str, help_: str, h: Histogram) -> None:
+        self.family(name, help_, kind=HistogramMetricFamily).add(**_buckets(h))
 
 
 class Family:
@@ -288,22 +322,24 @@ def _le(bound: float) -> str:
     return "+Inf" if bound == math.inf else repr(float(bound))
 
 
-def _copy(h: Histogram) -> Histogram:
-    out = Histogram(h.bounds)
-    out.counts, out.sum, out.count = list(h.counts), h.sum, h.count
-    return out
+def _buckets(h: Histogram) -> dict:
+    """A histogram's buckets and sum, as `HistogramMetricFamily.add_metric` takes them (its count
+    is the +Inf bucket's)."""
+    return {"buckets": [(_le(b), n) for b, n in h.cumulative()], "sum_value": h.sum}
 
 
 class Metrics:
     """The app's registry (its own, never the process's global one) and its exposition."""
 
-    def __init__(self, service: ShadowService):
+    def __init__(self, service: ShadowService, latency: Histogram):
         self.journal = JournalCounts(service.settings.journal)
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(ShadowCollector(service, self.journal))
+        self.registry.register(ShadowCollector(service, self.journal, latency))
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
 
     def render(self) -> tuple[bytes, str]:
-        """The exposition in Prometheus's text format (0.0.4, which every scraper reads; this
-        client's OpenMetrics writer would turn the names' colons into underscores) and its
+        """The exposition in Prometheus's text format (0.0.4, which every scraper reads) and its
         content type."""
         return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4

@@ -46,6 +46,7 @@ from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, batch_s
 from shadow.core.store import Restored
 from shadow.server.host import ModelHost, Shadow
 from shadow.server.shared import Shared
+from shadow.server.timings import DEVICE_SECONDS, Freshness, Histogram
 
 log = logging.getLogger("shadow.serve")
 
@@ -182,6 +183,8 @@ class Reading:
         self.state = "not started"
         self.rounds = 0
         self.last_read_at: float | None = None
+        self.chunk_seconds = {w: Histogram(DEVICE_SECONDS) for w in ("idle", "share", "ask")}  # a chunk's, each read
+        self.fresh = Freshness()  # each turn's time to fresh
 
     def enabled(self) -> bool:
         return self.shared.switch.shadow
@@ -212,6 +215,7 @@ class Reading:
         """Tell the scheduler a session's true state: its read position and ids while resident,
         else that it is not (spilled sessions wait on disk for their next turn)."""
         s = shadow.store.peek(name)
+        self.fresh.reached(name, None if s is None else s.committed, self.clock())
         if tell(self.sched, name, s, self.clock()) and s is not None and self.questions.waiting(name):
             self.questions.tell(name)
 
@@ -285,6 +289,7 @@ class Reading:
             c = self.counters
             if done:
                 c.last_chunk_ms = seconds * 1000 / done
+                self.chunk_seconds.get(read.window, self.chunk_seconds["ask"]).observe(seconds / done)
                 self.last_read_at = end
             if done and len(batch) > 1 and read.window in c.batched_reads:
                 c.batched_reads[read.window] += 1

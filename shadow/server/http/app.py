@@ -1,7 +1,9 @@
 """The HTTP service: OpenAI-compatible completions (from the embedded generator, or passed to an
 upstream engine in proxy mode), the shadow's own endpoints (`shadow_api`), and in front of all of
-them the guard (keys, body size, requests in flight); beside them the probes (`/health`, `/ready`:
-`health`) and the Prometheus metrics (`/metrics`: `shadow.server.metrics`, read at scrape time).
+them the guard (keys, body size, requests in flight) and, around everything, the access log (each
+request's line, each refusal's and failure's cause, the completions' latency: `access`); beside
+them the probes (`/health`, `/ready`: `health`) and the Prometheus metrics (`/metrics`:
+`shadow.server.metrics`, read at scrape time).
 Every error a client causes is a 4xx in the one error shape (`errors`); 404 and 405 too."""
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from shadow.errors import ShadowInputError
 from shadow.server import logs
 from shadow.server.generator import Generator
 from shadow.server.http import errors
+from shadow.server.http.access import AccessLog
 from shadow.server.http.channels import Channel, choose
 from shadow.server.http.embedded import EmbeddedCompletions
 from shadow.server.http.guard import Guard, valid_session_id
@@ -32,6 +35,7 @@ from shadow.server.http.shadow_api import shadow_routes
 from shadow.server.metrics import Metrics
 from shadow.server.service import ShadowService
 from shadow.server.settings import METRICS_PATH, ServeSettings
+from shadow.server.timings import REQUEST_SECONDS, Histogram
 from shadow.text.chat_template import ChatRenderer
 from shadow.text.framing import strip_request
 from shadow.text.tokenizer import Tokenizer
@@ -71,6 +75,8 @@ class ShadowApp:
         app = self.app = FastAPI(title="shadow serve", lifespan=self._lifespan)
         app.add_middleware(Guard, access=settings.access, limits=settings.limits)
         app.add_middleware(Transfers, access=settings.access, limits=settings.limits)  # outside the guard
+        self.latency = Histogram(REQUEST_SECONDS)  # each completion's, end to end (timed by the access log)
+        app.add_middleware(AccessLog, sessions=self.headers, latency=self.latency)  # the outermost: every request
         errors.install(app)
         # the routes hold the app, its service and tokenizer weakly (the FastAPI app holds this object
         # through its lifespan): FastAPI keeps every endpoint it was given in a process-wide cache,
@@ -83,7 +89,7 @@ class ShadowApp:
                           openapi_extra=openapi_body(CompletionBody))
         app.include_router(shadow_routes(held, weakref.proxy(tokenizer), [eos_id], settings.limits))
         app.include_router(Probes(held, me).routes())
-        self.metrics = Metrics(service)  # the app's own registry
+        self.metrics = Metrics(service, self.latency)  # the app's own registry
         app.add_api_route(METRICS_PATH, weakly(self.scrape), methods=["GET"], include_in_schema=False)
 
     @asynccontextmanager

@@ -2,12 +2,12 @@
 OpenAI-compatible engines answer, and the handlers that map the library's errors onto it:
 bad input 400, an ask on a session not exact enough 409 (with its `exact` and `why_not` beside
 the error), no shadow yet 503, unknown paths 404,
-wrong methods 405, invalid bodies 400; a client that hangs up mid-body is one log line (499)."""
+wrong methods 405, invalid bodies 400; a client that hangs up mid-body is a 499, whose access line
+(`guard.Guard`) is its one log line. Each refusal's cause is logged by the guard, from its body."""
 
 from __future__ import annotations
 
 import json
-import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,8 +16,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from shadow.errors import ShadowInputError, ShadowNotExact, ShadowUnavailable
-
-log = logging.getLogger("shadow.http")
 
 
 def error_body(message: str, kind: str = "invalid_request_error") -> dict:
@@ -57,8 +55,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(ClientDisconnect)
     async def hung_up(request: Request, exc: ClientDisconnect):
-        """A client that hangs up before its body is read: one line, no traceback (nobody reads the answer)."""
-        log.info("the client hung up before its request was read: %s %s", request.method, request.url.path)
+        """A client that hangs up before its body is read: a 499 nobody reads, no traceback (its access
+        line says the client hung up)."""
         return Response(status_code=499)
 
     @app.exception_handler(ShadowUnavailable)
