@@ -122,7 +122,7 @@ for step in "$@"; do
                --llama-server "$llama" --sessions ${SESSIONS:-24} --duration ${DENSITY_S:-120} --pairs ${PAIRS:-2} \
                --window ${WINDOW_S:-15} --model qwen3.5-0.8b --device cuda --trajectories "${TRAJ:-$D}" \
                --template "${TEMPLATE:-.carry/qwen3.5.jinja}" --hidden ${HIDDEN:-1024} --layers ${LAYERS:-8} --heads 8 \
-               --kv-heads 2 --engine-arg=-ngl --engine-arg=999 ${DENSITY_ARGS:-} > /tmp/density-stdout.json 2> "$OUT/density.log"
+               --kv-heads 2 --engine-arg=-ngl --engine-arg=999 --request-timeout 120 ${DENSITY_ARGS:-} > /tmp/density-stdout.json 2> "$OUT/density.log"
              echo "driver exit $? after $(( $(date +%s) - start )) s"; tail -n 22 "$OUT/density.log" | cut -c1-300
              for f in live-density.json table.txt ledger.jsonl; do cp "/tmp/density/$f" "$OUT/density-$f" 2>/dev/null; done
              tar -czf "$OUT/density-more.tgz" -C /tmp/density --exclude=engine.gguf --exclude=live-density.json \

@@ -25,8 +25,10 @@ on: the engine's decode tokens/s and inter-token gaps in each (`live_figures.eng
 
 Writes in `--out`: `live-density.json` (its last line too on stdout: settings, live figures,
 replay, side by side, engine cost), `ledger.jsonl` (the density phase's requests), `costs.json`
-(the chunk costs the live service learned, charged by the replay), `journal.jsonl`, `status.json`
-(the last status), `replay.txt`, `engine.log`, `serve.log`, `table.txt`.
+(the chunk costs the live service learned, charged by the replay), `sent.jsonl` and `asks.jsonl`
+(every request and ask as the driver saw it), `journal.jsonl`, `status.json` (the last status),
+`metrics-density.txt` and `metrics.txt` (`/metrics` at the density phase's end and at the run's),
+`replay.txt`, `engine.log`, `serve.log`, `table.txt`.
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ class Run:
         self.t0 = 0.0
         self.status: dict = {}
         self.metrics = ""  # the last /metrics scrape (Prometheus text)
+        self.metrics_density = ""  # the scrape at the density phase's end
         self.tasks: set[asyncio.Task] = set()
 
     def now(self) -> float:
@@ -201,7 +204,7 @@ class Run:
                         rec.output_tokens = event["usage"].get("completion_tokens", 0)
                     if event.get("error"):
                         rec.error = json.dumps(event["error"])[:300]
-        except httpx.HTTPError as e:
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:  # the connection, or an event not as expected
             rec.error = f"{type(e).__name__}: {e}"
         rec.end = self.now()
         self.held[name] = rec.prompt_tokens + rec.output_tokens
@@ -255,6 +258,8 @@ class Run:
     async def switches(self) -> None:
         a = self.args
         await asyncio.sleep(max(0.0, a.duration - self.now()))
+        with contextlib.suppress(httpx.HTTPError):
+            self.metrics_density = (await self.client.get("/metrics")).text
         for _ in range(a.pairs):
             for on in (False, True):
                 start = self.now()
@@ -348,8 +353,9 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
     fig.write_ledger(out / "ledger.jsonl", requests)
     (out / "costs.json").write_text(json.dumps(fig.costs_document(run.status)))
     (out / "metrics.txt").write_text(run.metrics)
+    (out / "metrics-density.txt").write_text(run.metrics_density)
     live = fig.live(run.sent, run.asks, run.polls, journal, a.grid, a.duration)
-    live["service"] = fig.scraped(run.metrics)
+    live["service"] = fig.scraped(run.metrics_density)
     dens = fig.density(requests)
     live["density"] = {"active": round(dens.active, 3), "new_tok_s": round(dens.new_tok_s, 1), "span_s": round(dens.span_s, 3)}
     hours = sum(max(0.0, min(a.duration, r.end) - r.start) for r in requests) / 3600  # session-hours in a request
@@ -370,6 +376,7 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
                     "sessions": sorted({r.session for r in run.sent})}}
     (out / "table.txt").write_text(fig.table(doc) + "\n")
     (out / "live-density.json").write_text(json.dumps(doc, indent=1))
+    (out / "asks.jsonl").write_text("".join(json.dumps(asdict(x)) + "\n" for x in run.asks))
     (out / "sent.jsonl").write_text("".join(json.dumps({k: v for k, v in asdict(r).items()
                                                         if k not in ("messages", "output_ids", "prompt_ids", "token_times")})
                                             + "\n" for r in run.sent))

@@ -139,8 +139,9 @@ def _delta(polls: list[Poll], key: str, t0: float, t1: float) -> float | None:
 
 def live(requests: list[Sent], asks: list[Asked], polls: list[Poll], journal: Path, grid: int,
          phase_end: float) -> dict:
-    """The live figures of the density phase (requests started before `phase_end`), the journal's
-    counts over the whole run, and the store's moves at the last poll."""
+    """The live figures of the density phase (requests started before `phase_end`; the counters'
+    growth from the first poll to the last one at or before it) and the journal's counts over the
+    whole run."""
     mine = [r for r in requests if r.start < phase_end]
     turn = [a for a in asks if a.kind == "turn" and a.time < phase_end and a.status == 200]
     kept = [a for a in turn if not a.raced]
@@ -152,7 +153,6 @@ def live(requests: list[Sent], asks: list[Asked], polls: list[Poll], journal: Pa
     counts = JournalCounts(None)
     counts.path = journal  # read from the file's start (JournalCounts counts from its own start)
     counts.update()
-    last = polls[-1] if polls else None
     return {
         "requests": len(mine), "failed": sum(r.error is not None for r in mine),
         "sessions": len({r.session for r in mine}),
@@ -168,8 +168,7 @@ def live(requests: list[Sent], asks: list[Asked], polls: list[Poll], journal: Pa
                        "poll_s": _poll_step(polls)},
         "share": {"share_s": _round(share), "decode_s": _round(decode),
                   "charged_pct": _round(100 * share / decode) if share is not None and decode else None},
-        "chunks": {k: last.counters.get(k) for k in ("chunks_idle", "chunks_share", "chunks_ask", "rollbacks")}
-        if last is not None else {},
+        "chunks": {k: _int(_delta(polls, k, 0.0, phase_end)) for k in ("chunks_idle", "chunks_share", "chunks_ask", "rollbacks")},
         "journal": {"turns": sum(counts.checks[("prompt", s)] for s in ("verified", "unverified", "mismatched", "not_read")),
                     "prompt": {s: counts.checks[("prompt", s)] for s in ("verified", "unverified", "mismatched", "not_read")},
                     "output": {s: counts.checks[("output", s)] for s in ("verified", "unverified", "mismatched", "not_read")}},
@@ -180,7 +179,7 @@ STORE_MOVES = ("spills", "restores", "drops", "to_host", "from_host", "host_to_d
 
 
 def scraped(text: str) -> dict:
-    """From the service's last `/metrics` scrape: the store's moves over the whole run (spills,
+    """From a `/metrics` scrape of the service: the store's moves since it started (spills,
     restores, drops, moves to and from the host tier) and its own time to fresh (each turn's
     seconds until its prompt was read to its last grid line, a histogram: count, mean, and the
     bucket bound under which half and 90 % of turns were fresh)."""
@@ -317,6 +316,10 @@ def _pair(store: dict, a: str, b: str) -> str | None:
 
 def _plus(v: float | None, forward: float) -> float | None:
     return None if v is None else round(v + forward, 3)
+
+
+def _int(v: float | None) -> int | None:
+    return None if v is None else int(v)
 
 
 def _pct(flags: list[bool]) -> float | None:

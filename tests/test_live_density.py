@@ -109,3 +109,39 @@ def test_engine_cost_pairs_an_off_window_with_an_on_window(run):
         assert w["tokens"] > 0 and w["tok_s"] > 0 and w["gaps"] > 0
     assert windows[0]["share_charged_pct"] == 0.0  # the shadow read nothing inside the engine's decode while off
     assert len(doc["engine"]["pairs"]) == 1
+
+
+# the figures' own rules, on records made by hand (no servers)
+
+
+def figures():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import live_figures
+
+    return live_figures
+
+
+def test_new_prompt_ids_are_past_the_prefix_shared_with_the_previous_prompt_and_output():
+    f = figures()
+    a = f.Sent("s", 0, 0.0, [], prompt_ids=[1, 2, 3], output_ids=[4, 5])
+    b = f.Sent("s", 1, 5.0, [], prompt_ids=[1, 2, 3, 4, 9, 9, 9])  # the answer re-rendered from its second id on
+    c = f.Sent("t", 0, 6.0, [], prompt_ids=[7, 7])
+    new = f.new_prompt_tokens([b, c, a])
+    assert (new[id(a)], new[id(b)], new[id(c)]) == (3, 3, 2)
+
+
+def test_time_to_fresh_is_the_first_poll_at_the_prompts_last_grid_line_or_censored():
+    f = figures()
+    first = f.Sent("s", 0, 1.0, [], prompt_tokens=1100)  # its last grid line (512): 1024
+    second = f.Sent("s", 1, 4.0, [], prompt_tokens=2000)  # 1536
+    polls = [f.Poll(t, {"s": c}, {}, {}) for t, c in ((0.5, 0), (1.5, 512), (2.5, 1024), (4.5, 1024), (6.0, 1536))]
+    assert f.to_fresh([first, second], polls, 512, until=5.0) == [(1.5, False), (1.0, True)]
+    assert f.to_fresh([first, second], polls, 512, until=7.0)[1] == (2.0, False)
+
+
+def test_decode_time_counts_overlapping_streams_once():
+    from shadow.offline.ledger import Request
+
+    f = figures()
+    rs = [Request("a", 0, 1.0, 3.0, 1, 1, 1), Request("b", 0, 2.0, 4.0, 1, 1, 1), Request("c", 0, 6.0, 7.0, 1, 1, 1)]
+    assert f.decode_union_s(rs) == 4.0
