@@ -53,7 +53,8 @@ def proxy_timing_out(upstream: str, seconds: float):
     settings = settings_for(upstream, prefix_match=False, dialect="openai")
     limit = "first_byte_timeout_s" if hasattr(settings.engine, "first_byte_timeout_s") else "timeout_s"
     settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, **{limit: seconds}))
-    service = service_for(settings, reader, SessionStore(reader, loaded.weights_hash, cap_gib=None), loaded.weights_label)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=None)
+    service = service_for(settings, reader, store, loaded.weights_label)
     with serving(ShadowApp(settings, service, load_tokenizer(None), "upstream", renderer=renderer()).app) as client:
         yield client
 

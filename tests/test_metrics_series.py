@@ -93,7 +93,8 @@ def test_each_latency_is_a_histogram_that_counts_real_requests(tiny, tmp_path):
                     assert r.status_code == 200 and "[DONE]" in r.read().decode()
                 settled(service)
             spilled = _on_disk(service)
-            asked = proxy.post("/v1/shadow/ask", json={"session": spilled, "question": "A or B?", "choices": ["A", "B"]})
+            asked = proxy.post("/v1/shadow/ask",
+                               json={"session": spilled, "question": "A or B?", "choices": ["A", "B"]})
             assert asked.status_code == 200
             assert proxy.post("/v1/chat/completions", content=b"{not json").status_code == 400
             families = scrape(proxy)
