@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from scripted import renderer
 from serving import running, service_for, serving, settings_for
@@ -30,12 +30,22 @@ pytestmark = pytest.mark.slow  # real servers, engines or clients: `pytest -m 'n
 
 def failing_engine() -> FastAPI:
     """An OpenAI-compatible engine whose answer the request's `model` chooses: `refuse` a 400,
-    `broken` a 502, `hang` nothing for 30 s."""
+    `broken` a 502, `hang` nothing for 30 s; `breaks` a stream that stops mid-way (its connection
+    cut), `stalls` a stream whose second event comes 30 s after its first."""
     app = FastAPI()
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         model = (await request.json()).get("model")
+        if model in ("breaks", "stalls"):
+            async def events():
+                yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "Hel"}}]}) + "\n\n"
+                if model == "breaks":
+                    raise ConnectionError("the engine's worker died mid-stream")
+                await asyncio.sleep(30)
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
         if model == "refuse":
             return JSONResponse({"error": {"message": "max_tokens is too large", "type": "BadRequestError"}}, 400)
         if model == "broken":
@@ -48,11 +58,12 @@ def failing_engine() -> FastAPI:
 
 @contextmanager
 def proxy_timing_out(upstream: str, seconds: float):
-    """A real proxy on loopback whose engine must send its first byte within `seconds`."""
+    """A real proxy on loopback whose engine must send its first byte within `seconds`, and
+    each piece after it within `seconds` of the one before."""
     loaded, reader = open_reader("tiny", grid=128)
     settings = settings_for(upstream, prefix_match=False, dialect="openai")
-    limit = "first_byte_timeout_s" if hasattr(settings.engine, "first_byte_timeout_s") else "timeout_s"
-    settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, **{limit: seconds}))
+    engine = dataclasses.replace(settings.engine, first_byte_timeout_s=seconds, idle_timeout_s=seconds)
+    settings = dataclasses.replace(settings, engine=engine)
     store = SessionStore(reader, loaded.weights_hash, cap_gib=None)
     service = service_for(settings, reader, store, loaded.weights_label)
     with serving(ShadowApp(settings, service, load_tokenizer(None), "upstream", renderer=renderer()).app) as client:
@@ -103,6 +114,29 @@ def test_each_refusal_and_engine_failure_is_one_line_with_its_cause_beside_its_a
     assert hung.getMessage().startswith(f"{status} POST /v1/chat/completions: ")
     status, (bad,), _ = statuses["bad"]
     assert status == 400 and bad.levelno == logging.WARNING and "not valid JSON" in bad.getMessage()
+
+
+def test_a_stream_the_engine_breaks_off_or_stalls_is_one_error_line_with_its_cause(tiny, caplog):
+    """A stream begun (200) that the engine cuts, or leaves silent past the time limit, ends with an
+    error event; the log has one line that says so beside the access line."""
+    caplog.set_level(logging.INFO)
+    with serving(failing_engine()) as engine:
+        with proxy_timing_out(str(engine.base_url).rstrip("/") + "/v1", 1.0) as proxy:
+            seen = {}
+            for model in ("breaks", "stalls"):
+                caplog.clear()
+                with proxy.stream("POST", "/v1/chat/completions", headers={"x-session-id": f"s-{model}"},
+                                  json={"model": model, "stream": True,
+                                        "messages": [{"role": "user", "content": "hello"}]}) as r:
+                    text = r.read().decode()
+                seen[model] = (r.status_code, text, *logged(caplog))
+    for model, (status, text, errors, access) in seen.items():
+        assert status == 200 and '"error"' in text, (model, text)
+        assert len(errors) == 1 and errors[0].levelno == logging.ERROR, (model, [e.getMessage() for e in errors])
+        assert errors[0].getMessage().startswith("the stream of POST /v1/chat/completions ended on an error: ")
+        assert [(a.status, a.session) for a in access] == [(200, f"s-{model}")]
+    assert "broke off" in seen["breaks"][2][0].getMessage()
+    assert "timeout" in seen["stalls"][2][0].getMessage().lower()
 
 
 def test_a_500_is_one_error_line_with_its_traceback_and_the_one_error_shape(tiny, caplog):
