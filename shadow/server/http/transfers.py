@@ -25,7 +25,7 @@ from shadow.server.settings import Access, Limits
 
 log = logging.getLogger("shadow.http")
 
-STREAM_BUFFER = 16 * 1024  # bytes: a stream's socket send buffer and its transport's high-water mark
+STREAM_BUFFER = 4096  # bytes: a stream's socket send buffer and its transport's high-water mark
 
 
 class ClientNotReading(Exception):
@@ -44,7 +44,7 @@ class Transfers:
             return await self.app(scope, receive, send)
         timed = self._timed_send(send, receive)
         if scope.get("method") != "POST" or not self._reads_body(scope):
-            return await self._run(scope, receive, timed)
+            return await self._run(scope, receive, timed, receive)
         try:
             body = await self._body(receive)
         except TimeoutError:
@@ -67,23 +67,30 @@ class Transfers:
         return length is None or (length.isdigit() and int(length) <= self.limits.max_body_bytes)
 
     async def _body(self, receive) -> bytes | None:
-        """The whole body, within `body_timeout_s` of now, waiting first for a place among the
-        bodies read at once; None when the client goes away first."""
+        """The whole body, within `body_timeout_s` of now; None when the client goes away first.
+        A body that comes in one piece is taken at once; one that comes in more waits for a place
+        among the `max_sending` read at once after its first piece."""
         loop = asyncio.get_running_loop()
+        parts: list[bytes] = []
         async with asyncio.timeout_at(loop.time() + self.limits.body_timeout_s):
-            async with self.sending:
-                parts, size = [], 0
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return None
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > self.limits.max_body_bytes:
-                        raise _TooLarge()
-                    parts.append(chunk)
-                    if not message.get("more_body", False):
-                        return b"".join(parts)
+            over = await self._piece(receive, parts)
+            if not over:
+                async with self.sending:
+                    while not over:
+                        over = await self._piece(receive, parts)
+        return None if parts[-1] is _GONE else b"".join(parts)
+
+    async def _piece(self, receive, parts: list) -> bool:
+        """One more piece of the body into `parts`: whether the body is over (or the client gone:
+        `_GONE` last)."""
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            parts.append(_GONE)
+            return True
+        parts.append(message.get("body", b""))
+        if sum(map(len, parts)) > self.limits.max_body_bytes:
+            raise _TooLarge()
+        return not message.get("more_body", False)
 
     async def _watched(self, scope, body: bytes, receive, send) -> None:
         """The app with the body read, the client's disconnect watched: gone before the response
@@ -104,7 +111,7 @@ class Transfers:
                 started = True
             await send(message)
 
-        app = asyncio.ensure_future(self._run(scope, replay, tracked))
+        app = asyncio.ensure_future(self._run(scope, replay, tracked, receive))
         try:
             await asyncio.wait({app, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not app.done() and not started and not gone.cancelled() and gone.exception() is None \
@@ -122,14 +129,16 @@ class Transfers:
                 app.cancel()
             gone.cancel()
 
-    async def _run(self, scope, receive, send) -> None:
-        """The app; a response given up on a client that reads nothing ends here (the server
-        closes the connection of a response it did not complete)."""
+    async def _run(self, scope, receive, send, server_receive) -> None:
+        """The app; a response given up on a client that reads nothing ends here, its connection
+        closed at once (`_abort`; else the server closes a response it did not complete)."""
         try:
             await self.app(scope, receive, send)
         except ClientNotReading:
             log.info("a client read nothing for %g s: its response to %s %s is given up",
                      self.limits.write_timeout_s, scope.get("method"), scope.get("path"))
+            if _abort(server_receive):
+                await asyncio.sleep(0)  # the server learns the connection is lost before the app returns
 
     def _timed_send(self, send, receive):
         """`send`, each call within `write_timeout_s` (ClientNotReading beyond); a stream's buffers
@@ -151,15 +160,33 @@ class _TooLarge(Exception):
     pass
 
 
+_GONE = object()  # `parts`' last entry when the client went away
+
+
 def _streams(start: dict) -> bool:
     return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in start.get("headers", []))
+
+
+def _transport(receive):
+    """The connection's transport, where the server's `receive` shows it (uvicorn's does), else None."""
+    return getattr(getattr(receive, "__self__", None), "transport", None)
+
+
+def _abort(receive) -> bool:
+    """Close the connection at once, its unsent bytes dropped (a client that reads nothing would
+    keep a graceful close waiting): whether it could be."""
+    transport = _transport(receive)
+    if transport is None:
+        return False
+    transport.abort()
+    return True
 
 
 def _small_buffers(receive) -> None:
     """A stream's socket send buffer and its transport's high-water mark at `STREAM_BUFFER`, where
     the server's `receive` shows its transport (uvicorn's does): a client that reads nothing then
     blocks the stream's writes within tens of kilobytes. Elsewhere nothing changes."""
-    transport = getattr(getattr(receive, "__self__", None), "transport", None)
+    transport = _transport(receive)
     if transport is None:
         return
     try:
