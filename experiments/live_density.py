@@ -125,6 +125,7 @@ class Run:
         self.metrics = ""  # the last /metrics scrape (Prometheus text)
         self.metrics_density = ""  # the scrape at the density phase's end
         self.tasks: set[asyncio.Task] = set()
+        self.switch_error: str | None = None
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -136,9 +137,10 @@ class Run:
         async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(a.request_timeout), limits=limits) as c:
             self.client = c
             self.t0 = time.monotonic()
-            background = [asyncio.create_task(self.poll()), asyncio.create_task(self.random_asks()),
-                          asyncio.create_task(self.switches())]
+            background = [asyncio.create_task(self.poll()), asyncio.create_task(self.random_asks())]
+            switching = asyncio.create_task(self.switches())
             await asyncio.gather(*(self.slot(k) for k in range(a.sessions)))
+            await switching  # its last window ends at stop_at, which the slots have passed
             if self.tasks:
                 await asyncio.wait(list(self.tasks), timeout=a.request_timeout)
             for t in background:
@@ -187,28 +189,30 @@ class Run:
                 rec.status = r.status_code
                 if r.status_code != 200:
                     rec.error = (await r.aread()).decode("utf-8", "replace")[:300]
-                    return False
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    event = json.loads(line[len("data: "):])
-                    for choice in event.get("choices") or ():
-                        ids = [t["id"] for t in ((choice.get("logprobs") or {}).get("content") or ()) if "id" in t]
-                        if ids:
-                            t = self.now()
-                            rec.first_token = rec.first_token if rec.first_token is not None else t
-                            rec.output_ids += ids
-                            rec.token_times += [t] * len(ids)
-                    if event.get("usage"):
-                        rec.prompt_tokens = event["usage"].get("prompt_tokens", 0)
-                        rec.output_tokens = event["usage"].get("completion_tokens", 0)
-                    if event.get("error"):
-                        rec.error = json.dumps(event["error"])[:300]
+                else:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            self.event(rec, json.loads(line[len("data: "):]))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:  # the connection, or an event not as expected
             rec.error = f"{type(e).__name__}: {e}"
         rec.end = self.now()
         self.held[name] = rec.prompt_tokens + rec.output_tokens
         return rec.error is None
+
+    def event(self, rec: fig.Sent, event: dict) -> None:
+        """One streamed event: its output ids (beside the logprobs) and their time, the usage, an error."""
+        for choice in event.get("choices") or ():
+            ids = [t["id"] for t in ((choice.get("logprobs") or {}).get("content") or ()) if "id" in t]
+            if ids:
+                t = self.now()
+                rec.first_token = rec.first_token if rec.first_token is not None else t
+                rec.output_ids += ids
+                rec.token_times += [t] * len(ids)
+        if event.get("usage"):
+            rec.prompt_tokens = event["usage"].get("prompt_tokens", 0)
+            rec.output_tokens = event["usage"].get("completion_tokens", 0)
+        if event.get("error"):
+            rec.error = json.dumps(event["error"])[:300]
 
     # asks, polls, switches ----------------------------------------------------------------------
 
@@ -263,8 +267,11 @@ class Run:
         for _ in range(a.pairs):
             for on in (False, True):
                 start = self.now()
-                r = await self.client.post("/v1/shadow/switch", json={"on": on})
-                r.raise_for_status()
+                try:
+                    (await self.client.post("/v1/shadow/switch", json={"on": on})).raise_for_status()
+                except httpx.HTTPError as e:  # no window then: the pairs stop, the density figures stay
+                    self.switch_error = f"{type(e).__name__}: {e}"
+                    return
                 await asyncio.sleep(max(0.0, start + a.window - self.now()))
                 self.windows.append(("on" if on else "off", start, self.now()))
 
@@ -371,7 +378,7 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
                                                       "context": ctx, "wall_s": round(wall, 1), "replay": settings,
                                                       "request_hours": round(hours, 4)},
            "live": live, "replay": replayed, "side_by_side": fig.side_by_side(live, replayed, requests),
-           "engine": fig.engine_cost(run.sent, run.windows, run.polls),
+           "engine": {**fig.engine_cost(run.sent, run.windows, run.polls), "switch_error": run.switch_error},
            "sent": {"requests": len(run.sent), "asks": len(run.asks),
                     "sessions": sorted({r.session for r in run.sent})}}
     (out / "table.txt").write_text(fig.table(doc) + "\n")
