@@ -64,7 +64,7 @@ def test_replay_shares_serves_reading_settings_and_their_defaults():
     # the replay's namesakes of serve's that are its own: --disk/--no-disk (spill or drop), --model (sizes only)
     shared = replay.keys() & {s.name for s in options()} - {"disk", "model"}
     assert shared == {"grid", "share", "slice_ms", "batch", "batch_ms", "batch_read_ms", "batch_wait_ms", "batch_busy",
-                      "priorities", "cap_gib", "host_cap_gib", "voice_share"}
+                      "priorities", "cap_gib", "host_cap_gib", "restore_ahead", "voice_share"}
     for name in shared:
         mine, theirs = replay[name].default, serve[name].default
         assert mine == theirs or list(mine) == [theirs], name  # a repeatable option: one arm, serve's default

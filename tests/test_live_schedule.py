@@ -4,6 +4,8 @@ streamed turn after a start never waits for a chunk read to measure its cost."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import math
 import random
@@ -228,7 +230,9 @@ def live_reads(requests: list[Request], store_for, read_log: ReadLog, on_driver=
     loaded, reader = open_reader("tiny", grid=GRID)
     hook = ChunkCost(reader.forward, clock)
     reader.forward = hook
-    service = service_for(settings_for(rule=RULE, prefix_match=False), reader, store_for(reader, loaded, clock),
+    settings = settings_for(rule=RULE, prefix_match=False)  # restores at the prompt's feed, as the replay's default
+    settings = replace(settings, store=replace(settings.store, restore_ahead=False))
+    service = service_for(settings, reader, store_for(reader, loaded, clock),
                           clock=clock)
     read_log.take()
     assert service.reading.sched.costs.table() == {0: CHUNK_S, 8192: CHUNK_S, 32768: CHUNK_S}  # warmed at load

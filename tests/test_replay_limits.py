@@ -126,6 +126,26 @@ def test_a_restore_takes_the_device_and_delays_the_reads_after_it():
     assert f0.seconds == pytest.approx(0.6) and f1.seconds == pytest.approx(0.8)
 
 
+def test_a_restore_started_at_the_requests_arrival_runs_beside_the_engines_prefill():
+    """The timeline above with the prompt ids known at the engine's first chunk (30.05 s): fed
+    then, a's restore takes the device for 0.4 s from 30.05 s (fresh 1.0 s after its start); started
+    when the request came (`restore_ahead`, as `shadow serve` does), it runs on its own thread from
+    30.0 s while the engine reads the prompt, the prompt waits for it without holding the device,
+    and a is fresh as soon as it is whenever the prompt comes at once (0.8 s)."""
+    size = StateSize.of(PRESETS["tiny"], 4)
+    cap = (size.resident(8192, 1) + size.delta) / 2**30
+    reqs = [Request("a", 0.0, 0.1, 0.2, 2048, 2048, 0), Request("b", 5.0, 5.1, 5.2, 2048, 2048, 0),
+            Request("a", 30.0, 30.05, 30.2, 4096, 2048, 0), Request("b", 40.0, 40.1, 40.2, 2148, 100, 0)]
+    slow_costs = CostTable(FLAT, restore_gib_s=size.file(2048, 2048, 1) / 2**30 / 0.4, spill_gib_s=math.inf)
+    arms = {ahead: replay(reqs, costs=slow_costs, use_share=False, limits=ReplayLimits(
+        cap_gib=cap, state=size, disk=True, ids="engine", restore_ahead=ahead)) for ahead in (False, True)}
+    assert arms[False].restores == arms[True].restores == 2
+    assert (arms[False].restores_ahead, arms[True].restores_ahead) == (0, 2)
+    fresh = {ahead: {(f.session, f.start): f.seconds for f in arm.to_fresh} for ahead, arm in arms.items()}
+    assert fresh[False][("a", 30.0)] == pytest.approx(1.0) and fresh[True][("a", 30.0)] == pytest.approx(0.8)
+    assert fresh[True][("b", 40.0)] < fresh[False][("b", 40.0)]
+
+
 def test_the_voice_speaks_at_status_lines_within_its_budget():
     """One turn decoding for 40 s: its status lines come 1.5 s after its first token and every 10 s
     after (at 1.6, 11.6, 21.6, 31.6 s); the voice's 3 % holds a 50 ms phrase from 1.77 s, so the

@@ -34,6 +34,7 @@ MAX_SAMPLES = 100_000
 # serve's options the replay shares: (name, repeatable, 0 passes as "none", what the replay adds to the help)
 SHARED = {"grid": (False, False, ""), "cap_gib": (False, True, "Each shadow's; 0: no cap."),
           "host_cap_gib": (False, False, "Each shadow's (as on a GPU); its moves are charged --host-gib-s."),
+          "restore_ahead": (False, False, "Modelled: one restore at a time, beside the reads, charged to no device time."),
           "share": (True, False, "Repeatable: an arm for each."), "slice_ms": (False, False, ""),
           "batch": (False, False, "A batched read is charged by the batch rows of --read-rate-json (`shadow read-rate "
                                   "--batches 2,4,8`), else by the built-in table's."),
@@ -153,6 +154,7 @@ def replay_ledger(
              for table, batches in pairs]
     limits = for_model(model, ids=ids, cap_gib=settings.store.cap_gib or None, disk=disk,
                        host_cap_gib=settings.store.host_cap_gib if settings.store.cap_gib else None,
+                       restore_ahead=settings.store.restore_ahead,
                        voice_share=settings.voice.share, label_s=label_ms / 1000, asks_per_hour=asks_per_hour, seed=seed)
     plan = Plan(costs, shares, prio_sets, rule, limits, grid=grid, engines=engines, route=route, pack_to=pack_to,
                 check_fleet=check_fleet, solve=solve_share, samples=samples, window_s=window_s,
@@ -256,7 +258,7 @@ def _document(plan: Plan, outcome, rows: list[dict], *, files: list[Path], model
                    "voice_share": limits.voice_share, "label_ms": _ms(limits.label_s),
                    "asks_per_hour": limits.asks_per_hour, "restore_gib_s": first.restore_gib_s,
                    "spill_gib_s": first.spill_gib_s, "host_gib_s": first.host_gib_s,
-                   "host_cap_gib": limits.host_cap_gib, "ask_ms": _ms(first.ask_s), "phrase_ms": _ms(first.phrase_s),
+                   "host_cap_gib": limits.host_cap_gib, "restore_ahead": limits.restore_ahead, "ask_ms": _ms(first.ask_s), "phrase_ms": _ms(first.phrase_s),
                    "tokenize_ms_per_1k": _ms(first.tokenize_s_per_1k), "samples": plan.samples, "seed": limits.seed},
         "density": {"active_per_engine": round(dens.active, 3), "new_tok_s_per_engine": round(dens.new_tok_s, 1),
                     "span_s": round(dens.span_s, 3)},
@@ -390,7 +392,8 @@ def _limits_line(plan: Plan) -> str:
     """The live limits and device costs the arms ran with, in one line."""
     limits, rule, first = plan.limits, plan.rule, plan.costs[0]
     host = f"a host tier of {limits.host_cap_gib:g} GiB, then " if limits.host_cap_gib else ""
-    cap = f"cap {limits.cap_gib:g} GiB a shadow ({host}{'spill to disk' if limits.disk else 'no disk: dropped past it'})" \
+    ahead = ", restores started at arrival" if limits.restore_ahead and (limits.disk or limits.host_cap_gib) else ""
+    cap = f"cap {limits.cap_gib:g} GiB a shadow ({host}{'spill to disk' if limits.disk else 'no disk: dropped past it'}{ahead})" \
         if limits.cap_gib else "no cap"
     words = _batch_words(_ms(rule.batch_s), None if rule.batch_read_s is None else _ms(rule.batch_read_s),
                          _ms(rule.batch_wait_s), rule.batch_busy)

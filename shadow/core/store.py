@@ -29,6 +29,7 @@ import re
 import stat
 import time
 from collections import OrderedDict
+from contextlib import contextmanager
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -172,10 +173,11 @@ class SessionStore:
     def get(self, name: str, ahead: Restored | None = None) -> Session:
         """The session `name`, resident and most recently used: as it was, restored from disk, or new.
         A bad file is refused (reported once) and the session starts over; a bad file never raises.
-        `ahead`: its file as `restore_ahead` read it, taken if the file is still the one read."""
+        `ahead`: what `restore_ahead` brought back, taken if its host copy or file is still the one
+        it came from."""
         session = self._resident.get(name)
         if session is None:
-            session = self._from_host(name) or (self._adopt(name, ahead) if ahead is not None else None) \
+            session = (self._adopt(name, ahead) if ahead is not None else None) or self._from_host(name) \
                 or self._restore(name) or self.reader.new_session(name)
             self._resident[name] = session
         self._resident.move_to_end(name)
@@ -336,16 +338,20 @@ class SessionStore:
         """`name` moved back from the host tier onto the device (None where the tier has no copy)."""
         if self.host is None or name not in self.host:
             return None
-        need = self.host.nbytes(name)
         start = time.perf_counter()
         session = from_host(self.host.peek(name), self.reader.model.new_state())
-        self.host.take(name)  # only once it is back: a move that fails (out of device memory) keeps the copy
-        self._spilled_why.pop(name, None)
-        c = self.counters
-        c.from_host_seconds += time.perf_counter() - start
-        c.from_host += 1
-        c.bytes_from_host += need
+        # only once it is back: a move that fails (out of device memory) keeps the copy
+        self._host_moved_back(name, time.perf_counter() - start)
         return session
+
+    def _host_moved_back(self, name: str, seconds: float) -> None:
+        """`name`'s copy is back on the device: out of the tier, counted."""
+        c = self.counters
+        c.bytes_from_host += self.host.nbytes(name)
+        self.host.take(name)
+        c.from_host_seconds += seconds
+        c.from_host += 1
+        self._spilled_why.pop(name, None)
 
     def _dropped(self, name: str, why: str) -> None:
         """`name` left memory unwritten (no tier held it; whoever feeds it next reads it again from
@@ -386,11 +392,22 @@ class SessionStore:
         self.timed("spill", seconds)
         return None
 
-    def restore_ahead(self, name: str) -> Restored | None:
-        """The file of `name`, read (and checked) without changing the store, so that the caller
-        can read it without its lock and hand it to `get` under the lock; None where there is no
-        file to take (not spilled, none, refused, or bad: `get` reports a bad one)."""
-        if not self.disk or name in self._resident or (self.host is not None and name in self.host):
+    def restore_ahead(self, name: str, stream=None) -> Restored | None:
+        """`name` brought back onto the device without changing the store, so that the caller can
+        do it before its lock or on another thread and hand it to `get`: copied from its host copy,
+        or its file read (and checked); None where there is nothing to bring back (resident, none,
+        refused, or bad: `get` reports a bad one). `stream`: a CUDA stream the copies run on, beside
+        the reads on the current one (the tensors are then marked as used by the current stream)."""
+        if name in self._resident:
+            return None
+        copy = self.host.peek(name) if self.host is not None else None
+        if copy is not None:
+            start = time.perf_counter()
+            with beside(stream) as done:
+                session = from_host(copy, self.reader.model.new_state())
+                done(session)
+            return Restored(session, ("host", id(copy), 0, 0), time.perf_counter() - start, copy)
+        if not self.disk:
             return None
         path = self.path_of(name)
         try:
@@ -401,18 +418,28 @@ class SessionStore:
         if not stat.S_ISREG(st.st_mode) or key in self._refused:
             return None
         start = time.perf_counter()
-        try:
-            session = read_session(path, self.identity, self.reader.model.new_state(), self.reader.max_checkpoints,
-                                   key=self.key, direct=self.direct)
-        except SessionFileError:
-            return None
-        if session.name != name:
-            return None
-        self.reader.synchronize()
+        with beside(stream) as done:
+            try:
+                session = read_session(path, self.identity, self.reader.model.new_state(),
+                                       self.reader.max_checkpoints, key=self.key, direct=self.direct)
+            except SessionFileError:
+                return None
+            if session.name != name:
+                return None
+            self.reader.synchronize()
+            done(session)
         return Restored(session, key, time.perf_counter() - start)
 
     def _adopt(self, name: str, ahead: Restored) -> Session | None:
-        """`ahead`'s session, if its file is still the one it was read from (else None: read it again)."""
+        """`ahead`'s session, if its host copy or file is still the one it came from (else None:
+        bring it back again)."""
+        if ahead.copy is not None:
+            if self.host is None or self.host.peek(name) is not ahead.copy or ahead.session.name != name:
+                return None
+            self._host_moved_back(name, ahead.seconds)
+            return ahead.session
+        if not self.disk or (self.host is not None and name in self.host):  # a newer copy is in the tier
+            return None
         path = self.path_of(name)
         try:
             st = path.lstat()
@@ -607,12 +634,37 @@ class SessionStore:
 
 @dataclass(frozen=True)
 class Restored:
-    """A session file read ahead of `SessionStore.get` (`restore_ahead`): the session, the file's
-    (name, inode, mtime, size) when read, and the seconds the read took."""
+    """A session brought back ahead of `SessionStore.get` (`restore_ahead`): the session, where it
+    came from (its file's (name, inode, mtime, size) when read; for a host copy, the copy), and the
+    seconds it took."""
 
     session: Session
-    key: tuple[str, int, int, int]
+    key: tuple
     seconds: float
+    copy: Session | None = None
+
+
+@contextmanager
+def beside(stream):
+    """Run the block's copies on `stream` (None: the current stream, as they are); the block calls
+    the yielded function with the session it made, whose tensors are then synchronized and marked
+    as used by the current stream, so the caching allocator never hands their memory out under a
+    read still queued there."""
+    if stream is None:
+        yield lambda session: None
+        return
+    import torch
+
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    made = []
+    with torch.cuda.stream(stream):
+        yield made.append
+    stream.synchronize()
+    for session in made:
+        tensors = [*session.state.tensors().values(), *session.state.snapshot_tensors(session.checkpoints).values()]
+        for t in tensors:
+            t.record_stream(current)
 
 
 def _make_folder(folder: Path) -> None:

@@ -30,7 +30,7 @@ from shadow.offline.ledger import Request
 from shadow.offline.limits import LINE_EVERY_S, LINE_QUIET_S, ReplayLimits
 from shadow.offline.timelines import readable, time_readable
 
-START, FIRST, END, FEED, LABEL, ASK, PROBE = range(7)
+START, FIRST, END, FEED, LABEL, ASK, PROBE, AHEAD = range(8)
 
 
 @dataclass(frozen=True)
@@ -99,6 +99,7 @@ class Tally:
     phrases: int = 0
     asks: list[tuple[float, float]] = field(default_factory=list)  # (arrival, seconds until answered)
     left: list[tuple[float, str, bool]] = field(default_factory=list)  # (when, session, spilled: state kept) past the cap
+    restores_ahead: int = 0  # restores started at a request's arrival, beside the reads
 
 
 class EngineReplay:
@@ -148,6 +149,10 @@ class EngineReplay:
         self.next_round = -math.inf
         self.flight: Flight | None = None  # a share batch read in pieces between rounds
         self.tally = Tally()
+        # restores started at a request's arrival (`restore_ahead`): one at a time on their own
+        # thread, beside the reads; session -> (when it is back, the tier it came from)
+        self.io_free = -math.inf
+        self.ahead: dict[str, tuple[float, str]] = {}
         self.starts: list[TurnStart] = []
         self.probes: list[Probe] = []
         self.to_fresh: list[ToFresh] = []
@@ -213,6 +218,9 @@ class EngineReplay:
         if kind == LABEL:
             self.jobs.append(("end", what))
             return
+        if kind == AHEAD:  # the session a prompt waited for is back
+            self.jobs.append(("prompt", what))
+            return
         i, r = what, self.req[what]
         s = r.session
         if kind == START:
@@ -223,6 +231,8 @@ class EngineReplay:
             self.current[s] = i
             self.pending_fresh[s] = (i, r.prompt_tokens // self.grid * self.grid)
             self.sched.turn_started(i, s, t)
+            if self.limits.restore_ahead:
+                self._restore_ahead(s, when)
             if not self.limits.prompt_at_first_event:
                 self.jobs.append(("prompt", i))
         elif kind == FIRST:
@@ -262,20 +272,37 @@ class EngineReplay:
             return self._end_turn(job[1], t)
         return self._ask(job[1], job[2], t)
 
-    def _get(self, s: str, t: float, locked: bool = True):
+    def _get(self, s: str, t: float, locked: bool = True, ahead: bool = False):
         """The session, restored if on disk: under the service's lock, or (`locked` False: a
-        prompt's feed, which reads the file before it takes the lock) with events at their times."""
+        prompt's feed, which reads the file before it takes the lock) with events at their times;
+        `ahead`: brought back already, beside the reads (the device spends nothing on it)."""
         h, seconds = self.store.get(s)
-        if seconds:
+        if seconds and not ahead:
             t = self._busy(t, seconds, locked=locked)
         return h, t
+
+    def _restore_ahead(self, s: str, t: float) -> None:
+        """A request for `s` arrives at t: a session in the host tier or on disk starts coming back
+        on the restores' thread, after the ones before it (as `server.restores` does)."""
+        where = self.store.where(s)
+        if where not in ("host", "disk"):
+            return
+        start = max(t, self.io_free)
+        self.io_free = start + self.store.back_s(s)
+        self.ahead[s] = (self.io_free, where)
+        self.tally.restores_ahead += 1
 
     def _feed_prompt(self, i: int, t: float) -> float:
         r, s = self.req[i], self.req[i].session
         if self.latest.get(s, -1) > self.order[i]:
             return t  # a newer turn of the session fed its prompt first: this one came too late
+        back = self.ahead.get(s)
+        if back is not None and back[0] > t:
+            self._at(back[0], AHEAD, i)  # still coming back: the device reads on meanwhile
+            return t
         self.latest[s] = self.order[i]
-        h, t = self._get(s, t, locked=False)
+        back = self.ahead.pop(s, None)
+        h, t = self._get(s, t, locked=False, ahead=back is not None and self.store.where(s) == back[1])
         feed = self.store.feed_prompt(h, r.prompt_tokens, r.prompt_tokens - r.new_prompt_tokens)
         if feed.rolled_back_to is not None:
             self.tally.rollbacks += 1

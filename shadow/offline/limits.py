@@ -42,7 +42,9 @@ class ReplayLimits:
     """The live service's limits, as the replay runs them; the defaults leave them all out (the
     idealised replay: ids at once, no cap, no voice, no asks). `cap_gib` per shadow (None: no cap)
     with `state` the sessions' sizes; `host_cap_gib`: the host tier below the cap (None or 0: none);
-    `disk`: spill rather than drop;
+    `disk`: spill rather than drop; `restore_ahead`: a request that comes for a session in the
+    host tier or on disk starts bringing it back at once, one restore at a time beside the reads
+    (`shadow serve --restore-ahead`), else its prompt's feed restores it on the device;
     `voice_share`: each decoding turn's voice phrases, one at each of its status lines (a tool call
     being written: `LINE_QUIET_S` after its first token, then every `LINE_EVERY_S`) where its
     budget (that share of the time since its first token) holds one and the device is free;
@@ -57,6 +59,7 @@ class ReplayLimits:
     state: StateSize | None = None
     disk: bool = False
     host_cap_gib: float | None = None
+    restore_ahead: bool = False
     voice_share: float = 0.0
     label_s: float = 0.0
     asks_per_hour: float = 0.0

@@ -107,7 +107,8 @@ def summary(arm, windows: Sequence[Window], grid: int) -> dict:
                  "turn_start_ask_wait_ms": spread([t.wait_s for t in peak_starts], scale=1000)},
         "store": {"spills": arm.spills, "restores": arm.restores, "drops": arm.drops,
                   "restore_s": round(arm.restore_s, 3), "spill_s": round(arm.spill_s, 3),
-                  "to_host": arm.to_host, "from_host": arm.from_host, "host_s": round(arm.host_s, 3)},
+                  "to_host": arm.to_host, "from_host": arm.from_host, "host_s": round(arm.host_s, 3),
+                  "restores_ahead": arm.restores_ahead},
         "asks": {"n": len(arm.asks), "wait_ms": spread([w for _, w in arm.asks], scale=1000)},
         "voice_s": round(arm.voice_s, 3),
     }

@@ -80,6 +80,12 @@ class ModelledStore:
         """The session wherever the store keeps it (resident, in the host tier, on disk), untouched."""
         return self.resident.get(name) or self.host.get(name) or self.files.get(name)
 
+    def where(self, name: str) -> str | None:
+        """The tier that holds `name`: "device", "host", "disk", or None (gone, or never seen)."""
+        if name in self.resident:
+            return "device"
+        return "host" if name in self.host else "disk" if name in self.files else None
+
     def back_s(self, name: str) -> float:
         """Seconds of bringing `name` back onto the device now: a move from the host tier or a
         restore from disk (0 when it is resident, gone or new)."""

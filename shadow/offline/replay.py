@@ -64,6 +64,7 @@ class Arm:
     to_host: int = 0  # sessions moved to the host tier
     from_host: int = 0  # and back
     host_s: float = 0.0  # seconds of those moves
+    restores_ahead: int = 0  # restores started at a request's arrival, beside the reads
 
     @property
     def fresh(self) -> int:
@@ -91,6 +92,7 @@ class Arm:
         self.voice_s += tally.voice_s
         self.asks += tally.asks
         self.left += tally.left
+        self.restores_ahead += tally.restores_ahead
         c = store.counts
         self.spills, self.restores, self.drops = self.spills + c.spills, self.restores + c.restores, self.drops + c.drops
         self.restore_s, self.spill_s = self.restore_s + c.restore_s, self.spill_s + c.spill_s

@@ -206,8 +206,6 @@ class Reading:
             for size, depth, seconds in batched:
                 self.sched.warm_batch(size, depth, seconds)
             self.sched.changes += 1
-            # the store drops a session that is cheaper to read again than to restore
-            shadow.store.estimate_reread(self.sched.costs.estimate, shadow.grid)
 
     # sessions (the caller holds the lock) ----------------------------------------------------
 

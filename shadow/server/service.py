@@ -21,6 +21,7 @@ counters and the scheduler.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -38,6 +39,7 @@ from shadow.server.host import Loader, ModelHost, Shadow
 from shadow.server.load import EngineLoad
 from shadow.server.naming import SessionNames
 from shadow.server.reading import Questions, Reading
+from shadow.server.restores import RestoresAhead
 from shadow.server.settings import ServeSettings
 from shadow.server.shared import Shared
 from shadow.server.standing import Standing, StandingQuestion
@@ -86,6 +88,7 @@ class ShadowService:
         self.waiting = 0
         self.engine: dict | None = None  # proxy mode: the engine's dialect and id sources
         self.unsaved: list[tuple[str, str]] = []  # after `stop`: sessions it could not write, and why
+        self.ahead = RestoresAhead() if settings.store.restore_ahead else None
         slack = settings.store.unload_slack_gib
         self.unload_slack = None if slack is None else int(slack * 2**30)  # None: never unload
         self._pool_free = pool_free or self.host.pool_free
@@ -181,6 +184,8 @@ class ShadowService:
                 n = len(shadow.store.names()) if shadow.store.disk is not None else 0
                 return shadow.store, n, shadow.store.close()
 
+        if self.ahead is not None:
+            self.ahead.close()
         store, held, failed = self.device.run(close, "stop")
         self.device.close()
         self.unsaved = failed
@@ -225,6 +230,8 @@ class ShadowService:
             self.turns.add(turn)
             self.counters.requests += 1
             self.sched.turn_started(turn.id, None, turn.started)
+            if requested is not None and shadow is not None and self.ahead is not None and self.shared.switch.shadow:
+                turn.restoring = self.ahead.start(shadow.store, requested)  # beside the engine's prefill
         return turn
 
     def name_turn(self, turn: ServedTurn, prompt: Sequence[int]) -> str:
@@ -271,14 +278,18 @@ class ShadowService:
         name = self.name_turn(turn, ids)
         if self._latest.get(name, 0) > turn.id:
             return  # a newer turn of this session has fed already (only this thread feeds prompts)
-        # a spilled session's file is read before the lock: no other request or status call waits on the disk
-        ahead = shadow.store.restore_ahead(name)
+        # a session in the host tier or on disk is brought back before the lock (ahead of its prompt
+        # since the request came, when it named its session): no other request or status call waits on it
+        ahead = self._ahead(turn, shadow, name)
         self.reading.finish_in_flight()  # a batch read in pieces ends before a prompt may roll back: not under the lock
         with self.state_lock:
             if self._latest.get(name, 0) > turn.id:
                 return  # a newer turn of this session has fed already: this one came too late
             self._latest[name] = turn.id
             session = self.reading.get(shadow, name, ahead)
+            if ahead is not None and turn.restoring is not None:
+                self.ahead.taken(ahead, session is ahead.session)
+            turn.restoring = None
             behind = len(session.ids) - session.committed
             known = len(session.ids)
             feed = shadow.reader.feed_prompt(session, ids)
@@ -292,6 +303,15 @@ class ShadowService:
             self.reading.sync(shadow, name)
             self.answers.register(shadow, session, ids, turn.reference, behind, turn.id)
         self.answers.answer_if_ready(shadow, session)
+
+    def _ahead(self, turn: ServedTurn, shadow: Shadow, name: str):
+        """What was brought back of `name` since the turn's request came (waiting for the rest of
+        it), else its host copy or file brought back now."""
+        if turn.restoring is not None:
+            ahead = self.ahead.take(turn.restoring, name)
+            if ahead is not None:
+                return ahead
+        return shadow.store.restore_ahead(name)
 
     def first_token(self, turn: ServedTurn) -> None:
         """The turn's first output token: its decode starts, and with it the share."""
@@ -359,6 +379,10 @@ class ShadowService:
         prompt, output = shown.prompt_due, list(shown.output_due)
         if prompt is None and not output and not share:
             return True
+        if prompt is not None and turn.restoring is not None and not turn.restoring.done():
+            if not wait:
+                return False  # its session is still coming back: the device goes on reading meanwhile
+            concurrent.futures.wait([turn.restoring])
         start, read_before = time.perf_counter(), turn.share_used
 
         def feed() -> None:
@@ -615,6 +639,7 @@ class ShadowService:
                 "sessions": sessions,
                 "branches": {k: list(v) for k, v in self.names.branches.items() if v},
                 "store": shadow.store.totals() if ready else None,
+                "restores_ahead": self.ahead.counts.as_dict() if self.ahead is not None else None,
                 "turns_in_flight": len(self.turns), "waiting": self.waiting,
                 "overdue_turns": self._overdue(),
                 "counters": {

@@ -157,6 +157,10 @@ class StoreSettings:
         "Host-memory tier for sessions past --cap-gib, GiB: they move to host memory (pinned, bit for bit) and, past "
         "this, to --disk. 0: none. A shadow on the CPU has none (its sessions are in host memory already); at most "
         "half the machine's memory is taken."))
+    restore_ahead: bool = setting(True, panel=STORE, help=(
+        "A request that names its session starts bringing it back from the host tier or disk at once, on a thread "
+        "(and a CUDA stream) of its own, beside the shadow's reads and the engine's prefill; --no-restore-ahead "
+        "restores it when its prompt is fed, on the device between reads."))
     disk: Path | None = setting(None, panel=STORE, help=(
         "Folder where sessions past the cap (and all, at a planned stop) are written."))
     disk_cap_gib: float = setting(64.0, gt=0, panel=STORE, help=(

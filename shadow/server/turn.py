@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from shadow.core.turns import Turn
@@ -86,6 +87,7 @@ class ServedTurn(Turn):
     notes: list[str] = field(default_factory=list)  # what happened to the request on its way
     rounds: Rounds | None = None  # embedded mode
     shown: Shown | None = None  # proxy mode
+    restoring: Future | None = None  # its session coming back from the host tier or disk since the request came
 
     @property
     def embedded(self) -> bool:

@@ -1,0 +1,70 @@
+"""Restores started when a request arrives (`server.restores`): a session past the device cap, in
+the host tier or on disk, is brought back on a thread of its own as soon as a request names it,
+and the store takes it when the prompt is fed, bit for bit; a copy that changed meanwhile is not
+taken. A real service on loopback (embedded generator), real files."""
+
+from __future__ import annotations
+
+import pytest
+
+from serving import GRID, assert_exact, long_text, running, settled
+from shadow.core.hosttier import HostTier
+from shadow.core.reader import open_reader
+from shadow.core.residency import GIB
+from shadow.core.store import SessionStore
+from shadow.offline.verify import compare_states
+from shadow.server.restores import RestoresAhead
+
+pytestmark = pytest.mark.slow  # real servers
+
+
+def turn(client, name: str, prompt: str):
+    r = client.post("/v1/completions", headers={"x-session-id": name}, json={"prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_session_past_the_cap_comes_back_from_its_tier_when_its_request_arrives(tiny, tmp_path, tier):
+    with running(disk=tmp_path) as (client, service):
+        service.store.cap = 0  # every session leaves the device after its turn
+        if tier == "host":
+            service.store.host = HostTier(GIB)
+        first = {"a": long_text(1, 120), "b": long_text(2, 120)}
+        for name, prompt in (("a", first["a"]), ("b", first["b"]), ("a", first["a"] + " " + long_text(3, 60)),
+                             ("b", first["b"] + " " + long_text(4, 60))):  # each session's next turn extends it
+            turn(client, name, prompt)
+            settled(service)
+        status = client.get("/v1/shadow/status").json()
+        rows = {row["name"]: row for row in status["sessions"]}
+        assert rows["a"]["tier"] == tier  # (b, worked on last, is kept on the device)
+        ahead = status["restores_ahead"]
+        assert ahead["started"] == 2 and ahead["taken"] == 2 and ahead["missed"] == 0
+        for name in ("a", "b"):
+            assert_exact(service, name)  # brought back, read on, and equal to a fresh prefill
+
+
+def test_a_session_that_changed_while_it_came_back_is_not_taken(tiny, tmp_path):
+    loaded, reader = open_reader("tiny", grid=GRID)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=0, disk=tmp_path, host_cap_gib=1)
+    s = store.get("a")
+    reader.feed_prompt(s, list(range(100, 100 + 3 * GRID)))
+    reader.advance(s)
+    store.get("b")
+    store.settle(keep="b")  # a goes to the host tier
+    ahead = RestoresAhead()
+    try:
+        future = ahead.start(store, "a")
+        brought = ahead.take(future, "a")
+        assert brought is not None and brought.copy is not None
+        moved = store.get("a")  # the prompt of another request fed it first: the copy left the tier
+        reader.feed_output(moved, [7] * GRID)
+        reader.advance(moved)
+        store.settle(keep="b")  # and it is back in the tier, a newer copy
+        again = store.get("a", brought)
+        assert again is not brought.session and again.committed == 4 * GRID  # the newer copy, not the old one
+        fresh = reader.prefill(again.ids[: again.committed])
+        compared, mismatched, _ = compare_states(again.state, fresh)
+        assert compared > 0 and mismatched == []
+        assert ahead.start(store, "a") is None  # resident: nothing to bring back
+    finally:
+        ahead.close()
