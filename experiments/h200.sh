@@ -106,9 +106,10 @@ for step in "$@"; do
     density) # 24 agent sessions at once beside a CUDA llama-server, measured against the replay of the same run.
              # Needs .carry/llama-src (build_llama_server.sh pack), $D's trajectories, .carry/qwen3.5.jinja and the
              # gguf wheel (device-wheels.sh gguf==0.19.0). Budget (9 min): the build <= 240 s (172 s measured; 0 once
-             # cached on a warm machine), the GGUF, engine and shadow up in about 90 s, DENSITY_S (120) of density,
+             # cached on a warm machine), the GGUF, engine and shadow up in about 120 s, DENSITY_S (120) of density,
              # PAIRS x 2 x WINDOW_S (2 x 2 x 15 s) off/on, the engine's tokenization and the replay in about 30 s;
-             # the driver is stopped at 540 s from the step's start. Warm, a second call can give DENSITY_S about 400.
+             # the driver shortens the density phase to be done 525 s after the step began (--finish-by) and is stopped
+             # at 540 s. Warm, a second call can give DENSITY_S about 400.
              # Writes 6 files: density-build.txt, density.log, density-{live-density.json,table.txt,ledger.jsonl}, and
              # density-more.tgz (status, costs, replay, journal, metrics, engine and serve logs).
              start=$(date +%s)
@@ -122,7 +123,8 @@ for step in "$@"; do
                --llama-server "$llama" --sessions ${SESSIONS:-24} --duration ${DENSITY_S:-120} --pairs ${PAIRS:-2} \
                --window ${WINDOW_S:-15} --model qwen3.5-0.8b --device cuda --trajectories "${TRAJ:-$D}" \
                --template "${TEMPLATE:-.carry/qwen3.5.jinja}" --hidden ${HIDDEN:-1024} --layers ${LAYERS:-8} --heads 8 \
-               --kv-heads 2 --engine-arg=-ngl --engine-arg=999 --request-timeout 120 ${DENSITY_ARGS:-} > /tmp/density-stdout.json 2> "$OUT/density.log"
+               --kv-heads 2 --engine-arg=-ngl --engine-arg=999 --request-timeout 120 \
+               --finish-by $(( 525 - ($(date +%s) - start) )) ${DENSITY_ARGS:-} > /tmp/density-stdout.json 2> "$OUT/density.log"
              echo "driver exit $? after $(( $(date +%s) - start )) s"; tail -n 22 "$OUT/density.log" | cut -c1-300
              for f in live-density.json table.txt ledger.jsonl; do cp "/tmp/density/$f" "$OUT/density-$f" 2>/dev/null; done
              tar -czf "$OUT/density-more.tgz" -C /tmp/density --exclude=engine.gguf --exclude=live-density.json \

@@ -54,6 +54,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]
 import live_figures as fig  # noqa: E402
 
 QUESTION = {"question": "Is the agent about to finish the task? A: yes, B: no.", "choices": ["A", "B"]}
+AFTER_RUN_S = 45.0  # --finish-by keeps this for the engine's tokenization, the replay and the files
+MIN_DURATION_S = 20.0
 CPU_BINARY = Path.home() / ".cache/shadow/engines/llama-server-0.3.36/bin/llama-server"
 
 
@@ -299,6 +301,7 @@ def trajectory_paths(items: list[str]) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
+    began = time.monotonic()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     from shadow.engines.gguf import write_gguf
@@ -329,6 +332,10 @@ def main(argv: list[str] | None = None) -> dict:
                      *a.serve_arg]
         serve = start(stack, serve_cmd, out / "serve.log", env)
         wait_up(f"{url}/v1/shadow/status", serve, 900, ready=lambda r: r.status_code == 200 and r.json()["ready"])
+        if a.finish_by:  # what is left after the setup, less the windows and the work after the run
+            left = a.finish_by - (time.monotonic() - began) - 2 * a.pairs * a.window - AFTER_RUN_S
+            if left < a.duration:
+                a.asked_duration, a.duration = a.duration, max(MIN_DURATION_S, round(left, 1))
         run = Run(a, url, trajectories)
         started = time.time()
         asyncio.run(run.main())
@@ -407,6 +414,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--asks-per-hour", type=float, default=120.0, help="random asks per active session per hour")
     p.add_argument("--poll-s", type=float, default=0.5, help="status poll interval")
     p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--finish-by", type=float, default=0.0,
+                   help="seconds from the start by which to be done: the density phase is shortened to fit (0: no bound)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--llama-server", default=os.environ.get("SHADOW_LLAMA_SERVER", str(CPU_BINARY)))
     p.add_argument("--threads", type=int, default=0, help="llama-server -t (0: its default)")
