@@ -208,7 +208,8 @@ def pinned_copy(session, runs: int, cuda: bool) -> dict | None:
 def phases(session, reader, weights_hash: str, folder: Path, cuda: bool) -> dict:
     """Where a format-3 restore's time goes, each part timed alone on the session's file (page
     cache dropped before each read): the blocks read (O_DIRECT where it works) and nothing else;
-    read and hashed on the pool; the fresh state's allocation for the committed length; one core's
+    read and hashed on the pool (the I/O part); the fresh state's allocation for the committed length;
+    on a GPU the same bytes copied from pinned host memory to the device (the copy part); one core's
     SHA-256 over bytes in memory (what a single digest over the whole file, format 2, runs at)."""
     store = SessionStore(reader, weights_hash, cap_gib=0, disk=folder)
     store._resident[session.name] = session
@@ -233,6 +234,16 @@ def phases(session, reader, weights_hash: str, folder: Path, cuda: bool) -> dict
     sync(cuda)
     out["allocate_state_s"] = round(time.perf_counter() - start, 4)
     del state
+    if cuda:  # the copy part of a restore: the file's bytes from pinned host memory to the device, alone
+        host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        device = torch.empty(total, dtype=torch.uint8, device="cuda")
+        device.copy_(host, non_blocking=True)
+        sync(cuda)
+        start = time.perf_counter()
+        device.copy_(host, non_blocking=True)
+        sync(cuda)
+        out["copy_to_device_s"] = round(time.perf_counter() - start, 4)
+        del host, device
     block = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8).numpy()
     start = time.perf_counter()
     blockio.sha256(memoryview(block))

@@ -258,6 +258,48 @@ def test_the_host_tier_moves_a_cuda_session_to_pinned_memory_and_back_bit_for_bi
     assert compared > 0 and mismatched == []
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_restore_ahead_on_a_side_stream_beside_reads_gives_the_session_bit_for_bit(tiny_cuda, tier, tmp_path):
+    """A session in the host tier or on disk brought back on a stream of its own, on another
+    thread, while the default stream reads another session: every tensor and checkpoint equal to
+    the session that left, taken by the store, and reading on from it equals a fresh prefill."""
+    import threading
+
+    from shadow.core.store import SessionStore
+    from shadow.server.restores import RestoresAhead
+
+    reader = Reader(tiny_cuda.model, 512)
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path, host_cap_gib=1.0 if tier == "host" else None)
+    ids = torch.randint(0, 248044, (6000,), generator=torch.Generator().manual_seed(7)).tolist()
+    s = store.get("a")
+    reader.feed_prompt(s, ids[:2600])
+    reader.advance(s)
+    before = {k: v.clone() for k, v in s.state.tensors().items()}
+    marks = [(c.position, c.conv.clone(), c.recurrent.clone()) for c in s.checkpoints]
+    b = store.get("b")
+    reader.feed_prompt(b, ids[3000:])
+    store.settle(keep="b")
+    assert store.peek("a") is None and store.status()[0].tier == tier
+    ahead = RestoresAhead()
+    try:
+        reading = threading.Thread(target=reader.advance, args=(b,))  # the default stream busy meanwhile
+        reading.start()
+        brought = ahead.take(ahead.start(store, "a"), "a")
+        reading.join()
+    finally:
+        ahead.close()
+    back = store.get("a", brought)
+    assert back is brought.session
+    assert all(torch.equal(before[k], v) for k, v in back.state.tensors().items())
+    assert [(c.position, torch.equal(c.conv, x), torch.equal(c.recurrent, y))
+            for c, (_, x, y) in zip(back.checkpoints, marks)] == [(p, True, True) for p, _, _ in marks]
+    reader.feed_output(back, ids[2600:3000])
+    reader.advance(back)
+    for session in (back, b):
+        compared, mismatched, _ = compare_states(session.state, reader.prefill(session.ids[: session.committed]))
+        assert compared > 0 and mismatched == []
+
+
 def test_pinned_autotuning_gives_the_same_bits_as_tuning(tiny_cuda):
     """Every fla autotuner's choices recorded, forgotten, and put back from the recording: the
     forward gives the same bits (the pins are what a cleared cache would otherwise re-tune)."""
