@@ -19,7 +19,9 @@ from pathlib import Path
 from shadow.offline.ledger import Request, write_ledger
 from shadow.offline.metrics import spread
 from shadow.offline.timelines import density
-from shadow.server.journaled import JournalCounts
+from shadow.server.journaled import STATES, JournalCounts
+
+CHUNKS = ("chunks_idle", "chunks_share", "chunks_ask", "rollbacks")
 
 
 @dataclass
@@ -159,8 +161,8 @@ def live(requests: list[Sent], asks: list[Asked], polls: list[Poll], journal: Pa
         "turn_starts": {"n": len(kept), "raced": len(turn) - len(kept),
                         "fresh_pct": _pct([a.behind < grid for a in kept]),
                         "behind": spread([a.behind for a in kept], digits=0),
-                        "ask_wait_ms": spread([a.latency_ms for a in kept])},
-        "random": {"n": len(rand), "ask_wait_ms": spread([a.latency_ms for a in rand]),
+                        "ask_ms": spread([a.latency_ms for a in kept])},
+        "random": {"n": len(rand), "ask_ms": spread([a.latency_ms for a in rand]),
                    "lag": spread([a.behind for a in rand], digits=0),
                    "stale_pct": _pct([a.behind >= grid for a in rand])},
         "asks_failed": sum(a.status != 200 for a in asks if a.time < phase_end),
@@ -168,10 +170,10 @@ def live(requests: list[Sent], asks: list[Asked], polls: list[Poll], journal: Pa
                        "poll_s": _poll_step(polls)},
         "share": {"share_s": _round(share), "decode_s": _round(decode),
                   "charged_pct": _round(100 * share / decode) if share is not None and decode else None},
-        "chunks": {k: _int(_delta(polls, k, 0.0, phase_end)) for k in ("chunks_idle", "chunks_share", "chunks_ask", "rollbacks")},
-        "journal": {"turns": sum(counts.checks[("prompt", s)] for s in ("verified", "unverified", "mismatched", "not_read")),
-                    "prompt": {s: counts.checks[("prompt", s)] for s in ("verified", "unverified", "mismatched", "not_read")},
-                    "output": {s: counts.checks[("output", s)] for s in ("verified", "unverified", "mismatched", "not_read")}},
+        "chunks": {k: _int(_delta(polls, k, 0.0, phase_end)) for k in CHUNKS},
+        "journal": {"turns": sum(counts.checks[("prompt", s)] for s in STATES),
+                    "prompt": {s: counts.checks[("prompt", s)] for s in STATES},
+                    "output": {s: counts.checks[("output", s)] for s in STATES}},
     }
 
 
@@ -231,9 +233,9 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path) -
         raise RuntimeError(f"replay-ledger exit {done.returncode}: {done.stderr[-2000:]}")
     doc = json.loads(done.stdout.strip().splitlines()[-1])
     arm = next(a for a in doc["arms"] if a["share"])
-    return {"command": " ".join(cmd[3:]), "density": doc["density"], "ask_ms": doc["limits"]["ask_ms"], "arm": arm["arm"], "summary": arm["summary"],
-            "share_s": arm["share_s"], "chunks": {k: arm[k] for k in ("chunks_idle", "chunks_share", "chunks_ask", "rollbacks")},
-            "checks_ok": doc["checks"]["ok"]}
+    return {"command": " ".join(cmd[3:]), "density": doc["density"], "ask_ms": doc["limits"]["ask_ms"],
+            "arm": arm["arm"], "summary": arm["summary"], "share_s": arm["share_s"],
+            "chunks": {k: arm[k] for k in CHUNKS}, "checks_ok": doc["checks"]["ok"]}
 
 
 def side_by_side(live_: dict, replayed: dict, requests: list[Request]) -> dict:
@@ -247,17 +249,15 @@ def side_by_side(live_: dict, replayed: dict, requests: list[Request]) -> dict:
     forward = replayed["ask_ms"] or 0.0
     rows = {
         "turn starts fresh %": (live_["turn_starts"]["fresh_pct"], s["turn_starts"]["fresh_pct"]),
-        "ask at turn starts p50 ms": (live_["turn_starts"]["ask_wait_ms"]["p50"], _plus(s["turn_starts"]["ask_wait_ms"]["p50"], forward)),
-        "ask at turn starts p99 ms": (live_["turn_starts"]["ask_wait_ms"]["p99"], _plus(s["turn_starts"]["ask_wait_ms"]["p99"], forward)),
-        "ask at random times p50 ms": (live_["random"]["ask_wait_ms"]["p50"], _plus(s["random"]["ask_wait_ms"]["p50"], forward)),
-        "ask at random times p99 ms": (live_["random"]["ask_wait_ms"]["p99"], _plus(s["random"]["ask_wait_ms"]["p99"], forward)),
+        **{f"ask at {where} p{q} ms": (live_[key]["ask_ms"][f"p{q}"], _plus(s[key]["ask_wait_ms"][f"p{q}"], forward))
+           for where, key in (("turn starts", "turn_starts"), ("random times", "random")) for q in (50, 99)},
         "time to fresh p50 s": (live_["to_fresh_s"]["p50"], s["to_fresh_s"]["p50"]),
         "time to fresh p90 s": (live_["to_fresh_s"]["p90"], s["to_fresh_s"]["p90"]),
         "share charged %": (live_["share"]["charged_pct"], _round(100 * replayed["share_s"] / union) if union else None),
         "spills": (store.get("spills"), s["store"]["spills"]),
         "restores": (store.get("restores"), s["store"]["restores"]),
         "drops": (store.get("drops"), s["store"]["drops"]),
-        "to host / from host": (_pair(store, "to_host", "from_host"), f"{s['store']['to_host']} / {s['store']['from_host']}"),
+        "to host / from host": (_pair(store, "to_host", "from_host"), _pair(s["store"], "to_host", "from_host")),
         "chunks idle": (live_["chunks"].get("chunks_idle"), replayed["chunks"]["chunks_idle"]),
         "chunks share": (live_["chunks"].get("chunks_share"), replayed["chunks"]["chunks_share"]),
     }
@@ -336,4 +336,4 @@ def _poll_step(polls: list[Poll]) -> float | None:
 
 
 __all__ = ["Asked", "Poll", "Sent", "costs_document", "decode_union_s", "density", "engine_cost", "ledger", "live",
-           "replay", "side_by_side", "table", "to_fresh"]
+           "new_prompt_tokens", "replay", "scraped", "side_by_side", "table", "to_fresh", "write_ledger"]

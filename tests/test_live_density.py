@@ -71,7 +71,7 @@ def test_live_figures_come_from_real_asks_polls_and_counters(run):
     live = doc["live"]
     assert live["requests"] > 0 and live["failed"] == 0
     starts = live["turn_starts"]
-    assert starts["n"] > 0 and starts["fresh_pct"] is not None and starts["ask_wait_ms"]["p50"] > 0
+    assert starts["n"] > 0 and starts["fresh_pct"] is not None and starts["ask_ms"]["p50"] > 0
     assert live["to_fresh_s"]["n"] == live["requests"] and live["to_fresh_s"]["poll_s"] > 0
     assert live["share"]["decode_s"] > 0
     assert live["chunks"]["chunks_idle"] + live["chunks"]["chunks_share"] + live["chunks"]["chunks_ask"] > 0
