@@ -2,7 +2,10 @@
 llama-server, at their recorded pacing, measured against the ledger replay of the same run.
 
     python experiments/live_density.py --out /tmp/density --sessions 3 --duration 90 \
-        --trajectories ../shared/data/trajectories/mini-swe-agent/django__django-14559.traj.json ...
+        --trajectories DATA/trajectories/mini-swe-agent/django__django-14559.traj.json ...
+
+DATA is the shared data folder ($SHADOW_SHARED_DATA, else `shared/data` beside the repository),
+where `--trajectories` and `--template` default to.
 
 Each of the N session slots replays a mini-swe-agent trajectory (the next one in the list when its
 last ends, so N stay active): each request when its turn comes (the recorded time since the
@@ -56,6 +59,7 @@ import live_figures as fig  # noqa: E402
 QUESTION = {"question": "Is the agent about to finish the task? A: yes, B: no.", "choices": ["A", "B"]}
 AFTER_RUN_S = 45.0  # --finish-by keeps this for the engine's tokenization, the replay and the files
 MIN_DURATION_S = 20.0
+DATA = Path(os.environ.get("SHADOW_SHARED_DATA") or ROOT.parent / "shared" / "data")
 CPU_BINARY = Path.home() / ".cache/shadow/engines/llama-server-0.3.36/bin/llama-server"
 
 
@@ -400,9 +404,9 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for the results")
-    p.add_argument("--trajectories", nargs="+", default=[str(ROOT.parent / "shared/data/trajectories/mini-swe-agent")],
+    p.add_argument("--trajectories", nargs="+", default=[str(DATA / "trajectories" / "mini-swe-agent")],
                    help="trajectory files or folders (used in this order, cycled)")
-    p.add_argument("--template", default=str(ROOT.parent / "shared/data/templates/qwen3.5.jinja"))
+    p.add_argument("--template", default=str(DATA / "templates" / "qwen3.5.jinja"), help="the engine's chat template")
     p.add_argument("--sessions", type=int, default=3, help="N: sessions active at once (the engine's slots)")
     p.add_argument("--duration", type=float, default=90.0, help="seconds of the density phase")
     p.add_argument("--pairs", type=int, default=0, help="then this many off/on pairs of windows (engine cost)")
