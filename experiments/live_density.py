@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "experiments")]
 
 import live_figures as fig  # noqa: E402
+from shadow.errors import ShadowInputError  # noqa: E402
 
 QUESTION = {"question": "Is the agent about to finish the task? A: yes, B: no.", "choices": ["A", "B"]}
 AFTER_RUN_S = 45.0  # --finish-by keeps this for the engine's tokenization, the replay and the files
@@ -82,8 +83,11 @@ def load_trajectory(path: Path, tokenizer) -> Trajectory:
     from shadow.text.chat import render_output, render_prompt
     from shadow.text.conversations import load_conversation
 
-    doc = json.loads(path.read_text())
-    times = [m["extra"]["response"]["created"] for m in doc["messages"] if m.get("role") == "assistant"]
+    try:
+        doc = json.loads(path.read_text())
+        times = [m["extra"]["response"]["created"] for m in doc["messages"] if m.get("role") == "assistant"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ShadowInputError(f"{path}: not a mini-swe-agent trajectory ({type(e).__name__}: {e})") from None
     conv = load_conversation(path)
     turns = []
     for t, (history, out) in zip(times, conv.requests()):
@@ -294,27 +298,34 @@ def tokenize_prompts(engine: str, sent: list[fig.Sent]) -> None:
 
 
 def trajectory_paths(items: list[str]) -> list[Path]:
+    """The files named, and each folder's `*.traj.json`, in that order."""
     out = []
     for item in items:
         p = Path(item)
+        if not p.exists():
+            raise ShadowInputError(f"no trajectory file or folder {p}")
         out += sorted(p.glob("*.traj.json")) if p.is_dir() else [p]
     if not out:
-        raise SystemExit("no trajectories")
+        raise ShadowInputError(f"no *.traj.json in {', '.join(items)}")
     return out
 
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
     began = time.monotonic()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
     from shadow.engines.gguf import write_gguf
     from shadow.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(None)
-    trajectories = [load_trajectory(p, tokenizer) for p in trajectory_paths(a.trajectories)]
+    try:
+        trajectories = [load_trajectory(p, tokenizer) for p in trajectory_paths(a.trajectories)]
+        template = Path(a.template).read_text()
+    except (ShadowInputError, OSError) as e:  # before anything is written
+        print(f"live_density.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     ctx = a.sessions * max(t.longest for t in trajectories) + a.sessions * 64
-    template = Path(a.template).read_text()
     gguf = write_gguf(out / "engine.gguf", template, hidden=a.hidden, layers=a.layers, heads=a.heads,
                       kv_heads=a.kv_heads, intermediate=4 * a.hidden, context=max(ctx, 262_144))
     engine_port, port = free_port(), free_port()
