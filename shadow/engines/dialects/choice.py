@@ -104,6 +104,12 @@ class EngineChoice:
         """Whether a probe is in flight now."""
         return self._probing is not None and not self._probing.done()
 
+    async def probe_ended(self, timeout_s: float) -> bool:
+        """Whether no probe is in flight, after waiting up to `timeout_s` for the one that is."""
+        if self.probing:
+            await asyncio.wait({self._probing}, timeout=timeout_s)
+        return not self.probing
+
     def begin(self) -> None:
         """On the event loop: probe the engine beside whatever runs (nothing waits for it), unless
         its dialect is known or a probe is in flight."""

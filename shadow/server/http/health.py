@@ -7,9 +7,9 @@
   "answered" | "busy", "waited_s", ...}`, or 503 `{"status": "stuck" | "stopped", ...}`. It
   answers from the start, while the engine's dialect is probed.
 - `GET /ready`, readiness: the shadow's model is loaded (or parked on disk after an idle burst:
-  the next turn loads it again) and, in proxy mode, the engine's dialect is known (`"probing"`
-  while the probe runs) and the engine answers `GET {upstream}/models` with a status below 500
-  within `probes.engine_timeout_s`. 200 `{"ready": true, ...}`, or 503 `{"ready": false,
+  the next turn loads it again) and, in proxy mode, the engine's dialect probe is over (waited
+  for up to `probes.engine_timeout_s`; `"probing"` while it still runs) and the engine answers
+  `GET {upstream}/models` with a status below 500 within `probes.engine_timeout_s`. 200 `{"ready": true, ...}`, or 503 `{"ready": false,
   "reason": ...}`.
 - `GET /health_generate` (as SGLang's): one token generated now, through the engine (proxy: a
   one-token greedy chat completion sent straight to it, no turn) or by the embedded generator
@@ -87,7 +87,8 @@ class Probes:
         body = {"ready": True, "shadow": shadow}
         if service.settings.proxy:
             engine = self.parts.engine
-            if engine is not None and engine.dialect is None and engine.probing:
+            if engine is not None and engine.dialect is None \
+                    and not await engine.probe_ended(self.settings.engine_timeout_s):
                 return _not_ready("probing the engine's dialect", probing=True)
             down = await self._engine_down()
             if down is not None:
