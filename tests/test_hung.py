@@ -260,3 +260,41 @@ def test_health_generate_makes_a_token_embedded_and_through_the_engine_and_cache
         assert failed.status_code == 503 and failed.json()["status"] == "failed"
         assert failed.json()["reason"] == "no token within 1 s"
         assert time.monotonic() - begun < 1.0 + 3.0
+
+
+def test_a_proxied_stream_nobody_reads_closes_its_engine_request_at_the_write_timeout():
+    """In front of an engine that streams without end, a client that reads nothing: once its
+    few kilobytes of buffers are full and a write has waited the write timeout, the proxy closes
+    the client's connection and the engine's request (the engine's stream is closed), and the
+    turn ends."""
+    closed: list[float] = []
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def endless(request: Request):
+        async def events():
+            try:
+                while True:
+                    yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": "x" * 100},
+                                                              "finish_reason": None}]}) + "\n\n"
+                    await asyncio.sleep(0.002)
+            finally:
+                closed.append(time.time())
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    with serving(app) as engine:
+        upstream = str(engine.base_url).rstrip("/") + "/v1"
+        with served(upstream, limits={"write_timeout_s": 2.0}) as (client, service, _):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", client.base_url.port))
+            body = json.dumps(chat(stream=True)).encode()
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"x-session-id: unread\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            try:
+                until(lambda: closed, 20.0)  # the engine's stream closed by the proxy
+                until(lambda: not service.turns, 10.0)
+                assert service.checks["unread"].turns == 1
+            finally:
+                s.close()
