@@ -24,7 +24,8 @@ The engine is llama-server (`--llama-server`, default the CPU build of
 context of N x the longest session (prompt and output in Qwen3.5 ids), serving a random-weight GGUF
 of `shadow/engines/gguf.py` (`--hidden`, `--layers`). After `--duration` s, `--pairs` K pairs of
 windows of `--window` s switch the shadow off, then on (`/v1/shadow/switch`), the sessions going
-on: the engine's decode tokens/s and inter-token gaps in each (`live_figures.engine_cost`).
+on: the engine's decode tokens/s and inter-token gaps in each, and llama-server's own counters
+(`--metrics`) at each window's ends (`live_figures.engine_cost`).
 
 Writes in `--out`: `live-density.json` (its last line too on stdout: settings, live figures,
 replay, side by side, engine cost), `ledger.jsonl` (the density phase's requests), `costs.json`
@@ -120,8 +121,8 @@ def wait_up(url: str, proc: subprocess.Popen, timeout: float, ready=lambda r: r.
 class Run:
     """One run: the engine and the service already up at `url`; drives the sessions and records."""
 
-    def __init__(self, args, url: str, trajectories: list[Trajectory]):
-        self.args, self.url, self.trajectories = args, url, trajectories
+    def __init__(self, args, url: str, trajectories: list[Trajectory], engine_url: str):
+        self.args, self.url, self.trajectories, self.engine_url = args, url, trajectories, engine_url
         self.rng = random.Random(args.seed)
         self.sent: list[fig.Sent] = []
         self.asks: list[fig.Asked] = []
@@ -136,6 +137,7 @@ class Run:
         self.metrics_density = ""  # the scrape at the density phase's end
         self.tasks: set[asyncio.Task] = set()
         self.switch_error: str | None = None
+        self.engine_windows: list[tuple[dict, dict]] = []  # the engine's counters at each window's ends
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -282,8 +284,20 @@ class Run:
                 except httpx.HTTPError as e:  # no window then: the pairs stop, the density figures stay
                     self.switch_error = f"{type(e).__name__}: {e}"
                     return
+                before = await self.engine_counters()
                 await asyncio.sleep(max(0.0, start + a.window - self.now()))
                 self.windows.append(("on" if on else "off", start, self.now()))
+                self.engine_windows.append((before, await self.engine_counters()))
+
+    async def engine_counters(self) -> dict[str, float]:
+        """llama-server's own counters (`--metrics`), on a connection of their own."""
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as c:
+                text = (await c.get(f"{self.engine_url}/metrics")).text
+        except httpx.HTTPError:
+            return {}
+        return {k: float(v) for k, v in (line.split()[:2] for line in text.splitlines()
+                                         if line.startswith("llamacpp:") and len(line.split()) >= 2)}
 
 
 def tokenize_prompts(engine: str, sent: list[fig.Sent]) -> None:
@@ -335,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
     with contextlib.ExitStack() as stack:
         engine_cmd = [a.llama_server, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(engine_port), "--jinja",
-                      "-c", str(ctx), "-np", str(a.sessions), "-cb", "--reasoning-format", "none", "--no-webui",
+                      "-c", str(ctx), "-np", str(a.sessions), "-cb", "--reasoning-format", "none", "--no-webui", "--metrics",
                       *(["-t", str(a.threads)] if a.threads else []), *a.engine_arg]
         engine = start(stack, engine_cmd, out / "engine.log", env)
         wait_up(f"{engine_url}/health", engine, 300)
@@ -351,7 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
             left = a.finish_by - (time.monotonic() - began) - 2 * a.pairs * a.window - AFTER_RUN_S
             if left < a.duration:
                 a.asked_duration, a.duration = a.duration, max(MIN_DURATION_S, round(left, 1))
-        run = Run(a, url, trajectories)
+        run = Run(a, url, trajectories, engine_url)
         started = time.time()
         asyncio.run(run.main())
         wall = time.time() - started
@@ -400,7 +414,8 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
                                                       "context": ctx, "wall_s": round(wall, 1), "replay": settings,
                                                       "request_hours": round(hours, 4)},
            "live": live, "replay": replayed, "side_by_side": fig.side_by_side(live, replayed, requests),
-           "engine": {**fig.engine_cost(run.sent, run.windows, run.polls), "switch_error": run.switch_error},
+           "engine": {**fig.engine_cost(run.sent, run.windows, run.polls, run.engine_windows),
+                      "switch_error": run.switch_error},
            "sent": {"requests": len(run.sent), "asks": len(run.asks),
                     "sessions": sorted({r.session for r in run.sent})}}
     (out / "table.txt").write_text(fig.table(doc) + "\n")

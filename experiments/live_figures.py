@@ -264,13 +264,17 @@ def side_by_side(live_: dict, replayed: dict, requests: list[Request]) -> dict:
     return {k: {"live": a, "replay": b} for k, (a, b) in rows.items()}
 
 
-def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], polls: list[Poll]) -> dict:
+def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], polls: list[Poll],
+                counters: list[tuple[dict, dict]] | None = None) -> dict:
     """The engine's decode in each window ('off' or 'on', start, end; seconds from the run's
     start): tokens streamed in it over the seconds in it with a stream decoding (aggregate decode
-    tokens/s), the gaps between a stream's consecutive tokens within it (p50, p99 ms), and the
-    share charged in it (from the polls); each off window paired with the on window after it."""
+    tokens/s), the gaps between a stream's consecutive tokens within it (p50, p99 ms), the share
+    charged in it (from the polls), and where `counters` gives llama-server's own counters at the
+    window's ends (`--metrics`), the tokens it predicted over the window's seconds and per decode
+    call (how many streams a batched step carried); each off window paired with the on window
+    after it."""
     rows = []
-    for kind, a, b in windows:
+    for w, (kind, a, b) in enumerate(windows):
         times, gaps, spans = 0, [], []
         for r in requests:
             inside = [t for t in r.token_times if a <= t < b]
@@ -283,14 +287,27 @@ def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], p
         rows.append({"shadow": kind, "start": round(a, 3), "end": round(b, 3), "tokens": times,
                      "decode_busy_s": round(busy, 3), "tok_s": _round(times / busy) if busy else None,
                      "gap_ms": spread(gaps), "gaps": len(gaps),
-                     "share_charged_pct": _round(100 * share / decode) if share is not None and decode else None})
+                     "share_charged_pct": _round(100 * share / decode) if share is not None and decode else None,
+                     "engine": _engine_window(counters[w], b - a) if counters and w < len(counters) else None})
     pairs = []
     for off, on in zip(rows[0::2], rows[1::2]):
         if off["shadow"] == "off" and on["shadow"] == "on" and off["tok_s"] and on["tok_s"]:
             pairs.append({"tok_s_change_pct": _round(100 * (on["tok_s"] / off["tok_s"] - 1)),
                           "gap_p99_ms": (off["gap_ms"]["p99"], on["gap_ms"]["p99"]),
+                          "engine_tok_s": tuple((x["engine"] or {}).get("tok_s") for x in (off, on)),
                           "share_charged_pct": on["share_charged_pct"]})
     return {"windows": rows, "pairs": pairs}
+
+
+def _engine_window(ends: tuple[dict, dict], seconds: float) -> dict | None:
+    """llama-server's counters over one window: tokens predicted, decode calls, their ratio."""
+    before, after = ends
+    if "llamacpp:tokens_predicted_total" not in before or "llamacpp:tokens_predicted_total" not in after:
+        return None
+    tokens = after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"]
+    decodes = after.get("llamacpp:n_decode_total", 0.0) - before.get("llamacpp:n_decode_total", 0.0)
+    return {"tokens_predicted": int(tokens), "decodes": int(decodes), "tok_s": _round(tokens / seconds) if seconds > 0 else None,
+            "tokens_per_decode": _round(tokens / decodes) if decodes else None}
 
 
 def table(doc: dict) -> str:
@@ -300,7 +317,8 @@ def table(doc: dict) -> str:
         lines.append(f"{name:34} {_fmt(v['live']):>14} {_fmt(v['replay']):>14}")
     for i, p in enumerate(doc.get("engine", {}).get("pairs", [])):
         lines.append(f"pair {i + 1}: decode tok/s {p['tok_s_change_pct']:+.2f} % with the shadow on, inter-token p99 "
-                     f"{_fmt(p['gap_p99_ms'][0])} -> {_fmt(p['gap_p99_ms'][1])} ms, share charged {_fmt(p['share_charged_pct'])} %")
+                     f"{_fmt(p['gap_p99_ms'][0])} -> {_fmt(p['gap_p99_ms'][1])} ms, engine's own tok/s "
+                     f"{_fmt(p['engine_tok_s'][0])} -> {_fmt(p['engine_tok_s'][1])}, share charged {_fmt(p['share_charged_pct'])} %")
     return "\n".join(lines)
 
 

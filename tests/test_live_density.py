@@ -107,6 +107,7 @@ def test_engine_cost_pairs_an_off_window_with_an_on_window(run):
     assert windows[0]["end"] <= windows[1]["start"] + 1e-6
     for w in windows:
         assert w["tokens"] > 0 and w["tok_s"] > 0 and w["gaps"] > 0
+        assert w["engine"]["tokens_predicted"] > 0 and w["engine"]["decodes"] > 0  # llama-server's own counters
     assert windows[0]["share_charged_pct"] == 0.0  # the shadow read nothing inside the engine's decode while off
     assert len(doc["engine"]["pairs"]) == 1
 
