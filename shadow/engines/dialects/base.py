@@ -260,13 +260,14 @@ def _parsed_arguments(call):
     return call
 
 
-def post(client: httpx.Client, url: str, body: dict, timeout: float = 30) -> httpx.Response:
-    """POST to one of an engine's pure endpoints (/tokenize, /apply-template), once more on a
-    connection the engine had closed (llama.cpp closes idle keep-alive connections)."""
+def post(client: httpx.Client, url: str, body: dict) -> httpx.Response:
+    """POST to one of an engine's pure endpoints (/tokenize, /apply-template) within the client's
+    own time limits (the proxy's: `--engine-connect-timeout-s`, `--engine-idle-timeout-s`), once
+    more on a connection the engine had closed (llama.cpp closes idle keep-alive connections)."""
     try:
-        return client.post(url, json=body, timeout=timeout)
+        return client.post(url, json=body)
     except httpx.RemoteProtocolError:
-        return client.post(url, json=body, timeout=timeout)
+        return client.post(url, json=body)
 
 
 def _ints(value) -> bool:
