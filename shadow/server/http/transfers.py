@@ -71,7 +71,7 @@ class Transfers:
         A body that comes in one piece is taken at once; one that comes in more waits for a place
         among the `max_sending` read at once after its first piece."""
         loop = asyncio.get_running_loop()
-        parts: list[bytes] = []
+        parts: list = []  # the pieces, and `_GONE` last if the client went away
         async with asyncio.timeout_at(loop.time() + self.limits.body_timeout_s):
             over = await self._piece(receive, parts)
             if not over:
@@ -112,6 +112,7 @@ class Transfers:
             await send(message)
 
         app = asyncio.ensure_future(self._run(scope, replay, tracked, receive))
+        left = False  # the client left before its response, and the app was cancelled for it
         try:
             await asyncio.wait({app, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not app.done() and not started and not gone.cancelled() and gone.exception() is None \
@@ -119,10 +120,11 @@ class Transfers:
                 log.info("the client went away before its response: %s %s is cancelled", scope.get("method"),
                          scope.get("path"))
                 app.cancel()
+                left = True
             try:
                 await app
             except asyncio.CancelledError:
-                if not app.cancelled():
+                if not (left and app.cancelled()):
                     raise
         finally:
             if not app.done():
