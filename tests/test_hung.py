@@ -298,3 +298,16 @@ def test_a_proxied_stream_nobody_reads_closes_its_engine_request_at_the_write_ti
                 assert service.checks["unread"].turns == 1
             finally:
                 s.close()
+
+
+@pytest.mark.parametrize("bad", [["--body-timeout-s", "-1"], ["--max-sending", "0"], ["--write-timeout-s", "nan"],
+                                 ["--engine-connect-timeout-s", "0"], ["--engine-first-byte-timeout-s", "-5"],
+                                 ["--engine-idle-timeout-s", "inf"], ["--engine-probe-timeout-s", "0"],
+                                 ["--health-generate-timeout-s", "0"]])
+def test_a_time_limit_out_of_range_is_refused_before_anything_starts(bad):
+    from typer.testing import CliRunner
+
+    from shadow.cli.main import app
+
+    refused = CliRunner().invoke(app, ["serve", *bad, "--port", "1"])
+    assert refused.exit_code == 2 and bad[0] in refused.output, refused.output
