@@ -134,11 +134,11 @@ def test_a_device_thread_that_runs_nothing_past_stuck_s_fails_liveness(tiny):
 def test_the_probes_want_the_api_key_unless_configured_without(tiny):
     key = {"authorization": "Bearer k1"}
     with running(access=Access("k1", "admin1")) as (client, _):
-        for path in ("/health", "/ready"):
+        for path in ("/health", "/ready", "/health_generate"):
             assert client.get(path).status_code == 401
             assert client.get(path, headers=key).status_code == 200
     with running(access=Access("k1", "admin1", probes_without_key=True)) as (client, _):
-        for path in ("/health", "/ready"):
+        for path in ("/health", "/ready", "/health_generate"):
             assert client.get(path).status_code == 200
         assert client.get("/v1/models").status_code == 401  # nothing else opens
         assert client.get("/metrics").status_code == 401 and client.get("/metrics", headers=key).status_code == 401

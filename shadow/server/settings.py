@@ -42,7 +42,7 @@ CHANNELS = ("auto", "reasoning", "content", "inline", "off")
 ENGINES = ("vllm", "sglang", "llamacpp", "transformers", "openai")
 SHADOW_PATHS = "/v1/shadow/"
 METRICS_PATH = "/metrics"
-PROBE_PATHS = ("/health", "/ready")
+PROBE_PATHS = ("/health", "/ready", "/health_generate")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 BATCHES = (1, 2, 4, 8)  # the batch sizes a reader has CUDA graphs for
@@ -351,7 +351,7 @@ class Access:
     """With an API key, every endpoint wants `Authorization: Bearer KEY`; the shadow's own
     endpoints (`/v1/shadow/*`) and `/metrics` want the admin key instead when one is set, and the
     admin key opens every endpoint (one key runs both arms of `shadow ab`). The probes (`/health`,
-    `/ready`) want a key like every endpoint, unless `probes_without_key`."""
+    `/ready`, `/health_generate`) want a key like every endpoint, unless `probes_without_key`."""
 
     api_key: str | None = setting(None, env="SHADOW_API_KEY", panel=ACCESS, help=(
         "Require 'Authorization: Bearer KEY' on every endpoint (required to listen beyond loopback)."))
@@ -359,8 +359,8 @@ class Access:
         "A separate key for the shadow's own endpoints (ask, summarize, status, switch) and /metrics; it opens the "
         "others too."))
     probes_without_key: bool = setting(False, name="health_without_key", panel=ACCESS, help=(
-        "GET /health and /ready answer without a key (default: with an --api-key set they want it too). /metrics "
-        "always wants the admin key, else the API key."))
+        "GET /health, /ready and /health_generate answer without a key (default: with an --api-key set they want it "
+        "too). /metrics always wants the admin key, else the API key."))
 
     def allows(self, path: str, authorization: str | None) -> bool:
         """Whether `authorization` opens `path` (keys compared in constant time)."""
