@@ -46,6 +46,7 @@ from shadow.core.sessionfile import (
     session_file_name, write_session,
 )
 from shadow.core.sessionformat import key_bytes
+from shadow.core.writebehind import Job, WriteBehind
 
 log = logging.getLogger("shadow.core.store")
 REJECTED = ".rejected"
@@ -95,6 +96,7 @@ class StoreCounters:
     bytes_from_host: int = 0
     to_host_seconds: float = 0.0
     from_host_seconds: float = 0.0
+    written_behind: int = 0  # host copies written to disk by the write-behind thread
 
     @property
     def restore_gib_per_s(self) -> float | None:
@@ -154,6 +156,7 @@ class SessionStore:
         # service sets it to its checks of the session's ids, so a restart knows what was exact
         self.annotate: Callable[[str], dict | None] | None = None
         self._saved: dict[str, tuple] = {}  # sessions whose file holds them as they were: `_version` then
+        self.behind: WriteBehind | None = None  # writes the host tier's copies to disk (made with the first one)
         if self.disk:
             _make_folder(self.disk)
             self.sweep()
@@ -220,6 +223,7 @@ class SessionStore:
         the settle."""
         if self.cap is None:
             return
+        self._collect()
         self.reader.settle()  # no session leaves memory half read
         now = self.clock()
         waiting = {n for n, t in self._retry_at.items() if now < t}
@@ -238,6 +242,9 @@ class SessionStore:
         where it was."""
         if not self.disk:
             return []
+        if self.behind is not None:  # what it has queued is written first, and counted
+            self.behind.flush()
+            self._collect()
         self.reader.settle()
         failed = []
         held = [*self._resident.items(), *((c.name, c) for c in (self.host.copies() if self.host else []))]
@@ -249,15 +256,55 @@ class SessionStore:
         return failed
 
     def close(self) -> list[tuple[str, str]]:
-        """A planned stop: `save` every session."""
-        return self.save()
+        """A planned stop: `save` every session; the write-behind thread ends (a later move to the
+        host tier starts another)."""
+        failed = self.save()
+        if self.behind is not None:
+            self.behind.close()
+            self._collect()
+            self.behind = None
+        return failed
 
-    def _version(self, session: Session) -> tuple:
+    def _version(self, session: Session, record: dict | None = None) -> tuple:
         """What a file of `session` would hold, in brief: equal versions, equal files (but the
-        last use)."""
-        record = self.annotate(session.name) if self.annotate is not None else None
+        last use). `record`: the caller's record of it, where already asked for."""
+        if record is None and self.annotate is not None:
+            record = self.annotate(session.name)
         return (hash(tuple(session.ids)), session.committed, session.rollbacks, session.ids_reread,
                 tuple(c.position for c in session.checkpoints), tuple(session.marks), repr(record))
+
+    def _write_behind(self, copy: Session) -> None:
+        """Queue `copy` (just moved into the host tier) to be written to disk on the write-behind thread."""
+        if self.behind is None:
+            self.behind = WriteBehind(self._write_job)
+        record = self.annotate(copy.name) if self.annotate is not None else None
+        self.behind.submit(Job(copy, self._version(copy, record), record,
+                               self._last_use.get(copy.name, self.clock())))
+
+    def _write_job(self, job: Job) -> int:
+        """On the write-behind thread: `job`'s file, written whole (or raising)."""
+        return write_session(self.path_of(job.copy.name), job.copy, self.identity, job.last_use, self.model,
+                             key=self.key, direct=self.direct, checks=job.checks)
+
+    def _collect(self) -> None:
+        """Count what the write-behind thread wrote (its files now hold those versions) and log
+        what it could not (the copy is written when it leaves the host tier)."""
+        if self.behind is None:
+            return
+        for w in self.behind.done():
+            if w.error is None:
+                self._saved[w.name] = w.job.version
+                c = self.counters
+                c.written_behind += 1
+                c.bytes_written += w.nbytes
+                c.spill_seconds += w.seconds
+                self.timed("spill", w.seconds)
+            else:
+                reason = f"{type(w.error).__name__}: {getattr(w.error, 'strerror', None) or w.error}"
+                self.counters.write_failures += 1
+                self.counters.last_error = f"writing session {w.name!r} behind: {reason}"
+                log.warning("session %r not written behind (%s); it is written when it leaves host memory",
+                            w.name, reason)
 
     def resident_bytes(self) -> int:
         return sum(session_bytes(s) for s in self._resident.values())
@@ -316,13 +363,18 @@ class SessionStore:
         c.bytes_to_host += need
         host.put(copy, need)
         self._spilled_why[session.name] = "in host memory: past the device cap"
+        if self.disk:
+            self._write_behind(copy)
         return True
 
     def _host_out(self, copy: Session) -> bool:
         """The host copy leaves the tier for disk (spilled, its file written from host memory) or,
         without a disk, is dropped; False where its write failed (it stays in the tier)."""
         if self.disk:
-            if self._write(copy) is not None:
+            if self.behind is not None:  # its job not begun is dropped, one being written is waited for
+                self.behind.cancel(copy.name)
+                self._collect()
+            if self._saved.get(copy.name) != self._version(copy) and self._write(copy) is not None:
                 return False
             self.counters.spills += 1
             self.counters.host_to_disk += 1
@@ -367,7 +419,11 @@ class SessionStore:
 
     def _write(self, session: Session) -> int | None:
         """Write `session`'s file; None when written and fsynced, else the errno (0 if none),
-        counted and kept as the store's last error."""
+        counted and kept as the store's last error. A write-behind job of the same session not
+        begun is dropped, and one being written is waited for: this write lands last."""
+        if self.behind is not None:
+            self.behind.cancel(session.name)
+            self._collect()
         start = time.perf_counter()
         try:
             written = write_session(
@@ -608,6 +664,8 @@ class SessionStore:
             "recent_drops": dict(self.recent_drops),
             "host_bytes": self.host_bytes(), "host_cap_bytes": self.host.cap if self.host is not None else None,
             "host_sessions": len(self.host) if self.host is not None else 0,
+            "written_behind": self.counters.written_behind,
+            "write_behind_queue": self.behind.pending() if self.behind is not None else 0,
         }
 
     def status(self) -> list[SessionRow]:

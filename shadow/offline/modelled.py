@@ -147,7 +147,8 @@ class ModelledStore:
 
     def _to_host(self, h: ModelledSession) -> float | None:
         """Seconds of moving `h` into the host tier, its oldest copies leaving first (as the store
-        does); None where there is no tier or `h` alone is past its cap."""
+        does: their files were written behind, so they leave for disk at no device time); None
+        where there is no tier or `h` alone is past its cap."""
         if self.host_cap is None or self.host_bytes(h) > self.host_cap:
             return None
         seconds, need = 0.0, self.host_bytes(h)
@@ -156,7 +157,7 @@ class ModelledStore:
             self.host_used -= self.host_bytes(oldest)
             if self.disk:
                 self.counts.host_to_disk += 1
-            seconds += self._leave(oldest)
+            self._leave(oldest)  # its file was written behind, on a thread of its own: no device time
         moved = self.costs.host_s(need)
         self.counts.to_host += 1
         self.counts.host_s += moved
