@@ -206,7 +206,7 @@ class ShadowService:
 
     def count_upstream_error(self, kind: str) -> None:
         """One more error of the engine behind the proxy, of `kind` (unreachable, status_4xx,
-        status_5xx, broke_off, refused_added_fields)."""
+        status_5xx, broke_off, timeout: past a time limit, refused_added_fields)."""
         with self.state_lock:
             errors = self.counters.upstream_errors
             errors[kind] = errors.get(kind, 0) + 1
