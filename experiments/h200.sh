@@ -107,8 +107,10 @@ for step in "$@"; do
                > "$OUT/restore-h200.txt" 2>&1; tail -c 2500 "$OUT/restore-h200.txt" ;;
     density) # 24 agent sessions at once beside a CUDA llama-server, measured against the replay of the same run.
              # Needs .carry/llama-src (build_llama_server.sh pack), $D's trajectories, .carry/qwen3.5.jinja and the
-             # gguf==0.19.0 wheel in .whl. Budget (9 min): the build <= 240 s (172 s measured; 0 once
-             # cached on a warm machine), the GGUF, engine and shadow up in about 120 s, DENSITY_S (120) of density,
+             # gguf==0.19.0 wheel in .whl. The CUDA build took 310 s on a lent H100 (2026-12-06, -j16): build it in a
+             # call of its own (`bash experiments/build_llama_server.sh cuda .carry/llama-src/llama.cpp-0.3.36.tar.xz`),
+             # then run this step on the warm machine (the build cached: 0 s). Budget (9 min): the GGUF, engine and
+             # shadow up in about 120 s, DENSITY_S (120) of density,
              # PAIRS x 2 x WINDOW_S (2 x 2 x 15 s) off/on, the engine's tokenization and the replay in about 30 s;
              # the driver shortens the density phase to be done 525 s after the step began (--finish-by) and is stopped
              # at 540 s. Warm, a second call can give DENSITY_S about 400.
@@ -116,7 +118,7 @@ for step in "$@"; do
              # density-more.tgz (status, costs, replay, journal, metrics, engine and serve logs).
              start=$(date +%s)
              python3 -c 'import gguf' 2>/dev/null || { echo "no gguf module: carry the gguf==0.19.0 wheel in .whl"; continue; }
-             llama=$(SHADOW_LLAMA_BUILD_TIMEOUT=${BUILD_TIMEOUT:-240} bash experiments/build_llama_server.sh cuda \
+             llama=$(SHADOW_LLAMA_BUILD_TIMEOUT=${BUILD_TIMEOUT:-420} bash experiments/build_llama_server.sh cuda \
                        "${LLAMA_SRC:-.carry/llama-src/llama.cpp-0.3.36.tar.xz}" 2> "$OUT/density-build.txt" | tail -n 1)
              tail -n 3 "$OUT/density-build.txt"
              [ -x "$llama" ] || { echo "no CUDA llama-server"; continue; }
