@@ -571,6 +571,7 @@ def bad_files(workdir):
     (workdir / "deep.jsonl").write_text(DEEP + "\n")
     (workdir / "huge.jsonl").write_text('{"session": "a", "n": ' + HUGE + "}\n")
     (workdir / "deep-q.json").write_text('{"text": "A?", "choices": ' + DEEP + "}")
+    (workdir / "deep-template.json").write_text(DEEP)
     rows = [{"session": s, "start": i * 10.0, "first_token": i * 10 + 1.0, "end": i * 10 + 5.0, "prompt_tokens": 600,
              "new_prompt_tokens": 600, "output_tokens": 10} for i, s in enumerate("abc")]
     (workdir / "three.ledger.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -611,6 +612,7 @@ def bad_files(workdir):
     (["serve", "--tokenizer", "binary.dat"], "--tokenizer in embedded mode needs --chat-template"),
     (["serve", "--chat-template", "nowhere.jinja"], "--chat-template nowhere.jinja: no such file or folder"),
     (["serve", "--chat-template-kwargs", DEEP], "--chat-template-kwargs is not readable JSON"),
+    (["serve", "--chat-template", "deep-template.json"], "deep-template.json is not a chat template: JSON nested too deeply"),
     (["serve", "--max-generating", "3", "--max-queued", "2"],
      "--max-generating must be at least 1 and at most --max-queued"),
     (["serve", "--generator-model", "qwen9"], "--generator-model 'qwen9': no checkpoint folder or preset"),
@@ -626,7 +628,7 @@ def bad_files(workdir):
         "deep-journal", "huge-journal", "huge-seed", "seed-past-any-float", "huge-voice-seed", "pack-1e308",
         "pack-inf", "max-body-inf", "batch-ms-inf", "batch-read-ms-inf", "bad-priorities", "repeated-choices", "empty-session-headers", "blank-session-headers",
         "tokenizer-folder-without-one", "missing-tokenizer", "proxy-tokenizer-folder-without-one",
-        "embedded-tokenizer-alone", "missing-template", "deep-template-kwargs", "generating-past-queued",
+        "embedded-tokenizer-alone", "missing-template", "deep-template-kwargs", "deep-template", "generating-past-queued",
         "unknown-generator", "voice-model-without-config", "serve-bad-grid", "serve-bad-dtype",
         "serve-unknown-device", "check-engine-tokenizer", "check-engine-deep-kwargs"])
 def test_input_the_checks_had_not_seen_exits_2_before_any_work(bad_files, args, message):

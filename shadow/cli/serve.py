@@ -74,6 +74,10 @@ def serve(
     check(settings)
     if settings.standing_question is not None:  # its choices single, distinct tokens of the shadow's vocabulary
         _check_standing(settings.standing_question, settings.model.model)
+    if settings.engine.chat_template is not None:  # a template file that cannot be read fails here, not after the load
+        from shadow.text.chat_template import read_template
+
+        read_template(settings.engine.chat_template)
     host, port, log_format = settings.host, settings.port, settings.log_format
     listener = _bind(host, port)  # before the model loads: a port in use fails at once
     from shadow.server import logs

@@ -54,6 +54,8 @@ def read_template(path: Path) -> Template:
             doc = json.loads(text)
         except json.JSONDecodeError as e:
             raise ShadowInputError(f"{path} is not JSON: {e}") from None
+        except RecursionError:
+            raise ShadowInputError(f"{path} is not a chat template: JSON nested too deeply") from None
         text = _template_in(doc)
         if text is None:
             raise ShadowInputError(f"{path} has no chat_template")
