@@ -304,9 +304,14 @@ def test_ab_against_an_embedded_server(server, tmp_path):
     result = CliRunner().invoke(app, [
         "ab", "--url", str(client.base_url).rstrip("/") + "/v1", "--prompt-tokens", "400", "--output-tokens", "6",
         "--runs", "2", "--pause", "0", "--gate-pct", "1000", "--plot", str(tmp_path / "ab.png"), "--json",
+        "--allow-insignificant",
     ])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output.strip().splitlines()[-1])
+    # 2 pairs: let through, and said to be not significant; the embedded engine takes every field
+    assert doc["significant"] is False and doc["verdict"] == "not significant"
+    assert doc["not_significant_because"] == ["2 pairs, fewer than 5"] and "not significant" in result.output
+    assert doc["fields"] == {"sent": ["ignore_eos", "min_tokens", "return_token_ids"], "dropped": [], "effects": {}}
     assert doc["runs"] == 2 and set(doc["decode_tok_s"]) == {"off", "on"} and set(doc["ttft_s"]) == {"off", "on"}
     assert len(doc["paired_deltas_pct"]) == 2 and doc["gate_pct"] == 1000 and doc["passed"] is True
     assert doc["paired_median_pct"] == statistics.median(doc["paired_deltas_pct"])

@@ -32,6 +32,7 @@ def ab(
     pause: Annotated[float, typer.Option(callback=bounds(ge=0), help="Seconds between requests.")] = 1.5,
     gate_pct: Annotated[float, typer.Option(callback=bounds(ge=0), help="The largest decode slowdown (%) that passes.")] = 3.0,
     api_key: Annotated[str | None, typer.Option(envvar="SHADOW_API_KEY", help="The server's key (its admin key, when it has one: the switch and status want it), sent as Authorization: Bearer KEY.")] = None,
+    allow_insignificant: Annotated[bool, typer.Option("--allow-insignificant", help="Exit by the gate even when the verdict is not significant (fewer than 5 pairs, or pairs spread wider than the gate); without it such a verdict exits 3.")] = False,
     voice: Annotated[bool, typer.Option("--voice", help="Arms 'shadow, status lines and voice off' against 'all on': the on runs send Open WebUI's chat-id header, for which serve's default --status-channel auto writes status lines (and the voice its phrases); the off runs get none. Without it the voice stays off in both arms.")] = False,
     plot: PlotOpt = None,
     csv: CsvOpt = None,
@@ -41,11 +42,14 @@ def ab(
     arms alternating, a new session and a fresh prompt each run, and compare decode tok/s
     (from streamed token times, the first token excluded) and time to first token, with the time
     the shadow read inside each decode as the server charged it to its share. The switch is set
-    back as it was at the end, also after an error or Ctrl-C. Exit code 1 when the slowdown is
-    over the gate."""
+    back as it was at the end, also after an error or Ctrl-C. The fields that fix each run's length
+    and ask for ids are sent only where the engine takes them (the server's dialect, else a
+    refusal naming them): the output says which were dropped and what that does. Exit code 1 when
+    the slowdown is over the gate; 3 when the verdict is not significant (fewer than MIN_PAIRS
+    pairs, or their spread wider than the gate), unless --allow-insignificant."""
     import httpx
 
-    from shadow.offline.bench.ab import run_ab, summarize
+    from shadow.offline.bench.ab import MIN_PAIRS, fields_for, run_ab, summarize
     from shadow.text.tokenizer import load_tokenizer
 
     base = url.rstrip("/")
@@ -70,7 +74,7 @@ def ab(
             bar.update(task, completed=done)
 
         results = run_ab(base, tokenizer, prompt_tokens, output_tokens, runs, pause, progress=report, voice=voice,
-                         restore=restore, api_key=api_key)
+                         restore=restore, api_key=api_key, fields=fields_for(status.get("engine")))
     summary = summarize(results, gate_pct)
     table = Table(title=f"ab · {url} · {prompt_tokens:,} prompt tokens, {output_tokens} out · shadow weights: {status.get('weights')}")
     for col in ("pair", "arm", "TTFT s", "decode tok/s", "ITL p50 ms", "p99", "max", "tokens") \
@@ -86,6 +90,11 @@ def ab(
                   f"(median {summary['paired_median_pct']:+.2f} %); "
                   f"TTFT median off {t['off']:.3f} s, on {t['on']:.3f} s; gate {gate_pct:g} %: "
                   + ("[green]passed[/]" if summary["passed"] else "[red]failed[/]"))
+    if not summary["significant"]:
+        console.print(f"[yellow]the verdict is not significant: {'; '.join(summary['not_significant_because'])}"
+                      f" (at least {MIN_PAIRS} pairs within ±{gate_pct:g} % make one)[/]")
+    for field, effect in summary["fields"]["effects"].items():
+        console.print(f"[yellow]the engine does not take {field}: {effect}[/]")
     if voice:
         lines = summary["status_lines"]
         console.print(f"status lines seen: off {lines['off']}, on {lines['on']}"
@@ -112,6 +121,8 @@ def ab(
         emit_json({"command": "ab", "url": url, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                    "voice": voice,
                    **summary, "per_run": [dataclasses.asdict(r) for r in results]})
+    if not summary["significant"] and not allow_insignificant:
+        raise typer.Exit(3)
     if not summary["passed"]:
         raise typer.Exit(1)
 

@@ -40,7 +40,8 @@ def check_engine(
     (an output the engine shows no ids for: the shadow leaves it to the next prompt). A request is
     verified only when both its prompt and its output are. Exit code 1 when a request's ids do not
     match the engine, or when a request failed (the engine answered anything but 200, or nothing):
-    each failed request is named with its reason."""
+    each failed request is named with its cause (the status and the engine's message, 200
+    characters at most) in the table, below it, and in --json (`error`)."""
     import httpx
 
     from shadow.text.chat_template import renderer_for
@@ -68,21 +69,21 @@ def check_engine(
     with console.status("checking") as status:
         results = run(url, dialect, max_tokens, model_name, long_words, timeout_s,
                       progress=lambda r: status.update(f"checking: {r.case} request {r.request}"))
+    failed = any(r.status != 200 for r in results)
     table = Table(title=f"check-engine {url} · dialect {name}")
     for col in ("case", "#", "HTTP", "prompt from", "ids", "usage", "prompt", "output from", "ids", "usage", "output",
-                "engine's ids", "template", "verified"):
+                "engine's ids", "template", "verified") + (("failed because",) if failed else ()):
         table.add_column(col, justify="right" if col in ("#", "HTTP", "ids", "usage") else "left")
     for r in results:
         table.add_row(r.case, str(r.request), str(r.status), r.prompt_source or "-", _n(r.prompt_ids), _n(r.usage_prompt),
                       _state(r.prompt_check), r.output_source or "-", _n(r.output_ids), _n(r.usage_completion),
                       _state(r.output_check),
                       _yes(r.prompt_equal if r.output_equal is None else (r.prompt_equal is not False and r.output_equal)),
-                      _yes(r.template_equal), _yes(r.verified))
+                      _yes(r.template_equal), _yes(r.verified), *((r.error or "",) if failed else ()))
     show(table)
     for r in results:
         if r.status != 200:  # no answer to check: the request failed
-            console.print(f"failed: {r.case} #{r.request}: {'; '.join(r.reasons) or f'HTTP {r.status}'}", markup=False,
-                          style="red")
+            console.print(f"failed: {r.case} #{r.request}: {r.error}", markup=False, style="red")
         elif r.verified is not True and r.reasons:
             console.print(f"{r.case} #{r.request}: {'; '.join(r.reasons)}", markup=False, style="dim")
     totals = summary(results)

@@ -53,6 +53,23 @@ class CaseResult:
     output_check: str | None = None
     reasons: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    error: str | None = None  # a failed request's cause: "HTTP 422: the engine's message" (200 chars), or no answer
+
+
+def engine_message(status: int, body: bytes) -> str:
+    """A refusal's cause in one line: `HTTP status: message`, the message being the engine's own
+    (`error.message`, FastAPI's `detail`, else the body), cut to 200 characters."""
+    try:
+        doc = json.loads(body)
+        error = doc.get("error") if isinstance(doc, dict) else None
+        message = error.get("message") if isinstance(error, dict) else error if isinstance(error, str) else None
+        message = message if message is not None else doc.get("detail") if isinstance(doc, dict) else None
+    except ValueError:
+        message = None
+    if message is None:
+        message = body.decode("utf-8", "replace")
+    text = message if isinstance(message, str) else json.dumps(message)
+    return f"HTTP {status}: {' '.join(text.split())[:200]}"
 
 
 @dataclass(frozen=True)
@@ -240,19 +257,24 @@ def run_request(client: httpx.Client, upstream: str, dialect: Dialect, endpoint:
                             except jsonlimits.JSONLimitError:
                                 reply.malformed += 1
                 else:
-                    r.read()
-                    result.reasons.append(f"HTTP {r.status_code}: {r.text[:200]}")
+                    result.error = engine_message(r.status_code, r.read())
         else:
             r = client.post(url, json=asked.body, headers=headers)
             result.status = r.status_code
             if r.status_code == 200:
                 reply.read(jsonlimits.loads(r.content), chat)  # a body past the limits: the reason below
             else:
-                result.reasons.append(f"HTTP {r.status_code}: {r.text[:200]}")
+                result.error = engine_message(r.status_code, r.content)
     except (httpx.HTTPError, ValueError) as e:
-        result.reasons.append(f"{type(e).__name__}: {e}")
+        cause = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        if result.status == 200:  # broken off, or past the limits, after the answer began
+            result.reasons.append(cause)
+        else:
+            result.error = cause
     result.seconds = round(time.perf_counter() - start, 3)
     if result.status != 200:
+        result.error = result.error or f"HTTP {result.status}"
+        result.reasons.append(result.error)
         return result, reply
     ids = dialect.turn_ids(reply, before, body, chat)
     check = check_turn(ids)

@@ -12,6 +12,17 @@ also send Open WebUI's chat-id header (`x-openwebui-chat-id`), for which a serve
 `--status-channel auto` writes status lines (status events before the first token, then lines in
 the reasoning) and the voice's phrases after them; the "off" runs send no such header, so they get
 no lines. Each run counts the lines it saw (`lines`); lines are never counted as tokens.
+
+Each request asks for a fixed length and the ids (`ignore_eos`, `min_tokens`, `return_token_ids`:
+vLLM's fields, which the embedded engine takes too). An engine known not to take them (the server's
+status names its dialect: transformers, openai) is sent none; any other that refuses them with a
+4xx naming a field gets the request again without the fields named, and the rest of the A/B goes
+without them. Without `ignore_eos`/`min_tokens` each run's length is the model's own (at most
+`max_tokens`), so runs may differ in length; without `return_token_ids` tokens are counted as the
+streamed deltas with text. The summary says which were dropped and what that does (`fields`).
+
+A verdict rests on at least `MIN_PAIRS` pairs whose paired deltas spread (half their range) no wider
+than the gate; otherwise it is "not significant".
 """
 
 from __future__ import annotations
@@ -34,6 +45,34 @@ from shadow.text.framing import MARK
 from shadow.text.tokenizer import Tokenizer
 
 STATUS_HEADER = "x-openwebui-chat-id"  # the client kind that gets status lines under `--status-channel auto`
+FIELDS = ("ignore_eos", "min_tokens", "return_token_ids")  # asked of the engine; vLLM's names
+NOT_TAKEN = {"transformers": FIELDS, "openai": FIELDS}  # dialects that refuse (or do not know) them all
+EFFECTS = {
+    "ignore_eos": "the model may end a run early: runs may differ in length",
+    "min_tokens": "no run is held to max_tokens: runs may differ in length",
+    "return_token_ids": "tokens are counted as streamed deltas with text, not ids",
+}
+MIN_PAIRS = 5  # fewer pairs: the verdict is not significant
+
+
+class Refused(ShadowInputError):
+    """The server answered a 4xx: `status` and the `message` it gave."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"the server refused the request ({status}): {message}")
+        self.status, self.message = status, message
+
+
+def fields_for(engine: dict | None) -> tuple[str, ...]:
+    """The fields to ask for first, given the server's status `engine` (None: the embedded engine,
+    which takes them all; a dialect not probed yet: all, dropped later if refused)."""
+    dialect = (engine or {}).get("dialect")
+    return tuple(f for f in FIELDS if f not in NOT_TAKEN.get(dialect, ()))
+
+
+def fields_named(error: Refused, fields: tuple[str, ...]) -> tuple[str, ...]:
+    """The fields among `fields` that a refusal's message names (none: the refusal is about something else)."""
+    return tuple(f for f in fields if f in error.message)
 
 
 @dataclass(frozen=True)
@@ -43,6 +82,7 @@ class Run:
     ttft_s: float
     decode_tok_s: float
     tokens: int
+    fields: tuple = FIELDS  # the fields of FIELDS this run's request carried
     share_s: float | None = None  # the server's reading charged to shares during the run (None: not reported)
     lines: int = 0  # status lines streamed to the client (status events and framed lines)
     voice: bool | None = None  # the voice as the server's switch said it was for this run
@@ -74,13 +114,15 @@ def prompt_text(tokenizer: Tokenizer, tokens: int, tag: str) -> str:
 
 
 def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, session: str, arm: str, *, pair: int,
-                status_lines: bool = False) -> Run:
-    """One streamed chat request; `status_lines`: send the header that asks for status lines.
-    A 4xx answer is the caller's input refused (ShadowInputError); anything else is a RuntimeError."""
+                status_lines: bool = False, fields: tuple[str, ...] = FIELDS) -> Run:
+    """One streamed chat request; `status_lines`: send the header that asks for status lines;
+    `fields`: those of FIELDS to send. A 4xx answer is the caller's input refused (`Refused`);
+    anything else is a RuntimeError."""
     # token ids asked for (vLLM's return_token_ids; the project's serve too), so every token counts,
-    # also one whose text waits for the rest of a character; without ids, non-empty deltas count
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "min_tokens": max_tokens, "return_token_ids": True}
+    # also one whose text waits for the rest of a character; without ids, deltas with text count
+    wanted = {"ignore_eos": True, "min_tokens": max_tokens, "return_token_ids": True}
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": True} \
+        | {f: wanted[f] for f in fields}
     headers = {"x-session-id": session} | ({STATUS_HEADER: session} if status_lines else {})
     times, count, lines, line_at = [], 0, 0, None
     start, wall = time.perf_counter(), time.time()
@@ -98,7 +140,7 @@ def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, ses
                 lines += 1
                 line_at = line_at if line_at is not None else time.perf_counter()
                 continue
-            n = len(choice.get("token_ids") or []) or (1 if delta.get("content") else 0)
+            n = len(choice.get("token_ids") or []) or (1 if delta.get("content") or delta.get("reasoning_content") else 0)
             if n:
                 times.append(time.perf_counter())
                 count += n
@@ -108,7 +150,7 @@ def stream_once(client: httpx.Client, base: str, text: str, max_tokens: int, ses
     gaps = sorted(steps)
     p = lambda q: 1000 * gaps[min(len(gaps) - 1, int(q * len(gaps)))]  # noqa: E731
     longest = max(range(len(steps)), key=steps.__getitem__)
-    return Run(arm, pair, times[0] - start, (count - 1) / (times[-1] - times[0]), count, lines=lines,
+    return Run(arm, pair, times[0] - start, (count - 1) / (times[-1] - times[0]), count, fields=tuple(fields), lines=lines,
                itl_p50_ms=p(0.5), itl_p99_ms=p(0.99), itl_max_ms=1000 * gaps[-1],
                itl_max_at_s=times[min(longest + 1, len(times) - 1)] - times[0],
                itl_max_at=wall + times[min(longest + 1, len(times) - 1)] - start,
@@ -122,7 +164,7 @@ def _refusal(status: int, body: bytes) -> Exception:
     except (ValueError, KeyError, TypeError):
         message = body[:300].decode("utf-8", "replace")
     if 400 <= status < 500:
-        return ShadowInputError(f"the server refused the request ({status}): {message}")
+        return Refused(status, str(message))
     return RuntimeError(f"the server failed ({status}): {message}")
 
 
@@ -152,12 +194,14 @@ def switch(client: httpx.Client, base: str, on: bool, voice: bool | None = None)
 
 def run_ab(base: str, tokenizer: Tokenizer, prompt_tokens: int, output_tokens: int, runs: int, pause_s: float,
            *, progress=None, voice: bool = False, restore: tuple[bool, bool | None] = (True, None),
-           api_key: str | None = None) -> list[Run]:
+           api_key: str | None = None, fields: tuple[str, ...] = FIELDS) -> list[Run]:
     """`runs` pairs; within a pair the arms alternate (off first in even pairs, on first in odd ones).
     "off": shadow and voice off; "on": the shadow on, and with `voice` the voice and status lines on
     too. `progress(done, total, run)` is called after each run. Whatever happens, the switch is
     set back to `restore` (on, voice) at the end, a second Ctrl-C during that held back. `api_key`:
-    sent as `Authorization: Bearer KEY` (a server with keys wants it; its admin key for the switch)."""
+    sent as `Authorization: Bearer KEY` (a server with keys wants it; its admin key for the switch).
+    `fields`: those of FIELDS asked for first; a 4xx that names some of them sends the run again
+    without those, and every later run goes without them (each run's `fields` says what it sent)."""
     out = []
     headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
     with httpx.Client(timeout=httpx.Timeout(900.0), headers=headers) as client:
@@ -169,8 +213,17 @@ def run_ab(base: str, tokenizer: Tokenizer, prompt_tokens: int, output_tokens: i
                     tag = uuid.uuid4().hex[:12]
                     before = server_counts(client, base)
                     begun = time.time()
-                    run = stream_once(client, base, prompt_text(tokenizer, prompt_tokens, tag), output_tokens,
-                                      f"ab-{tag}", arm, pair=pair, status_lines=on and voice)
+                    text = prompt_text(tokenizer, prompt_tokens, tag)
+                    while True:
+                        try:
+                            run = stream_once(client, base, text, output_tokens, f"ab-{tag}", arm, pair=pair,
+                                              status_lines=on and voice, fields=fields)
+                            break
+                        except Refused as e:
+                            named = fields_named(e, fields)
+                            if not named:
+                                raise
+                            fields = tuple(f for f in fields if f not in named)
                     ended = time.time()
                     after = server_counts(client, base)
                     share, spoken = (None if a is None or b is None else b - a for a, b in zip(before[:2], after[:2]))
@@ -211,7 +264,11 @@ def summarize(runs: list[Run], gate_pct: float) -> dict:
     the medians of the runs' inter-token p50 and p99 (ms), the longest gap of any run and the gaps
     over 10 ms in all; `server_gaps`: per arm the server's own long gaps in the runs by place
     (`round`: on the engine's device thread, `write`: in the stream's writes);
-    `status_lines`: the lines each arm's runs saw."""
+    `status_lines`: the lines each arm's runs saw. `passed`: the slowdown is within the gate;
+    `significant`: at least MIN_PAIRS pairs spread (`spread_pct`: half the paired deltas' range)
+    no wider than the gate, else `not_significant_because` says why; `verdict`: "passed", "failed"
+    or "not significant"; `fields`: those of FIELDS sent in every run, those dropped, and what
+    dropping each does to the measurement."""
     arms = {a: [r for r in runs if r.arm == a] for a in ("off", "on")}
     decode = {a: statistics.median(r.decode_tok_s for r in rs) for a, rs in arms.items()}
     ttft = {a: statistics.median(r.ttft_s for r in rs) for a, rs in arms.items()}
@@ -229,9 +286,19 @@ def summarize(runs: list[Run], gate_pct: float) -> dict:
            for a, rs in arms.items()}
     server_gaps = {a: {place: sum(g["place"] == place for r in rs for g in r.server_gaps) for place in ("round", "write")}
                    for a, rs in arms.items()}
+    spread = (max(paired) - min(paired)) / 2 if paired else None
+    why_not = ([f"{len(pairs)} pairs, fewer than {MIN_PAIRS}"] if len(pairs) < MIN_PAIRS else []) \
+        + ([f"the pairs spread \u00b1{spread:.1f} %, wider than the gate's {gate_pct:g} %"]
+           if spread is not None and spread > gate_pct else [])
+    passed = -delta <= gate_pct
+    dropped = [f for f in FIELDS if any(f not in r.fields for r in runs)]
     return {"runs": len(pairs), "decode_tok_s": decode, "ttft_s": ttft, "delta_pct": delta,
             "paired_deltas_pct": paired,
             "paired_median_pct": statistics.median(paired) if paired else None, "share_pct": statistics.median(charged) if charged else None,
             "voice_pct": statistics.median(spoken) if spoken else None, "itl": itl, "server_gaps": server_gaps,
             "status_lines": {a: sum(r.lines for r in rs) for a, rs in arms.items()},
-            "gate_pct": gate_pct, "passed": -delta <= gate_pct}
+            "gate_pct": gate_pct, "passed": passed, "min_pairs": MIN_PAIRS, "spread_pct": spread,
+            "significant": not why_not, "not_significant_because": why_not,
+            "verdict": "not significant" if why_not else ("passed" if passed else "failed"),
+            "fields": {"sent": [f for f in FIELDS if f not in dropped], "dropped": dropped,
+                       "effects": {f: EFFECTS[f] for f in dropped}}}
