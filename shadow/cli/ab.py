@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn
 from rich.table import Table
 
 from shadow.cli.common import (
-    CsvOpt, JsonOpt, PlotOpt, bounds, console, emit_json, progress, refuse, save_figure, show, user_errors, write_csv,
+    EXIT_FAILED, CsvOpt, JsonOpt, PlotOpt, bounds, console, emit_json, progress, refuse, save_figure, show, user_errors, write_csv,
 )
 from shadow.errors import ShadowInputError
 
@@ -32,7 +32,7 @@ def ab(
     pause: Annotated[float, typer.Option(callback=bounds(ge=0), help="Seconds between requests.")] = 1.5,
     gate_pct: Annotated[float, typer.Option(callback=bounds(ge=0), help="The largest decode slowdown (%) that passes.")] = 3.0,
     api_key: Annotated[str | None, typer.Option(envvar="SHADOW_API_KEY", help="The server's key (its admin key, when it has one: the switch and status want it), sent as Authorization: Bearer KEY.")] = None,
-    allow_insignificant: Annotated[bool, typer.Option("--allow-insignificant", help="Exit by the gate even when the verdict is not significant (fewer than 5 pairs, or pairs spread wider than the gate); without it such a verdict exits 3.")] = False,
+    allow_insignificant: Annotated[bool, typer.Option("--allow-insignificant", help="Exit by the gate even when the verdict is not significant (fewer than 5 pairs, or pairs spread wider than the gate); without it such a verdict exits 1, as a failed gate does.")] = False,
     voice: Annotated[bool, typer.Option("--voice", help="Arms 'shadow, status lines and voice off' against 'all on': the on runs send Open WebUI's chat-id header, for which serve's default --status-channel auto writes status lines (and the voice its phrases); the off runs get none. Without it the voice stays off in both arms.")] = False,
     plot: PlotOpt = None,
     csv: CsvOpt = None,
@@ -45,8 +45,8 @@ def ab(
     back as it was at the end, also after an error or Ctrl-C. The fields that fix each run's length
     and ask for ids are sent only where the engine takes them (the server's dialect, else a
     refusal naming them): the output says which were dropped and what that does. Exit code 1 when
-    the slowdown is over the gate; 3 when the verdict is not significant (fewer than MIN_PAIRS
-    pairs, or their spread wider than the gate), unless --allow-insignificant."""
+    the slowdown is over the gate, or when the verdict is not significant (fewer than MIN_PAIRS
+    pairs, or their spread wider than the gate) unless --allow-insignificant."""
     import httpx
 
     from shadow.offline.bench.ab import MIN_PAIRS, fields_for, run_ab, summarize
@@ -121,10 +121,8 @@ def ab(
         emit_json({"command": "ab", "url": url, "prompt_tokens": prompt_tokens, "output_tokens": output_tokens,
                    "voice": voice,
                    **summary, "per_run": [dataclasses.asdict(r) for r in results]})
-    if not summary["significant"] and not allow_insignificant:
-        raise typer.Exit(3)
-    if not summary["passed"]:
-        raise typer.Exit(1)
+    if not summary["passed"] or not (summary["significant"] or allow_insignificant):
+        raise typer.Exit(EXIT_FAILED)
 
 
 def _plot(path: Path, results, title: str) -> None:
