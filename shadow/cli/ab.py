@@ -89,7 +89,8 @@ def ab(
                   f"paired: {', '.join(f'{x:+.1f}' for x in summary['paired_deltas_pct'])} % "
                   f"(median {summary['paired_median_pct']:+.2f} %); "
                   f"TTFT median off {t['off']:.3f} s, on {t['on']:.3f} s; gate {gate_pct:g} %: "
-                  + ("[green]passed[/]" if summary["passed"] else "[red]failed[/]"))
+                  + ("[green]passed[/]" if summary["passed"] else "[red]failed[/]")
+                  + ("" if summary["significant"] else " [yellow](not significant)[/]"))
     if not summary["significant"]:
         console.print(f"[yellow]the verdict is not significant: {'; '.join(summary['not_significant_because'])}"
                       f" (at least {MIN_PAIRS} pairs within ±{gate_pct:g} % make one)[/]")
