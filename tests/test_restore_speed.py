@@ -28,5 +28,5 @@ def test_restore_speed_runs_every_arm_on_the_cpu(tmp_path, shadow_cache):
     assert set(out["arms"]) == {"host", "format3", "format3-buffered"}
     assert out["host_tier"]["bytes"] > 0 and out["host_tier"]["pinned_copy"] is None  # no GPU: no pinned copy
     assert all(len(a["restore_runs"]) == 2 and len(a["spill_runs"]) == 2 for a in out["arms"].values())
-    assert out["reread_tokens"] == 3000 and out["store_choice"] in ("spill", "drop")
+    assert out["reread_tokens"] == 3000 and out["reread_s"] > 0
     assert out["page_cache_resident_max"] in (None, 0.0) or out["page_cache_resident_max"] < 1
