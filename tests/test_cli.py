@@ -750,7 +750,7 @@ def test_ab_with_the_voice_switches_shadow_and_voice_per_arm_and_back(embedded, 
     csv_path = tmp_path / "ab.csv"
     result = runner.invoke(app, ["ab", "--url", base, "--voice", "--prompt-tokens", "300", "--output-tokens", "5",
                                  "--runs", "2", "--pause", "0", "--gate-pct", "1000", "--csv", str(csv_path),
-                                 "--json"])
+                                 "--json", "--allow-insignificant"])  # two pairs: not significant, and said so
     assert result.exit_code == 0, result.output
     doc = last_json(result.output)
     assert doc["voice"] is True and doc["runs"] == 2 and doc["passed"] is True
@@ -771,7 +771,7 @@ def test_ab_with_the_voice_switches_shadow_and_voice_per_arm_and_back(embedded, 
         assert all(g["place"] in ("round", "write") and g["ms"] >= 10 for g in kept)
         assert doc["server_gaps"][arm] == {p: sum(g["place"] == p for g in kept) for p in ("round", "write")}
     assert service.shared.switch.shadow is True and service.shared.switch.voice is True  # switched back
-    assert csv_path.read_text().splitlines()[0].startswith("arm,pair,ttft_s,decode_tok_s,tokens,share_s,lines,voice")
+    assert csv_path.read_text().splitlines()[0].startswith("arm,pair,ttft_s,decode_tok_s,tokens,fields,share_s,lines,voice")
 
 
 @pytest.mark.slow

@@ -241,7 +241,7 @@ def test_ab_reaches_a_server_with_keys_by_option_or_environment(tiny, tmp_path):
     with guarded() as (client, service):
         url = str(client.base_url).rstrip("/") + "/v1"
         args = ["ab", "--url", url, "--prompt-tokens", "200", "--output-tokens", "3", "--runs", "1", "--pause", "0",
-                "--gate-pct", "1000", "--json"]
+                "--gate-pct", "1000", "--json", "--allow-insignificant"]  # one pair: not significant, and said so
         refused = CliRunner().invoke(app, args, env={"SHADOW_API_KEY": ""})
         assert refused.exit_code == 2 and "wants a key: --api-key" in refused.output
         for extra, env in ((["--api-key", ADMIN], {}), ([], {"SHADOW_API_KEY": ADMIN})):
