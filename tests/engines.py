@@ -134,3 +134,23 @@ class HungEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def refusing_engine(body: dict, status: int):
+    """An OpenAI-compatible engine (a FastAPI app) that lists one model and answers every
+    completion with `status` and `body`, as an engine refusing the request does."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    engine = FastAPI()
+
+    @engine.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    @engine.post("/v1/chat/completions")
+    @engine.post("/v1/completions")
+    async def refuse():
+        return JSONResponse(body, status_code=status)
+
+    return engine

@@ -842,21 +842,10 @@ def test_the_first_use_of_a_preset_says_it_is_written(tmp_path, monkeypatch):
 def test_check_engine_exits_1_and_names_each_request_an_engine_refused():
     """A real engine on loopback that answers /v1/models and refuses every completion with 400:
     check-engine says which requests failed and why, counts them, and exits 1 (never "ok")."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
+    from engines import refusing_engine
     from serving import serving
 
-    engine = FastAPI()
-
-    @engine.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
-
-    @engine.post("/v1/chat/completions")
-    @engine.post("/v1/completions")
-    async def refuse():
-        return JSONResponse({"error": {"message": "no such model", "type": "invalid_request_error"}}, status_code=400)
-
+    engine = refusing_engine({"error": {"message": "no such model", "type": "invalid_request_error"}}, 400)
     with serving(engine) as client:
         result = CliRunner().invoke(app, ["check-engine", f"{client.base_url}/v1", "--engine", "openai",
                                                 "--long-words", "100", "--json"])

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from engines import transformers_serve_missing
+from engines import refusing_engine, transformers_serve_missing
 from serving import free_port, serving
 from shadow.cli.main import app
 
@@ -95,21 +95,8 @@ def test_check_engine_names_each_failed_request_with_the_engines_message():
     `transformers serve` refuses unknown fields (422, FastAPI's `detail`): each failed request is
     named with its status and the engine's message, cut to 200 characters, in the table, the lines
     below it and --json's `error`; the exit code is 1."""
-    from fastapi import FastAPI
-    from fastapi.responses import JSONResponse
-
-    engine = FastAPI()
     detail = "Unexpected fields in the request: {'return_token_ids'} " + "x" * 400
-
-    @engine.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
-
-    @engine.post("/v1/chat/completions")
-    @engine.post("/v1/completions")
-    async def refuse():
-        return JSONResponse({"detail": detail}, status_code=422)
-
+    engine = refusing_engine({"detail": detail}, 422)
     with serving(engine) as client:
         result = CliRunner().invoke(app, ["check-engine", f"{client.base_url}/v1", "--engine", "vllm",
                                           "--long-words", "100", "--json"], terminal_width=400)
