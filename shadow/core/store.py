@@ -113,8 +113,8 @@ def session_bytes(session: Session) -> int:
 
 class SessionStore:
     """Sessions by name. `get` returns a resident session (restored or new); after working on it,
-    `settle(keep=name)` enforces the cap. `close()` writes every resident session (a planned stop)
-    and returns those it could not write."""
+    `settle(keep=name)` enforces the cap. `close()` writes every session held in memory, resident
+    or in the host tier (a planned stop), and returns those it could not write."""
 
     def __init__(
         self, reader: Reader, weights_hash: str, *, cap_gib: float | None = 4.0, disk: Path | None = None,

@@ -4,7 +4,7 @@ parts read the branch they need.
 
     ServeSettings
       model     ModelSettings     the shadow's checkpoint, the embedded generator's, grid, device
-      store     StoreSettings     resident cap, disk, disk cap, unload slack
+      store     StoreSettings     resident cap, host tier, restores ahead, disk, disk cap, unload slack, key
       schedule  BandwidthRule     idle window and in-turn share (`core.schedule`)
       read_costs KnownCosts       chunk and batch costs measured elsewhere, to start from (or None)
       engine    EngineSettings    proxy mode: the upstream, its dialect, the big model's template
