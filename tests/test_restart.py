@@ -21,7 +21,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from serving import GRID, free_port, long_text, running, serving, settled
+from serving import GRID, free_port, long_text, running, serving, settled, wait_until_read
 from shadow.core.reader import open_reader
 from shadow.core.store import SessionStore, check_folder
 from shadow.offline.verify import compare_states
@@ -85,6 +85,7 @@ def test_a_restart_restores_each_session_bit_for_bit_and_as_exact_as_it_was(tiny
                                json={"messages": [{"role": "user", "content": long_text(3, 300)}]})
                 assert r.status_code == 200
                 settled(service)
+            wait_until_read(service, ["verified", "unverified"])  # each has a chunk read before the stop
             before = {name: ask_exactness(proxy, name) for name in ("verified", "unverified")}
         assert before["verified"]["exact"] is True and before["unverified"]["exact"] is False
         assert "usage" in before["unverified"]["why_not"]

@@ -415,17 +415,22 @@ class ShadowService:
         """The request is over; sessions past the cap spill, on the device (a spill reads session
         tensors, which nothing may change meanwhile)."""
 
-        def end() -> None:
+        def end(settle: bool = True) -> None:
             with self.state_lock:
                 if turn.id not in self.turns:
                     return
                 self._overdue_told.discard(turn.id)
                 self.sched.turn_ended(turn.id, self.clock())
                 shadow = self.host.shadow
-                if turn.fed.prompt and shadow is not None:
+                if settle and turn.fed.prompt and shadow is not None:
                     self.reading.settle(shadow, keep=turn.session)
 
-        self.device.run(end, "end turn")
+        try:
+            self.device.run(end, "end turn")
+        except RuntimeError:
+            if not self.device.closed:
+                raise
+            end(settle=False)  # the device has stopped (a stop, or its thread died): the turn still leaves the table
 
     # sessions -----------------------------------------------------------------------------
 
