@@ -2,11 +2,14 @@
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
 #     timeline abdefault abzero abbatch abdense abtiers proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch attnkernels verifybatch ratebatch
-#     density
+#     density densitywait
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
+# once per machine and set of wheels: a later call on the warm machine leaves a detached run's packages as they are
+stamp=/tmp/site/.wheels-$(ls .whl | md5sum | cut -c1-12)
+[ -f "$stamp" ] || { python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl 2>/dev/null \
+  && touch "$stamp"; } || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FLA_FLASH_QLA=0 FLA_CACHE_RESULTS=1
 export SHADOW_CACHE=/tmp/shadow-cache TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -c "from shadow.cli.main import main; main()" "$@"\n' > /tmp/bin/shadow && chmod +x /tmp/bin/shadow
@@ -21,6 +24,13 @@ ab_run() {  # the embedded 4B engine with its 0.8B shadow, `shadow ab` over HTTP
   MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=${RUNS:-6} AB_TIMEOUT=380 NO_EVAL=1 \
     SHARE=$2 SERVE_ARGS=${3:-} timeout 560 bash experiments/serve_demo.sh "/tmp/ab-$1" 2>&1 | tail -8
   cp "/tmp/ab-$1/ab.json" "$OUT/ab-$1.json"; cp "/tmp/ab-$1/ab.csv" "$OUT/ab-$1.csv"; cp "/tmp/ab-$1/status.json" "$OUT/ab-$1-status.json"
+}
+density_collect() {  # a finished density run's files into $OUT
+  echo "driver exit $(cat /tmp/density-run/exit)"; cp /tmp/density-run/density.log "$OUT/density.log"
+  tail -n 22 "$OUT/density.log" | cut -c1-300
+  for f in live-density.json table.txt ledger.jsonl; do cp "/tmp/density/$f" "$OUT/density-$f" 2>/dev/null; done
+  tar -czf "$OUT/density-more.tgz" -C /tmp/density --exclude=engine.gguf --exclude=live-density.json \
+    --exclude=table.txt --exclude=ledger.jsonl . 2>/dev/null
 }
 for step in "$@"; do
   echo "== $step"
@@ -107,32 +117,62 @@ for step in "$@"; do
                > "$OUT/restore-h200.txt" 2>&1; tail -c 2500 "$OUT/restore-h200.txt" ;;
     density) # 24 agent sessions at once beside a CUDA llama-server, measured against the replay of the same run.
              # Needs .carry/llama-src (build_llama_server.sh pack), $D's trajectories, .carry/qwen3.5.jinja and the
-             # gguf==0.19.0 wheel in .whl. The CUDA build took 310 s on a lent H100 (2026-12-06, -j16): build it in a
-             # call of its own (`bash experiments/build_llama_server.sh cuda .carry/llama-src/llama.cpp-0.3.36.tar.xz`),
-             # then run this step on the warm machine (the build cached: 0 s). Budget (9 min): the GGUF, engine and
-             # shadow up in about 120 s, DENSITY_S (120) of density,
+             # gguf==0.19.0 wheel in .whl. The CUDA build took 310 s on a lent H100 (2026-12-06, -j16); cached, 0 s.
+             # In one call (9 min): the GGUF, engine and shadow up in about 120 s, DENSITY_S (120) of density,
              # PAIRS x 2 x WINDOW_S (2 x 2 x 15 s) off/on, the engine's tokenization and the replay in about 30 s;
-             # the driver shortens the density phase to be done 525 s after the step began (--finish-by) and is stopped
-             # at 540 s. Warm, a second call can give DENSITY_S about 400.
+             # the driver shortens the density phase to be done FINISH_BY (525) s after the step began (--finish-by)
+             # and is stopped 45 s later.
+             # DETACH=1: the driver runs in a process session of its own, which outlives the call while the machine
+             # stays warm (a later call within its idle window), from a copy of the tree in /tmp/density-tree; the
+             # step returns at once and `densitywait` collects it (FINISH_BY bounds it then, from the step's start).
+             # PREWARM=1: while llama-server builds, a `shadow serve` with no engine behind it compiles the shadow's
+             # kernels into the Triton cache (stopped after the build), so the driver's own serve comes up sooner.
              # Writes 6 files: density-build.txt, density.log, density-{live-density.json,table.txt,ledger.jsonl}, and
              # density-more.tgz (status, costs, replay, journal, metrics, engine and serve logs).
              start=$(date +%s)
              python3 -c 'import gguf' 2>/dev/null || { echo "no gguf module: carry the gguf==0.19.0 wheel in .whl"; continue; }
+             warm_pid=
+             if [ -n "${PREWARM:-}" ]; then
+               setsid shadow serve --upstream http://127.0.0.1:9/v1 --model qwen3.5-0.8b --device cuda --port 18999 \
+                 > /tmp/density-prewarm.log 2>&1 < /dev/null & warm_pid=$!
+             fi
              llama=$(SHADOW_LLAMA_BUILD_TIMEOUT=${BUILD_TIMEOUT:-420} bash experiments/build_llama_server.sh cuda \
                        "${LLAMA_SRC:-.carry/llama-src/llama.cpp-0.3.36.tar.xz}" 2> "$OUT/density-build.txt" | tail -n 1)
              tail -n 3 "$OUT/density-build.txt"
+             if [ -n "$warm_pid" ]; then
+               for _ in $(seq 1 60); do kill -0 "$warm_pid" 2>/dev/null || break
+                 python3 -c 'import json, sys, urllib.request as u
+sys.exit(not json.load(u.urlopen("http://127.0.0.1:18999/v1/shadow/status", timeout=2))["ready"])' 2>/dev/null && break; sleep 2; done
+               echo "prewarm: $(grep -c 'shadow is ready' /tmp/density-prewarm.log) ready after $(( $(date +%s) - start )) s"
+               kill -TERM -- "-$warm_pid" 2>/dev/null; wait "$warm_pid" 2>/dev/null
+             fi
              [ -x "$llama" ] || { echo "no CUDA llama-server"; continue; }
              echo "llama-server ready after $(( $(date +%s) - start )) s"
-             timeout $(( 540 - ($(date +%s) - start) )) python3 experiments/live_density.py --out /tmp/density \
+             finish=${FINISH_BY:-525}
+             args=(experiments/live_density.py --out /tmp/density \
                --llama-server "$llama" --sessions ${SESSIONS:-24} --duration ${DENSITY_S:-120} --pairs ${PAIRS:-2} \
                --window ${WINDOW_S:-15} --model qwen3.5-0.8b --device cuda --trajectories "${TRAJ:-$D}" \
                --template "${TEMPLATE:-.carry/qwen3.5.jinja}" --hidden ${HIDDEN:-1024} --layers ${LAYERS:-8} --heads 8 \
                --kv-heads 2 --engine-arg=-ngl --engine-arg=999 --request-timeout 120 \
-               --finish-by $(( 525 - ($(date +%s) - start) )) ${DENSITY_ARGS:-} > /tmp/density-stdout.json 2> "$OUT/density.log"
-             echo "driver exit $? after $(( $(date +%s) - start )) s"; tail -n 22 "$OUT/density.log" | cut -c1-300
-             for f in live-density.json table.txt ledger.jsonl; do cp "/tmp/density/$f" "$OUT/density-$f" 2>/dev/null; done
-             tar -czf "$OUT/density-more.tgz" -C /tmp/density --exclude=engine.gguf --exclude=live-density.json \
-               --exclude=table.txt --exclude=ledger.jsonl . 2>/dev/null ;;
+               --finish-by $(( finish - ($(date +%s) - start) )) ${DENSITY_ARGS:-})
+             limit=$(( finish + 45 - ($(date +%s) - start) ))
+             rm -rf /tmp/density /tmp/density-run; mkdir -p /tmp/density-run
+             if [ -n "${DETACH:-}" ]; then
+               rm -rf /tmp/density-tree; cp -r . /tmp/density-tree
+               (cd /tmp/density-tree && PYTHONPATH=/tmp/site:/tmp/density-tree setsid nohup bash -c \
+                 'timeout "$0" python3 "$@" > /tmp/density-stdout.json 2> /tmp/density-run/density.log; echo $? > /tmp/density-run/exit' \
+                 "$limit" "${args[@]}" < /dev/null > /dev/null 2>&1 &)
+               echo "driver started detached, bounded at $limit s: collect with densitywait"; continue
+             fi
+             timeout $limit python3 "${args[@]}" > /tmp/density-stdout.json 2> /tmp/density-run/density.log
+             echo $? > /tmp/density-run/exit
+             density_collect ;;
+    densitywait) # a DETACH=1 density run: waits for it at most WAIT_S (540) s, then writes density's files
+             [ -d /tmp/density-run ] || { echo "no density run on this machine"; continue; }
+             waited=0
+             while [ ! -f /tmp/density-run/exit ] && [ $waited -lt ${WAIT_S:-540} ]; do sleep 5; waited=$(( waited + 5 )); done
+             [ -f /tmp/density-run/exit ] || { echo "still running after $waited s here"; tail -n 3 /tmp/density-run/density.log | cut -c1-300; continue; }
+             density_collect ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -47,6 +47,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,7 +60,7 @@ import live_figures as fig  # noqa: E402
 from shadow.errors import ShadowInputError  # noqa: E402
 
 QUESTION = {"question": "Is the agent about to finish the task? A: yes, B: no.", "choices": ["A", "B"]}
-AFTER_RUN_S = 45.0  # --finish-by keeps this for the engine's tokenization, the replay and the files
+AFTER_RUN_S = 60.0  # --finish-by keeps this for the last responses, the engine's tokenization, the replay and the files
 MIN_DURATION_S = 20.0
 DATA = Path(os.environ.get("SHADOW_SHARED_DATA") or ROOT.parent / "shared" / "data")
 CPU_BINARY = Path.home() / ".cache/shadow/engines/llama-server-0.3.36/bin/llama-server"
@@ -300,15 +301,18 @@ class Run:
                                          if line.startswith("llamacpp:") and len(line.split()) >= 2)}
 
 
-def tokenize_prompts(engine: str, sent: list[fig.Sent]) -> None:
+def tokenize_prompts(engine: str, sent: list[fig.Sent], workers: int = 8) -> None:
     """Each request's prompt ids as the engine reads them (`/apply-template`, then `/tokenize`
-    with special tokens), after the run; a fresh connection each (llama-server closes idle ones)."""
-    for r in sent:
-        if r.first_token is None:
-            continue
+    with special tokens), after the run, `workers` requests at a time (llama-server answers these
+    on its HTTP threads); a fresh connection each (llama-server closes idle ones)."""
+
+    def one(r: fig.Sent) -> None:
         text = httpx.post(f"{engine}/apply-template", json={"messages": r.messages}, timeout=120).json()["prompt"]
         r.prompt_ids = httpx.post(f"{engine}/tokenize", json={"content": text, "add_special": True,
                                                               "parse_special": True}, timeout=120).json()["tokens"]
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(one, [r for r in sent if r.first_token is not None]))
 
 
 def trajectory_paths(items: list[str]) -> list[Path]:
