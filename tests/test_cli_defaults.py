@@ -64,7 +64,8 @@ def test_replay_shares_serves_reading_settings_and_their_defaults():
     # the replay's namesakes of serve's that are its own: --disk/--no-disk (spill or drop), --model (sizes only)
     shared = replay.keys() & {s.name for s in options()} - {"disk", "model"}
     assert shared == {"grid", "share", "slice_ms", "batch", "batch_ms", "batch_read_ms", "batch_wait_ms", "batch_busy",
-                      "priorities", "cap_gib", "host_cap_gib", "restore_ahead", "voice_share"}
+                      "priorities", "cap_gib", "host_cap_gib", "restore_ahead", "prefix_cache", "prefix_cache_gib",
+                      "voice_share"}
     for name in shared:
         mine, theirs = replay[name].default, serve[name].default
         assert mine == theirs or list(mine) == [theirs], name  # a repeatable option: one arm, serve's default
@@ -84,6 +85,7 @@ def test_replay_shares_serves_reading_settings_and_their_defaults():
     ("slots", ServiceModel().slots),
     ("label_ms", ReplayLimits().label_s * 1000), ("asks_per_hour", ReplayLimits().asks_per_hour),
     ("seed", ReplayLimits().seed), ("disk", ReplayLimits().disk),
+    ("shared_prefix_tokens", ReplayLimits().shared_prefix_tokens),
     ("engines", defaults_of(Plan)["engines"]), ("route", defaults_of(Plan)["route"]),
     ("samples", defaults_of(Plan)["samples"]), ("window_s", defaults_of(Plan)["window_s"]),
     ("check_fleet", defaults_of(Plan)["check_fleet"]),

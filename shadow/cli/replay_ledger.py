@@ -35,6 +35,9 @@ MAX_SAMPLES = 100_000
 SHARED = {"grid": (False, False, ""), "cap_gib": (False, True, "Each shadow's; 0: no cap."),
           "host_cap_gib": (False, False, "Each shadow's (as on a GPU); its moves are charged --host-gib-s."),
           "restore_ahead": (False, False, "Modelled: one restore at a time, beside the reads, charged to no device time."),
+          "prefix_cache": (False, False, "Modelled (`shadow/offline/prefixmodel.py`): every first prompt shares "
+                                         "--shared-prefix-tokens ids; a hit's copies are charged --host-gib-s."),
+          "prefix_cache_gib": (False, False, "Each shadow's."),
           "share": (True, False, "Repeatable: an arm for each."), "slice_ms": (False, False, ""),
           "batch": (False, False, "A batched read is charged by the batch rows of --read-rate-json (`shadow read-rate "
                                   "--batches 2,4,8`), else by the built-in table's."),
@@ -95,6 +98,7 @@ def replay_ledger(
     model: Annotated[str, typer.Option(callback=_preset, help="The shadow's model, for its sessions' state sizes (bf16).")] = LIVE_MODEL,
     label_ms: Annotated[float, typer.Option(callback=bounds(ge=0), help="After each turn, a standing question's label asked of the engine for this long before the turn ends (`--label-from-upstream`; 0: none).")] = ReplayLimits.label_s * 1000,
     asks_per_hour: Annotated[float, typer.Option(callback=bounds(ge=0), help="Asks per active session per hour (Poisson), each reading its session to its end and one forward, as load.")] = ReplayLimits.asks_per_hour,
+    shared_prefix_tokens: Annotated[int, typer.Option(callback=bounds(ge=0), help="With --prefix-cache: the ids every session's first prompt shares with the others' (a system prompt and tool definitions; a ledger holds no ids, so this says what the sessions share).")] = ReplayLimits.shared_prefix_tokens,
     restore_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Restore speed, GiB/s of a session's file (default: measured on an H200, docs/STORE.md).")] = H200_RESTORE_GIB_S,
     spill_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Spill speed, GiB/s (default: measured on an H200).")] = H200_SPILL_GIB_S,
     host_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Speed of a move to or from the host tier, GiB/s (default: the host tier's measured moves, docs/STORE.md).")] = GPU_HOST_GIB_S,
@@ -155,6 +159,8 @@ def replay_ledger(
     limits = for_model(model, ids=ids, cap_gib=settings.store.cap_gib or None, disk=disk,
                        host_cap_gib=settings.store.host_cap_gib if settings.store.cap_gib else None,
                        restore_ahead=settings.store.restore_ahead,
+                       prefix_cache_gib=settings.prefix.gib if settings.prefix.on else None,
+                       shared_prefix_tokens=shared_prefix_tokens,
                        voice_share=settings.voice.share, label_s=label_ms / 1000, asks_per_hour=asks_per_hour, seed=seed)
     plan = Plan(costs, shares, prio_sets, rule, limits, grid=grid, engines=engines, route=route, pack_to=pack_to,
                 check_fleet=check_fleet, solve=solve_share, samples=samples, window_s=window_s,
@@ -258,7 +264,9 @@ def _document(plan: Plan, outcome, rows: list[dict], *, files: list[Path], model
                    "voice_share": limits.voice_share, "label_ms": _ms(limits.label_s),
                    "asks_per_hour": limits.asks_per_hour, "restore_gib_s": first.restore_gib_s,
                    "spill_gib_s": first.spill_gib_s, "host_gib_s": first.host_gib_s,
-                   "host_cap_gib": limits.host_cap_gib, "restore_ahead": limits.restore_ahead, "ask_ms": _ms(first.ask_s), "phrase_ms": _ms(first.phrase_s),
+                   "host_cap_gib": limits.host_cap_gib, "restore_ahead": limits.restore_ahead,
+                   "prefix_cache_gib": limits.prefix_cache_gib, "shared_prefix_tokens": limits.shared_prefix_tokens,
+                   "ask_ms": _ms(first.ask_s), "phrase_ms": _ms(first.phrase_s),
                    "tokenize_ms_per_1k": _ms(first.tokenize_s_per_1k), "samples": plan.samples, "seed": limits.seed},
         "density": {"active_per_engine": round(dens.active, 3), "new_tok_s_per_engine": round(dens.new_tok_s, 1),
                     "span_s": round(dens.span_s, 3)},
@@ -398,7 +406,9 @@ def _limits_line(plan: Plan) -> str:
     words = _batch_words(_ms(rule.batch_s), None if rule.batch_read_s is None else _ms(rule.batch_read_s),
                          _ms(rule.batch_wait_s), rule.batch_busy)
     batches = f"batches of up to {rule.batch}, {words} ({_batch_label(plan)})" if rule.batch > 1 else "no batches"
-    return (f"live limits: ids {limits.ids}; {cap}; voice share {limits.voice_share:g}; label {_ms(limits.label_s):g} ms; "
+    prefix = f"; prefix cache {limits.prefix_cache_gib:g} GiB ({limits.shared_prefix_tokens:,} ids of every first prompt " \
+        "shared)" if limits.prefix_cache_gib else "; no prefix cache"
+    return (f"live limits: ids {limits.ids}; {cap}{prefix}; voice share {limits.voice_share:g}; label {_ms(limits.label_s):g} ms; "
             f"asks {limits.asks_per_hour:g}/h a session; {batches}. costs: chunk {', '.join(c.chunk.label for c in plan.costs)}; "
             f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, host moves {first.host_gib_s:g} GiB/s, ask {_ms(first.ask_s):g} ms, "
             f"phrase {_ms(first.phrase_s):g} ms, tokenizer {_ms(first.tokenize_s_per_1k):g} ms/1k "

@@ -56,6 +56,9 @@ class StateKeeper(Protocol):
     def return_to(self, session: Any, checkpoint: Any | None) -> None:
         """The session's state as it was at `checkpoint` (None: a new, empty state)."""
 
+    def line_passed(self, session: Any) -> None:
+        """The session's reads stopped at a grid line (its committed length): the prefix cache's turn."""
+
 
 @dataclass(frozen=True)
 class Feed:
@@ -64,6 +67,7 @@ class Feed:
     first_diff: int | None
     rolled_back_to: int | None
     reread: int
+    cached: int = 0  # the grid line it started at from the prefix cache (0: none)
 
 
 # a session's state ------------------------------------------------------------------------
@@ -111,10 +115,11 @@ def checkpoint(keeper: StateKeeper, session: GridSession) -> None:
 
 def chunks_read(keeper: StateKeeper, session: GridSession) -> None:
     """After the session's chunks were read (one, or a batch's run of them): the checkpoint at
-    its next mark, if the reads reached it."""
+    its next mark, if the reads reached it; then the line offered to the prefix cache."""
     if session.marks and session.marks[0] == session.committed:
         session.marks.pop(0)
         checkpoint(keeper, session)
+    keeper.line_passed(session)
 
 
 def run_limit(session: GridSession, grid: int) -> int:

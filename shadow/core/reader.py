@@ -19,6 +19,7 @@ from shadow.errors import ShadowInputError
 from shadow.core.batchread import BatchRead, at_once
 from shadow.core import driving
 from shadow.core.driving import Feed
+from shadow.core.prefixcache import PrefixCache, Walk
 from shadow.model.checkpoint import LoadedModel
 from shadow.model.layout import Layout
 from shadow.model.qwen35 import Qwen35
@@ -42,6 +43,7 @@ class Session:
     marks: list[int] = field(default_factory=list)  # grid lines where a checkpoint is still wanted
     rollbacks: int = 0
     ids_reread: int = 0
+    prefix: Walk | None = field(default=None, repr=False)  # where it stands in the reader's prefix cache
 
     @property
     def committed(self) -> int:
@@ -78,6 +80,7 @@ class Reader:
         self.max_checkpoints = max_checkpoints
         self.forward = forward or model
         self.open: BatchRead | None = None  # a batched read under way (`begin_batch`)
+        self.prefix_cache: PrefixCache | None = None  # grid-line states shared by sessions (`core.prefixcache`)
 
     def new_session(self, name: str) -> Session:
         return Session(name=name, state=self.model.new_state())
@@ -90,8 +93,11 @@ class Reader:
         last grid line at or below the prompt's end (`driving.feed_prompt`)."""
         ids = self.check_ids(ids)
         self.settle()
+        new = not session.ids
         feed = driving.feed_prompt(self, session, common_prefix(session.ids, ids), len(ids))
         session.ids = list(ids)
+        if self.prefix_cache is not None:  # reading from the start: from its deepest cached line
+            feed = self.prefix_cache.fed(self, session, feed, new)
         if feed.rolled_back_to is not None:
             session.rollbacks += 1
             session.ids_reread += feed.reread
@@ -111,6 +117,11 @@ class Reader:
             session.state.restore(checkpoint)
         else:
             session.state = self.model.new_state()
+
+    def line_passed(self, session: Session) -> None:
+        """The session's reads stopped at a grid line: offered to the prefix cache, if there is one."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.offer(session)
 
     # reading ---------------------------------------------------------------------------
 

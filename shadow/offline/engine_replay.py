@@ -26,6 +26,7 @@ from shadow.core.driving import batch_now, entry_depths, in_pieces, pieces_now, 
 from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, batch_sizes
 from shadow.offline.costs import CostTable, ReadTime
 from shadow.offline.modelled import ModelledSession, ModelledStore
+from shadow.offline.prefixmodel import PrefixModel
 from shadow.offline.ledger import Request
 from shadow.offline.limits import LINE_EVERY_S, LINE_QUIET_S, ReplayLimits
 from shadow.offline.timelines import readable, time_readable
@@ -149,6 +150,9 @@ class EngineReplay:
         self.next_round = -math.inf
         self.flight: Flight | None = None  # a share batch read in pieces between rounds
         self.tally = Tally()
+        if limits.prefix_cache_gib and limits.state is not None:  # the prefix cache, as live (`core.prefixcache`)
+            self.store.prefix = PrefixModel(g, int(limits.prefix_cache_gib * 2**30), limits.state,
+                                            limits.shared_prefix_tokens)
         # restores started at a request's arrival (`restore_ahead`): one at a time on their own
         # thread, beside the reads; session -> (when it is back, the tier it came from)
         self.io_free = -math.inf
@@ -304,6 +308,8 @@ class EngineReplay:
         back = self.ahead.pop(s, None)
         h, t = self._get(s, t, locked=False, ahead=back is not None and self.store.where(s) == back[1])
         feed = self.store.feed_prompt(h, r.prompt_tokens, r.prompt_tokens - r.new_prompt_tokens)
+        if feed.cached:  # started from the prefix cache: its copies charged as a host tier's move (an upper bound)
+            t = self._busy(t, self.costs.host_s(self.store.prefix.start_bytes(feed.cached)))
         if feed.rolled_back_to is not None:
             self.tally.rollbacks += 1
             self.tally.ids_reread += feed.reread

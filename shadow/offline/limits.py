@@ -52,7 +52,9 @@ class ReplayLimits:
     engine asked a standing question's label; `asks_per_hour`: asks per active session (Poisson,
     seeded by `seed`), each reading its session to its end and one forward, its question
     `ask_tokens` ids long. `pieces`: the pieces of the shadow's forward (`PiecewiseForward`), in
-    which a share batch longer than `batch_s` is read between rounds."""
+    which a share batch longer than `batch_s` is read between rounds. `prefix_cache_gib`: each
+    shadow's prefix cache (`offline.prefixmodel`, needs `state`), every session's first prompt
+    sharing its first `shared_prefix_tokens` ids with the others'."""
 
     ids: str = "embedded"
     cap_gib: float | None = None
@@ -65,6 +67,8 @@ class ReplayLimits:
     asks_per_hour: float = 0.0
     ask_tokens: int = 64
     seed: int = 0
+    prefix_cache_gib: float | None = None  # the prefix cache's bound per shadow (None or 0: none)
+    shared_prefix_tokens: int = 0  # ids every session's first prompt shares (a system prompt and tools)
     pieces: int = 7  # pieces a shadow's forward runs in, read between rounds (attention layers + 1: the 0.8B's 7)
 
     def __post_init__(self) -> None:
@@ -74,6 +78,8 @@ class ReplayLimits:
             raise ValueError("a cap is positive and needs the sessions' state sizes")
         if min(self.voice_share, self.label_s, self.asks_per_hour) < 0 or self.ask_tokens < 1 or self.pieces < 1:
             raise ValueError("voice share, label seconds and asks per hour are not negative")
+        if (self.prefix_cache_gib or 0) < 0 or self.shared_prefix_tokens < 0:
+            raise ValueError("the prefix cache's bound and the shared prefix tokens are not negative")
 
     @property
     def cap_bytes(self) -> int | None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from shadow.core import driving
 from shadow.core.driving import Feed
@@ -28,6 +29,7 @@ class ModelledSession:
     capacity: int = 0
     checkpoints: list[int] = field(default_factory=list)
     marks: list[int] = field(default_factory=list)
+    prefix: Any = field(default=None, repr=False)  # where it stands in the modelled prefix cache (`prefixcache.Walk`)
 
     @property
     def known(self) -> int:
@@ -70,6 +72,7 @@ class ModelledStore:
         self.host: OrderedDict[str, ModelledSession] = OrderedDict()  # the host tier, least recently moved in first
         self.host_used = 0  # bytes of the copies in the host tier (each counted as it moved in)
         self.counts = StoreCounts()
+        self.prefix = None  # the modelled prefix cache (`offline.prefixmodel.PrefixModel`), if any
 
     # the store --------------------------------------------------------------------------
 
@@ -104,6 +107,7 @@ class ModelledStore:
         h, seconds = self.resident.get(name), 0.0
         if h is None and name in self.host:
             h = self.host.pop(name)
+            h.prefix = None  # a host copy carries no place in the prefix cache (live: a new `Session`)
             self.host_used -= self.host_bytes(h)  # its size as it moved in: nothing changes it in the tier
             h.capacity = self.size.capacity(h.committed) if self.size else 0  # a fresh state's buffers, as live
             seconds = self.costs.host_s(self.host_bytes(h))
@@ -190,8 +194,11 @@ class ModelledStore:
     def feed_prompt(self, h: ModelledSession, tokens: int, shared: int) -> Feed:
         """A prompt of `tokens` ids sharing `shared` with what the session's engine holds, fed as the
         reader feeds one (`driving.feed_prompt`)."""
+        new = h.ids == 0
         feed = driving.feed_prompt(self, h, min(h.ids, shared, tokens), tokens)
         h.ids = tokens
+        if self.prefix is not None:  # reading from the start: from its deepest cached line, as live
+            feed = self.prefix.fed(self, h, feed, new)
         return feed
 
     def take_checkpoint(self, h: ModelledSession) -> int:
@@ -201,6 +208,11 @@ class ModelledStore:
         h.committed = 0 if checkpoint is None else checkpoint
         if checkpoint is None:
             h.capacity = 0  # a new state
+
+    def line_passed(self, h: ModelledSession) -> None:
+        """The session's reads stopped at a grid line: offered to the modelled prefix cache, if any."""
+        if self.prefix is not None:
+            self.prefix.offer(h)
 
     def advance(self, h: ModelledSession) -> None:
         """One chunk read."""

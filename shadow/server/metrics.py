@@ -66,6 +66,7 @@ class ShadowCollector:
         out = Families(labels)
         self._state(out, status)
         self._store(out, status, held)
+        self._prefix_cache(out, status)
         self._reading(out, status, service.settings.schedule.share)
         self._checks(out, status, held)
         self._asks(out, status, held)
@@ -162,6 +163,18 @@ class ShadowCollector:
                            ("to_host_seconds", "Seconds spent moving sessions to the host-memory tier"),
                            ("from_host_seconds", "Seconds spent moving sessions back from the host-memory tier")):
             out.counter({"rejected": "files_refused", "removed": "files_removed"}.get(key, key), help_, s[key])
+
+    @staticmethod
+    def _prefix_cache(out: "Families", status: dict) -> None:
+        cache = status.get("prefix_cache")
+        if cache is None:
+            return
+        out.gauge("prefix_cache_bytes", "Bytes of the prefix cache (KV rows and grid-line states)", cache["bytes"])
+        out.gauge("prefix_cache_cap_bytes", "The prefix cache's bound, bytes", cache["cap_bytes"])
+        out.gauge("prefix_cache_lines", "Grid lines the prefix cache holds a state at", cache["lines"])
+        out.counter("prefix_cache_hits", "Sessions that started at a cached grid line", cache["hits"])
+        out.counter("prefix_cache_misses", "Sessions read from the start that found no cached line", cache["misses"])
+        out.counter("prefix_cache_tokens_saved", "Ids the prefix cache's hits did not read", cache["tokens_saved"])
 
     @staticmethod
     def _reading(out: "Families", status: dict, share: float) -> None:

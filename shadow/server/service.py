@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from shadow.core.prefixcache import cache_for
 from shadow.core.reader import common_prefix
 from shadow.core.schedule import ReadScheduler
 from shadow.core.store import SessionStore
@@ -83,6 +84,7 @@ class ShadowService:
         self.load = EngineLoad(shared.turns, settings.status.engine_slots)
         self.checks: dict[str, SessionChecks] = {}  # store name -> its turns' checks against the engine
         self._latest: dict[str, int] = {}  # store name -> the newest turn that fed its prompt
+        self._cached_start: dict[int, int] = {}  # turn -> the grid line its session started at from the prefix cache
         self._next_turn = 0
         self._overdue_told: set[int] = set()  # turns the watchdog has logged as overdue
         self.waiting = 0
@@ -100,6 +102,8 @@ class ShadowService:
         self.voicing.on_load(shadow)
         shadow.store.timed = self.timings.stored
         shadow.store.annotate = self._checks_record
+        if self.settings.prefix.on and shadow.reader.prefix_cache is None:  # a fresh one at each load
+            shadow.reader.prefix_cache = cache_for(shadow.reader.model, shadow.grid, self.settings.prefix.gib)
         self._restore_checks(shadow)
 
     def _checks_record(self, name: str) -> dict | None:
@@ -299,6 +303,8 @@ class ShadowService:
                 self.counters.ids_reread += feed.reread
             self.checks.setdefault(name, SessionChecks()).replaced(known if feed.first_diff is None else feed.first_diff)
             turn.fed = Fed(prompt=True, prompt_len=len(ids))
+            if feed.cached:
+                self._cached_start[turn.id] = feed.cached
             self.names.touch(name)
             self.reading.sync(shadow, name)
             self.answers.register(shadow, session, ids, turn.reference, behind, turn.id)
@@ -420,6 +426,7 @@ class ShadowService:
                 if turn.id not in self.turns:
                     return
                 self._overdue_told.discard(turn.id)
+                self._cached_start.pop(turn.id, None)
                 self.sched.turn_ended(turn.id, self.clock())
                 shadow = self.host.shadow
                 if settle and turn.fed.prompt and shadow is not None:
@@ -492,7 +499,8 @@ class ShadowService:
             record = {"kind": "turn", "session": name, "turn": turn.id, **check.as_dict(),
                       "prompt_ids": None if ids is None or ids.prompt is None else len(ids.prompt),
                       "output_ids": None if ids is None else len(ids.output),
-                      "notes": [] if ids is None else ids.notes, "time": time.time()}
+                      "notes": [] if ids is None else ids.notes,
+                      "prefix_cache_line": self._cached_start.pop(turn.id, 0), "time": time.time()}
             if lines:
                 record["status_lines"] = lines
             self.shared.journal.write(record)
@@ -644,6 +652,8 @@ class ShadowService:
                 "sessions": sessions,
                 "branches": {k: list(v) for k, v in self.names.branches.items() if v},
                 "store": shadow.store.totals() if ready else None,
+                "prefix_cache": shadow.reader.prefix_cache.status()
+                if ready and shadow.reader.prefix_cache is not None else None,
                 "restores_ahead": self.ahead.counts.as_dict() if self.ahead is not None else None,
                 "turns_in_flight": len(self.turns), "waiting": self.waiting,
                 "overdue_turns": self._overdue(),

@@ -5,6 +5,7 @@ parts read the branch they need.
     ServeSettings
       model     ModelSettings     the shadow's checkpoint, the embedded generator's, grid, device
       store     StoreSettings     resident cap, host tier, restores ahead, disk, disk cap, unload slack, key
+      prefix    PrefixCacheSettings the prefix cache: on or off, its bound
       schedule  BandwidthRule     idle window and in-turn share (`core.schedule`)
       read_costs KnownCosts       chunk and batch costs measured elsewhere, to start from (or None)
       engine    EngineSettings    proxy mode: the upstream, its dialect, the big model's template
@@ -32,6 +33,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from shadow.core.prefixcache import PREFIX_CACHE_GIB
 from shadow.core.residency import HOST_CAP_GIB
 from shadow.core.schedule import BandwidthRule, KnownCosts, Priorities
 from shadow.errors import ShadowInputError
@@ -171,6 +173,20 @@ class StoreSettings:
     key: str | None = setting(None, repr=False, name="store_key", env="SHADOW_STORE_KEY", panel=STORE, help=(
         "A secret for the session files in --disk: each carries a keyed digest (HMAC-SHA256) made with it, and a "
         "file without that digest (planted by someone without the key) is refused."))
+
+
+@dataclass(frozen=True)
+class PrefixCacheSettings:
+    """The prefix cache (`core.prefixcache`): grid-line states shared by every session whose first
+    ids are equal (a system prompt, tool definitions), on the shadow's device, bounded in GiB."""
+
+    on: bool = setting(True, name="prefix_cache", panel=STORE, help=(
+        "Keep the grid-line states of sessions' first prompts (KV rows and GDN state) in a bounded cache shared by "
+        "every session: a session that reads from the start (a new one, a rollback to the start) starts at the "
+        "deepest cached line its ids share, bit-equal to reading them; --no-prefix-cache reads every session from "
+        "its start."))
+    gib: float = setting(PREFIX_CACHE_GIB, name="prefix_cache_gib", gt=0, panel=STORE, help=(
+        "The prefix cache's bound, GiB of the shadow's device memory (least recently used lines out first)."))
 
 
 # `BandwidthRule`'s fields that are options (`core.schedule` lies below this module)
@@ -404,6 +420,7 @@ class ProbeSettings:
 class ServeSettings:
     model: ModelSettings = ModelSettings()
     store: StoreSettings = StoreSettings()
+    prefix: PrefixCacheSettings = PrefixCacheSettings()
     schedule: BandwidthRule = field(default=BandwidthRule(), metadata={OPTIONS: SCHEDULE})
     priorities: Priorities = setting(Priorities(), text=(lambda p: p.label, _priorities), panel=READING, help=(
         "The order sessions are read in: all (a question first, then turns in flight, the most recent turn, the "
@@ -595,6 +612,8 @@ def check(s: ServeSettings) -> None:
                         ("--health-generate-timeout-s", s.probes.generate_timeout_s)):
         if not (math.isfinite(value) and value > 0):
             raise ShadowInputError(f"{name} must be a positive number of seconds")
+    if not (math.isfinite(s.prefix.gib) and s.prefix.gib > 0):
+        raise ShadowInputError("--prefix-cache-gib must be a positive number of GiB (--no-prefix-cache: none)")
     for name, value in (("--max-body-mb", s.limits.max_body_bytes), ("--cap-gib", s.store.cap_gib),
                         ("--disk-cap-gib", s.store.disk_cap_gib), ("--voice-share", s.voice.share)):
         if value is not None and not math.isfinite(value):

@@ -1,0 +1,247 @@
+"""The prefix cache: a session that starts at a cached grid line holds the state a fresh prefill of
+its own ids gives, bit for bit (every tensor, `torch.equal`), whether it diverges from the cached
+session mid-chunk or at a line, after evictions, after a rollback to the start, and when the lines
+were stored by batched reads; the cache stays within its bytes, least recently used out first."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shadow.core.prefixcache import PrefixCache, PrefixTrie, cache_for
+from shadow.core.reader import Reader
+from shadow.errors import ShadowInputError
+from shadow.model.runtime import load_model
+from shadow.offline.verify import compare_states
+
+G = 512
+
+
+@pytest.fixture(scope="module")
+def model(shadow_cache):
+    return load_model("tiny").model
+
+
+def reader_with_cache(model, cap: int = 2**30) -> Reader:
+    reader = Reader(model, G)
+    reader.prefix_cache = PrefixCache(model, G, cap)
+    return reader
+
+
+def ids_of(seed: int, n: int) -> list[int]:
+    return torch.randint(1000, 200000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_fresh(reader: Reader, session) -> None:
+    """The session's state is bit-equal to a fresh prefill of its committed ids on the same grid."""
+    fresh = reader.prefill(session.ids[: session.committed])
+    compared, mismatched, _ = compare_states(session.state, fresh)
+    assert compared > 0 and mismatched == [], mismatched
+    assert session.state.length == fresh.length == session.committed
+
+
+def read_all(reader: Reader, session) -> None:
+    while reader.advance(session, max_chunks=1):
+        pass
+
+
+def test_a_session_diverging_mid_chunk_starts_at_the_shared_line_bit_equal(model):
+    reader = reader_with_cache(model)
+    shared = ids_of(1, 3 * G + 200)
+    a = reader.new_session("a")
+    assert reader.feed_prompt(a, shared + ids_of(2, 2 * G)).cached == 0
+    read_all(reader, a)
+    b = reader.new_session("b")
+    feed = reader.feed_prompt(b, shared + ids_of(3, 2 * G))
+    assert feed.cached == 3 * G and b.committed == 3 * G
+    assert_fresh(reader, b)
+    read_all(reader, b)
+    assert b.committed == len(b.ids) // G * G and [c.position for c in b.checkpoints] == [b.committed]
+    assert_fresh(reader, b)
+    status = reader.prefix_cache.status()
+    assert (status["hits"], status["misses"], status["tokens_saved"]) == (1, 1, 3 * G)
+
+
+def test_a_session_diverging_at_a_line_starts_there_and_a_prompt_of_whole_shared_chunks_at_its_end(model):
+    reader = reader_with_cache(model)
+    shared = ids_of(4, 4 * G)
+    a = reader.new_session("a")
+    reader.feed_prompt(a, shared + ids_of(5, G + 10))
+    read_all(reader, a)
+    b = reader.new_session("b")
+    assert reader.feed_prompt(b, shared + ids_of(6, 100)).cached == 4 * G
+    assert_fresh(reader, b)
+    assert [c.position for c in b.checkpoints] == [4 * G]  # its prompt's line, taken at the start
+    c = reader.new_session("c")
+    assert reader.feed_prompt(c, shared[: 2 * G + 5]).cached == 2 * G  # a shorter prompt: its own last line
+    assert_fresh(reader, c)
+    d = reader.new_session("d")
+    assert reader.feed_prompt(d, ids_of(7, 3 * G)).cached == 0 and d.committed == 0
+
+
+def test_after_evictions_a_session_starts_at_what_is_left_and_is_bit_equal(model):
+    probe = reader_with_cache(model)
+    a = probe.new_session("a")
+    probe.feed_prompt(a, ids_of(8, 6 * G))
+    probe.advance(a, max_chunks=1)
+    one_line = probe.prefix_cache.status()["bytes"]
+    reader = reader_with_cache(model, cap=3 * one_line)  # three lines' KV rows and states
+    shared = ids_of(8, 6 * G)
+    a = reader.new_session("a")
+    reader.feed_prompt(a, shared + ids_of(9, 50))
+    read_all(reader, a)
+    status = reader.prefix_cache.status()
+    assert status["bytes"] <= 3 * one_line and status["evictions"] > 0
+    b = reader.new_session("b")
+    line = reader.feed_prompt(b, shared + ids_of(10, 50)).cached
+    assert line < 6 * G  # the deepest lines that fit were kept, but not the whole path's states
+    assert_fresh(reader, b)
+    read_all(reader, b)
+    assert_fresh(reader, b)
+
+
+def test_a_rollback_to_the_start_starts_at_the_sessions_own_cached_line(model):
+    reader = reader_with_cache(model)
+    first = ids_of(11, 4 * G + 30)
+    a = reader.new_session("a")
+    reader.feed_prompt(a, first)
+    read_all(reader, a)
+    assert [c.position for c in a.checkpoints] == [4 * G]
+    second = first[: 2 * G + 10] + ids_of(12, 3 * G)  # differs below its only checkpoint
+    feed = reader.feed_prompt(a, second)
+    assert feed.rolled_back_to == 2 * G and feed.cached == 2 * G and feed.reread == 2 * G
+    assert_fresh(reader, a)
+    read_all(reader, a)
+    assert_fresh(reader, a)
+
+
+@pytest.mark.parametrize("b", [2, 3, 4, 8])
+def test_lines_stored_by_batched_runs_start_later_sessions_bit_equal(model, b):
+    """The first session is read in runs of two chunks beside others (lines stored at each run's
+    end: 2, 4, 6); the second shares five chunks, starts at line 4, finds chunk 5 cached without a
+    state and marks its line, so its own read stops there and stores it; the third starts at 5."""
+    reader = reader_with_cache(model)
+    shared = ids_of(20 + b, 5 * G)
+    a = reader.new_session("a")
+    reader.feed_prompt(a, shared + ids_of(30 + b, G + 7))
+    others = [reader.new_session(f"o{k}") for k in range(b - 2)]
+    for k, s in enumerate(others):
+        reader.feed_prompt(s, ids_of(40 + k, 4 * G))
+    for _ in range(3):
+        assert reader.advance_batch([a, a, *others]) == b
+    assert a.committed == 6 * G
+    assert_fresh(reader, a)
+    second = reader.new_session("second")
+    assert reader.feed_prompt(second, shared + ids_of(50 + b, 300)).cached == 4 * G
+    assert 5 * G in second.marks and reader.run_limit(second) == 1
+    assert_fresh(reader, second)
+    assert reader.advance_batch([second, *others[:1]]) == min(2, b - 1)
+    assert second.committed == 5 * G
+    assert_fresh(reader, second)
+    third = reader.new_session("third")
+    assert reader.feed_prompt(third, shared + ids_of(60 + b, 300)).cached == 5 * G
+    assert_fresh(reader, third)
+    for s in others:
+        assert_fresh(reader, s)
+
+
+def test_sessions_started_from_the_cache_are_bit_equal_after_batched_reads_of_them(model):
+    reader = reader_with_cache(model)
+    shared = ids_of(70, 3 * G + 5)
+    first = reader.new_session("first")
+    reader.feed_prompt(first, shared + ids_of(71, G))
+    read_all(reader, first)
+    sessions = [reader.new_session(f"s{k}") for k in range(8)]
+    for k, s in enumerate(sessions):
+        assert reader.feed_prompt(s, shared + ids_of(80 + k, (k % 3 + 1) * G)).cached == 3 * G
+    reader.advance_batch(sessions)
+    for s in sessions:
+        assert s.committed == 4 * G
+        assert_fresh(reader, s)
+
+
+def test_the_cache_stays_within_its_bytes_least_recently_used_out_first(model):
+    probe = reader_with_cache(model)
+    p = probe.new_session("p")
+    probe.feed_prompt(p, ids_of(90, 2 * G))
+    probe.advance(p, max_chunks=1)
+    one_line = probe.prefix_cache.status()["bytes"]
+    reader = reader_with_cache(model, cap=4 * one_line)
+    prompts = [ids_of(100 + k, G + 3) for k in range(3)]
+    for k, ids in enumerate(prompts):
+        s = reader.new_session(f"s{k}")
+        reader.feed_prompt(s, ids)
+        read_all(reader, s)
+    assert reader.prefix_cache.status()["lines"] == 3
+    again = reader.new_session("again")
+    assert reader.feed_prompt(again, prompts[0]).cached == G  # s0's line used again: now the most recent
+    for k in range(3, 5):
+        s = reader.new_session(f"s{k}")
+        reader.feed_prompt(s, ids_of(100 + k, G + 3))
+        read_all(reader, s)
+        assert reader.prefix_cache.status()["bytes"] <= 4 * one_line
+    status = reader.prefix_cache.status()
+    assert status["lines"] == 4 and status["evictions"] == 1
+    hits = [reader.feed_prompt(reader.new_session(f"q{k}"), ids).cached for k, ids in enumerate(prompts)]
+    assert hits == [G, 0, G]  # s1 was the least recently used
+
+
+def test_a_cache_of_no_bytes_keeps_nothing_and_changes_no_result(model):
+    reader = reader_with_cache(model, cap=0)
+    shared = ids_of(120, 2 * G)
+    for name in ("a", "b"):
+        s = reader.new_session(name)
+        assert reader.feed_prompt(s, shared + ids_of(121, 10)).cached == 0
+        read_all(reader, s)
+        assert_fresh(reader, s)
+    assert reader.prefix_cache.status()["bytes"] == 0
+
+
+def test_bad_bounds_are_refused(model):
+    for gib in (-1.0, float("nan")):
+        with pytest.raises(ShadowInputError):
+            cache_for(model, G, gib)
+    with pytest.raises(ShadowInputError):
+        PrefixTrie(G, -1)
+    assert cache_for(model, G, 0) is None and cache_for(model, G, None) is None
+
+
+def test_bad_ids_change_nothing_in_the_cache(model):
+    reader = reader_with_cache(model)
+    s = reader.new_session("s")
+    reader.feed_prompt(s, ids_of(130, 2 * G))
+    read_all(reader, s)
+    before = reader.prefix_cache.status()
+    t = reader.new_session("t")
+    with pytest.raises(ShadowInputError):
+        reader.feed_prompt(t, ids_of(130, 2 * G)[:-1] + [10**9])
+    assert reader.prefix_cache.status() == before and t.ids == [] and t.committed == 0
+
+
+def test_the_replays_model_of_the_cache_stores_hits_and_evicts_as_the_live_cache(model):
+    """The same sessions (a shared prefix, then each one's own ids) through the live cache and the
+    replay's model (`offline.prefixmodel`, sizes from the model's shapes): the same start line for
+    every session and the same bytes, lines, hits, tokens saved and evictions."""
+    from shadow.core.residency import StateSize
+    from shadow.offline.costs import ChunkTable, CostTable
+    from shadow.offline.modelled import ModelledStore
+    from shadow.offline.prefixmodel import PrefixModel
+
+    size = StateSize.of(model.config, model.new_state().arena.conv.element_size())
+    cap = 7 * size.kv_row * G + 3 * size.delta
+    reader = reader_with_cache(model, cap)
+    modelled = ModelledStore(G, CostTable(ChunkTable.flat(1.0, G)), size=size)
+    modelled.prefix = PrefixModel(G, cap, size, shared_tokens=3 * G + 100)
+    shared = ids_of(140, 3 * G + 100)
+    for k in range(6):
+        prompt = shared + ids_of(150 + k, (k % 3 + 1) * G + 50)
+        s = reader.new_session(f"s{k}")
+        h, _ = modelled.get(f"s{k}")
+        live, mod = reader.feed_prompt(s, prompt).cached, modelled.feed_prompt(h, len(prompt), 0).cached
+        assert live == mod and (k == 0 or live > 0)
+        read_all(reader, s)
+        while h.committed + G <= h.ids:
+            modelled.advance(h)
+        assert s.committed == h.committed
+        assert reader.prefix_cache.status() == modelled.prefix.status() | {"start_s": reader.prefix_cache.status()["start_s"]}
+    assert reader.prefix_cache.status()["evictions"] > 0
