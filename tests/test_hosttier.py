@@ -90,21 +90,47 @@ def test_without_a_disk_the_host_tiers_oldest_copy_is_dropped_and_counted(reader
     assert store.get("a").committed == 0  # gone: it starts over
 
 
-def test_a_failed_write_keeps_the_copy_in_host_memory_and_the_session_on_the_device(reader, tmp_path, monkeypatch):
-    store = SessionStore(reader, "h", cap_gib=0, host_cap_gib=one_session_gib(reader) * 1.5, disk=tmp_path)
-    fed(store, reader, "a", seed=40)
-    fed(store, reader, "b", seed=41)
-    store.settle(keep="b")  # a to host
+def test_a_failed_write_keeps_the_copy_in_host_memory_until_a_later_settle_writes_it(reader, tmp_path, monkeypatch):
+    """The disk is full: a's copy is written behind and fails; when the tier needs its room, a's
+    copy waits in host memory for its write (status says so, with the error) and no session leaves
+    for disk before `retry_s`; once the disk answers, a later settle writes it, bit for bit."""
     import shadow.core.store as store_module
+
+    now = [1000.0]
+    store = SessionStore(reader, "h", cap_gib=0, host_cap_gib=one_session_gib(reader) * 1.5, disk=tmp_path,
+                         clock=lambda: now[0], retry_s=10)
+    real = store_module.write_session
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(store_module, "write_session", full)
+    before = fingerprint(fed(store, reader, "a", seed=40))
+    fed(store, reader, "b", seed=41)
+    store.settle(keep="b")  # a to host memory; its write behind fails
+    store.flush()
     fed(store, reader, "c", seed=42)
-    store.settle(keep="c")  # b cannot go to host (a cannot leave it), nor to disk: it stays
-    assert store.host.names() == ["a"] and "b" in store._resident and store.counters.write_failures >= 1
-    assert all(store.holds(n) for n in "abc")
+    store.settle(keep="c")  # b needs a's room: a's copy waits in host memory for its write
+    store.flush()  # (b's write behind fails too)
+    assert store.host.names() == ["b"] and "c" in store._resident and store.counters.write_failures == 3
+    row = next(r for r in store.status() if r.name == "a")
+    assert (row.tier, row.moving, row.resident) == ("host", "to disk", False) and "No space" in row.write_error
+    assert all(store.holds(n) for n in "abc") and not store.path_of("a").exists()
+    fed(store, reader, "d", seed=43)
+    store.settle(keep="d")  # c needs b's room: b's copy waits beside a's (within the staging bound)
+    store.flush()
+    assert store.host.names() == ["c"] and {r.name for r in store.status() if r.moving == "to disk"} == {"a", "b"}
+    failures = store.counters.write_failures  # (c's write behind failed too)
+    monkeypatch.setattr(store_module, "write_session", real)
+    store.settle(keep="d")  # too soon: not tried again
+    store.flush()
+    assert store.counters.write_failures == failures and not store.path_of("a").exists()
+    now[0] += 10
+    store.settle(keep="d")  # the disk answers: both written
+    store.flush()
+    rows = {r.name: r for r in store.status()}
+    assert [(rows[n].tier, rows[n].moving, rows[n].write_error) for n in "ab"] == [("disk", None, None)] * 2
+    assert_same(before, fingerprint(store.get("a")))
 
 
 def test_a_planned_stop_writes_the_host_tiers_copies_too(reader, tmp_path):
@@ -141,12 +167,17 @@ def test_memory_stays_bounded_under_a_churn_of_200_sessions(reader, tmp_path):
 def test_the_host_tier_is_bounded_by_bytes_and_reports_them(reader):
     tier = HostTier(cap=1000)
     assert tier.fits(1000) and not tier.fits(1001) and tier.room() == 1000 and tier.oldest() is None
-    a, b = reader.new_session("a"), reader.new_session("b")
+    a, b, c = reader.new_session("a"), reader.new_session("b"), reader.new_session("c")
     tier.put(a, 300)
     tier.put(b, 500)
     tier.put(a, 400)  # the same name again replaces it, and is newest
-    assert tier.used() == 900 and tier.room() == 100 and tier.names() == ["b", "a"] and tier.oldest() is b
+    assert tier.used() == 900 and tier.room() == 100 and tier.names() == ["b", "a"] and tier.oldest() == "b"
     assert tier.take("b") is b and tier.take("b") is None and tier.used() == 400
+    tier.reserve("c", 200)  # a move in flight: its room and its place held, no copy yet
+    tier.put(b, 100)
+    assert tier.used() == 700 and "c" not in tier and tier.reserved("c") and tier.names() == ["a", "b"]
+    tier.put(c, 250)  # the copy takes its reservation's place, before b
+    assert tier.used() == 750 and list(tier._copies) == ["a", "c", "b"] and len(tier) == 3
 
 
 def test_a_move_back_that_fails_keeps_the_copy_in_host_memory(reader, monkeypatch):
@@ -193,3 +224,88 @@ def test_the_service_reports_the_host_tier_in_status_and_metrics(tiny, tmp_path)
         metrics = client.get("/metrics").text
     assert status["store"]["host_sessions"] >= 1 and status["store"]["host_bytes"] > 0
     assert re.search(r"^shadow_sessions_in_host[{ ]", metrics, re.M) and re.search(r"^shadow_to_host_total[{ ]", metrics, re.M)
+
+
+# moves beside the reads: a copy out in flight ----------------------------------------------------
+
+
+class InFlight:
+    """Stands for a copy's CUDA event on the CPU (where every copy is whole at once): not done until
+    `land()` or `synchronize()`, so the store's handling of a move in flight runs here as on a GPU."""
+
+    def __init__(self):
+        self.landed = False
+
+    def query(self) -> bool:
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = True
+
+    land = synchronize
+
+
+@pytest.fixture()
+def in_flight(monkeypatch):
+    """Every move out the store begins stays in flight until its event lands: the events, in order."""
+    import shadow.core.hosttier as hosttier
+    import shadow.core.store as store_module
+
+    events = []
+
+    def held(session, stream=None):
+        move = hosttier.move_to_host(session, stream)
+        move.event = InFlight()
+        events.append(move.event)
+        return move
+
+    monkeypatch.setattr(store_module, "move_to_host", held)
+    return events
+
+
+def test_a_session_moving_out_holds_its_device_rows_until_its_copy_is_whole(reader, in_flight):
+    store = SessionStore(reader, "h", cap_gib=0, host_cap_gib=1.0)
+    a = fed(store, reader, "a", seed=70)
+    before, device_bytes = fingerprint(a), session_bytes(a)
+    fed(store, reader, "b", seed=71)
+    store.settle(keep="b")
+    row = next(r for r in store.status() if r.name == "a")
+    assert (row.tier, row.moving, row.resident) == ("device", "to host memory", True)
+    assert store.peek("a") is None and store.holds("a") and "a" not in store.host  # left, not yet in the tier
+    assert store.resident_bytes() == device_bytes + session_bytes(store.peek("b"))  # its rows still held
+    assert store.host_bytes() == host_bytes(a) and store.restore_ahead("a") is None  # its room held; get keeps it
+    store.settle(keep="b")  # the copy is not whole yet: still moving
+    assert store.totals()["moving_sessions"] == 1
+    in_flight[0].land()
+    store.settle(keep="b")  # between reads: the copy takes its place, the rows are let go
+    assert "a" in store.host and store.totals()["moving_sessions"] == 0
+    assert store.resident_bytes() == session_bytes(store.peek("b"))
+    assert_same(before, fingerprint(store.get("a")))
+
+
+def test_a_session_asked_for_while_it_moves_out_stays_on_the_device(reader, in_flight):
+    store = SessionStore(reader, "h", cap_gib=0, host_cap_gib=1.0)
+    a = fed(store, reader, "a", seed=72)
+    fed(store, reader, "b", seed=73)
+    store.settle(keep="b")
+    assert store.get("a") is a  # the same session, its rows never left
+    c = store.counters
+    assert (c.to_host, c.from_host, c.moves_kept) == (1, 1, 1) and store.host_bytes() == 0 and len(store.host) == 0
+    in_flight[0].land()  # the copy let go lands: nothing takes it
+    store.settle(keep="a")
+    assert "a" not in store.host and store.peek("a") is a
+    reader.feed_output(a, ids(2 * GRID, 74))
+    reader.advance(a)
+    fresh = reader.prefill(a.ids[: a.committed])
+    assert all(torch.equal(x, fresh.tensors()[k]) for k, x in a.state.tensors().items())
+
+
+def test_a_planned_stop_waits_for_the_moves_in_flight_and_writes_them(reader, tmp_path, in_flight):
+    store = SessionStore(reader, "h", cap_gib=0, host_cap_gib=1.0, disk=tmp_path)
+    before = {n: fingerprint(fed(store, reader, n, seed=80 + k)) for k, n in enumerate("ab")}
+    store.settle(keep="b")  # a moving to host memory
+    assert store.totals()["moving_sessions"] == 1
+    assert store.close() == []
+    again = SessionStore(reader, "h", cap_gib=None, disk=tmp_path)
+    for name, fp in before.items():
+        assert_same(fp, fingerprint(again.get(name)))

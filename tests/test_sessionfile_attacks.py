@@ -700,40 +700,53 @@ def fill_disk_after(limit: int):
     return pwrite_all
 
 
-def test_disk_full_keeps_the_session_resident_and_counted_then_a_later_settle_writes_it(reader, tmp_path, monkeypatch):
+def test_disk_full_keeps_the_sessions_copy_in_host_memory_and_counted_then_a_later_settle_writes_it(
+        reader, tmp_path, monkeypatch):
+    """A session leaving for disk waits in host memory for its write (written behind): on a full
+    disk the write fails, the copy stays (counted, its error in status), no session leaves for the
+    disk before `retry_s`, the old file is untouched, and a later settle writes it, bit for bit."""
     now = [1000.0]
     store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path, clock=lambda: now[0], retry_s=10)
     a = fed(store, reader, "a", seed=1)
     fed(store, reader, "b", seed=2)
     store.settle(keep="b")  # a first spill works: a's file is there
+    store.flush()
     a = store.get("a")
     reader.feed_output(a, ids(100, 3))
     reader.advance(a)  # a moves on: its file is now older than its state
     before = fingerprint(a)
     old_file = store.path_of("a").read_bytes()
     store.settle(keep="a")  # b goes out
+    store.flush()
     store.get("b")
     monkeypatch.setattr(blockio, "pwrite_all", fill_disk_after(50_000))
-    store.settle(keep="b")
-    assert store.peek("a") is a  # never left memory
+    store.settle(keep="b")  # a leaves the device; its write fails
+    store.flush()
+    assert store.peek("a") is None and store.holds("a")
     assert store.counters.write_failures == 1 and store.counters.drops == 0
     totals = store.totals()
     assert totals["unwritten_sessions"] == 1 and "No space left" in totals["last_error"]
     row = next(r for r in store.status() if r.name == "a")
-    assert row.resident and "No space left" in row.write_error
+    assert (row.resident, row.tier, row.moving) == (False, "host", "to disk") and "No space left" in row.write_error
     assert store.path_of("a").read_bytes() == old_file  # the old file, untouched
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no half file left
-    store.settle(keep="b")  # too soon: not tried again
-    assert store.peek("a") is a and store.counters.write_failures == 1
+    fed(store, reader, "c", seed=4)
+    store.settle(keep="c")  # too soon: b does not leave for the full disk, a is not tried again
+    store.flush()
+    assert store.peek("b") is not None and store.counters.write_failures == 1
     now[0] += 10
-    store.settle(keep="b")  # still full: tried again, still resident
-    assert store.peek("a") is a and store.counters.write_failures == 2
+    store.settle(keep="c")  # still full: a tried again, b leaves, both writes fail
+    store.flush()
+    assert store.peek("b") is None and store.counters.write_failures == 3 and store.holds("a") and store.holds("b")
     monkeypatch.undo()  # space returns
-    store.settle(keep="b")  # too soon again
-    assert store.peek("a") is a
+    store.settle(keep="c")  # too soon again
+    store.flush()
+    assert store.totals()["unwritten_sessions"] == 2
     now[0] += 10
-    store.settle(keep="b")
-    assert store.peek("a") is None and store.totals()["unwritten_sessions"] == 0
+    store.settle(keep="c")
+    store.flush()
+    assert store.totals()["unwritten_sessions"] == 0 and {r.name: r.tier for r in store.status()} == \
+        {"a": "disk", "b": "disk", "c": "device"}
     back = SessionStore(reader, "h", cap_gib=None, disk=tmp_path).get("a")
     assert_same(fingerprint(back), before)
 

@@ -368,6 +368,7 @@ def test_disk_cap_none_keeps_every_file_and_totals_report_failures(reader, tmp_p
     for i, name in enumerate("abc"):
         fed(store, reader, name, seed=i)
         store.settle(keep=name)
+    store.flush()  # the files written behind are on disk
     t = store.totals()
     assert t["files"] == 2 and t["disk_cap_bytes"] is None and store.counters.removed == 0
     assert (t["write_failures"], t["unwritten_sessions"], t["last_error"]) == (0, 0, None)
@@ -435,6 +436,7 @@ def test_a_session_past_the_cap_is_spilled_whenever_a_disk_holds_it_and_says_why
     before = fingerprint(fed(store, reader, "a"))
     fed(store, reader, "b", seed=2)
     store.settle(keep="b")
+    store.flush()
     row = next(r for r in store.status() if r.name == "a")
     assert not row.resident and row.tier == "disk" and row.left_memory == "spilled: past the device cap"
     assert (store.counters.spills, store.counters.drops) == (1, 0)

@@ -1,7 +1,9 @@
-"""The host tier's copies written to disk behind the reads (`core.writebehind`): a copy leaving
-the tier later needs no write, a write on the store's thread always lands after the thread's own,
-a stop flushes what is queued, and a process killed while it writes loses no session whose file
-was acknowledged: real files, a real thread, a real SIGKILL."""
+"""Host copies written to disk behind the reads (`core.writebehind`): the host tier's copies (one
+leaving the tier later needs no write) and the copies of sessions leaving the device straight for
+disk (they wait in host memory, within the staging bound, and come back from there while their
+write is pending); a write on the store's thread always lands after the thread's own, a stop
+flushes what is queued, and a process killed while it writes loses no session whose file was
+acknowledged: real files, a real thread, a real SIGKILL."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ import time
 import pytest
 from test_store import GRID, assert_same, fed, fingerprint
 
+from shadow.core.hosttier import host_bytes
 from shadow.core.reader import Reader, open_reader
+from shadow.core.residency import GIB
 from shadow.core.sessionfile import read_fields
 from shadow.core.store import SessionStore, check_folder
 from shadow.core.writebehind import Job, WriteBehind
@@ -37,7 +41,7 @@ def test_a_copy_moved_to_host_memory_is_written_behind_and_leaves_the_tier_witho
     store.settle(keep="b")  # collects what was written
     assert store.counters.written_behind == 1 and read_fields(store.path_of("a")).name == "a"
     written = store.counters.bytes_written
-    assert store._host_out(store.host.peek("a"))  # the tier makes room: a leaves for disk
+    assert store._host_out("a")  # the tier makes room: a leaves for disk
     assert store.counters.bytes_written == written and store.counters.host_to_disk == 1  # no second write
     assert_same(before, fingerprint(store.get("a")))  # from its file, bit for bit
 
@@ -93,6 +97,83 @@ def test_a_stop_flushes_what_is_queued_and_a_failed_write_behind_is_written_at_t
         assert_same(before, fingerprint(again.get(name)))
 
 
+def gated(store: SessionStore) -> tuple[threading.Event, threading.Event]:
+    """The store's writes behind wait for `release` once begun (`started` says one has)."""
+    started, release = threading.Event(), threading.Event()
+    write = store._write_job
+
+    def slow(job: Job):
+        started.set()
+        release.wait(30)
+        return write(job)
+
+    store._write_job = slow
+    return started, release
+
+
+def test_a_session_spilled_from_the_device_is_written_behind_and_comes_back_from_its_copy_meanwhile(reader, tmp_path):
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
+    started, release = gated(store)
+    try:
+        before = fingerprint(fed(store, reader, "a"))
+        fed(store, reader, "b", seed=2)
+        store.settle(keep="b")  # a leaves the device at once: its copy waits in host memory for its write
+        assert started.wait(10) and store.peek("a") is None and store.counters.spills == 1
+        row = next(r for r in store.status() if r.name == "a")
+        assert (row.tier, row.moving, row.resident) == ("host", "to disk", False) and not store.path_of("a").exists()
+        assert store.totals()["staged_sessions"] == 1 and store.totals()["staged_bytes"] == row.bytes
+        ahead = store.restore_ahead("a")  # brought back from the copy, not the file
+        assert ahead is not None and ahead.copy is not None
+        back = store.get("a", ahead)
+        assert back is ahead.session and store.counters.restores == 1 and store.counters.back_before_written == 1
+        assert_same(before, fingerprint(back))
+    finally:
+        release.set()
+    store.flush()  # the write in flight when a came back lands whole: the file holds that copy
+    assert read_fields(store.path_of("a")).committed == back.committed and store.totals()["staged_sessions"] == 0
+    other = SessionStore(reader, "h", cap_gib=None, disk=tmp_path)
+    assert_same(before, fingerprint(other.get("a")))
+
+
+def test_copies_bound_for_disk_wait_within_the_staging_bound_and_one_past_it_is_written_at_once(reader, tmp_path):
+    one = host_bytes(fed(SessionStore(reader, "h", cap_gib=None), reader, "probe")) / GIB
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path / "staged", stage_cap_gib=one * 1.5)
+    started, release = gated(store)
+    try:
+        for k, name in enumerate("abc"):
+            fed(store, reader, name, seed=k)
+        store.settle(keep="c")  # a waits for its write; b would pass the bound: it stays, past the cap
+        assert started.wait(10) and store.peek("b") is not None and store.counters.stage_full == 1
+    finally:
+        release.set()
+    store.flush()
+    store.settle(keep="c")  # a's write landed: b leaves now
+    store.flush()
+    assert store.peek("b") is None and {r.session for r in check_folder(tmp_path / "staged")} == {"a", "b"}
+    small = SessionStore(reader, "h", cap_gib=0, disk=tmp_path / "small", stage_cap_gib=one / 4)
+    before = fingerprint(fed(small, reader, "a"))
+    fed(small, reader, "b", seed=2)
+    small.settle(keep="b")  # a is larger than the bound: written where the store runs, at once
+    assert small.behind is None and read_fields(small.path_of("a")).name == "a" and small.counters.spills == 1
+    assert_same(before, fingerprint(small.get("a")))
+
+
+def test_a_stop_writes_every_session_spilled_behind_or_resident(reader, tmp_path):
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
+    started, release = gated(store)
+    sessions = {}
+    for k, name in enumerate("abcd"):
+        sessions[name] = fingerprint(fed(store, reader, name, seed=k))
+        store.settle(keep=name)  # each leaves in turn: its copy waits for the gated thread
+    threading.Timer(0.3, release.set).start()
+    assert store.close() == []
+    rows = check_folder(tmp_path)
+    assert {r.session for r in rows} == set("abcd") and all(r.valid for r in rows)
+    again = SessionStore(reader, "h", cap_gib=None, disk=tmp_path)
+    for name, before in sessions.items():
+        assert_same(before, fingerprint(again.get(name)))
+
+
 def test_the_thread_reports_every_error_and_ends_at_close():
     seen = []
 
@@ -106,22 +187,22 @@ def test_the_thread_reports_every_error_and_ends_at_close():
 
     behind = WriteBehind(write)
     for name in ("a", "bad", "b"):
-        behind.submit(Job(Session(name, state=None), (), None, 0.0))
+        behind.submit(Job(Session(name, state=None), None, 0.0))
     behind.close()
     done = behind.done()
     assert [w.name for w in done] == ["a", "bad", "b"] and seen == ["a", "b"]
     assert isinstance(done[1].error, RuntimeError) and done[0].error is None
     with pytest.raises(RuntimeError):
-        behind.submit(Job(Session("c", state=None), (), None, 0.0))
+        behind.submit(Job(Session("c", state=None), None, 0.0))
 
 
 CHURN = """
 import sys
 from shadow.core.reader import open_reader
 from shadow.core.store import SessionStore
-folder, grid = sys.argv[1], int(sys.argv[2])
+folder, grid, host = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 loaded, reader = open_reader("tiny", grid=grid)
-store = SessionStore(reader, loaded.weights_hash, cap_gib=0, disk=folder, host_cap_gib=1.0)
+store = SessionStore(reader, loaded.weights_hash, cap_gib=0, disk=folder, host_cap_gib=host)
 told = set()
 for turn in range(10_000):
     name = f"s{turn % 12}"
@@ -137,11 +218,13 @@ for turn in range(10_000):
 
 
 @pytest.mark.slow
-def test_a_kill_during_writes_behind_loses_no_session_whose_file_was_written(tmp_path):
-    """A process churns 12 sessions through the host tier, its copies written behind; it is
-    killed (SIGKILL) once 20 files were acknowledged. Every file in the folder is whole and
-    valid, none half written, and each restores to a state equal to a fresh prefill of its ids."""
-    proc = subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path), str(GRID)], stdout=subprocess.PIPE,
+@pytest.mark.parametrize("host", [1.0, 0.0], ids=["host-tier", "device-to-disk"])
+def test_a_kill_during_writes_behind_loses_no_session_whose_file_was_written(tmp_path, host):
+    """A process churns 12 sessions past the cap (through the host tier, or straight from the
+    device to disk), their copies written behind; it is killed (SIGKILL) once 20 files were
+    acknowledged. Every file in the folder is whole and valid, none half written, and each
+    restores to a state equal to a fresh prefill of its ids."""
+    proc = subprocess.Popen([sys.executable, "-c", CHURN, str(tmp_path), str(GRID), str(host)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120

@@ -16,7 +16,7 @@ without going back to the device.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,18 +52,63 @@ def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
     return out
 
 
-def to_host(session: Session) -> Session:
-    """A host copy of `session` (its tensors pinned when they are on a GPU), complete when this
-    returns; the session itself is left as it was."""
-    device = session.state.device
-    pin = device.type == "cuda"
+def _copy(session: Session, pin: bool) -> Session:
+    """`session`'s host copy, its copies queued on the current stream (whole once it is done); its
+    other fields (counters, marks, a held output) as they are."""
     state = HostState({k: _to_host(v, pin) for k, v in session.state.tensors().items()}, session.state.length)
     checkpoints = [DeltaSnapshot(c.position, _to_host(c.conv, pin), _to_host(c.recurrent, pin))
                    for c in session.checkpoints]
-    if pin:
-        torch.cuda.current_stream(device).synchronize()  # the copies are done before the device rows may go
-    return Session(session.name, state, ids=list(session.ids), checkpoints=checkpoints, marks=list(session.marks),
-                   rollbacks=session.rollbacks, ids_reread=session.ids_reread)
+    return replace(session, state=state, ids=list(session.ids), checkpoints=checkpoints, marks=list(session.marks))
+
+
+def to_host(session: Session) -> Session:
+    """A host copy of `session` (its tensors pinned when they are on a GPU), complete when this
+    returns; the session itself is left as it was."""
+    move = move_to_host(session)
+    move.wait()
+    return move.copy
+
+
+@dataclass
+class Move:
+    """A session on its way to host memory: `copy` is whole once `done()`; until then `session`'s
+    device rows are read by the copy and stay where they are. `keep()`: the session stays on the
+    device after all (work queued later on the current stream waits for the copy, so nothing writes
+    the rows it still reads; the copy is then let go). Without CUDA (`event` None) the copy was made
+    whole when the move began."""
+
+    session: Session
+    copy: Session
+    event: torch.cuda.Event | None = None
+
+    def done(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def keep(self) -> None:
+        if isinstance(self.event, torch.cuda.Event):
+            torch.cuda.current_stream(self.session.state.device).wait_event(self.event)
+
+
+def move_to_host(session: Session, stream: torch.cuda.Stream | None = None) -> Move:
+    """Begin copying `session` to host memory (pinned on a GPU). On a GPU the copies run on `stream`
+    (None: the current stream) after every piece of work already queued on the current one, and
+    the move's event is recorded after them: the caller's thread does not wait for them. On the
+    CPU the copy is plain, whole when this returns."""
+    device = session.state.device
+    if device.type != "cuda":
+        return Move(session, _copy(session, pin=False))
+    current = torch.cuda.current_stream(device)
+    stream = current if stream is None else stream
+    stream.wait_stream(current)  # the copy reads the rows as every write queued before it left them
+    with torch.cuda.stream(stream):
+        copy = _copy(session, pin=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return Move(session, copy, event)
 
 
 def from_host(copy: Session, state: ModelState) -> Session:
@@ -84,31 +129,31 @@ def from_host(copy: Session, state: ModelState) -> Session:
                                  c.recurrent.to(device, non_blocking=True)) for c in copy.checkpoints]
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-    return Session(copy.name, state, ids=list(copy.ids), checkpoints=checkpoints, marks=list(copy.marks),
-                   rollbacks=copy.rollbacks, ids_reread=copy.ids_reread)
+    return replace(copy, state=state, ids=list(copy.ids), checkpoints=checkpoints, marks=list(copy.marks))
 
 
 class HostTier:
-    """Host copies of sessions by name, least recently moved in first, within `cap` bytes."""
+    """Host copies of sessions by name, least recently moved in first, within `cap` bytes. A move in
+    flight holds its room and its place in that order (`reserve`) until its copy is `put`."""
 
     def __init__(self, cap: int):
         self.cap = cap
-        self._copies: OrderedDict[str, Session] = OrderedDict()
+        self._copies: OrderedDict[str, Session | None] = OrderedDict()  # None: a move in flight
         self._bytes: dict[str, int] = {}
         self._used = 0  # the sum of `_bytes`, kept as copies come and go
 
     def __contains__(self, name: str) -> bool:
-        return name in self._copies
+        return self._copies.get(name) is not None
 
     def __len__(self) -> int:
-        return len(self._copies)
+        return sum(c is not None for c in self._copies.values())
 
     def names(self) -> list[str]:
-        return list(self._copies)
+        return [n for n, c in self._copies.items() if c is not None]
 
     def copies(self) -> list[Session]:
         """The copies, least recently moved in first."""
-        return list(self._copies.values())
+        return [c for c in self._copies.values() if c is not None]
 
     def used(self) -> int:
         return self._used
@@ -120,18 +165,36 @@ class HostTier:
     def room(self) -> int:
         return self.cap - self.used()
 
-    def oldest(self) -> Session | None:
-        return next(iter(self._copies.values()), None)
+    def oldest(self) -> str | None:
+        """The name least recently moved in (a copy, or a move in flight), None where the tier is empty."""
+        return next(iter(self._copies), None)
+
+    def reserved(self, name: str) -> bool:
+        """Whether `name`'s move into the tier is in flight (its room held, its copy not yet whole)."""
+        return name in self._copies and self._copies[name] is None
+
+    def reserve(self, name: str, nbytes: int) -> None:
+        """Hold `nbytes` of room for `name`'s move in flight, newest."""
+        self.take(name)
+        self._copies[name] = None
+        self._bytes[name] = nbytes
+        self._used += nbytes
 
     def put(self, copy: Session, nbytes: int) -> None:
-        """Hold `copy` (of `nbytes`, `host_bytes`), newest; one of the same name is replaced."""
+        """Hold `copy` (of `nbytes`, `host_bytes`): in its reservation's place, else newest (one of
+        the same name is replaced)."""
+        if self.reserved(copy.name):
+            self._used += nbytes - self._bytes[copy.name]
+            self._copies[copy.name] = copy
+            self._bytes[copy.name] = nbytes
+            return
         self.take(copy.name)
         self._copies[copy.name] = copy
         self._bytes[copy.name] = nbytes
         self._used += nbytes
 
     def take(self, name: str) -> Session | None:
-        """The copy of `name`, out of the tier (None where it holds none)."""
+        """The copy of `name`, out of the tier (None where it holds none; a reservation is let go)."""
         self._used -= self._bytes.pop(name, 0)
         return self._copies.pop(name, None)
 

@@ -5,11 +5,21 @@ Past the cap (GiB of allocated state, checkpoints included) the least recently u
 to the host tier where one is set (`hosttier`: host copies of the same tensors, bounded by
 `host_cap_gib`), and past the host tier's cap its oldest copies go to disk, one file each
 (`sessionfile`); every tier gives a session back bit for bit when it is asked for. A session leaves
-memory only once its file is written and fsynced: a write that fails (disk full, I/O error) keeps
-it resident, over the cap if it must, counts it, and a later settle tries again. Without a disk
-folder sessions past the cap are dropped and read again from the start by whoever feeds them next.
-A session leaves for the fastest tier with room and is dropped only where none holds it (no
-disk); status says where each one is and why it left.
+for the fastest tier with room and is dropped only where none holds it (no disk); status says
+where each one is and why it left.
+
+Moves beside the reads: a session leaving the device is copied to host memory on a CUDA stream
+of its own (`hosttier.move_to_host`); its device rows are let go only once the copy's event has
+completed, at a later settle or `get` (between reads), and until then it is "moving" (its rows
+count as resident). A session bound for disk waits in host memory as such a copy ("staged",
+within `stage_cap_gib`) while the write-behind thread (`writebehind`) writes its file, so the
+store's thread never waits for a disk; one larger than the staging bound is written where the
+store runs. A session asked for while it moves stays on the device; one asked for while its
+copy waits for its write comes back from the copy. A write that fails (disk full, I/O error)
+keeps the copy in host memory (or the session resident, for a write the store made itself),
+counts it, and a later settle tries again; a full disk lets no session leave for disk until then.
+Without a disk folder sessions past the cap are dropped and read again from the start by
+whoever feeds them next. Without CUDA the copies are plain, whole as the move begins.
 
 The folder may hold anything else: the store touches only its own files (named
 `<32 hex>.safetensors`, with the session marker in their header), never follows a symbolic link,
@@ -27,6 +37,7 @@ import math
 import os
 import re
 import stat
+import threading
 import time
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -38,7 +49,7 @@ from pathlib import Path
 from shadow.errors import ShadowInputError
 from shadow.model.runtime import arithmetic
 from shadow.core import blockio
-from shadow.core.hosttier import HostTier, from_host, host_bytes, to_host
+from shadow.core.hosttier import HostTier, Move, from_host, host_bytes, move_to_host
 from shadow.core.reader import Reader, Session
 from shadow.core.residency import GIB, RestoreRate, Settle
 from shadow.core.sessionfile import (
@@ -58,6 +69,7 @@ STALE_TMP_S = 3600.0  # a temporary file this old is a killed writer's, whatever
 FOLDER_MODE = 0o700
 RECENT_DROPS = 64  # dropped sessions whose reason totals() keeps
 MEASURE_NAME = "shadow restore measurement"  # no client can name a session so (a space)
+STAGE_CAP_GIB = 4.0  # host memory the copies waiting for their writes to disk may hold
 
 
 @dataclass
@@ -74,6 +86,7 @@ class SessionRow:
     write_error: str | None = None  # why its last write failed (it stays resident until one succeeds)
     left_memory: str | None = None  # in the host tier or on disk: why it left the device
     tier: str = "device"  # where it is: "device" (resident), "host" or "disk"
+    moving: str | None = None  # on its way: "to host memory" or "to disk" (its copy or its write in flight)
 
 
 @dataclass
@@ -97,6 +110,10 @@ class StoreCounters:
     to_host_seconds: float = 0.0
     from_host_seconds: float = 0.0
     written_behind: int = 0  # host copies written to disk by the write-behind thread
+    moves_kept: int = 0  # sessions asked for while their copy out was in flight: they stayed on the device
+    back_before_written: int = 0  # sessions back from the copy that waited for its write (counted in restores)
+    stage_full: int = 0  # times a session stayed past the cap: the copies waiting for their writes held the bound
+    staging_seconds: float = 0.0  # seconds the store's thread took to begin copies of sessions bound for disk
 
     @property
     def restore_gib_per_s(self) -> float | None:
@@ -120,13 +137,14 @@ class SessionStore:
         self, reader: Reader, weights_hash: str, *, cap_gib: float | None = 4.0, disk: Path | None = None,
         disk_cap_gib: float | None = 64.0, max_age_s: float = 48 * 3600, model: str = "",
         clock: Callable[[], float] = time.time, retry_s: float = RETRY_S, key: str | bytes | None = None,
-        direct: bool = True, host_cap_gib: float | None = None,
+        direct: bool = True, host_cap_gib: float | None = None, stage_cap_gib: float = STAGE_CAP_GIB,
     ):
         """`disk_cap_gib` bounds the store's own files in `disk` (None: no bound); a session whose
         spill failed is tried again at the first settle `retry_s` or more later. With `key`, files
         carry a keyed digest made with it and only files with that digest are read. `direct`: O_DIRECT file I/O where the file system takes it.
         `host_cap_gib`: the host tier's bound (None or 0: no host tier, sessions past the cap
-        go to disk or are dropped)."""
+        go to disk or are dropped). `stage_cap_gib`: the host memory the copies of sessions bound
+        for disk may hold while they wait for their writes."""
         self.reader = reader
         self.identity = Identity(weights_hash, reader.grid, arithmetic(reader.model))
         self.cap = None if cap_gib is None else int(cap_gib * GIB)  # None: no cap
@@ -156,7 +174,16 @@ class SessionStore:
         # service sets it to its checks of the session's ids, so a restart knows what was exact
         self.annotate: Callable[[str], dict | None] | None = None
         self._saved: dict[str, tuple] = {}  # sessions whose file holds them as they were: `_version` then
-        self.behind: WriteBehind | None = None  # writes the host tier's copies to disk (made with the first one)
+        self.behind: WriteBehind | None = None  # writes host copies to disk (made with the first one)
+        self.stage_cap = int(stage_cap_gib * GIB)
+        self._moving: OrderedDict[str, Leaving] = OrderedDict()  # copies out in flight, oldest first
+        self._letting_go: list[Leaving] = []  # moves of sessions gone meanwhile: their rows held until done
+        self._staged: OrderedDict[str, Session] = OrderedDict()  # host copies bound for disk, not yet written
+        self._staged_bytes: dict[str, int] = {}
+        self._written: set[str] = set()  # host-tier copies whose file holds them
+        self._disk_full_until = -math.inf  # a write behind found the disk full: nothing leaves for it before then
+        self._stream = None  # the CUDA stream copies out run on (made with the first one)
+        self._sweep_lock = threading.Lock()  # sweeps run where the store runs and on the write-behind thread
         if self.disk:
             _make_folder(self.disk)
             self.sweep()
@@ -174,14 +201,17 @@ class SessionStore:
     # sessions ---------------------------------------------------------------------------
 
     def get(self, name: str, ahead: Restored | None = None) -> Session:
-        """The session `name`, resident and most recently used: as it was, restored from disk, or new.
-        A bad file is refused (reported once) and the session starts over; a bad file never raises.
+        """The session `name`, resident and most recently used: as it was (kept on the device where its
+        copy out is in flight), moved back from host memory, restored from disk, or new. A bad file
+        is refused (reported once) and the session starts over; a bad file never raises.
         `ahead`: what `restore_ahead` brought back, taken if its host copy or file is still the one
         it came from."""
+        self._moves_done()
         session = self._resident.get(name)
         if session is None:
-            session = (self._adopt(name, ahead) if ahead is not None else None) or self._from_host(name) \
-                or self._restore(name) or self.reader.new_session(name)
+            session = self._keep_moving(name) or (self._adopt(name, ahead) if ahead is not None else None) \
+                or self._from_host(name) or self._from_staged(name) or self._restore(name) \
+                or self.reader.new_session(name)
             self._resident[name] = session
         self._resident.move_to_end(name)
         self._last_use[name] = self.clock()
@@ -192,9 +222,10 @@ class SessionStore:
         return self._resident.get(name)
 
     def holds(self, name: str) -> bool:
-        """Whether the store keeps `name`: resident, or a file of it on disk (a session dropped
-        without a disk is gone; `get` would start it over, empty)."""
-        if name in self._resident or (self.host is not None and name in self.host):
+        """Whether the store keeps `name`: resident or moving, in host memory, or a file of it on disk
+        (a session dropped without a disk is gone; `get` would start it over, empty)."""
+        if name in self._resident or name in self._moving or name in self._staged \
+                or (self.host is not None and name in self.host):
             return True
         if not self.disk:
             return False
@@ -204,10 +235,10 @@ class SessionStore:
             return False
 
     def names(self) -> list[str]:
-        """Every session: resident, or on disk in a valid header."""
+        """Every session: resident or moving, in host memory, or on disk in a valid header."""
         on_disk = {h.name for _, h, _ in self._headers()}
         in_host = set(self.host.names()) if self.host is not None else set()
-        return sorted(set(self._resident) | in_host | on_disk)
+        return sorted(set(self._resident) | set(self._moving) | set(self._staged) | in_host | on_disk)
 
     def records(self) -> dict[str, tuple[dict, int]]:
         """Each session on disk whose file carries the caller's record (`annotate`): (the record,
@@ -220,12 +251,15 @@ class SessionStore:
         """Spill (or drop) least recently used sessions until resident bytes fit the cap; `keep`
         stays resident even when it alone is over the cap. A session whose write fails stays
         resident (over the cap) and is tried again at a settle `retry_s` later; a full disk ends
-        the settle."""
+        the settle. Moves out begun earlier whose copies are whole finish first (their device rows
+        let go); a session moving counts as gone for the cap."""
+        self._collect()
+        self._moves_done()
         if self.cap is None:
             return
-        self._collect()
         self.reader.settle()  # no session leaves memory half read
         now = self.clock()
+        self._retry_staged(now)
         waiting = {n for n, t in self._retry_at.items() if now < t}
         plan = Settle([(n, session_bytes(s)) for n, s in self._resident.items()], self.cap, keep, waiting)
         for name, size in plan:
@@ -234,26 +268,38 @@ class SessionStore:
                 plan.left(size)
             elif error in DISK_FULL:
                 break
+        self._moves_done()  # without CUDA the copies just begun are whole: they take their places now
 
     def save(self, skip: Container[str] = ()) -> list[tuple[str, str]]:
-        """Write every session held in memory (resident or in the host tier) but those named in
-        `skip`, passing over one whose file already holds it as it is now (without a disk, nothing
-        to do). Returns (session, reason) for each one it could not write; every session stays
-        where it was."""
+        """Write every session held in memory (resident, in the host tier, or a copy waiting for its
+        write) but those named in `skip`, passing over one whose file already holds it as it is now
+        (without a disk, nothing to do). Moves in flight are waited for and the write-behind queue
+        written first. Returns (session, reason) for each one it could not write; every session
+        stays where it was (a copy whose write is done leaves host memory)."""
         if not self.disk:
             return []
-        if self.behind is not None:  # what it has queued is written first, and counted
-            self.behind.flush()
-            self._collect()
+        self.flush()  # what is in flight or queued is written first, and counted
         self.reader.settle()
         failed = []
-        held = [*self._resident.items(), *((c.name, c) for c in (self.host.copies() if self.host else []))]
+        held = [*self._resident.items(), *((c.name, c) for c in (self.host.copies() if self.host else [])),
+                *self._staged.items()]
         for name, session in held:
             if name in skip or self._saved.get(name) == self._version(session):
                 continue
             if self._write(session) is not None:
                 failed.append((name, self._unwritten[name]))
+            elif self._staged.get(name) is session:
+                self._unstage(name)
+                self._last_use.pop(name, None)
         return failed
+
+    def flush(self) -> None:
+        """Wait for every move out in flight and every write behind queued, and take in their
+        outcomes (a copy whose file is written leaves host memory)."""
+        self._moves_done(wait=True)
+        if self.behind is not None:
+            self.behind.flush()
+        self._collect()
 
     def close(self) -> list[tuple[str, str]]:
         """A planned stop: `save` every session; the write-behind thread ends (a later move to the
@@ -270,47 +316,223 @@ class SessionStore:
         last use). `record`: the caller's record of it, where already asked for."""
         if record is None and self.annotate is not None:
             record = self.annotate(session.name)
-        return (hash(tuple(session.ids)), session.committed, session.rollbacks, session.ids_reread,
-                tuple(c.position for c in session.checkpoints), tuple(session.marks), repr(record))
+        return version_of(session, record)
 
     def _write_behind(self, copy: Session) -> None:
-        """Queue `copy` (just moved into the host tier) to be written to disk on the write-behind thread."""
+        """Queue `copy` (a host copy: moved into the host tier, or bound for disk) to be written to
+        disk on the write-behind thread."""
         if self.behind is None:
             self.behind = WriteBehind(self._write_job)
         record = self.annotate(copy.name) if self.annotate is not None else None
-        self.behind.submit(Job(copy, self._version(copy, record), record,
-                               self._last_use.get(copy.name, self.clock())))
+        self.behind.submit(Job(copy, record, self._last_use.get(copy.name, self.clock())))
 
-    def _write_job(self, job: Job) -> int:
-        """On the write-behind thread: `job`'s file, written whole (or raising)."""
-        return write_session(self.path_of(job.copy.name), job.copy, self.identity, job.last_use, self.model,
-                             key=self.key, direct=self.direct, checks=job.checks)
+    def _write_job(self, job: Job) -> tuple[int, tuple]:
+        """On the write-behind thread: `job`'s file, written whole (or raising), then the folder
+        swept; (the bytes written, the version the file holds: its ids hashed here, not where the
+        store runs)."""
+        path = self.path_of(job.copy.name)
+        written = write_session(path, job.copy, self.identity, job.last_use, self.model, key=self.key,
+                                direct=self.direct, checks=job.checks)
+        version = version_of(job.copy, job.checks)
+        self.sweep(protect=path)
+        return written, version
 
     def _collect(self) -> None:
-        """Count what the write-behind thread wrote (its files now hold those versions) and log
-        what it could not (the copy is written when it leaves the host tier)."""
+        """Count what the write-behind thread wrote (its files now hold those versions; a copy that
+        waited for its write leaves host memory) and log what it could not (a host-tier copy is
+        written again when it leaves the tier, a copy bound for disk at a settle `retry_s` later)."""
         if self.behind is None:
             return
         for w in self.behind.done():
+            name, copy = w.name, w.job.copy
+            staged = self._staged.get(name) is copy
+            c = self.counters
             if w.error is None:
-                self._saved[w.name] = w.job.version
-                c = self.counters
+                written, self._saved[name] = w.result
                 c.written_behind += 1
-                c.bytes_written += w.nbytes
+                c.bytes_written += written
                 c.spill_seconds += w.seconds
                 self.timed("spill", w.seconds)
-            else:
-                reason = f"{type(w.error).__name__}: {getattr(w.error, 'strerror', None) or w.error}"
-                self.counters.write_failures += 1
-                self.counters.last_error = f"writing session {w.name!r} behind: {reason}"
+                if self.host is not None and self.host.peek(name) is copy:
+                    self._written.add(name)
+                if staged:
+                    self._unstage(name)
+                    self._last_use.pop(name, None)
+                    self._unwritten.pop(name, None)
+                    self._retry_at.pop(name, None)
+                continue
+            reason = f"{type(w.error).__name__}: {getattr(w.error, 'strerror', None) or w.error}"
+            c.write_failures += 1
+            c.last_error = f"writing session {name!r} behind: {reason}"
+            if getattr(w.error, "errno", None) in DISK_FULL:
+                self._disk_full_until = self.clock() + self.retry_s
+            if not staged:
                 log.warning("session %r not written behind (%s); it is written when it leaves host memory",
-                            w.name, reason)
+                            name, reason)
+                continue
+            self._unwritten[name] = reason
+            self._retry_at[name] = self.clock() + self.retry_s
+            log.warning("session %r not written (%s); its copy stays in host memory and is written again",
+                        name, reason)
 
     def resident_bytes(self) -> int:
-        return sum(session_bytes(s) for s in self._resident.values())
+        """Bytes of the sessions on the device: resident, and moving (their rows held until their copy is whole)."""
+        return sum(session_bytes(s) for s in self._resident.values()) + \
+            sum(m.device_bytes for m in [*self._moving.values(), *self._letting_go])
 
     def host_bytes(self) -> int:
         return self.host.used() if self.host is not None else 0
+
+    def staged_bytes(self) -> int:
+        """Host bytes of the copies bound for disk: those waiting for their writes and those in flight."""
+        return sum(self._staged_bytes.values()) + sum(m.nbytes for m in self._moving.values() if m.to == "disk")
+
+    # moves out -------------------------------------------------------------------------
+
+    def _side_stream(self):
+        """The CUDA stream copies out run on (None without CUDA: plain copies)."""
+        device = self.reader.model.device
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            import torch
+
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
+    def _begin_move(self, session: Session, to: str, nbytes: int) -> None:
+        """`session` leaves the device: its copy to host memory begun beside the reads, its room
+        (in the host tier, or in staging for disk) held until the copy is whole."""
+        name = session.name
+        start = time.perf_counter()
+        move = move_to_host(session, self._side_stream())
+        seconds = time.perf_counter() - start
+        self._moving[name] = Leaving(move, to, session_bytes(session), nbytes)
+        del self._resident[name]
+        if to == "host":
+            self.host.reserve(name, nbytes)
+            self.counters.to_host_seconds += seconds
+        else:
+            self.counters.staging_seconds += seconds
+
+    def _retarget(self, name: str) -> bool:
+        """`name`'s move into the host tier, still in flight, leaves the tier as its copy would: bound
+        for disk (its copy to wait in staging for its write), or, without a disk, dropped (the copy
+        let go once whole); False where staging is full."""
+        leaving = self._moving[name]
+        if not self.disk:
+            self._dropped(name, "dropped: the host tier was full and there is no --disk")
+            del self._moving[name]
+            self._letting_go.append(leaving)
+            self.host.take(name)
+            return True
+        if leaving.nbytes > self.stage_cap:  # too large to wait in staging: its copy finished and written here
+            leaving.move.wait()
+            if self._write(leaving.move.copy) is not None:
+                return False
+            del self._moving[name]
+            self._letting_go.append(leaving)
+            self.sweep(protect=self.path_of(name))
+        elif not self._staging_room(leaving.nbytes):
+            return False
+        else:
+            leaving.to = "disk"
+        self.host.take(name)
+        self.counters.spills += 1
+        self.counters.host_to_disk += 1
+        self._spilled_why[name] = "spilled: the host tier was full"
+        return True
+
+    def _moves_done(self, wait: bool = False) -> None:
+        """Moves out whose copies are whole (all of them, waited for, with `wait`) finish: the copy
+        takes its place in the host tier (its file queued to be written behind) or waits for its
+        write in staging, and the device rows are let go."""
+        for leaving in list(self._letting_go):
+            if wait:
+                leaving.move.wait()
+            if leaving.move.done():
+                self._letting_go.remove(leaving)
+        for name, leaving in list(self._moving.items()):
+            if wait:
+                leaving.move.wait()
+            elif not leaving.move.done():
+                continue
+            del self._moving[name]
+            copy = leaving.move.copy
+            if leaving.to == "host":
+                self.host.put(copy, leaving.nbytes)
+                self._written.discard(name)
+                if self.disk:
+                    self._write_behind(copy)
+            else:
+                self._stage(copy, leaving.nbytes)
+
+    def _keep_moving(self, name: str) -> Session | None:
+        """`name` asked for while its copy out is in flight: it stays on the device (the copy let
+        go, later work waiting for it), counted as back from the tier it was leaving for."""
+        leaving = self._moving.pop(name, None)
+        if leaving is None:
+            return None
+        leaving.move.keep()
+        c = self.counters
+        if leaving.to == "host":
+            self.host.take(name)  # its reservation let go
+            c.from_host += 1
+            c.bytes_from_host += leaving.nbytes
+        else:
+            c.restores += 1
+            c.back_before_written += 1
+        c.moves_kept += 1
+        self._spilled_why.pop(name, None)
+        return leaving.move.session
+
+    def _stage(self, copy: Session, nbytes: int, submit: bool = True) -> None:
+        """`copy` waits in host memory for its file (queued to be written behind, unless `submit` is
+        False: its job is queued already)."""
+        self._staged[copy.name] = copy
+        self._staged_bytes[copy.name] = nbytes
+        if submit:
+            self._write_behind(copy)
+
+    def _unstage(self, name: str) -> None:
+        self._staged.pop(name, None)
+        self._staged_bytes.pop(name, None)
+
+    def _staging_room(self, nbytes: int) -> bool:
+        """Whether a copy of `nbytes` bound for disk may wait in host memory now (else counted)."""
+        if self.staged_bytes() + nbytes <= self.stage_cap:
+            return True
+        self.counters.stage_full += 1
+        return False
+
+    def _from_staged(self, name: str) -> Session | None:
+        """`name` moved back from its copy waiting for its write (None where there is none)."""
+        copy = self._staged.get(name)
+        if copy is None:
+            return None
+        session = from_host(copy, self.reader.model.new_state())
+        self._back_from_staging(name)
+        return session
+
+    def _back_from_staging(self, name: str) -> None:
+        """`name`'s copy bound for disk is back on the device: its job not begun dropped (one being
+        written lands, and its file holds that copy), counted as a restore from the disk tier."""
+        self._unstage(name)
+        if self.behind is not None:
+            self.behind.drop(name)
+        self._unwritten.pop(name, None)
+        self._retry_at.pop(name, None)
+        self.counters.restores += 1
+        self.counters.back_before_written += 1
+        self._spilled_why.pop(name, None)
+
+    def _retry_staged(self, now: float) -> None:
+        """Copies bound for disk whose write failed are queued again `retry_s` after the failure."""
+        for name, copy in list(self._staged.items()):
+            if name in self._unwritten and now >= self._retry_at.get(name, now) and \
+                    (self.behind is None or self.behind.current(name) is None):
+                self._retry_at[name] = now + self.retry_s
+                self._write_behind(copy)
 
     # disk -------------------------------------------------------------------------------
 
@@ -319,33 +541,43 @@ class SessionStore:
         return self.disk / session_file_name(name)
 
     def _evict(self, name: str) -> int | None:
-        """Move `name` to the host tier, or spill or drop it; None when it left device memory,
-        else the failed write's errno (0 if none)."""
+        """Move `name` to the host tier, or to disk (copied to host memory and written behind; one
+        past the staging bound written here), or drop it; None when it left (or began to leave)
+        the device, else an errno (0 if none): a write that failed, a disk found full, or the
+        staging bound held by copies waiting for their writes."""
         session = self._resident[name]
         if self._to_host(session):
-            del self._resident[name]
             return None
+        why = "spilled: past the device cap" + (" and the host tier's" if self.host is not None else "")
         if not self.disk:
             self._dropped(name, "dropped: no tier had room (no --disk); its next turn reads it again")
+        elif self.clock() < self._disk_full_until:
+            return errno.ENOSPC
+        elif (nbytes := host_bytes(session)) <= self.stage_cap:
+            if not self._staging_room(nbytes):
+                return 0  # it stays, past the cap, until the writes queued land
+            self._begin_move(session, "disk", nbytes)
+            self.counters.spills += 1
+            self._spilled_why[name] = why
+            return None
         else:
             error = self._write(session)
             if error is not None:
                 return error
             self.counters.spills += 1
-            self._spilled_why[name] = "spilled: past the device cap" + (
-                " and the host tier's" if self.host is not None else "")
+            self._spilled_why[name] = why
+            self.sweep(protect=self.path_of(name))
         del self._resident[name]
         self._last_use.pop(name, None)
-        if self.disk:
-            self.sweep(protect=self.path_of(name))
         return None
 
     # the host tier ---------------------------------------------------------------------
 
     def _to_host(self, session: Session) -> bool:
-        """Move `session` into the host tier, its oldest copies first written to disk (or dropped,
-        without a disk) to make room; False (and nothing moved) where there is no host tier, the
-        session alone is past its cap, or room could not be made (a write failed)."""
+        """Begin moving `session` into the host tier (`_begin_move`), its oldest copies first
+        leaving for disk (or dropped, without a disk) to make room; False (and nothing moved)
+        where there is no host tier, the session alone is past its cap, or room could not be made
+        (a write failed, or staging is full)."""
         host = self.host
         if host is None:
             return False
@@ -353,37 +585,49 @@ class SessionStore:
         if not host.fits(need):
             return False
         while host.room() < need:
-            if not self._host_out(host.oldest()):
+            oldest = host.oldest()
+            if oldest is None or not self._host_out(oldest):
                 return False
-        start = time.perf_counter()
-        copy = to_host(session)
+        self._begin_move(session, "host", need)
         c = self.counters
-        c.to_host_seconds += time.perf_counter() - start
         c.to_host += 1
         c.bytes_to_host += need
-        host.put(copy, need)
         self._spilled_why[session.name] = "in host memory: past the device cap"
-        if self.disk:
-            self._write_behind(copy)
         return True
 
-    def _host_out(self, copy: Session) -> bool:
-        """The host copy leaves the tier for disk (spilled, its file written from host memory) or,
-        without a disk, is dropped; False where its write failed (it stays in the tier)."""
-        if self.disk:
-            if self.behind is not None:  # its job not begun is dropped, one being written is waited for
-                self.behind.cancel(copy.name)
-                self._collect()
-            if self._saved.get(copy.name) != self._version(copy) and self._write(copy) is not None:
+    def _host_out(self, name: str) -> bool:
+        """The tier's copy of `name` leaves it for disk (spilled: at once where its file already
+        holds it, else waiting in staging for its write behind; one past the staging bound written
+        here) or, without a disk, is dropped; False where it cannot leave (its write failed, or
+        staging is full): it stays in the tier. A move into the tier still in flight leaves as well
+        (`_retarget`)."""
+        if self.host.reserved(name):
+            return self._retarget(name)
+        copy = self.host.peek(name)
+        if not self.disk:
+            self._dropped(name, "dropped: the host tier was full and there is no --disk")
+            self.host.take(name)
+            self._written.discard(name)
+            return True
+        nbytes = self.host.nbytes(name)
+        if name not in self._written:
+            queued = self.behind is not None and (job := self.behind.current(name)) is not None and job.copy is copy
+            if nbytes > self.stage_cap:
+                if self.behind is not None:
+                    self.behind.cancel(name)
+                    self._collect()
+                if self._saved.get(name) != self._version(copy) and self._write(copy) is not None:
+                    return False
+                self.sweep(protect=self.path_of(name))
+            elif not self._staging_room(nbytes):
                 return False
-            self.counters.spills += 1
-            self.counters.host_to_disk += 1
-            self._spilled_why[copy.name] = "spilled: the host tier was full"
-        else:
-            self._dropped(copy.name, "dropped: the host tier was full and there is no --disk")
-        self.host.take(copy.name)
-        if self.disk:
-            self.sweep(protect=self.path_of(copy.name))
+            else:
+                self._stage(copy, nbytes, submit=not queued)
+        self.host.take(name)
+        self._written.discard(name)
+        self.counters.spills += 1
+        self.counters.host_to_disk += 1
+        self._spilled_why[name] = "spilled: the host tier was full"
         return True
 
     def _from_host(self, name: str) -> Session | None:
@@ -401,6 +645,7 @@ class SessionStore:
         c = self.counters
         c.bytes_from_host += self.host.nbytes(name)
         self.host.take(name)
+        self._written.discard(name)
         c.from_host_seconds += seconds
         c.from_host += 1
         self._spilled_why.pop(name, None)
@@ -450,13 +695,14 @@ class SessionStore:
 
     def restore_ahead(self, name: str, stream=None) -> Restored | None:
         """`name` brought back onto the device without changing the store, so that the caller can
-        do it before its lock or on another thread and hand it to `get`: copied from its host copy,
-        or its file read (and checked); None where there is nothing to bring back (resident, none,
+        do it before its lock or on another thread and hand it to `get`: copied from its host copy
+        (in the tier, or waiting for its write), or its file read (and checked); None where there is nothing to bring back (resident, none,
         refused, or bad: `get` reports a bad one). `stream`: a CUDA stream the copies run on, beside
         the reads on the current one (the tensors are then marked as used by the current stream)."""
-        if name in self._resident:
+        if name in self._resident or name in self._moving:  # `get` keeps a moving one where it is
             return None
         copy = self.host.peek(name) if self.host is not None else None
+        copy = copy if copy is not None else self._staged.get(name)
         if copy is not None:
             start = time.perf_counter()
             with beside(stream) as done:
@@ -490,12 +736,17 @@ class SessionStore:
         """`ahead`'s session, if its host copy or file is still the one it came from (else None:
         bring it back again)."""
         if ahead.copy is not None:
-            if self.host is None or self.host.peek(name) is not ahead.copy or ahead.session.name != name:
+            if ahead.session.name != name:
                 return None
-            self._host_moved_back(name, ahead.seconds)
-            return ahead.session
-        if not self.disk or (self.host is not None and name in self.host):  # a newer copy is in the tier
+            if self.host is not None and self.host.peek(name) is ahead.copy:
+                self._host_moved_back(name, ahead.seconds)
+                return ahead.session
+            if self._staged.get(name) is ahead.copy:
+                self._back_from_staging(name)
+                return ahead.session
             return None
+        if not self.disk or (self.host is not None and name in self.host) or name in self._staged:
+            return None  # a newer copy is in host memory
         path = self.path_of(name)
         try:
             st = path.lstat()
@@ -607,9 +858,14 @@ class SessionStore:
     def sweep(self, protect: Path | None = None) -> None:
         """Remove the store's own files (rejected ones too; each must carry the session marker)
         older than max_age_s, then the oldest past the disk cap, and temporary files of killed
-        writers. Never follows a link, never raises: what cannot be read or removed is skipped."""
+        writers. Never follows a link, never raises: what cannot be read or removed is skipped.
+        One sweep at a time (the write-behind thread sweeps after each of its writes)."""
         if not self.disk:
             return
+        with self._sweep_lock:
+            self._sweep(protect)
+
+    def _sweep(self, protect: Path | None) -> None:
         now = self.clock()
         files = []
         for path, st in self._own():
@@ -666,16 +922,29 @@ class SessionStore:
             "host_sessions": len(self.host) if self.host is not None else 0,
             "written_behind": self.counters.written_behind,
             "write_behind_queue": self.behind.pending() if self.behind is not None else 0,
+            "moving_sessions": len(self._moving), "moving_bytes": sum(m.device_bytes for m in self._moving.values()),
+            "staged_sessions": len(self._staged), "staged_bytes": self.staged_bytes(), "stage_cap_bytes": self.stage_cap,
         }
 
     def status(self) -> list[SessionRow]:
-        """Every session: resident ones and the host tier's from memory, spilled ones from their
-        (valid) file headers."""
+        """Every session: resident and moving ones, the host tier's and the copies waiting for their
+        writes from memory, spilled ones from their (valid) file headers. The writes behind that
+        ended are taken in first (a copy whose file is written is on disk)."""
+        self._collect()
         rows = [
             SessionRow(s.name, s.committed, s.pending, session_bytes(s), len(s.checkpoints), True,
                        self._last_use.get(s.name, 0.0), self._unwritten.get(s.name))
             for s in self._resident.values()
         ]
+        for name, m in self._moving.items():
+            s = m.move.session
+            rows.append(SessionRow(name, s.committed, s.pending, m.device_bytes, len(s.checkpoints), True,
+                                   self._last_use.get(name, 0.0), None, self._spilled_why.get(name),
+                                   moving="to host memory" if m.to == "host" else "to disk"))
+        for name, c in self._staged.items():
+            rows.append(SessionRow(name, c.committed, c.pending, self._staged_bytes[name], len(c.checkpoints), False,
+                                   self._last_use.get(name, 0.0), self._unwritten.get(name),
+                                   self._spilled_why.get(name), tier="host", moving="to disk"))
         for c in self.host.copies() if self.host is not None else []:
             rows.append(SessionRow(c.name, c.committed, c.pending, self.host.nbytes(c.name), len(c.checkpoints), False,
                                    self._last_use.get(c.name, 0.0), self._unwritten.get(c.name),
@@ -688,6 +957,24 @@ class SessionStore:
                                        len(h.checkpoints), False, h.last_use, None, self._spilled_why.get(h.name),
                                        tier="disk"))
         return sorted(rows, key=lambda r: r.name)
+
+
+@dataclass
+class Leaving:
+    """A session leaving the device: its `move` (the copy in flight), the tier it is bound for
+    ("host" or "disk"), its device bytes (held until the copy is whole) and its copy's bytes."""
+
+    move: Move
+    to: str
+    device_bytes: int
+    nbytes: int
+
+
+def version_of(session: Session, record: dict | None) -> tuple:
+    """What a file of `session` carrying the caller's `record` would hold, in brief: equal versions,
+    equal files (but the last use). Hashes every id (about 0.57 ms per 100k)."""
+    return (hash(tuple(session.ids)), session.committed, session.rollbacks, session.ids_reread,
+            tuple(c.position for c in session.checkpoints), tuple(session.marks), repr(record))
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
-"""Files written behind: the host tier's copies of sessions written to disk by a thread of their
-own, so that a copy leaving the tier for disk later needs no write where the store runs (between
-the shadow's reads).
+"""Files written behind: host copies of sessions written to disk by a thread of their own, so
+that no write waits where the store runs (between the shadow's reads): the host tier's copies as
+they move in (a copy leaving the tier for disk later needs no write), and the copies of sessions
+that leave the device straight for disk.
 
 A job is one session's host copy (tensors nothing changes any more) with what its file carries;
-a newer job of the same session replaces one not begun. `cancel(name)` drops a job not begun and
-waits for one being written, so a write of the same session on the store's own thread always
-lands after it. What was written, or why not, is collected by the store on its thread (`done`);
+a newer job of the same session replaces one not begun. `drop(name)` drops a job not begun;
+`cancel(name)` also waits for one being written, so a write of the same session on the store's
+own thread always lands after it. What was written, or why not, is collected by the store on its thread (`done`);
 a file is whole or absent at every moment (`sessionfile.write_session` writes a temporary file and
 renames it), so a process killed mid-write loses only the job in flight, never a file it had
 written. The thread catches every error of a write and reports it; it ends at `close`."""
@@ -17,6 +18,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from shadow.core.reader import Session
 
@@ -24,31 +26,30 @@ from shadow.core.reader import Session
 @dataclass(frozen=True)
 class Job:
     copy: Session  # the host copy to write
-    version: tuple  # the store's brief of what the file holds (`SessionStore._version`)
     checks: dict | None  # the caller's record the file carries
     last_use: float
 
 
 @dataclass(frozen=True)
 class Written:
-    """A job's outcome: the bytes written and the seconds it took, or the error that stopped it."""
+    """A job's outcome: what `write` returned and the seconds it took, or the error that stopped it."""
 
     name: str
     job: Job
-    nbytes: int
+    result: Any
     seconds: float
     error: Exception | None = None
 
 
 class WriteBehind:
-    """One thread running `write(job) -> bytes written` (raising where the disk refuses) for the
-    jobs submitted, oldest first."""
+    """One thread running `write(job)` (raising where the disk refuses) for the jobs submitted,
+    oldest first."""
 
-    def __init__(self, write: Callable[[Job], int]):
+    def __init__(self, write: Callable[[Job], Any]):
         self._write = write
         self._cond = threading.Condition()
         self._queue: OrderedDict[str, Job] = OrderedDict()
-        self._busy: str | None = None
+        self._busy: tuple[str, Job] | None = None
         self._done: list[Written] = []
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="shadow-write-behind", daemon=True)
@@ -62,11 +63,25 @@ class WriteBehind:
             self._queue[job.copy.name] = job
             self._cond.notify_all()
 
+    def drop(self, name: str) -> Job | None:
+        """Drop `name`'s job not begun (without waiting for one being written); the job dropped."""
+        with self._cond:
+            job = self._queue.pop(name, None)
+            self._cond.notify_all()
+            return job
+
+    def current(self, name: str) -> Job | None:
+        """`name`'s job queued or being written (None where there is none)."""
+        with self._cond:
+            if self._busy is not None and self._busy[0] == name:
+                return self._busy[1]
+            return self._queue.get(name)
+
     def cancel(self, name: str) -> None:
         """Drop `name`'s job not begun; wait for one being written."""
         with self._cond:
             self._queue.pop(name, None)
-            while self._busy == name:
+            while self._busy is not None and self._busy[0] == name:
                 self._cond.wait()
 
     def flush(self) -> None:
@@ -101,7 +116,7 @@ class WriteBehind:
                 if not self._queue:
                     return
                 name, job = self._queue.popitem(last=False)
-                self._busy = name
+                self._busy = (name, job)
             start = time.perf_counter()
             try:
                 written = Written(name, job, self._write(job), time.perf_counter() - start)

@@ -131,16 +131,17 @@ class ModelledStore:
 
     def settle(self, keep: str | None) -> tuple[list[str], float]:
         """Spill or drop least recently used sessions until the rest fit the cap (`keep` stays):
-        (the sessions that left, seconds of the writes)."""
+        (the sessions that left, seconds of device time: none, as live, where each leaves by a copy
+        on a stream of its own and its file is written behind; the moves and writes are counted)."""
         if self.cap is None:
             return [], 0.0
         plan = Settle([(n, self.bytes(h)) for n, h in self.resident.items()], self.cap, keep)
-        out, seconds = [], 0.0
+        out = []
         for name, nbytes in plan:
-            seconds += self._evict(self.resident[name])
+            self._evict(self.resident[name])
             out.append(name)
             plan.left(nbytes)
-        return out, seconds
+        return out, 0.0
 
     def _evict(self, h: ModelledSession) -> float:
         del self.resident[h.name]
