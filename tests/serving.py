@@ -43,13 +43,13 @@ def free_port() -> int:
 def settings_for(upstream: str | None = None, disk=None, journal=None, label_from_upstream=False, prefix_match=True,
                  require_exact=False, session_headers=None, status_channel="auto", status_timing=None,
                  rule: BandwidthRule = BandwidthRule(), dialect: str = "auto", engine_timeout_s: float = 600.0,
-                 **more) -> ServeSettings:
+                 predict: bool = True, **more) -> ServeSettings:
     """The settings a test's service runs with: grid GRID, no cap, and what the test names."""
     sessions = SessionSettings(prefix_match=prefix_match, **({"headers": tuple(session_headers)} if session_headers else {}))
     return ServeSettings(
         model=ModelSettings("tiny", grid=GRID), store=StoreSettings(cap_gib=None, disk=disk), schedule=rule,
         engine=EngineSettings(upstream=upstream, dialect=dialect, label_from_upstream=label_from_upstream,
-                              timeout_s=engine_timeout_s),
+                              timeout_s=engine_timeout_s, predict=predict),
         sessions=sessions, status=StatusSettings(status_channel, timing=LineTiming(**(status_timing or {}))),
         journal=journal, require_exact=require_exact, **more)
 

@@ -73,7 +73,8 @@ def test_thirty_one_turns_through_the_proxy_read_the_engines_prompt_ids(engine, 
     journal = tmp_path / "journal.jsonl"
     equal, turns = 0, 0
     last_body: dict[str, dict] = {}
-    with running(upstream=engine, journal=journal, renderer=renderer_of(big_model)) as (proxy, service):
+    with running(upstream=engine, journal=journal, renderer=renderer_of(big_model),
+                 predict=False) as (proxy, service):  # each reply as the engine wrote it: not read (no ids shown)
         for name, body, reply, status_code in play_sessions(proxy, session_script()):
             assert status_code == 200 and reply.malformed == 0
             # the client did not ask for a stream's usage: from 5.25 the engine sends it only when asked,
@@ -112,6 +113,30 @@ def test_thirty_one_turns_through_the_proxy_read_the_engines_prompt_ids(engine, 
         checks = sessions[name]["id_checks"]
         assert checks["exact"] is True and checks["turns_verified"] == 0
         assert checks["outputs"]["not_read"] == checks["prompts"]["verified"] == len(session_script()[name])
+
+
+def test_the_next_prompt_predicted_through_the_proxy_is_the_engines(engine, big_model, truth, tmp_path):
+    """The same 31 turns with the next prompt predicted (the default): each reply, re-rendered by
+    the template, is read before the next prompt comes, and that prompt (the engine's own ids)
+    confirms it; every state stays bit-equal to a fresh prefill of its ids."""
+    journal = tmp_path / "journal.jsonl"
+    turns, sessions = 0, set()
+    with running(upstream=engine, journal=journal, renderer=renderer_of(big_model)) as (proxy, service):
+        for name, body, reply, status_code in play_sessions(proxy, session_script()):
+            assert status_code == 200 and reply.malformed == 0
+            settled(service)
+            turns += 1
+            sessions.add(name)
+        wait_until_read(service, list(sessions))
+        for name in sessions:
+            assert_exact(service, name)
+        status = proxy.get("/v1/shadow/status").json()
+    counts = status["counters"]["predictions"]
+    assert counts["made"] + counts["skipped"] == turns and counts["made"] > 0
+    assert counts["confirmed"] + counts["missed"] == counts["made"] - len(sessions)  # each last one is unchecked
+    assert counts["confirmed"] >= counts["missed"]
+    records = [json.loads(line) for line in journal.read_text().splitlines()]
+    assert all(r["prompt_check"] == "verified" for r in records if r.get("kind") == "turn")
 
 
 def test_check_engine_against_transformers_serve(engine, big_model):

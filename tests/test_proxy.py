@@ -135,7 +135,8 @@ def test_require_exact_refuses_asks_on_unverified_sessions(tiny):
     seen, mode = [], {"usage": False}
     with serving(scripted_engine(seen, mode)) as engine:
         url = str(engine.base_url).rstrip("/") + "/v1"
-        with running(upstream=url, dialect="openai", renderer=renderer(), require_exact=True) as (proxy, service):
+        with running(upstream=url, dialect="openai", renderer=renderer(), require_exact=True,
+                     predict=False) as (proxy, service):  # the reply as the engine wrote it, not a prediction
             proxy.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
                        headers={"x-session-id": "u"})
             settled(service)
@@ -344,7 +345,8 @@ def test_an_output_whose_text_retokenises_to_the_same_count_and_other_ids_is_nev
     journal, seen = tmp_path / "journal.jsonl", []
     with serving(text_only_engine(r, seen)) as engine:
         url = str(engine.base_url).rstrip("/") + "/v1"
-        with running(upstream=url, dialect="transformers", renderer=r, journal=journal) as (proxy, service):
+        with running(upstream=url, dialect="transformers", renderer=r, journal=journal,
+                     predict=False) as (proxy, service):  # the output's own rule, without the next prompt predicted
             body = {"messages": history, "stream": stream}
             if stream:
                 with proxy.stream("POST", "/v1/chat/completions", json=body, headers={"x-session-id": "pago"}) as resp:

@@ -33,6 +33,9 @@ def verify_exact(
     disk: Annotated[Path | None, typer.Option(callback=folder_to_write, help="Folder for spilled sessions (one safetensors file each).")] = None,
     disk_cap_gib: Annotated[float, typer.Option(callback=bounds(gt=0), help="Disk cap in GiB; the oldest files past it are removed.")] = 64.0,
     batch: Annotated[int, typer.Option(callback=bounds(ge=1, le=8), help="Read up to this many conversations' chunks in one forward (each a session at its own depth, as `shadow serve --batch`); every state is then still compared with its own fresh prefill. Not with --cap-gib. 1: one session a forward.")] = 1,
+    chat_template: Annotated[Path | None, typer.Option(callback=input_file, help="Render turns as the proxy does: the big model's chat template (a .jinja, or a tokenizer_config.json / chat_template.json holding one), tokenized by --tokenizer. Default: the project's Qwen3.5-style template in code.")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="With --chat-template: a folder with the big model's tokenizer.json. Default: the model's own, else the real Qwen3.5 vocabulary.")] = None,
+    predict: Annotated[bool, typer.Option(help="With --chat-template: hold each output out of reading and, at the turn's end, read the next prompt's start as the template will render it (as `shadow serve --predict` does); the next prompt confirms it or sends the session back. Without --chat-template: no effect.")] = True,
     seed: Annotated[int, typer.Option(callback=seed_bounds, help="Seed of the random preset weights and of the sample session (0 to 2**63 - 1).")] = 0,
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
@@ -61,7 +64,14 @@ def verify_exact(
     loaded, reader = open_reader(
         model, grid=grid, device=device, dtype=parse_dtype(dtype), kernels=kernels, seed=seed
     )
-    tokenizer = load_tokenizer(loaded.path)
+    words = load_tokenizer(loaded.path)
+    rendering = None
+    if chat_template is not None:
+        from shadow.text.chat_template import renderer_for
+        from shadow.offline.verify import TemplateRendering
+
+        rendering = TemplateRendering(renderer_for(chat_template, tokenizer, loaded.path))
+    predicting = predict and rendering is not None
     store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk,
                          disk_cap_gib=disk_cap_gib, model=model)
     with progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
@@ -70,7 +80,8 @@ def verify_exact(
         def step(done: int, total: int, stage: str) -> None:
             bar.update(task, completed=done, total=total, description=stage)
 
-        verdicts = verify(reader, tokenizer, conversations, against_grid or None, store, step, batch=batch)
+        verdicts = verify(reader, words, conversations, against_grid or None, store, step, batch=batch,
+                          rendering=rendering, predict=predicting)
     store.close()
     counters = store.counters
     seconds = time.perf_counter() - started
@@ -105,6 +116,9 @@ def verify_exact(
             "weights_hash": loaded.weights_hash, "device": device, "kernels": loaded.model.kernels.name, "autotune_pins": runtime.pinned(), "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "grid": grid, "batch": batch, "turns": sum(v.turns for v in verdicts), "tokens": sum(v.tokens for v in verdicts),
             "rollbacks": sum(v.rollbacks for v in verdicts), "ids_reread": sum(v.ids_reread for v in verdicts),
+            "rendering": f"template {rendering.renderer.origin}" if rendering else "code", "predict": predicting,
+            "predictions": sum(v.predictions for v in verdicts),
+            "predictions_missed": sum(v.predictions_missed for v in verdicts),
             "same_grid_bit_equal": equal, "tensors_compared": sum(v.tensors_compared for v in verdicts),
             "other_grid": {
                 "grid": against_grid,
@@ -143,7 +157,8 @@ def _row(v) -> dict:
     o = v.other_grid
     return {
         "conversation": v.name, "turns": v.turns, "tokens": v.tokens, "rollbacks": v.rollbacks,
-        "reread": v.ids_reread, "batched": v.chunks_batched, "bit_equal": v.same_grid_bit_equal,
+        "reread": v.ids_reread, "predicted": f"{v.predictions - v.predictions_missed}/{v.predictions}",
+        "batched": v.chunks_batched, "bit_equal": v.same_grid_bit_equal,
         "other_grid": o.grid if o else None,
         "max_diff_k": o.max_abs_diff["k"] if o else None,
         "max_diff_rec": o.max_abs_diff["recurrent"] if o else None,

@@ -37,6 +37,10 @@ class GridSession(Protocol):
     def known(self) -> int: ...
 
     @property
+    def readable(self) -> int:
+        """Ids that may be read now (`known`, or fewer while an output is held out of reading)."""
+
+    @property
     def checkpoint_positions(self) -> list[int]: ...
 
 
@@ -122,10 +126,20 @@ def chunks_read(keeper: StateKeeper, session: GridSession) -> None:
     keeper.line_passed(session)
 
 
+def reread_without_hold(session: GridSession, same: int, grid: int) -> int:
+    """Ids a reader that had read the session's held output as it came would read again once a
+    prompt keeping only its first `same` ids came: its whole chunks past the newest checkpoint at
+    or below `same` (none when `same` reaches past them)."""
+    read = session.known // grid * grid
+    if same >= read:
+        return 0
+    return read - max((p for p in session.checkpoint_positions if p <= same), default=0)
+
+
 def run_limit(session: GridSession, grid: int) -> int:
     """Whole chunks one run of a batch may read of `session` now: up to its ids' last whole chunk
     and its next mark (a checkpoint is taken between two chunks, never inside a forward)."""
-    end = session.known
+    end = session.readable
     if session.marks:
         end = min(end, session.marks[0])
     return max(0, (end - session.committed) // grid)
@@ -197,7 +211,7 @@ def tell(sched: ReadScheduler, name: str, session: GridSession | None, now: floa
     Returns whether the scheduler had not known the session before."""
     told = sched.sessions.get(name)
     if session is not None:
-        sched.update(name, session.committed, session.known, now, mark=session.marks[0] if session.marks else None)
+        sched.update(name, session.committed, session.readable, now, mark=session.marks[0] if session.marks else None)
     elif told is not None and told.resident:
         sched.update(name, told.committed, told.known, now, resident=False)
     return told is None

@@ -44,6 +44,7 @@ class Session:
     rollbacks: int = 0
     ids_reread: int = 0
     prefix: Walk | None = field(default=None, repr=False)  # where it stands in the reader's prefix cache
+    hold: int | None = None  # ids from here on wait out of reading (an output the next prompt re-renders)
 
     @property
     def committed(self) -> int:
@@ -59,6 +60,11 @@ class Session:
     def known(self) -> int:
         """Ids held, read or not."""
         return len(self.ids)
+
+    @property
+    def readable(self) -> int:
+        """Ids that may be read: all held, or those below `hold`."""
+        return len(self.ids) if self.hold is None else min(len(self.ids), self.hold)
 
     @property
     def checkpoint_positions(self) -> list[int]:
@@ -87,10 +93,12 @@ class Reader:
 
     # feeding ---------------------------------------------------------------------------
 
-    def feed_prompt(self, session: Session, ids: Sequence[int]) -> Feed:
+    def feed_prompt(self, session: Session, ids: Sequence[int], hold_output: bool = False) -> Feed:
         """A turn's whole prompt. Where it differs from the ids known, go back to the newest
         checkpoint at or below the first difference (or to the start); mark a checkpoint at the
-        last grid line at or below the prompt's end (`driving.feed_prompt`)."""
+        last grid line at or below the prompt's end (`driving.feed_prompt`). `hold_output`: the
+        output fed after it waits out of reading (`Session.hold`) until `predict` or the next
+        prompt says what the next prompt holds of it (asks still see it, from a fork)."""
         ids = self.check_ids(ids)
         self.settle()
         new = not session.ids
@@ -98,6 +106,7 @@ class Reader:
         session.ids = list(ids)
         if self.prefix_cache is not None:  # reading from the start: from its deepest cached line
             feed = self.prefix_cache.fed(self, session, feed, new)
+        session.hold = len(ids) if hold_output else None
         if feed.rolled_back_to is not None:
             session.rollbacks += 1
             session.ids_reread += feed.reread
@@ -106,6 +115,17 @@ class Reader:
     def feed_output(self, session: Session, ids: Sequence[int]) -> None:
         """Ids the big model generated after the last prompt; appended as they are."""
         session.ids.extend(self.check_ids(ids))
+
+    def predict(self, session: Session, ids: Sequence[int]) -> Feed:
+        """The start of the session's next prompt as the big model's template will render it (the
+        turn's prompt, its output re-rendered, the next message's opening), taken as its ids
+        before that prompt comes, and the hold on its output lifted: fed as a prompt, so ids that
+        differ from the output held are replaced without a read (the output was held), and the next
+        prompt confirms the prediction (nothing read again) or sends the session back as any
+        prompt does."""
+        feed = self.feed_prompt(session, ids)
+        session.hold = None
+        return feed
 
     def take_checkpoint(self, session: Session) -> DeltaSnapshot:
         """A snapshot of the session's state at its committed length (`driving.StateKeeper`)."""
@@ -133,7 +153,7 @@ class Reader:
         should_stop() says so (it is asked before every chunk). Returns the chunks read."""
         self.settle()
         done = 0
-        while session.committed + self.grid <= len(session.ids):
+        while session.committed + self.grid <= session.readable:
             if (max_chunks is not None and done >= max_chunks) or (should_stop and should_stop()):
                 break
             start = session.committed
@@ -209,7 +229,7 @@ class Reader:
             raise ValueError("a session's entries in a batch must be consecutive") from None
         for first, n in layout.firsts_and_runs:
             s = sessions[first]
-            if s.committed + self.grid > len(s.ids):
+            if s.committed + self.grid > s.readable:
                 raise ValueError(f"session {s.name!r} in the batch has no whole chunk to read")
             if n > self.run_limit(s):
                 raise ValueError(f"session {s.name!r} has {self.run_limit(s)} chunk(s) to read in one run, not {n}")

@@ -199,10 +199,18 @@ class SessionChecks:
     frontier: int = 0
     last_reasons: tuple[str, ...] = ()
     logged: bool = False  # a mismatch was logged for this session (once)
+    predicted_from: int | None = None  # ids from here on are a prediction of the next prompt (`predicted_past`)
 
     def replaced(self, kept: int) -> None:
         """A prompt was fed that keeps only the first `kept` ids the session held."""
         self.frontier = min(self.frontier, kept)
+        self.predicted_from = None
+
+    def predicted_past(self, kept: int) -> None:
+        """The ids past the first `kept` are the next prompt's start as the chat template renders
+        the turn's reply (read ahead: `ShadowService.predict`), unverified until that prompt comes."""
+        self.frontier = min(self.frontier, kept)
+        self.predicted_from = kept
 
     def add(self, turn: int, check: TurnCheck, prompt_len: int, output_len: int, latest: bool = True) -> bool:
         """Count a turn (whose prompt of `prompt_len` ids and `output_len` output ids the session
@@ -245,6 +253,11 @@ class SessionChecks:
             return why + (f" ({'; '.join(self.last_reasons)})" if self.turns and self.last_reasons else "")
         if self.turns == 0:
             return "no turn of this session has been checked against the engine yet"
+        predicted = self.predicted_from
+        if predicted is not None and self.frontier >= predicted:
+            return (f"ids {predicted:,} to {length:,} are the next prompt's start as the chat template renders "
+                    "the last reply, read ahead; the next prompt checks them (serve --no-predict reads the reply as "
+                    "the engine wrote it)")
         why = f"ids {self.frontier:,} to {length:,} are not verified"
         return why + (f" ({'; '.join(self.last_reasons)})" if self.last_reasons else " (a turn in flight)")
 

@@ -367,7 +367,7 @@ class EngineReplay:
         h = self.store.peek(read.session)
         done = 0
         for k in range(read.chunks):
-            if h is None or h.committed != read.depth + k * self.grid or h.committed + self.grid > h.ids:
+            if h is None or h.committed != read.depth + k * self.grid or h.committed + self.grid > h.readable:
                 break
             t = self._busy(t, self.costs.chunk(h.committed))
             self.store.advance(h)
@@ -457,7 +457,7 @@ class EngineReplay:
         self.sched.question(s, t)
         h, t = self._get(s, t)
         self._tell(s, t)
-        while t - arrived < timeout_s and h.committed + self.grid <= h.ids:
+        while t - arrived < timeout_s and h.committed + self.grid <= h.readable:
             read = Read(s, 1, "ask", h.committed, self.sched.costs.estimate(h.committed))
             start = t
             done, t = self._chunks(read, t)

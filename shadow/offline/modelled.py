@@ -30,10 +30,15 @@ class ModelledSession:
     checkpoints: list[int] = field(default_factory=list)
     marks: list[int] = field(default_factory=list)
     prefix: Any = field(default=None, repr=False)  # where it stands in the modelled prefix cache (`prefixcache.Walk`)
+    hold: int | None = None  # ids from here on wait out of reading (an output held for its re-render)
 
     @property
     def known(self) -> int:
         return self.ids
+
+    @property
+    def readable(self) -> int:
+        return self.ids if self.hold is None else min(self.ids, self.hold)
 
     @property
     def checkpoint_positions(self) -> list[int]:

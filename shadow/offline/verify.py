@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shadow.text.chat import render_output, render_prompt, render_question
+from shadow.text.chat import Message, render_output, render_prompt, render_question
+from shadow.text.chat_template import ChatRenderer
 from shadow.text.conversations import Conversation
 from shadow.errors import ShadowInputError
 from shadow.core.reader import Reader, Session, check_grid
@@ -28,6 +29,65 @@ PROBES = (
     "Summarise the latest tool output in one sentence.",
 )
 KINDS = ("k", "v", "recurrent", "conv")
+
+
+class CodeRendering:
+    """Turns rendered by the project's own Qwen3.5-style template in code (`shadow.text.chat`)
+    and tokenized by `tokenizer`; it predicts no next prompt."""
+
+    predicts = False
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+
+    def prompt(self, history: Sequence[Message]) -> list[int]:
+        return self.tokenizer.encode(render_prompt(history))
+
+    def output(self, history: Sequence[Message], output: Message) -> list[int]:
+        return self.tokenizer.encode(render_output(output))
+
+    def next_prompt(self, history: Sequence[Message], output: Message) -> list[int] | None:
+        return None
+
+
+class TemplateRendering:
+    """Turns rendered as the proxy renders them: the big model's chat template and tokenizer
+    (`ChatRenderer`); the output is what the template writes after the generation prompt, through
+    its end token, and the next prompt's start is predicted as the proxy predicts it."""
+
+    predicts = True
+
+    def __init__(self, renderer: ChatRenderer, end: str = "<|im_end|>"):
+        self.renderer, self.end = renderer, end
+
+    def prompt(self, history: Sequence[Message]) -> list[int]:
+        return self.renderer.prompt_ids(_dicts(history))
+
+    def output(self, history: Sequence[Message], output: Message) -> list[int]:
+        text = self.renderer.reply_text(_dicts(history), _dict(output), end=self.end)
+        return self.renderer.encode(text if text is not None else output.content + self.end)
+
+    def next_prompt(self, history: Sequence[Message], output: Message) -> list[int] | None:
+        return self.renderer.next_prompt_ids(_dicts(history), _dict(output))
+
+
+def _dict(m: Message) -> dict:
+    d = {"role": m.role, "content": m.content}
+    if m.reasoning is not None:
+        d["reasoning_content"] = m.reasoning
+    return d
+
+
+def _dicts(messages: Sequence[Message]) -> list[dict]:
+    return [_dict(m) for m in messages]
+
+
+@dataclass
+class Predictions:
+    """What predicting each next prompt did: predictions made, and those the next prompt sent back."""
+
+    made: int = 0
+    missed: int = 0
 
 
 @dataclass
@@ -54,29 +114,65 @@ class Verdict:
     mismatched: list[str] = field(default_factory=list)
     other_grid: OtherGrid | None = None
     chunks_batched: int = 0  # of its chunks, those read in one forward with other sessions' (`batch` > 1)
+    predictions: int = 0  # next prompts predicted at a turn's end (`predict`)
+    predictions_missed: int = 0  # of those, the ones the next prompt sent back
 
 
 def replay(
     reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation], store: SessionStore,
     on_turn: Callable[[], None] | None = None, batch: int = 1, *, batched: Counter | None = None,
+    rendering: CodeRendering | TemplateRendering | None = None, predict: bool = False,
+    predictions: dict[str, Predictions] | None = None,
 ) -> dict[str, list[int]]:
     """Feed every request of every conversation (its re-rendered prompt, then its output) and read
     after each, the conversations' turns interleaved round robin through `store` (which may
     spill or drop sessions between turns). With `batch` > 1 a round's turns are fed side by side
     and their chunks read up to `batch` sessions a forward (`Reader.advance_batch`), the sessions
     at their own depths; the store must then keep them all resident (no cap), and `batched`
-    counts each conversation's chunks read beside another's. Returns each conversation's final ids."""
+    counts each conversation's chunks read beside another's. `rendering`: how turns become ids
+    (default: the template in code). `predict` (a rendering that predicts): each output is held
+    out of reading and, at the turn's end, replaced by the next prompt's start as predicted
+    (`Reader.predict`), counted in `predictions`. Returns each conversation's final ids."""
+    rendering = rendering or CodeRendering(tokenizer)
+    predict = predict and rendering.predicts
+    predictions = predictions if predictions is not None else {}
+    for c in conversations:
+        predictions.setdefault(c.name, Predictions())
     pending = {c.name: list(c.requests()) for c in conversations}
     final: dict[str, list[int]] = {}
+
+    predicted: set[str] = set()  # sessions whose ids end in a prediction no prompt has checked yet
+
+    def feed(name: str, session: Session, history) -> None:
+        fed = reader.feed_prompt(session, rendering.prompt(history), hold_output=predict)
+        if name in predicted and fed.rolled_back_to is not None:
+            predictions[name].missed += 1
+        predicted.discard(name)
+
+    def turn_over(name: str, session: Session, turn: int) -> None:
+        """The turn's end: the next prompt's start predicted where a next request comes (the last
+        turn's is not: no request would check it), else the output read as it came."""
+        history, output = pending[name][turn]
+        ids = rendering.next_prompt(history, output) if predict and turn + 1 < len(pending[name]) else None
+        if ids is not None:
+            reader.predict(session, ids)
+            predictions.setdefault(name, Predictions()).made += 1
+            predicted.add(name)
+        session.hold = None
+
     for turn in range(max(len(r) for r in pending.values())):
         names = [name for name, requests in pending.items() if turn < len(requests)]
         if batch > 1:
             sessions = [store.get(name) for name in names]
             for name, session in zip(names, sessions):
-                reader.feed_prompt(session, tokenizer.encode(render_prompt(pending[name][turn][0])))
+                feed(name, session, pending[name][turn][0])
             read_batched(reader, sessions, batch, batched)
             for name, session in zip(names, sessions):
-                reader.feed_output(session, tokenizer.encode(render_output(pending[name][turn][1])))
+                history, output = pending[name][turn]
+                reader.feed_output(session, rendering.output(history, output))
+            read_batched(reader, sessions, batch, batched)
+            for name, session in zip(names, sessions):
+                turn_over(name, session, turn)
             read_batched(reader, sessions, batch, batched)
             for name, session in zip(names, sessions):
                 final[name] = list(session.ids)
@@ -86,9 +182,11 @@ def replay(
         for name in names:
             history, output = pending[name][turn]
             session = store.get(name)
-            reader.feed_prompt(session, tokenizer.encode(render_prompt(history)))
+            feed(name, session, history)
             reader.advance(session)
-            reader.feed_output(session, tokenizer.encode(render_output(output)))
+            reader.feed_output(session, rendering.output(history, output))
+            reader.advance(session)
+            turn_over(name, session, turn)
             reader.advance(session)
             final[name] = list(session.ids)
             store.settle(keep=name)
@@ -103,7 +201,7 @@ def read_batched(reader: Reader, sessions: Sequence[Session], batch: int, batche
     read beside another session's. Returns the forwards run."""
     forwards = 0
     while True:
-        ready = [s for s in sessions if s.committed + reader.grid <= len(s.ids)][:batch]
+        ready = [s for s in sessions if s.committed + reader.grid <= s.readable][:batch]
         if not ready:
             return forwards
         reader.advance_batch(ready)
@@ -147,13 +245,14 @@ def verify(
     reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation],
     against_grid: int | None = None, store: SessionStore | None = None,
     progress: Callable[[int, int, str], None] | None = None, *, batch: int = 1,
+    rendering: CodeRendering | TemplateRendering | None = None, predict: bool = False,
 ) -> list[Verdict]:
     """Replay `conversations` (interleaved, through `store`; default: one with no cap), then
     compare each final state with fresh prefills. ShadowInputError, before anything is read or
     written, when `store` already holds a session named like a conversation. progress(done, total, stage) is called as it
     goes (total = all turns + 2 per conversation). `batch` > 1: chunks read several sessions a
     forward (`replay`); ShadowInputError where `store` has a cap, which could spill a session
-    between its feed and its read."""
+    between its feed and its read. `rendering`, `predict`: as `replay`."""
     if against_grid is not None:
         check_grid(against_grid)
     if not isinstance(batch, int) or batch < 1:
@@ -180,7 +279,9 @@ def verify(
         report(done, total, "replay")
 
     batched = Counter()
-    final = replay(reader, tokenizer, conversations, store, turn_done, batch, batched=batched)
+    predictions: dict[str, Predictions] = {}
+    final = replay(reader, tokenizer, conversations, store, turn_done, batch, batched=batched,
+                   rendering=rendering, predict=predict, predictions=predictions)
     verdicts = []
     for conv in conversations:
         session = store.get(conv.name)
@@ -196,7 +297,8 @@ def verify(
             name=conv.name, turns=turns[conv.name], tokens=len(session.ids), committed=committed,
             rollbacks=session.rollbacks, ids_reread=session.ids_reread,
             same_grid_bit_equal=not mismatched, tensors_compared=compared, mismatched=mismatched,
-            chunks_batched=batched[conv.name],
+            chunks_batched=batched[conv.name], predictions=predictions[conv.name].made,
+            predictions_missed=predictions[conv.name].missed,
         )
         if against_grid is not None:
             other = reader.prefill(session.ids[:committed], chunk=against_grid)

@@ -11,6 +11,9 @@ from shadow.server.gaps import LongGaps
 from shadow.server.timings import ROUND_SECONDS, Histogram
 
 
+PREDICTION_COUNTS = ("made", "confirmed", "missed", "skipped", "ids_not_read_twice")
+
+
 @dataclass
 class Counters:
     requests: int = 0
@@ -25,6 +28,10 @@ class Counters:
     read_pieces: int = 0  # slices of a batched read in the share read between two rounds (`--batch-read-ms`)
     rollbacks: int = 0  # prompts that went back to a checkpoint (or the start), every session
     ids_reread: int = 0  # ids those rollbacks read again
+    # next prompts predicted at a proxied turn's end (`ShadowService.predict`): made, confirmed or
+    # missed by the prompt that came, skipped (none, or one that differed from rows read), and the
+    # ids a confirmed one kept from being read twice
+    predictions: dict = field(default_factory=lambda: dict.fromkeys(PREDICTION_COUNTS, 0))
     upstream_errors: dict = field(default_factory=dict)  # kind -> count (proxy mode)
     # each turn's prompt and output by their state (idcheck.PART_STATES): verified, unverified,
     # mismatched, not_read

@@ -222,6 +222,14 @@ class ShadowCollector:
                            ("ids_reread", "Ids read again after a rollback")):
             if c.get(key) is not None:
                 out.counter(key, help_, c[key])
+        predictions = c.get("predictions")
+        if predictions is not None:
+            family = out.family("predictions", "Next prompts predicted at a proxied turn's end, by outcome",
+                                ["outcome"], CounterMetricFamily)
+            for outcome in ("made", "confirmed", "missed", "skipped"):
+                family.add(outcome, value=predictions[outcome])
+            out.counter("prediction_ids_not_read_twice", "Ids a confirmed prediction kept from being read twice",
+                        predictions["ids_not_read_twice"])
 
     @staticmethod
     def _asks(out: "Families", status: dict, held: dict) -> None:

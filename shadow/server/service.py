@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from shadow.core.driving import reread_without_hold
 from shadow.core.prefixcache import cache_for
 from shadow.core.reader import common_prefix
 from shadow.core.schedule import ReadScheduler
@@ -85,6 +86,7 @@ class ShadowService:
         self.checks: dict[str, SessionChecks] = {}  # store name -> its turns' checks against the engine
         self._latest: dict[str, int] = {}  # store name -> the newest turn that fed its prompt
         self._cached_start: dict[int, int] = {}  # turn -> the grid line its session started at from the prefix cache
+        self._predicted: dict[str, int] = {}  # store name -> ids its prediction keeps from a second read
         self._next_turn = 0
         self._overdue_told: set[int] = set()  # turns the watchdog has logged as overdue
         self.waiting = 0
@@ -296,11 +298,12 @@ class ShadowService:
             turn.restoring = None
             behind = len(session.ids) - session.committed
             known = len(session.ids)
-            feed = shadow.reader.feed_prompt(session, ids)
+            feed = shadow.reader.feed_prompt(session, ids, hold_output=turn.hold_output)
             self.reading.fresh.due(name, turn.started, len(ids) // shadow.grid * shadow.grid)
             if feed.rolled_back_to is not None:
                 self.counters.rollbacks += 1
                 self.counters.ids_reread += feed.reread
+            self._prediction_checked(name, feed)
             self.checks.setdefault(name, SessionChecks()).replaced(known if feed.first_diff is None else feed.first_diff)
             turn.fed = Fed(prompt=True, prompt_len=len(ids))
             if feed.cached:
@@ -309,6 +312,59 @@ class ShadowService:
             self.reading.sync(shadow, name)
             self.answers.register(shadow, session, ids, turn.reference, behind, turn.id)
         self.answers.answer_if_ready(shadow, session)
+
+    def predict(self, turn: ServedTurn, ids: Sequence[int] | None) -> None:
+        """A proxied turn's end, after its output was fed: its session takes `ids`, the next
+        prompt's start as the template will render it (`Reader.predict`), to read before that
+        prompt comes, and the hold on its output is lifted either way. Not taken (counted as
+        skipped) when there is none or it differs from rows read already: the engine read other
+        ids than the template renders, and the next prompt will show which."""
+        shadow = self.host.shadow
+        if not turn.hold_output or shadow is None or not self.shared.switch.shadow or not turn.fed.prompt:
+            return
+
+        def job() -> None:
+            with self.state_lock:
+                name = turn.session
+                session = shadow.store.peek(name)
+                if session is None or self._latest.get(name) != turn.id or session.hold is None:
+                    return
+                wanted = self._valid_ids(shadow, ids)
+                same = common_prefix(session.ids, wanted) if wanted else -1
+                counts = self.counters.predictions
+                if wanted is None or same < session.committed:
+                    session.hold = None
+                    counts["skipped"] += 1
+                else:
+                    self._predicted[name] = reread_without_hold(session, same, shadow.grid)
+                    shadow.reader.predict(session, wanted)
+                    self.checks.setdefault(name, SessionChecks()).predicted_past(same)
+                    counts["made"] += 1
+                self.reading.sync(shadow, name)
+
+        self.device.run(job, "predict")
+
+    @staticmethod
+    def _valid_ids(shadow: Shadow, ids: Sequence[int] | None) -> list[int] | None:
+        if not ids:
+            return None
+        try:
+            return shadow.reader.check_ids(ids)
+        except ShadowInputError:
+            return None
+
+    def _prediction_checked(self, name: str, feed) -> None:
+        """A prompt came after a prediction for its session: confirmed, or missed (it sent the
+        session back)."""
+        avoided = self._predicted.pop(name, None)
+        if avoided is None:
+            return
+        counts = self.counters.predictions
+        if feed.rolled_back_to is None:
+            counts["confirmed"] += 1
+            counts["ids_not_read_twice"] += avoided
+        else:
+            counts["missed"] += 1
 
     def _ahead(self, turn: ServedTurn, shadow: Shadow, name: str):
         """What was brought back of `name` since the turn's request came (waiting for the rest of
@@ -429,6 +485,8 @@ class ShadowService:
                 self._cached_start.pop(turn.id, None)
                 self.sched.turn_ended(turn.id, self.clock())
                 shadow = self.host.shadow
+                if turn.hold_output and shadow is not None:
+                    self._release_hold(shadow, turn)
                 if settle and turn.fed.prompt and shadow is not None:
                     self.reading.settle(shadow, keep=turn.session)
 
@@ -438,6 +496,13 @@ class ShadowService:
             if not self.device.closed:
                 raise
             end(settle=False)  # the device has stopped (a stop, or its thread died): the turn still leaves the table
+
+    def _release_hold(self, shadow: Shadow, turn: ServedTurn) -> None:
+        """A turn that ends without a prediction (an error, a client gone) reads its output as it came."""
+        session = shadow.store.peek(turn.session) if turn.session else None
+        if session is not None and session.hold is not None and self._latest.get(turn.session) == turn.id:
+            session.hold = None
+            self.reading.sync(shadow, turn.session)
 
     # sessions -----------------------------------------------------------------------------
 
@@ -663,7 +728,7 @@ class ShadowService:
                     "decode_s": round(self.sched.decoded_s(self.clock()), 6),
                     "chunks_ask": c.chunks_ask, "batched_reads": dict(c.batched_reads), "read_pieces": c.read_pieces, "asks": c.asks, "last_chunk_ms": round(c.last_chunk_ms, 3),
                     "idle_s": round(c.idle_s, 6), "ask_s": round(c.ask_s, 6),
-                    "rollbacks": c.rollbacks, "ids_reread": c.ids_reread,
+                    "rollbacks": c.rollbacks, "ids_reread": c.ids_reread, "predictions": dict(c.predictions),
                     "upstream_errors": dict(c.upstream_errors),
                     "turn_parts": {p: dict(v) for p, v in c.turn_parts.items()},
                     "status_lines": dict(c.status_lines), "voice_said": c.voice_said,

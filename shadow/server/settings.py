@@ -250,6 +250,11 @@ class EngineSettings:
     label_from_upstream: bool = setting(False, panel=ENGINE, help=(
         "With --standing-question: after a turn with no label header, ask the engine the standing question (one "
         "greedy token) and journal its answer as the reference label."))
+    predict: bool = setting(True, panel=ENGINE, help=(
+        "Proxy mode, chat requests with a chat template: hold each turn's output out of reading and, when the turn "
+        "ends, read the next prompt's start as the template will render it (the output re-rendered, e.g. its "
+        "reasoning dropped before a new user message) in the gap before it comes; the next prompt's ids confirm it "
+        "or send the session back, counted in status. Off: the output is read as it streams."))
     timeout_s: float = 600.0  # the watchdog: a turn in flight longer is listed as overdue
     connect_timeout_s: float = setting(10.0, name="engine_connect_timeout_s", gt=0, panel=ENGINE, help=(
         "Proxy mode: the longest a connection to the engine may take to open, s (504 beyond)."))

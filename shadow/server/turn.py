@@ -88,6 +88,7 @@ class ServedTurn(Turn):
     rounds: Rounds | None = None  # embedded mode
     shown: Shown | None = None  # proxy mode
     restoring: Future | None = None  # its session coming back from the host tier or disk since the request came
+    hold_output: bool = False  # proxy: its output waits out of reading until the next prompt is predicted
 
     @property
     def embedded(self) -> bool:

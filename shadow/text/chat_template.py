@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,6 +160,39 @@ class ChatRenderer:
                 return None
             rest = rest[: at + len(end)]
         return rest
+
+
+    def next_prompt_ids(self, messages: list[dict], reply: dict, tools: list | None = None,
+                        kwargs: dict | None = None) -> list[int] | None:
+        """The ids the next request's prompt will start with once `reply` (the assistant message
+        the engine wrote) is in its history: the template's rendering of the history, the reply and
+        the opening of the next message, cut after the last added token (a special token such as
+        `<|im_start|>`, where tokenizing cannot merge across the cut). The next message is guessed
+        from the reply: a tool result after tool calls, else a user message (a template may
+        render the reply differently for each: Qwen3's drops its reasoning before a new user
+        message). None when the template gives no common opening or fails on these messages."""
+        role = "tool" if reply.get("tool_calls") else "user"
+        try:
+            texts = [self.text([*messages, reply, {"role": role, "content": mark, "tool_call_id": "0"}], tools, False, kwargs)
+                     for mark in ("\u2460", "\u2461")]
+        except TemplateError:
+            return None
+        common = os.path.commonprefix(texts)
+        cut = self._last_added_token_end(common)
+        return self.encode(common[:cut]) if cut else None
+
+    def _last_added_token_end(self, text: str) -> int:
+        """Where the last added token in `text` ends (0: none)."""
+        pattern = getattr(self, "_added", None)
+        if pattern is None:
+            added = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
+            pattern = self._added = re.compile("|".join(map(re.escape, added))) if added else False
+        if not pattern:
+            return 0
+        end = 0
+        for match in pattern.finditer(text):
+            end = match.end()
+        return end
 
 
 def parse_template_kwargs(text: str | None) -> dict:

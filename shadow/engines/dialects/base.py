@@ -105,6 +105,18 @@ class Dialect:
         except Exception as e:  # a malformed request: the engine judges it, the shadow reads nothing
             return Prompt(None, None, [f"cannot render ({type(e).__name__}: {e})"])
 
+    def next_prompt(self, body: dict, reply, chat: bool) -> list[int] | None:
+        """The ids the next request's prompt will start with once `reply` (the turn's `Reply`) is
+        in its history, as the template renders it (`ChatRenderer.next_prompt_ids`); None for a
+        completion without messages, without a template, or where the template gives none."""
+        if self.renderer is None or not chat:
+            return None
+        try:
+            messages, tools, kwargs = self.template_messages(body)
+            return self.renderer.next_prompt_ids(messages, normalise_message(reply.message()), tools, kwargs)
+        except Exception:  # noqa: BLE001 - a request the template cannot take: nothing is predicted
+            return None
+
     # the response -----------------------------------------------------------------------
 
     def clean(self, event: dict, added: frozenset[str], client_asked: dict) -> dict | None:

@@ -170,6 +170,7 @@ class ShadowApp:
             proxy.dialect = self.engine.dialect
         before = proxy.prompt(body, chat)
         turn = service.begin_turn(named, reference)
+        turn.hold_output = chat and self.settings.engine.predict and proxy.dialect.renderer is not None
         logs.bind(turn=turn.id, session=named)
         try:
             if named is None and service.ready.is_set():

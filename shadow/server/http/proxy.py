@@ -483,6 +483,8 @@ class Proxy:
             lines = proxied.lines
             said = [] if lines is None else shown_lines(lines.status.lines, lines.status.started)
             service.record_turn(turn, check_turn(ids), ids, said)
+            if turn.hold_output:
+                service.predict(turn, self.dialect.next_prompt(proxied.body, shown.reply, proxied.chat))
             if proxied.label is not None and service.wants_label(turn):
                 service.upstream_label(turn, *proxied.label())
         except Exception:  # noqa: BLE001 - logged, and the turn still ends

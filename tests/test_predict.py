@@ -1,0 +1,197 @@
+"""Reading the next prompt before it comes: a turn's output is held out of reading, and at the
+turn's end the session takes the next prompt's start as the big model's template will render it.
+A confirmed prediction reads nothing twice; a missed one rolls back like any prompt; every state
+stays bit-equal to a fresh prefill of its ids."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from conftest import shared_file
+from engines import qwen_template
+from serving import assert_exact, running, serving, settled, wait_until_read
+from shadow.core.reader import Reader
+from shadow.offline.verify import TemplateRendering, compare_states, verify
+from shadow.text.chat_template import ChatRenderer, default_hf_tokenizer, read_template
+from shadow.text.conversations import load_conversation
+
+GRID = 64
+
+
+@pytest.fixture(scope="module")
+def qwen() -> ChatRenderer:
+    return ChatRenderer(read_template(qwen_template()), default_hf_tokenizer())
+
+
+@pytest.fixture()
+def reader(tiny) -> Reader:
+    return Reader(tiny.model, GRID)
+
+
+def exact(reader: Reader, session) -> bool:
+    fresh = reader.prefill(session.ids[: session.committed])
+    compared, mismatched, _ = compare_states(session.state, fresh)
+    return compared > 0 and not mismatched
+
+
+def test_a_held_output_waits_and_a_confirmed_prediction_reads_nothing_again(reader):
+    s = reader.new_session("s")
+    prompt = list(range(100, 100 + 3 * GRID + 10))
+    reader.feed_prompt(s, prompt, hold_output=True)
+    reader.advance(s)
+    reader.feed_output(s, list(range(5000, 5000 + 2 * GRID)))  # an output the next prompt re-renders
+    assert reader.advance(s) == 0 and s.committed == 3 * GRID and s.readable == len(prompt)
+    predicted = prompt + list(range(7000, 7000 + GRID + 20))  # the reply as the template writes it back
+    reader.predict(s, predicted)
+    assert s.hold is None and s.rollbacks == 0
+    reader.advance(s)
+    assert s.committed == 4 * GRID and exact(reader, s)
+    fed = reader.feed_prompt(s, predicted + list(range(9000, 9000 + GRID)))  # the next prompt: as predicted
+    assert fed.rolled_back_to is None and s.rollbacks == 0 and s.ids_reread == 0
+    reader.advance(s)
+    assert exact(reader, s)
+
+
+def test_a_missed_prediction_rolls_back_and_stays_exact(reader):
+    s = reader.new_session("s")
+    prompt = list(range(100, 100 + 2 * GRID + 3))
+    reader.feed_prompt(s, prompt, hold_output=True)
+    reader.feed_output(s, list(range(5000, 5000 + GRID)))
+    reader.advance(s)
+    reader.predict(s, prompt + list(range(7000, 7000 + 2 * GRID)))
+    reader.advance(s)
+    fed = reader.feed_prompt(s, prompt + list(range(8000, 8000 + 2 * GRID)))  # the template was not the engine's
+    assert fed.rolled_back_to == 2 * GRID and s.rollbacks == 1
+    reader.advance(s)
+    assert exact(reader, s)
+
+
+def test_batches_never_read_past_a_hold(reader):
+    a, b = reader.new_session("a"), reader.new_session("b")
+    reader.feed_prompt(a, list(range(10, 10 + GRID + 5)), hold_output=True)
+    reader.feed_output(a, list(range(600, 600 + 3 * GRID)))
+    reader.feed_prompt(b, list(range(20, 20 + 2 * GRID)))
+    assert reader.run_limit(a) == 1
+    with pytest.raises(ValueError, match="1 chunk"):
+        reader.advance_batch([a, a, b])
+    reader.advance_batch([a, b])
+    assert a.committed == GRID and exact(reader, a) and exact(reader, b)
+
+
+def test_the_next_prompt_predicted_is_the_start_of_the_prompt_the_template_renders(qwen):
+    history = [{"role": "system", "content": "You run commands."}, {"role": "user", "content": "List the files."}]
+    plain = {"role": "assistant", "content": "```bash\nls\n```", "reasoning_content": "I list them."}
+    ids = qwen.next_prompt_ids(history, plain)
+    after_user = qwen.prompt_ids([*history, plain, {"role": "user", "content": "a.py b.py"}])
+    assert after_user[: len(ids)] == ids and len(ids) < len(after_user)
+    assert "I list them" not in qwen.tokenizer.decode(ids)  # reasoning dropped before a new user message
+    call = {"role": "assistant", "content": "", "reasoning_content": "I call ls.",
+            "tool_calls": [{"type": "function", "function": {"name": "bash", "arguments": {"cmd": "ls"}}}]}
+    ids = qwen.next_prompt_ids(history, call)
+    after_tool = qwen.prompt_ids([*history, call, {"role": "tool", "content": "a.py", "tool_call_id": "0"}])
+    assert after_tool[: len(ids)] == ids and "I call ls." in qwen.tokenizer.decode(ids)  # kept before a tool result
+
+
+def test_verify_with_the_template_reads_no_id_twice_where_it_predicts(tiny, qwen, tokenizer):
+    path = shared_file("trajectories", "mini-swe-agent", "django__django-11095.traj.json")
+    conversation = load_conversation(path)
+    runs = {}
+    for predict in (False, True):
+        verdict, = verify(Reader(tiny.model, 512), tokenizer, [conversation], rendering=TemplateRendering(qwen),
+                          predict=predict)
+        runs[predict] = verdict
+        assert verdict.same_grid_bit_equal
+    assert runs[False].ids_reread > 0 and runs[True].ids_reread <= runs[False].ids_reread / 2
+    assert runs[True].predictions == runs[True].turns - 1 and runs[False].predictions == 0
+    assert runs[True].tokens == runs[False].tokens  # the same ids in the end: the served ones
+
+
+def token_engine(renderer: ChatRenderer, replies: list[dict], seen: list[dict]) -> FastAPI:
+    """A vLLM-shaped engine: the prompt rendered by `renderer`, its ids in the first event; each
+    reply streamed a token at a time with its ids, as the template writes it after the prompt."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"data": [{"id": "m"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        seen.append(body)
+        messages = body["messages"]
+        reply = replies[len(seen) - 1]
+        prompt = renderer.prompt_ids(messages, body.get("tools"))
+        ids = renderer.encode(renderer.reply_text(messages, reply, end="<|im_end|>"))
+
+        def event(choice: dict, **more) -> str:
+            return "data: " + json.dumps({"id": "c", "object": "chat.completion.chunk", "choices": [choice], **more}) + "\n\n"
+
+        async def events():
+            yield event({"index": 0, "delta": {"role": "assistant", "content": ""}}, prompt_token_ids=prompt)
+            yield event({"index": 0, "delta": {"reasoning": reply.get("reasoning_content", "")}, "token_ids": ids[:-2]})
+            yield event({"index": 0, "delta": {"content": reply["content"]}, "token_ids": ids[-2:-1]})
+            yield event({"index": 0, "delta": {}, "finish_reason": "stop", "token_ids": ids[-1:]})
+            usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
+            yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+            yield "data: [DONE]\n\n"
+            await asyncio.sleep(0)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app
+
+
+def test_the_proxy_reads_the_next_prompt_before_it_comes(tiny, qwen):
+    words = " ".join(f"word{i}" for i in range(300))
+    replies = [{"role": "assistant", "content": f"Done {k}.", "reasoning_content": f"Thinking {k}: {words}"}
+               for k in range(3)]
+    history = [{"role": "system", "content": "You help. " + words}, {"role": "user", "content": "Start."}]
+    seen: list[dict] = []
+    with serving(token_engine(qwen, replies, seen)) as engine:
+        url = str(engine.base_url).rstrip("/") + "/v1"
+        with running(upstream=url, dialect="vllm", renderer=qwen) as (proxy, service):
+            for k in range(3):
+                r = proxy.post("/v1/chat/completions", json={"messages": history, "stream": True},
+                               headers={"x-session-id": "p"})
+                assert r.status_code == 200
+                settled(service)
+                wait_until_read(service, ["p"])  # the prediction read in the idle gap
+                status = service.status()
+                assert status["sessions"][0]["committed"] > 0
+                ask = proxy.post("/v1/shadow/ask", json={"session": "p", "question": "A or B?", "choices": ["A", "B"]})
+                assert ask.status_code == 200 and "read ahead" in ask.json()["why_not"]
+                history = [*history, {"role": "assistant", "content": replies[k]["content"]},
+                           {"role": "user", "content": f"Next {k}."}]
+                assert_exact(service, "p")
+            counts = status["counters"]["predictions"]
+            assert counts["made"] == 3 and counts["confirmed"] == 2 and counts["missed"] == 0
+            assert counts["ids_not_read_twice"] > 0 and status["counters"]["rollbacks"] == 0
+            metrics = proxy.get("/metrics").text
+            assert 'shadow_predictions_total{' in metrics and 'outcome="confirmed"' in metrics
+
+
+def test_without_predict_the_output_is_read_as_it_came_and_the_next_prompt_rolls_back(tiny, qwen):
+    words = " ".join(f"word{i}" for i in range(300))
+    replies = [{"role": "assistant", "content": f"Done {k}.", "reasoning_content": f"Thinking {k}: {words}"}
+               for k in range(2)]
+    history = [{"role": "system", "content": "You help. " + words}, {"role": "user", "content": "Start."}]
+    seen: list[dict] = []
+    with serving(token_engine(qwen, replies, seen)) as engine:
+        url = str(engine.base_url).rstrip("/") + "/v1"
+        with running(upstream=url, dialect="vllm", renderer=qwen, predict=False) as (proxy, service):
+            for k in range(2):
+                proxy.post("/v1/chat/completions", json={"messages": history, "stream": True},
+                           headers={"x-session-id": "p"})
+                settled(service)
+                wait_until_read(service, ["p"])  # the output read as it came
+                history = [*history, {"role": "assistant", "content": replies[k]["content"]},
+                           {"role": "user", "content": f"Next {k}."}]
+            status = service.status()
+            assert status["counters"]["predictions"]["made"] == 0 and status["counters"]["rollbacks"] >= 1
+            assert_exact(service, "p")
