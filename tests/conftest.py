@@ -26,8 +26,20 @@ def one_thread() -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def shadow_cache(tmp_path_factory) -> Path:
+    """The cache folder of the whole run ($SHADOW_CACHE, inherited by every process a test starts):
+    the random checkpoints and the vocabulary, never the user's ~/.cache/shadow."""
     folder = tmp_path_factory.mktemp("shadow-cache")
     os.environ["SHADOW_CACHE"] = str(folder)
+    return folder
+
+
+@pytest.fixture(autouse=True)
+def sessions_folder(tmp_path_factory, monkeypatch) -> Path:
+    """Each test's own disk folder for `shadow serve` (SHADOW_SERVE_DISK, which serve reads for
+    --disk): a serve started without --disk writes its sessions there, not into the run's shared
+    cache folder, so no test restores another's sessions."""
+    folder = tmp_path_factory.mktemp("sessions")
+    monkeypatch.setenv("SHADOW_SERVE_DISK", str(folder))
     return folder
 
 

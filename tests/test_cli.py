@@ -406,8 +406,8 @@ def test_serve_refuses_a_read_rate_file_it_cannot_start_from(tmp_path):
 def test_serve_refuses_an_unload_slack_it_cannot_honour(tmp_path):
     result = runner.invoke(app, ["serve", "--unload-slack-gib", "2"])  # embedded: the generator needs the model
     assert result.exit_code == 2 and "--unload-slack-gib needs proxy mode" in result.output
-    result = runner.invoke(app, ["serve", "--unload-slack-gib", "2", "--upstream", "http://127.0.0.1:9/v1"])
-    assert result.exit_code == 2 and "a --disk" in result.output  # nowhere to park sessions
+    result = runner.invoke(app, ["serve", "--unload-slack-gib", "2", "--upstream", "http://127.0.0.1:9/v1", "--no-disk"])
+    assert result.exit_code == 2 and "a disk to park sessions on" in result.output  # nowhere to park sessions
     result = runner.invoke(app, ["serve", "--upstream", "http://127.0.0.1:9/v1", "--label-from-upstream"])
     assert result.exit_code == 2 and "a --standing-question" in result.output
     result = runner.invoke(app, ["serve", "--upstream", "http://127.0.0.1:9/v1", "--kernels", "fast"])

@@ -246,6 +246,7 @@ def test_the_host_tier_moves_a_cuda_session_to_pinned_memory_and_back_bit_for_bi
     marks = [(c.position, c.conv.clone(), c.recurrent.clone()) for c in s.checkpoints]
     store.get("b")
     store.settle(keep="b")
+    store.flush()  # the copy, made on a stream of its own, is whole: it takes its place in the tier
     copy = store.host.peek("a")
     assert copy is not None and all(t.is_pinned() for t in copy.state.tensors().values())
     back = store.get("a")
@@ -279,6 +280,7 @@ def test_a_restore_ahead_on_a_side_stream_beside_reads_gives_the_session_bit_for
     b = store.get("b")
     reader.feed_prompt(b, ids[3000:])
     store.settle(keep="b")
+    store.flush()  # its copy out whole (and, for disk, its file written behind)
     assert store.peek("a") is None and store.status()[0].tier == tier
     ahead = RestoresAhead()
     try:
@@ -298,6 +300,72 @@ def test_a_restore_ahead_on_a_side_stream_beside_reads_gives_the_session_bit_for
     for session in (back, b):
         compared, mismatched, _ = compare_states(session.state, reader.prefill(session.ids[: session.committed]))
         assert compared > 0 and mismatched == []
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("asked", [False, True], ids=["left", "asked-while-moving"])
+def test_a_session_moves_out_on_a_side_stream_behind_queued_reads_bit_for_bit(tiny_cuda, tier, asked, tmp_path):
+    """A session leaves the device while the default stream is busy (a read of another session
+    queued, then a sleep): its copy waits on a stream of its own for what was queued, and the
+    session is moving, its rows held, until the copy's event completes; then it is in the host
+    tier (or waits there for its write to disk) and comes back with every tensor and checkpoint
+    equal. Asked for while it moves, it stays on the device; reading on equals a fresh prefill."""
+    from shadow.core.store import SessionStore
+
+    reader = Reader(tiny_cuda.model, 512)
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path if tier == "disk" else None,
+                         host_cap_gib=1.0 if tier == "host" else None)
+    ids = torch.randint(0, 248044, (6000,), generator=torch.Generator().manual_seed(11)).tolist()
+    a = store.get("a")
+    reader.feed_prompt(a, ids[:2600])
+    reader.advance(a)
+    before = {k: v.clone() for k, v in a.state.tensors().items()}
+    marks = [(c.position, c.conv.clone(), c.recurrent.clone()) for c in a.checkpoints]
+    b = store.get("b")
+    reader.feed_prompt(b, ids[3000:])
+    reader.advance(b)
+    torch.cuda._sleep(2_000_000_000)  # the default stream busy for a second or so: the copy waits behind it
+    store.settle(keep="b")
+    row = next(r for r in store.status() if r.name == "a")
+    assert (row.tier, row.moving) == ("device", "to host memory" if tier == "host" else "to disk")
+    assert store.peek("a") is None and store.holds("a") and store.totals()["moving_sessions"] == 1
+    if asked:
+        back = store.get("a")
+        assert back is a and store.counters.moves_kept == 1
+    else:
+        store.flush()
+        if tier == "host":
+            assert all(t.is_pinned() for t in store.host.peek("a").state.tensors().values())
+        back = store.get("a")
+        assert back is not a
+        assert all(torch.equal(before[k], v) for k, v in back.state.tensors().items())
+        assert [(c.position, torch.equal(c.conv, x), torch.equal(c.recurrent, y))
+                for c, (_, x, y) in zip(back.checkpoints, marks)] == [(p, True, True) for p, _, _ in marks]
+    reader.feed_output(back, ids[2600:3000])
+    reader.advance(back)
+    for session in (back, b):
+        compared, mismatched, _ = compare_states(session.state, reader.prefill(session.ids[: session.committed]))
+        assert compared > 0 and mismatched == []
+    assert store.close() == []
+
+
+def test_an_embedded_shadow_on_a_gpu_sizes_its_cap_from_the_memory_its_generator_leaves(tiny_cuda):
+    """Embedded on a GPU without --cap-gib: the cap is `residency.embedded_cap_gib` of the free device
+    memory, the generator's requests at their longest (its own state sizes) and the prefix cache."""
+    from dataclasses import replace
+
+    from shadow.core.residency import GIB, StateSize, embedded_cap_gib
+    from shadow.server.http.build import embedded_cap
+    from shadow.server.settings import ServeSettings, StoreSettings
+
+    settings, model = ServeSettings(), tiny_cuda.model
+    size, limits = StateSize.of(model.config, 2), settings.limits
+    requests = limits.max_generating * size.resident(size.capacity(limits.max_prompt_tokens + limits.max_tokens), 0)
+    assert embedded_cap(settings, model, free_bytes=40 * GIB) == \
+        embedded_cap_gib(40 * GIB, requests, int(settings.prefix.gib * GIB))
+    assert embedded_cap(replace(settings, store=StoreSettings(cap_gib=3.0)), model) == 3.0
+    free, _ = torch.cuda.mem_get_info()
+    assert 0.5 <= embedded_cap(settings, model) <= free / GIB
 
 
 def test_pinned_autotuning_gives_the_same_bits_as_tuning(tiny_cuda):

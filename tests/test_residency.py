@@ -57,3 +57,18 @@ def test_a_settle_moves_out_the_least_recently_used_until_the_rest_fit():
     assert list(Settle([("a", 5)], cap=5)) == []
 
 
+
+
+def test_the_default_cap_is_stated_per_mode_and_an_embedded_gpu_shadow_sizes_its_own():
+    from shadow.core.residency import CAP_GIB, GIB, embedded_cap_gib
+    from shadow.server.settings import StoreSettings
+
+    default, told = StoreSettings(), StoreSettings(cap_gib=2.5)
+    assert default.cap_for("cuda", proxy=True) == CAP_GIB == 4.0  # beside an engine: the stated default
+    assert default.cap_for("cpu", proxy=False) == default.cap_for("cpu", proxy=True) == 4.0  # no device memory to size from
+    assert told.cap_for("cuda", proxy=False) == told.cap_for("cpu", proxy=True) == 2.5  # --cap-gib wins everywhere
+    with pytest.raises(ValueError):
+        default.cap_for("cuda", proxy=False)  # sized once the generator is loaded
+    # 0.8 of the free memory the generator's requests and the prefix cache leave, less 1 GiB; at least 0.5 GiB
+    assert embedded_cap_gib(40 * GIB, 6 * GIB, 2 * GIB) == pytest.approx(0.8 * 32 - 1)
+    assert embedded_cap_gib(4 * GIB, 6 * GIB) == 0.5

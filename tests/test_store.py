@@ -473,3 +473,35 @@ def test_store_command_checks_files_against_the_store_key(tiny, tmp_path):
         assert result.exit_code == code, (args, env, result.output)
         if code:
             assert "keyed digest mismatch" in json.loads(result.output.strip().splitlines()[-1])["files"][0]["reason"]
+
+
+def test_serve_without_disk_writes_under_the_cache_folder_and_sweeps_only_its_own_files(reader, monkeypatch):
+    """`shadow serve` without --disk spills to 'sessions' in the cache folder (here the test run's own
+    $SHADOW_CACHE, never the user's): the disk cap and the sweeps hold there as in any folder, and
+    nothing else in the cache (the random checkpoints, a foreign file, a link) is touched;
+    --no-disk has none."""
+    from shadow.model.checkpoint import cache_dir
+    from shadow.server.http.build import store_for
+    from shadow.server.settings import ServeSettings, StoreSettings
+
+    monkeypatch.delenv("SHADOW_SERVE_DISK", raising=False)
+    folder = cache_dir() / "sessions"
+    assert StoreSettings().folder == folder and StoreSettings(no_disk=True, disk=folder).folder is None
+    probe = SessionStore(reader, "h", cap_gib=None)
+    one = sessionfile.file_bytes(fed(probe, reader, "probe")) / 2**30  # about a file of one of these sessions
+    store = store_for(ServeSettings(store=StoreSettings(disk_cap_gib=one * 2.5)), reader, "h", cap_gib=0)
+    assert store.disk == folder and folder.is_dir()
+    foreign = {folder / "model.safetensors": b"weights", folder / ("ab" * 16 + ".safetensors"): b"not a session"}
+    for path, data in foreign.items():
+        path.write_bytes(data)
+    (folder / ("cd" * 16 + ".safetensors")).symlink_to(cache_dir())
+    checkpoints = sorted(p for p in cache_dir().rglob("*") if p.is_file() and folder not in p.parents)
+    for k, name in enumerate("abcde"):
+        fed(store, reader, name, seed=k)
+        store.settle(keep=name)
+    store.flush()
+    assert all(path.read_bytes() == data for path, data in foreign.items()) and (folder / ("cd" * 16 + ".safetensors")).is_symlink()
+    assert sorted(p for p in cache_dir().rglob("*") if p.is_file() and folder not in p.parents) == checkpoints
+    own = [r.session for r in check_folder(folder) if r.valid]
+    assert 0 < len(own) <= 2 and store.counters.removed >= 2  # the oldest past the disk cap, removed
+    assert store_for(ServeSettings(store=StoreSettings(no_disk=True)), reader, "h").disk is None

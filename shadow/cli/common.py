@@ -320,13 +320,14 @@ def setting_range(setting: SettingOption, zero: bool = False) -> Callable:
 def setting_parameter(setting: SettingOption, *, env_prefix: str | None = None, repeat: bool = False,
                       zero: bool = False, note: str = "") -> inspect.Parameter:
     """The keyword parameter Typer reads one generated option from: the setting's flag (a bool:
-    `--x/--no-x`), default, help and panel; checked while parsing by its kind (`SETTING_CHECKS`) and
+    `--x/--no-x`; a bool flagged `--no-x`: that flag alone), default, help and panel; checked while parsing by its kind (`SETTING_CHECKS`) and
     range. `env_prefix`: its environment variable is `env_prefix` + the flag in capitals (or the
     option's own `env`); None: none. `repeat`: given several times, its default the one-item list;
     `zero`: 0 also passes the range (the command reads it as "none"); `note`: what the command
     adds to the help."""
     o, flag = setting.option, setting.flag
-    decls = [f"{flag}/--no-{flag[2:]}" if setting.type is bool else flag] + ([o.short] if o.short else [])
+    switch = setting.type is bool and not flag.startswith("--no-")  # a --no-x flag is one way: it only turns x off
+    decls = [f"{flag}/--no-{flag[2:]}" if switch else flag] + ([o.short] if o.short else [])
     checks = [c for c in (SETTING_CHECKS.get(o.check), setting_range(setting, zero) if setting.type is not bool
                           and setting.option.text is None else None) if c is not None]
     env = None if env_prefix is None else o.env or env_prefix + flag[2:].replace("-", "_").upper()

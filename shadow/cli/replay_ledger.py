@@ -26,13 +26,13 @@ from shadow.offline.costs import (
 from shadow.offline.ledger import ServiceModel
 from shadow.offline.limits import LIVE_IDS, LIVE_MODEL, ReplayLimits
 from shadow.offline.plan import Plan, flat_ms_per_1k
-from shadow.server.settings import options, settings_from
+from shadow.server.settings import StoreSettings, options, settings_from
 
 FORMATS = ("auto", "mooncake", "trajectory", "ledger")
 MAX_PACK = 10_000  # active sessions --pack may ask for (the set is repeated to reach it: copies grow with it)
 MAX_SAMPLES = 100_000
 # serve's options the replay shares: (name, repeatable, 0 passes as "none", what the replay adds to the help)
-SHARED = {"grid": (False, False, ""), "cap_gib": (False, True, "Each shadow's; 0: no cap."),
+SHARED = {"grid": (False, False, ""), "cap_gib": (False, True, "Each shadow's (proxy mode's default); 0: no cap."),
           "host_cap_gib": (False, False, "Each shadow's (as on a GPU); its moves are charged --host-gib-s."),
           "restore_ahead": (False, False, "Modelled: one restore at a time, beside the reads, charged to no device time."),
           "prefix_cache": (False, False, "Modelled (`shadow/offline/prefixmodel.py`): every first prompt shares "
@@ -94,7 +94,7 @@ def replay_ledger(
     pack_to: Annotated[float | None, typer.Option("--pack", callback=bounds(gt=0, le=MAX_PACK, says=f"needs a positive number of active sessions, at most {MAX_PACK:,}"), help="Shift sessions' start times so that this many are active at once on average (repeating the set where shifting alone cannot; at most 10,000). Not for Mooncake traces (their times come from the service model).")] = None,
     solve_share: Annotated[str | None, typer.Option("--solve-share", callback=_target, help="Also find the smallest share that meets a target (bisection), for each cost and priority set: 'p99 ask wait <= 50 ms', 'p90 time to fresh <= 2 s', 'stale sessions <= 5 %', 'fresh >= 90 %' (a bare number N: fresh >= N %).")] = None,
     ids: Annotated[str, typer.Option("--ids", callback=_ids, help="When a turn's ids reach the shadow: engine (prompt ids on the first streamed chunk, output as streamed: vLLM), tokenizer (the proxy's template round trip, output as streamed), end (output only when the response is over), none (output never), embedded (at once: the embedded generator).")] = LIVE_IDS,
-    disk: Annotated[bool, typer.Option("--disk/--no-disk", help="Sessions past the caps spill to disk and are restored, as `shadow serve --disk`; without, they are dropped and read again.")] = ReplayLimits.disk,
+    disk: Annotated[bool, typer.Option("--disk/--no-disk", help="Sessions past the caps spill to disk and are restored, as `shadow serve` does (its default disk folder, or --disk); --no-disk: they are dropped and read again, as `shadow serve --no-disk`.")] = not StoreSettings().no_disk,
     model: Annotated[str, typer.Option(callback=_preset, help="The shadow's model, for its sessions' state sizes (bf16).")] = LIVE_MODEL,
     label_ms: Annotated[float, typer.Option(callback=bounds(ge=0), help="After each turn, a standing question's label asked of the engine for this long before the turn ends (`--label-from-upstream`; 0: none).")] = ReplayLimits.label_s * 1000,
     asks_per_hour: Annotated[float, typer.Option(callback=bounds(ge=0), help="Asks per active session per hour (Poisson), each reading its session to its end and one forward, as load.")] = ReplayLimits.asks_per_hour,
@@ -156,8 +156,9 @@ def replay_ledger(
                        ask_s=ask_ms / 1000,
                        phrase_s=phrase_ms / 1000, tokenize_s_per_1k=tokenize_ms_per_1k / 1000, batch=batches)
              for table, batches in pairs]
-    limits = for_model(model, ids=ids, cap_gib=settings.store.cap_gib or None, disk=disk,
-                       host_cap_gib=settings.store.host_cap_gib if settings.store.cap_gib else None,
+    cap_gib = settings.store.cap_for("cuda", proxy=True) or None  # serve's default beside an engine; 0: no cap
+    limits = for_model(model, ids=ids, cap_gib=cap_gib, disk=disk,
+                       host_cap_gib=settings.store.host_cap_gib if cap_gib else None,
                        restore_ahead=settings.store.restore_ahead,
                        prefix_cache_gib=settings.prefix.gib if settings.prefix.on else None,
                        shared_prefix_tokens=shared_prefix_tokens,

@@ -18,6 +18,24 @@ GIB = 1 << 30
 # the host tier's bound a shadow on a GPU gets unless told otherwise, for the live service and its
 # replay alike: 32 GiB holds some 36 sessions of 58k tokens of the 0.8B (0.88 GiB each)
 HOST_CAP_GIB = 32.0
+# the resident cap a shadow gets unless told otherwise, beside an engine (proxy mode) and on the CPU,
+# for the live service and its replay alike: four 58k sessions of the 0.8B (0.88 GiB each) and room
+CAP_GIB = 4.0
+# an embedded shadow on a GPU sizes its cap from the device memory free once the generator is loaded
+# (`embedded_cap_gib`): this share of what its requests leave, less this headroom, at least the floor
+EMBEDDED_SHARE = 0.8
+EMBEDDED_HEADROOM_GIB = 1.0
+EMBEDDED_FLOOR_GIB = 0.5
+
+
+def embedded_cap_gib(free_bytes: int, generator_bytes: int, other_bytes: int = 0) -> float:
+    """The resident cap of an embedded shadow on a GPU, GiB: `EMBEDDED_SHARE` of the device memory
+    free once the generator is loaded (`free_bytes`) less what the generator's requests may hold at
+    most (`generator_bytes`: their states at their longest) and the shadow's other device memory
+    (`other_bytes`: the prefix cache's bound), less `EMBEDDED_HEADROOM_GIB` (activations, graphs,
+    moves in flight); at least `EMBEDDED_FLOOR_GIB`."""
+    left = EMBEDDED_SHARE * (free_bytes - generator_bytes - other_bytes) / GIB - EMBEDDED_HEADROOM_GIB
+    return max(EMBEDDED_FLOOR_GIB, left)
 
 
 @dataclass(frozen=True)

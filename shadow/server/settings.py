@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any, get_type_hints
 
 from shadow.core.prefixcache import PREFIX_CACHE_GIB
-from shadow.core.residency import HOST_CAP_GIB
+from shadow.core.residency import (
+    CAP_GIB, EMBEDDED_FLOOR_GIB, EMBEDDED_HEADROOM_GIB, EMBEDDED_SHARE, HOST_CAP_GIB,
+)
 from shadow.core.schedule import BandwidthRule, KnownCosts, Priorities
 from shadow.errors import ShadowInputError
 
@@ -149,12 +151,19 @@ class ModelSettings:
 
 @dataclass(frozen=True)
 class StoreSettings:
-    """Resident cap (GiB; None: no cap), the host tier below it (GiB; 0: none), the folder sessions
-    past both go to, the bound on that
+    """Resident cap (GiB; None: by mode, `cap_for`), the host tier below it (GiB; 0: none), the
+    folder sessions past both go to (None: `default_disk()`, unless `no_disk`), the bound on that
     folder, (proxy mode, with a disk) the free pool memory past which an idle shadow unloads, and
     the key of the session files' keyed digest (None: none)."""
 
-    cap_gib: float | None = setting(4.0, gt=0, panel=STORE, help="Resident cap for shadow sessions, GiB.")
+    cap_gib: float | None = setting(None, gt=0, panel=STORE, help=(
+        f"Resident cap for shadow sessions on the device, GiB. Default: in proxy mode and on the CPU {CAP_GIB:g} GiB "
+        "(on the CPU there is no device memory to size it from); beside an engine on the same GPU, size it from what "
+        "the engine leaves: the card's memory times 1 - vLLM's --gpu-memory-utilization, less the shadow's weights, "
+        "--prefix-cache-gib and 1 GiB (docs/SERVE.md). In embedded mode on a GPU, sized once the generator is loaded: "
+        f"{EMBEDDED_SHARE:g} of the free device memory less the generator's requests at their longest "
+        "(--max-generating states of --max-prompt-tokens + --max-tokens) and the prefix cache, less "
+        f"{EMBEDDED_HEADROOM_GIB:g} GiB, at least {EMBEDDED_FLOOR_GIB:g} GiB (logged at start)."))
     host_cap_gib: float = setting(HOST_CAP_GIB, ge=0, panel=STORE, help=(
         "Host-memory tier for sessions past --cap-gib, GiB: they move to host memory (pinned, bit for bit) and, past "
         "this, to --disk. 0: none. A shadow on the CPU has none (its sessions are in host memory already); at most "
@@ -164,7 +173,12 @@ class StoreSettings:
         "(and a CUDA stream) of its own, beside the shadow's reads and the engine's prefill; --no-restore-ahead "
         "restores it when its prompt is fed, on the device between reads."))
     disk: Path | None = setting(None, panel=STORE, help=(
-        "Folder where sessions past the cap (and all, at a planned stop) are written."))
+        "Folder where sessions past the caps (and all, at a planned stop) are written, and read back from at a "
+        "restart. Default: 'sessions' in the cache folder ($SHADOW_CACHE, else ~/.cache/shadow); the store touches "
+        "only its own files there."))
+    no_disk: bool = setting(False, flag="--no-disk", panel=STORE, help=(
+        "Run without a disk folder, whatever --disk says: sessions past the caps are dropped (read again from the "
+        "start at their next turn) and a stop writes nothing."))
     disk_cap_gib: float = setting(64.0, gt=0, panel=STORE, help=(
         "Bound on the store's own files in --disk, GiB (oldest removed first)."))
     unload_slack_gib: float | None = setting(None, ge=0, panel=STORE, help=(
@@ -173,6 +187,28 @@ class StoreSettings:
     key: str | None = setting(None, repr=False, name="store_key", env="SHADOW_STORE_KEY", panel=STORE, help=(
         "A secret for the session files in --disk: each carries a keyed digest (HMAC-SHA256) made with it, and a "
         "file without that digest (planted by someone without the key) is refused."))
+
+    @property
+    def folder(self) -> Path | None:
+        """The disk folder the store writes to: --disk, else the default one; None with --no-disk."""
+        return None if self.no_disk else self.disk or default_disk()
+
+    def cap_for(self, device: str, proxy: bool) -> float:
+        """The resident cap, GiB, where it can be told before the model loads: --cap-gib, else
+        `CAP_GIB` in proxy mode or off a GPU; embedded on a GPU it is sized after the generator
+        loads (`residency.embedded_cap_gib`), so this raises there."""
+        if self.cap_gib is not None:
+            return self.cap_gib
+        if proxy or device != "cuda":
+            return CAP_GIB
+        raise ValueError("an embedded shadow on a GPU sizes its cap once the generator is loaded")
+
+
+def default_disk() -> Path:
+    """The store's folder when --disk is not given: 'sessions' in the cache folder ($SHADOW_CACHE)."""
+    from shadow.model.checkpoint import cache_dir
+
+    return cache_dir() / "sessions"
 
 
 @dataclass(frozen=True)
@@ -579,8 +615,9 @@ def check(s: ServeSettings) -> None:
         raise ShadowInputError(f"--batch is 1, 2, 4 or 8 (the batch sizes a reader has CUDA graphs for; got {s.schedule.batch})")
     if s.engine.label_from_upstream and (not s.proxy or s.standing_question is None):
         raise ShadowInputError("--label-from-upstream needs proxy mode (--upstream) and a --standing-question")
-    if s.store.unload_slack_gib is not None and (not s.proxy or s.store.disk is None):
-        raise ShadowInputError("--unload-slack-gib needs proxy mode (--upstream) and a --disk to park sessions on")
+    if s.store.unload_slack_gib is not None and (not s.proxy or s.store.folder is None):
+        raise ShadowInputError("--unload-slack-gib needs proxy mode (--upstream) and a disk to park sessions on "
+                               "(a --disk, not --no-disk)")
     if s.engine.dialect != "auto" and s.engine.dialect not in ENGINES:
         raise ShadowInputError(f"--engine must be auto or one of {', '.join(ENGINES)}")
     if s.log_format not in LOG_FORMATS:
@@ -598,8 +635,9 @@ def check(s: ServeSettings) -> None:
         raise ShadowInputError(f"listening on {s.host} (beyond loopback) needs an --api-key (or SHADOW_API_KEY)")
     if not s.sessions.headers:
         raise ShadowInputError("--session-headers names no header")
-    if s.store.disk is not None and s.store.disk.exists() and not s.store.disk.is_dir():
-        raise ShadowInputError(f"--disk {s.store.disk} is a file, not a folder")
+    folder = s.store.folder
+    if folder is not None and folder.exists() and not folder.is_dir():
+        raise ShadowInputError(f"--disk {folder} is a file, not a folder")
     if s.journal is not None and (s.journal.is_dir() or not s.journal.parent.is_dir()):
         raise ShadowInputError(f"--journal {s.journal} must be a file in an existing folder")
     if not 1 <= s.limits.max_generating <= s.limits.max_queued:

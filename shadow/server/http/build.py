@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI
 
 from shadow.core.reader import Reader, check_grid, open_reader
+from shadow.core.residency import GIB, StateSize, embedded_cap_gib
 from shadow.core.store import SessionStore
 from shadow.engines.dialects import DIALECTS
 from shadow.model.checkpoint import RANDOM_MARKER, read_config, resolve_checkpoint
@@ -44,11 +45,38 @@ def dtype_of(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}[name]
 
 
-def store_for(settings: ServeSettings, reader: Reader, weights_hash: str) -> SessionStore:
+def store_for(settings: ServeSettings, reader: Reader, weights_hash: str, cap_gib: float | None = None) -> SessionStore:
+    """The shadow's store: its cap `cap_gib` (None: `StoreSettings.cap_for`), its disk folder (--disk,
+    the default one, or none), its host tier."""
     s = settings.store
-    return SessionStore(reader, weights_hash, cap_gib=s.cap_gib, disk=s.disk, disk_cap_gib=s.disk_cap_gib,
-                        model=settings.model.model, key=s.key,
-                        host_cap_gib=host_cap_gib(s.host_cap_gib, reader.model.device.type))
+    device = reader.model.device.type
+    cap = s.cap_for(device, settings.proxy) if cap_gib is None else cap_gib
+    folder = s.folder
+    log.info("the store: cap %.2f GiB%s, disk %s", cap, "" if s.cap_gib is not None else " (by default)",
+             folder if folder is not None else "none (--no-disk: sessions past the caps are dropped)")
+    return SessionStore(reader, weights_hash, cap_gib=cap, disk=folder, disk_cap_gib=s.disk_cap_gib,
+                        model=settings.model.model, key=s.key, host_cap_gib=host_cap_gib(s.host_cap_gib, device))
+
+
+def embedded_cap(settings: ServeSettings, generator, free_bytes: int | None = None) -> float:
+    """An embedded shadow's cap, GiB: --cap-gib, else (on a GPU) sized from the device memory free now
+    that the generator is loaded (`residency.embedded_cap_gib`: less its requests' states at their
+    longest and the prefix cache), logged with the figures it came from; off a GPU, `CAP_GIB`."""
+    s, limits = settings.store, settings.limits
+    device = generator.device
+    if s.cap_gib is not None or device.type != "cuda":
+        return s.cap_for(device.type, proxy=False)
+    import torch
+
+    if free_bytes is None:
+        free_bytes, _ = torch.cuda.mem_get_info(device)
+    size = StateSize.of(generator.config, torch.empty((), dtype=generator.dtype).element_size())
+    requests = limits.max_generating * size.resident(size.capacity(limits.max_prompt_tokens + limits.max_tokens), 0)
+    prefix = int(settings.prefix.gib * GIB) if settings.prefix.on else 0
+    cap = embedded_cap_gib(free_bytes, requests, prefix)
+    log.info("the resident cap: %.2f GiB, from %.2f GiB free once the generator loaded, less %.2f GiB for its "
+             "requests at their longest and %.2f GiB of prefix cache", cap, free_bytes / GIB, requests / GIB, prefix / GIB)
+    return cap
 
 
 def host_cap_gib(asked: float, device: str, memory: int | None = None) -> float:
@@ -98,15 +126,15 @@ def build(settings: ServeSettings) -> Built:
                                 voice=VoiceParts(tokenizer, voice_reader) if settings.voice.on else None)
         app = ShadowApp(settings, service, tokenizer, "upstream", renderer=renderer, dialect=dialect)
         return Built(app.app, service, (folder / RANDOM_MARKER).exists())
-    # embedded: the generator needs its model before the first request
+    # embedded: the generator needs its model before the first request (and the cap is sized after it loads)
     loaded, reader = open_reader(m.model, grid=m.grid, device=m.device, dtype=dtype, kernels=m.kernels)
-    store = store_for(settings, reader, loaded.weights_hash)
+    gen_model = loaded.model if m.generator in (None, m.model) else load_model(
+        m.generator, dtype=dtype, device=m.device, kernels=loaded.model.kernels).model
+    store = store_for(settings, reader, loaded.weights_hash, embedded_cap(settings, gen_model))
     tokenizer = load_tokenizer(loaded.path)
     service = ShadowService(settings, Shadow(reader, store, loaded.weights_label), config,
                             standing=_standing(settings, tokenizer),
                             voice=VoiceParts(tokenizer, voice_reader) if settings.voice.on else None)
-    gen_model = loaded.model if m.generator in (None, m.model) else load_model(
-        m.generator, dtype=dtype, device=m.device, kernels=loaded.model.kernels).model
     renderer = renderer_for(engine.chat_template, engine.tokenizer, None) if engine.chat_template else None
     app = ShadowApp(settings, service, tokenizer, m.generator or m.model, generator=Generator.on(gen_model),
                     renderer=renderer)
