@@ -80,6 +80,8 @@ def test_a_session_diverging_at_a_line_starts_there_and_a_prompt_of_whole_shared
 
 
 def test_after_evictions_a_session_starts_at_what_is_left_and_is_bit_equal(model):
+    """A cap of three lines: the first session stores two (half the cap), the second starts at
+    line 2 and stores 3 and 4, pushing states out; the third starts where a state is left."""
     probe = reader_with_cache(model)
     a = probe.new_session("a")
     probe.feed_prompt(a, ids_of(8, 6 * G))
@@ -90,14 +92,20 @@ def test_after_evictions_a_session_starts_at_what_is_left_and_is_bit_equal(model
     a = reader.new_session("a")
     reader.feed_prompt(a, shared + ids_of(9, 50))
     read_all(reader, a)
-    status = reader.prefix_cache.status()
-    assert status["bytes"] <= 3 * one_line and status["evictions"] > 0
+    assert reader.prefix_cache.status()["lines"] == 2 and a.prefix.stored == 2 * one_line
     b = reader.new_session("b")
-    line = reader.feed_prompt(b, shared + ids_of(10, 50)).cached
-    assert line < 6 * G  # the deepest lines that fit were kept, but not the whole path's states
+    assert reader.feed_prompt(b, shared + ids_of(10, 50)).cached == 2 * G
     assert_fresh(reader, b)
     read_all(reader, b)
     assert_fresh(reader, b)
+    status = reader.prefix_cache.status()
+    assert status["bytes"] <= 3 * one_line and status["evictions"] > 0
+    c = reader.new_session("c")
+    line = reader.feed_prompt(c, shared + ids_of(11, 50)).cached
+    assert 0 < line <= 4 * G
+    assert_fresh(reader, c)
+    read_all(reader, c)
+    assert_fresh(reader, c)
 
 
 def test_a_rollback_to_the_start_starts_at_the_sessions_own_cached_line(model):
@@ -245,3 +253,27 @@ def test_the_replays_model_of_the_cache_stores_hits_and_evicts_as_the_live_cache
         assert s.committed == h.committed
         assert reader.prefix_cache.status() == modelled.prefix.status() | {"start_s": reader.prefix_cache.status()["start_s"]}
     assert reader.prefix_cache.status()["evictions"] > 0
+
+
+def test_a_long_session_read_from_its_start_keeps_the_line_sessions_diverged_at(model):
+    """A session stores at most half the cap; past the cap, the states of lines where no sessions
+    diverged go before the line where they did, so a later session still starts there."""
+    probe = reader_with_cache(model)
+    p = probe.new_session("p")
+    probe.feed_prompt(p, ids_of(160, 2 * G))
+    probe.advance(p, max_chunks=1)
+    one_line = probe.prefix_cache.status()["bytes"]
+    reader = reader_with_cache(model, cap=8 * one_line)
+    shared = ids_of(161, 2 * G)
+    for k in range(2):  # two sessions diverge at line 2
+        s = reader.new_session(f"s{k}")
+        reader.feed_prompt(s, shared + ids_of(162 + k, G + 9))
+        read_all(reader, s)
+    long = reader.new_session("long")
+    reader.feed_prompt(long, ids_of(170, 20 * G))
+    read_all(reader, long)
+    status = reader.prefix_cache.status()
+    assert status["bytes"] <= 8 * one_line and long.prefix.stored <= 5 * one_line
+    late = reader.new_session("late")
+    assert reader.feed_prompt(late, shared + ids_of(180, 300)).cached == 2 * G
+    assert_fresh(reader, late)

@@ -13,12 +13,14 @@ state a fresh prefill of those ids gives, by the grid's own argument.
 Lines are offered as a session's reads pass them (`PrefixCache.offer`, from `driving.chunks_read`:
 after each chunk read alone, at the end of each run of a batched read) while they lie within the
 session's first prompt (its `scope`): the ids sessions share are their first prompts' (system
-prompt, tool definitions); later turns are their own. Bounded in bytes: when over its cap, the
-least recently used unit goes first, a unit being a leaf node (its KV rows and state) or the
-state of an inner node (its KV rows stay while a deeper line needs them). A lookup touches the
-path it uses. Held on the reader's device (restoring is device-to-device copies).
+prompt, tool definitions); later turns are their own. One session adds at most half the cap, so
+a long prompt read from its start never pushes every other line out. Bounded in bytes: when over
+its cap, the states of inner lines where no sessions diverged go first, then leaf lines (their KV
+rows and state) and the states of lines where sessions diverged, each kind least recently used
+first (an inner line's KV rows stay while a deeper line needs them). A lookup touches the path it
+uses. Held on the reader's device (restoring is device-to-device copies).
 
-`PrefixTrie` is the trie, its bytes and its least-recently-used order without tensors: the ledger
+`PrefixTrie` is the trie, its bytes and its eviction order without tensors: the ledger
 replay models the cache with the same class (`offline.prefixmodel`), so both evict alike.
 """
 
@@ -32,7 +34,7 @@ from typing import Any
 from shadow.core import driving
 from shadow.errors import ShadowInputError
 
-PREFIX_CACHE_GIB = 2.0  # the default bound, on any device: a 21k-token prefix of the 0.8B is about 1 GiB
+PREFIX_CACHE_GIB = 2.0  # the default bound, on any device: a 21k-token prefix of the 0.8B, a state at every line, is about 1 GiB
 
 
 class Node:
@@ -131,30 +133,35 @@ class PrefixTrie:
         return True
 
     def evict(self, protect: Node | None = None) -> None:
-        """Least recently used units out until the bytes fit the cap; `protect`'s path (the line just
-        stored) goes last: its inner lines' states first, its own nodes only if it alone is past the cap."""
+        """Units out until the bytes fit the cap: first the states of inner lines where no sessions
+        diverged (a later session rarely starts there), then leaf lines and the states of lines
+        where sessions diverged, each kind least recently used first. `protect`'s path (the line
+        just stored) goes last: its inner lines' states may go, its nodes only if it alone is past
+        the cap."""
         if self.bytes <= self.cap:
             return
+        protect = self._trim(protect)
         kept = set()
         node = protect
         while node is not None:
             kept.add(id(node))
             node = node.parent
-        units = []  # (last use, node, whole): a leaf whole, an inner node's state alone
+        units = []  # (rank, last use, node, whole): a leaf whole, an inner node's state alone
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
             stack += node.children.values()
+            branch = int(len(node.children) > 1)  # sessions diverged here: its state is the one they start at
             if id(node) in kept:
                 if node is not protect and node.has_state:  # the path's KV rows stay, its inner states may go
-                    units.append((node.state_used, node, False))
+                    units.append((branch, node.state_used, node, False))
                 continue
             if not node.children:
-                units.append((max(node.used, node.state_used), node, True))
+                units.append((1, max(node.used, node.state_used), node, True))
             elif node.has_state:
-                units.append((node.state_used, node, False))
-        units.sort(key=lambda u: u[0])
-        for _, node, whole in units:
+                units.append((branch, node.state_used, node, False))
+        units.sort(key=lambda u: u[:2])
+        for _, _, node, whole in units:
             if self.bytes <= self.cap:
                 break
             if not node.alive:
@@ -163,8 +170,34 @@ class PrefixTrie:
                 self._drop_leaf(node, kept)
             else:
                 self._drop_state(node)
-        if self.bytes > self.cap and protect is not None:  # the path alone is past the cap: its deepest lines go
+        if self.bytes > self.cap and protect is not None:
             self.evict()
+
+    def _trim(self, node: Node | None) -> Node | None:
+        """A line just stored whose path's KV rows and own state alone are past the cap: its deepest
+        lines go (a shallower line that fits is worth more than none), up to the nearest line
+        that fits with a state of its own; that line, or None."""
+        while node is not None and node is not self.root:
+            kv, up = 0, node
+            while up is not self.root:
+                kv += up.kv_bytes
+                up = up.parent
+            if kv + node.state_bytes <= self.cap:
+                return node if node.has_state else None
+            if node.children:
+                return None  # other lines go through it: the ordinary order decides
+            parent = node.parent
+            self._drop_leaf_only(node)
+            node = parent
+        return None
+
+    def _drop_leaf_only(self, node: Node) -> None:
+        self._drop_state(node, counted=False)
+        del node.parent.children[node.key]
+        node.alive = False
+        self.bytes -= node.kv_bytes
+        self.nodes -= 1
+        self.counts.evictions += 1
 
     def _drop_state(self, node: Node, counted: bool = True) -> None:
         if node.has_state:
@@ -176,16 +209,42 @@ class PrefixTrie:
     def _drop_leaf(self, node: Node, kept: set[int]) -> None:
         """A leaf out; its parent, a leaf now and without a state of its own, follows while over the cap."""
         while node is not None and node is not self.root and not node.children and id(node) not in kept:
-            self._drop_state(node, counted=False)
             parent = node.parent
-            del parent.children[node.key]
-            node.alive = False
-            self.bytes -= node.kv_bytes
-            self.nodes -= 1
-            self.counts.evictions += 1
+            self._drop_leaf_only(node)
             if self.bytes <= self.cap or parent.has_state:
                 break
             node = parent
+
+    def extend(self, walk: Walk, line: int, key_of, kv_of, state_of) -> None:
+        """A session's reads reached `line`: within its `walk.scope`, and while what it stored stays
+        within half the cap (a long session read from its start never pushes every other line out),
+        the chunks below the line the trie lacks are added (`key_of(a)`, `kv_of(a)` -> (payload,
+        bytes) for the chunk at row `a`) and the line's state kept (`state_of()` -> (payload,
+        bytes)); then the cap is enforced."""
+        g = self.grid
+        if line <= 0 or line > walk.scope or self.cap <= 0 or walk.stored > self.cap // 2:
+            return
+        node, lo = self.root, 0
+        if walk.node is not None and walk.node.alive and walk.line <= line:
+            node, lo = walk.node, walk.line
+        for a in range(lo, line, g):
+            key = key_of(a)
+            child = node.children.get(key)
+            if child is None:
+                kv, nbytes = kv_of(a)
+                child = self.child(node, key, kv, nbytes)
+                walk.stored += nbytes
+            else:
+                child.used = self.tick()
+            node = child
+        if not node.has_state:
+            state, nbytes = state_of()
+            self.keep_state(node, state, nbytes)
+            walk.stored += nbytes
+        else:
+            node.state_used = self.tick()
+        walk.line, walk.node = line, node
+        self.evict(protect=node)
 
     def status(self) -> dict:
         c = self.counts
@@ -198,11 +257,13 @@ class PrefixTrie:
 class Walk:
     """Where a session stands in the cache: `scope`, the last grid line of its first prompt (lines
     up to it are offered); the deepest line it offered and that line's node (a shortcut for the
-    next offer, valid while the node is in the trie and the session did not roll back)."""
+    next offer, valid while the node is in the trie and the session did not roll back); the bytes
+    it added."""
 
     scope: int
     line: int = 0
     node: Node | None = field(default=None, repr=False)
+    stored: int = 0  # bytes it added to the cache
 
 
 class PrefixCache:
@@ -245,6 +306,8 @@ class PrefixCache:
         stopping), that line is marked, so that the session's own reads stop and store it. Returns
         the line (0: no hit)."""
         g = self.grid
+        if len(session.ids) < g:
+            return 0  # nothing whole to start from: not a lookup
         path = self.trie.walk(self.keys(session.ids, 0, len(session.ids) // g * g))
         hit = next((n for n in reversed(path) if n.has_state), None)
         if path and (hit is None or path[-1].line > hit.line):
@@ -279,34 +342,19 @@ class PrefixCache:
     # a session's reads ------------------------------------------------------------------------
 
     def offer(self, session) -> None:
-        """The session's reads reached a line: within its first prompt, the chunks below it not yet
-        cached are stored (their KV rows copied from the session's buffers) and the line's state
-        kept; then the cache is bound to its cap."""
-        walk: Walk | None = session.prefix
-        line, g = session.committed, self.grid
-        if walk is None or line <= 0 or line > walk.scope or self.trie.cap <= 0:
+        """The session's reads reached a line: `PrefixTrie.extend`, the KV rows copied from the
+        session's buffers and the GDN state from its arena."""
+        if session.prefix is None:
             return
-        node, lo = self.trie.root, 0
-        if walk.node is not None and walk.node.alive and walk.line <= line:
-            node, lo = walk.node, walk.line
-        state = session.state
-        for a in range(lo, line, g):
-            key = tuple(session.ids[a : a + g])
-            child = node.children.get(key)
-            if child is None:
-                kv = [(state.layers[i].k[:, a : a + g].clone(), state.layers[i].v[:, a : a + g].clone())
-                      for i in self.attention]
-                kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
-                child = self.trie.child(node, key, kv, kv_bytes)
-            else:
-                child.used = self.trie.tick()
-            node = child
-        if not node.has_state:
-            self.trie.keep_state(node, (state.arena.conv.clone(), state.arena.recurrent.clone()), self.state_bytes)
-        else:
-            node.state_used = self.trie.tick()
-        walk.line, walk.node = line, node
-        self.trie.evict(protect=node)
+        g, state = self.grid, session.state
+
+        def kv_of(a: int):
+            kv = [(state.layers[i].k[:, a : a + g].clone(), state.layers[i].v[:, a : a + g].clone())
+                  for i in self.attention]
+            return kv, sum(k.numel() * k.element_size() * 2 for k, _ in kv)
+
+        self.trie.extend(session.prefix, session.committed, lambda a: tuple(session.ids[a : a + g]), kv_of,
+                         lambda: ((state.arena.conv.clone(), state.arena.recurrent.clone()), self.state_bytes))
 
 
 def fed_prompt(cache, keeper, session, feed: driving.Feed, new: bool) -> driving.Feed:

@@ -46,6 +46,8 @@ class PrefixModel:
 
     def start(self, keeper, h) -> int:
         g = self.grid
+        if h.ids < g:
+            return 0  # nothing whole to start from: not a lookup
         top = min(h.ids, h.prefix.scope if h.prefix.scope else h.ids) // g * g
         path = self.trie.walk(self.key(h.name, a) for a in range(0, top, g))
         hit = next((n for n in reversed(path) if n.has_state), None)
@@ -70,15 +72,8 @@ class PrefixModel:
         return self.size.kv_row * line + self.size.delta
 
     def offer(self, h) -> None:
-        """As `PrefixCache.offer`, in bytes."""
-        walk, line, g = h.prefix, h.committed, self.grid
-        if walk is None or line <= 0 or line > walk.scope or self.trie.cap <= 0:
+        """As `PrefixCache.offer`, in bytes (`PrefixTrie.extend`)."""
+        if h.prefix is None:
             return
-        node, lo = self.trie.root, 0
-        if walk.node is not None and walk.node.alive and walk.line <= line:
-            node, lo = walk.node, walk.line
-        for a in range(lo, line, g):
-            node = self.trie.child(node, self.key(h.name, a), None, self.size.kv_row * g)
-        self.trie.keep_state(node, None, self.size.delta)
-        walk.line, walk.node = line, node
-        self.trie.evict(protect=node)
+        self.trie.extend(h.prefix, h.committed, lambda a: self.key(h.name, a),
+                         lambda a: (None, self.size.kv_row * self.grid), lambda: (None, self.size.delta))
