@@ -70,3 +70,40 @@ def test_a_session_that_changed_while_it_came_back_is_not_taken(tiny, tmp_path):
         assert ahead.start(store, "a") is None  # resident: nothing to bring back
     finally:
         ahead.close()
+
+
+def test_no_restore_starts_for_a_session_still_leaving_the_device(tiny, tmp_path, monkeypatch):
+    """A session whose copy out is in flight is still on the device: a request for it starts no
+    restore (the store keeps it where it is when its prompt is fed)."""
+    import shadow.core.hosttier as hosttier
+    import shadow.core.store as store_module
+
+    class InFlight:  # stands for the copy's CUDA event on the CPU: not done until synchronized
+        landed = False
+
+        def query(self):
+            return self.landed
+
+        def synchronize(self):
+            self.landed = True
+
+    def held(session, stream=None):
+        move = hosttier.move_to_host(session, stream)
+        move.event = InFlight()
+        return move
+
+    monkeypatch.setattr(store_module, "move_to_host", held)
+    loaded, reader = open_reader("tiny", grid=GRID)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=0, disk=tmp_path, host_cap_gib=1)
+    a = store.get("a")
+    reader.feed_prompt(a, list(range(100, 100 + 2 * GRID)))
+    reader.advance(a)
+    store.get("b")
+    store.settle(keep="b")
+    assert store.moving("a") and store.holds("a")
+    ahead = RestoresAhead()
+    try:
+        assert ahead.start(store, "a") is None and ahead.counts.started == 0
+    finally:
+        ahead.close()
+    assert store.get("a") is a and not store.moving("a")

@@ -221,6 +221,10 @@ class SessionStore:
         """The session if it is resident, without touching its last use or restoring it."""
         return self._resident.get(name)
 
+    def moving(self, name: str) -> bool:
+        """Whether `name` is leaving the device, its copy out in flight (`get` keeps it where it is)."""
+        return name in self._moving
+
     def holds(self, name: str) -> bool:
         """Whether the store keeps `name`: resident or moving, in host memory, or a file of it on disk
         (a session dropped without a disk is gone; `get` would start it over, empty)."""

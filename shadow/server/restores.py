@@ -43,8 +43,8 @@ class RestoresAhead:
         self.counts = AheadCounts()
 
     def start(self, store: SessionStore, name: str) -> Future | None:
-        if store.peek(name) is not None or not store.holds(name):
-            return None
+        if store.peek(name) is not None or store.moving(name) or not store.holds(name):
+            return None  # on the device (or still leaving it: `get` keeps it there), or held nowhere
         with self._lock:
             self.counts.started += 1
         return self._pool.submit(self._bring, store, name)
