@@ -277,3 +277,68 @@ def test_a_long_session_read_from_its_start_keeps_the_line_sessions_diverged_at(
     late = reader.new_session("late")
     assert reader.feed_prompt(late, shared + ids_of(180, 300)).cached == 2 * G
     assert_fresh(reader, late)
+
+
+def _service(cache: bool):
+    from shadow.core.reader import open_reader
+    from shadow.core.store import SessionStore
+    from shadow.server.host import Shadow
+    from shadow.server.service import ShadowService
+    from shadow.server.settings import ModelSettings, PrefixCacheSettings, ServeSettings, StoreSettings
+
+    loaded, reader = open_reader("tiny", grid=G)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=None, disk=None)
+    settings = ServeSettings(model=ModelSettings("tiny", grid=G), store=StoreSettings(cap_gib=None, disk=None),
+                             prefix=PrefixCacheSettings(on=cache, gib=0.5))
+    return ShadowService(settings, Shadow(reader, store, "random"), reader.model.config)
+
+
+def _turn(service, name: str, ids: list[int]) -> None:
+    """A turn's prompt fed on the device thread, then its session read to its last whole chunk there."""
+    turn = service.begin_turn(requested=name)
+    service.run_request(lambda: service.set_prompt(turn, ids))
+    service.end_turn(turn)
+
+    def read() -> None:
+        with service.state_lock:
+            session = service.store.get(name)
+        service.reader.advance(session)
+
+    service.run_request(read)
+
+
+def test_the_service_starts_sessions_at_the_cached_line_and_counts_it_in_status_and_metrics(shadow_cache):
+    from shadow.server.metrics import Metrics
+    from shadow.server.timings import REQUEST_SECONDS, Histogram
+
+    shared = ids_of(190, 3 * G + 40)
+    service = _service(cache=True)
+    try:
+        for k in range(3):
+            _turn(service, f"s{k}", shared + ids_of(191 + k, G))
+        cache = service.status()["prefix_cache"]
+        assert (cache["hits"], cache["tokens_saved"], cache["cap_bytes"]) == (2, 6 * G, int(0.5 * 2**30))
+        with service.device.hold(), service.state_lock:
+            for k in range(3):
+                assert_fresh(service.reader, service.store.get(f"s{k}"))
+        text = Metrics(service, Histogram(REQUEST_SECONDS)).render()[0].decode()
+        assert 'shadow_prefix_cache_hits_total{engine="embedded",model="tiny"} 2.0' in text
+        assert f'shadow_prefix_cache_tokens_saved_total{{engine="embedded",model="tiny"}} {6 * G}.0' in text
+        assert 'shadow_prefix_cache_bytes{engine="embedded",model="tiny"}' in text
+    finally:
+        service.stop()
+    off = _service(cache=False)
+    try:
+        _turn(off, "s0", shared)
+        assert off.status()["prefix_cache"] is None and off.reader.prefix_cache is None
+        assert "shadow_prefix_cache" not in Metrics(off, Histogram(REQUEST_SECONDS)).render()[0].decode()
+    finally:
+        off.stop()
+
+
+def test_a_prefix_cache_bound_that_is_no_positive_number_is_refused():
+    from shadow.server.settings import PrefixCacheSettings, ServeSettings, check
+
+    for gib in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ShadowInputError, match="--prefix-cache-gib"):
+            check(ServeSettings(prefix=PrefixCacheSettings(gib=gib)))
