@@ -342,3 +342,45 @@ def test_a_prefix_cache_bound_that_is_no_positive_number_is_refused():
     for gib in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ShadowInputError, match="--prefix-cache-gib"):
             check(ServeSettings(prefix=PrefixCacheSettings(gib=gib)))
+
+
+@pytest.mark.skipif(not __import__("shadow.model.runtime", fromlist=["fast_available"]).fast_available(),
+                    reason="needs CUDA and flash-linear-attention (fla-core)")
+@pytest.mark.parametrize("kernels", ["fla-triton", "fla-fused"])
+def test_on_cuda_sessions_started_from_the_cache_equal_their_graphed_prefill_bit_for_bit(kernels, tmp_path):
+    """The fast path (bfloat16, piecewise CUDA graphs, batch graphs): lines stored by batched runs
+    of two chunks beside another session, a second session started at line 4 that marks line 5 and
+    stores it, a third started at 5, eight sessions started at 5 read in one batch: every state
+    tensor bit-equal to a fresh prefill of its ids through the same graphed reader."""
+    import dataclasses
+
+    from shadow.model import ModelConfig, write_random_checkpoint
+    from shadow.model.piecewise import PiecewiseForward
+
+    config = ModelConfig(hidden_size=1024, num_hidden_layers=8, intermediate_size=1024, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16,
+                         linear_key_head_dim=128, linear_value_head_dim=128)
+    config = dataclasses.replace(config, layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 2)
+    folder = write_random_checkpoint(tmp_path / "eight", config, dtype=torch.bfloat16)
+    cuda = load_model(str(folder), dtype=torch.bfloat16, device="cuda", kernels=kernels).model
+    reader = Reader(cuda, G, forward=PiecewiseForward(cuda, sizes={G, 1, 64, 128, 256}, batches={2, 4, 8}))
+    reader.prefix_cache = PrefixCache(cuda, G, 2**30)
+    shared = ids_of(200, 5 * G)
+    a, other = reader.new_session("a"), reader.new_session("other")
+    reader.feed_prompt(a, shared + ids_of(201, G + 7))
+    reader.feed_prompt(other, ids_of(202, 4 * G))
+    for _ in range(3):
+        assert reader.advance_batch([a, a, other]) == 3
+    second = reader.new_session("second")
+    assert reader.feed_prompt(second, shared + ids_of(203, 300)).cached == 4 * G and 5 * G in second.marks
+    reader.advance_batch([second, other])
+    third = reader.new_session("third")
+    assert reader.feed_prompt(third, shared + ids_of(204, 300)).cached == 5 * G
+    many = [reader.new_session(f"m{k}") for k in range(8)]
+    for k, s in enumerate(many):
+        assert reader.feed_prompt(s, shared + ids_of(210 + k, G + 5)).cached == 5 * G
+    assert reader.advance_batch(many) == 8
+    for s in (a, second, third, *many):
+        fresh = reader.prefill(s.ids[: s.committed])
+        compared, mismatched, _ = compare_states(s.state, fresh)
+        assert compared > 0 and mismatched == [], (kernels, s.name, mismatched)
