@@ -16,7 +16,8 @@ from conftest import shared_file
 from engines import qwen_template
 from serving import assert_exact, running, serving, settled, wait_until_read
 from shadow.core.reader import Reader
-from shadow.offline.verify import TemplateRendering, compare_states, verify
+from shadow.offline.verify import compare_states, verify
+from shadow.text.rendering import TemplateRendering
 from shadow.text.chat_template import ChatRenderer, default_hf_tokenizer, read_template
 from shadow.text.conversations import load_conversation
 
@@ -195,3 +196,55 @@ def test_without_predict_the_output_is_read_as_it_came_and_the_next_prompt_rolls
             status = service.status()
             assert status["counters"]["predictions"]["made"] == 0 and status["counters"]["rollbacks"] >= 1
             assert_exact(service, "p")
+
+
+# the replay's model of it ---------------------------------------------------------------------
+
+def test_the_replay_holds_the_output_and_reads_the_prediction_instead():
+    """A turn's prompt of 1,100 ids and an output of 600 decoded from 3 to 5 s, its next prompt
+    at 10 s keeping 1,098 of them and the reply re-rendered in 60 (as the template predicted at
+    5 s). Read as it came, the chunk past the prompt's checkpoint (1,024) is read and rolled back;
+    held and predicted, nothing is read twice."""
+    from shadow.offline.ledger import Request
+    from shadow.offline.limits import ReplayLimits
+    from shadow.offline.replay import replay
+
+    from test_replay_limits import COSTS
+
+    reqs = [Request("s", 0.0, 3.0, 5.0, 1100, 1100, 600, predicted_tokens=1158, predicted_kept=1098,
+                    predicted_confirmed=1158),
+            Request("s", 10.0, 10.1, 11.0, 1258, 160, 10)]
+    arms = {p: replay(reqs, costs=COSTS, limits=ReplayLimits(ids="engine", predict=p), use_share=False)
+            for p in (False, True)}
+    assert arms[False].rollbacks == 1 and arms[False].chunks_wasted == 1 and arms[False].predictions == 0
+    assert arms[True].rollbacks == 0 and arms[True].chunks_wasted == 0
+    assert arms[True].predictions == 1 and arms[True].predictions_missed == 0
+    assert [t.behind for t in arms[False].turns] == [1700 - 1536]  # of the engine's prompt and output
+    assert [t.behind for t in arms[True].turns] == [1158 - 1024]  # of the prediction, as a turn-start ask reads
+
+
+def test_a_ledger_keeps_its_predicted_counts_and_refuses_bad_ones(tmp_path):
+    from shadow.errors import ShadowInputError
+    from shadow.offline.ledger import Request, read_ledger, write_ledger
+
+    reqs = [Request("s", 0.0, 1.0, 2.0, 100, 100, 10, 105, 98, 105), Request("s", 3.0, 3.5, 4.0, 120, 15, 5)]
+    path = tmp_path / "l.jsonl"
+    write_ledger(path, reqs)
+    assert read_ledger(path) == reqs and "predicted" not in path.read_text().splitlines()[1]
+    bad = dict(json.loads(path.read_text().splitlines()[0]), predicted_confirmed=106)
+    path.write_text(json.dumps(bad) + "\n")
+    with pytest.raises(ShadowInputError, match="predicted counts out of range"):
+        read_ledger(path)
+    path.write_text(json.dumps(dict(bad, predicted_confirmed="x")) + "\n")
+    with pytest.raises(ShadowInputError, match="whole number"):
+        read_ledger(path)
+
+
+def test_a_trajectory_imported_with_the_template_records_what_the_proxy_predicts(qwen):
+    from shadow.offline.ledger import ServiceModel, import_trajectory
+
+    path = shared_file("trajectories", "mini-swe-agent", "django__django-11095.traj.json")
+    reqs = import_trajectory(path, ServiceModel(), renderer=qwen)
+    assert all(r.predicted_tokens > 0 for r in reqs[:-1]) and reqs[-1].predicted_tokens == 0
+    assert all(r.predicted_confirmed == r.predicted_tokens for r in reqs[:-1])  # every one confirmed
+    assert all(r.predicted_kept <= r.prompt_tokens + r.output_tokens for r in reqs)

@@ -38,6 +38,11 @@ SHARED = {"grid": (False, False, ""), "cap_gib": (False, True, "Each shadow's (p
           "prefix_cache": (False, False, "Modelled (`shadow/offline/prefixmodel.py`): every first prompt shares "
                                          "--shared-prefix-tokens ids; a hit's copies are charged --host-gib-s."),
           "prefix_cache_gib": (False, False, "Each shadow's."),
+          "predict": (False, False, "Modelled where a ledger says what each turn's end predicts (its predicted_* "
+                                    "counts: trajectories imported with --chat-template)."),
+          "chat_template": (False, False, "Trajectories are rendered with it and the real Qwen3.5 vocabulary, as the "
+                                          "proxy renders them, each next prompt predicted as the proxy predicts it "
+                                          "(else the Qwen3.5-style template in code)."),
           "share": (True, False, "Repeatable: an arm for each."), "slice_ms": (False, False, ""),
           "batch": (False, False, "A batched read is charged by the batch rows of --read-rate-json (`shadow read-rate "
                                   "--batches 2,4,8`), else by the built-in table's."),
@@ -161,7 +166,7 @@ def replay_ledger(
                        host_cap_gib=settings.store.host_cap_gib if cap_gib else None,
                        restore_ahead=settings.store.restore_ahead,
                        prefix_cache_gib=settings.prefix.gib if settings.prefix.on else None,
-                       shared_prefix_tokens=shared_prefix_tokens,
+                       shared_prefix_tokens=shared_prefix_tokens, predict=settings.engine.predict,
                        voice_share=settings.voice.share, label_s=label_ms / 1000, asks_per_hour=asks_per_hour, seed=seed)
     plan = Plan(costs, shares, prio_sets, rule, limits, grid=grid, engines=engines, route=route, pack_to=pack_to,
                 check_fleet=check_fleet, solve=solve_share, samples=samples, window_s=window_s,
@@ -170,7 +175,7 @@ def replay_ledger(
     files = _expand(inputs)
     kinds = {f: _detect(f) if fmt == "auto" else fmt for f in files}  # every file's format before any import
     with progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()) as bar:
-        requests, arrivals = _import(files, kinds, token_counts, plan.service, bar)
+        requests, arrivals = _import(files, kinds, token_counts, plan.service, bar, settings.engine.chat_template)
         tasks: dict[str, int] = {}
 
         def step(stage: str, done: int, total: int) -> None:
@@ -198,11 +203,17 @@ def replay_ledger(
         raise typer.Exit(1)
 
 
-def _import(files: list[Path], kinds: dict[Path, str], token_counts: str, service, bar) -> tuple[list, list]:
-    """(requests, Mooncake arrivals) of every file, by its format."""
+def _import(files: list[Path], kinds: dict[Path, str], token_counts: str, service, bar,
+            chat_template: Path | None = None) -> tuple[list, list]:
+    """(requests, Mooncake arrivals) of every file, by its format; trajectories rendered with
+    `chat_template` where one is given."""
     from shadow.offline.ledger import import_trajectory, mooncake_arrivals, read_ledger
 
-    requests, arrivals, tokenizer = [], [], None
+    requests, arrivals, tokenizer, renderer = [], [], None, None
+    if chat_template is not None and any(k == "trajectory" for k in kinds.values()):
+        from shadow.text.chat_template import renderer_for
+
+        renderer = renderer_for(chat_template, None, None)
     task = bar.add_task("importing", total=len(files))
     for f in files:
         kind = kinds[f]
@@ -213,7 +224,7 @@ def _import(files: list[Path], kinds: dict[Path, str], token_counts: str, servic
                 from shadow.text.tokenizer import load_tokenizer
 
                 tokenizer = load_tokenizer(None)
-            requests += user_text_file(f, lambda p: import_trajectory(p, service, tokenizer))
+            requests += user_text_file(f, lambda p: import_trajectory(p, service, tokenizer, renderer))
         else:
             requests += user_text_file(f, read_ledger)
         bar.advance(task)
@@ -329,9 +340,9 @@ def _tables(plan: Plan, outcome) -> None:
                                                                       "ask wait\np99 ms", "turn start\np99 ms"],
          lambda s: [str(s["peak"]["windows"]), f"{s['peak']['turn_starts']:,}", _fmt(s["peak"]["fresh_pct"]),
                     _fmt(s["peak"]["ask_wait_ms"]["p99"]), _fmt(s["peak"]["turn_start_ask_wait_ms"]["p99"])]),
-        ("the shadow's device work", ["spills", "restores", "drops", "rollbacks", "voice s"],
+        ("the shadow's device work", ["spills", "restores", "drops", "rollbacks", "predicted\n(missed)", "voice s"],
          lambda s: [f"{s['store']['spills']:,}", f"{s['store']['restores']:,}", f"{s['store']['drops']:,}",
-                    f"{s['rollbacks']:,}", _fmt(s["voice_s"])]),
+                    f"{s['rollbacks']:,}", f"{s['predictions']:,} ({s['predictions_missed']:,})", _fmt(s["voice_s"])]),
     ]
     for name, cols, cells in specs:
         table = Table(title=name, title_justify="left")
@@ -339,7 +350,8 @@ def _tables(plan: Plan, outcome) -> None:
         for col in cols:
             table.add_column(col, justify="right")
         for a, s in zip(outcome.arms, outcome.summaries):
-            table.add_row(_label(a, plan), *cells(s | {"rollbacks": a.rollbacks}))
+            table.add_row(_label(a, plan), *cells(s | {"rollbacks": a.rollbacks, "predictions": a.predictions,
+                                                         "predictions_missed": a.predictions_missed}))
         console.print(table)
 
 
@@ -362,6 +374,7 @@ def _row(a, s: dict) -> dict:
             "fresh": a.fresh, "fresh_pct": round(a.fresh_pct, 2), "p50_behind": a.behind_pct(50),
             "p90_behind": a.behind_pct(90), "chunks_idle": a.chunks_idle, "chunks_share": a.chunks_share,
             "chunks_ask": a.chunks_ask, "chunks_wasted": a.chunks_wasted, "rollbacks": a.rollbacks,
+            "predictions": a.predictions, "predictions_missed": a.predictions_missed,
             "share_s": round(a.share_s, 3), "longest_slice_ms": round(a.longest_slice_s * 1000, 3), "summary": s}
 
 

@@ -94,6 +94,8 @@ class Tally:
     chunks_ask: int = 0
     ids_reread: int = 0
     rollbacks: int = 0
+    predictions: int = 0  # next prompts predicted at a turn's end (`ReplayLimits.predict`)
+    predictions_missed: int = 0  # of those, the ones the next prompt sent back
     share_s: float = 0.0
     longest_slice_s: float = 0.0
     voice_s: float = 0.0
@@ -142,6 +144,7 @@ class EngineReplay:
         self.latest: dict[str, int] = {}  # session -> the rank of the newest turn that fed its prompt
         self.current: dict[str, int] = {}  # session -> its newest request started here
         self.fed_prompt: set[int] = set()
+        self.predicted: dict[str, tuple[int, int]] = {}  # session -> its standing prediction: (ids the next prompt holds, its ids)
         self.out_fed: dict[int, int] = {}  # request -> output ids fed
         self.fed: dict[str, int] = {}  # session -> ids the shadow was told of (kept through a drop)
         self.voice_used: dict[int, float] = {}
@@ -181,7 +184,13 @@ class EngineReplay:
 
     def _lag(self, s: str, t: float) -> int:
         i = self.current.get(s)
-        return 0 if i is None else max(0, readable(self.req[i], t) - self._position(s))
+        return 0 if i is None else max(0, self._held(s, readable(self.req[i], t)) - self._position(s))
+
+    def _held(self, s: str, engine_ids: int) -> int:
+        """The ids the shadow holds of `s` to be fresh on: the engine's (`engine_ids`), or, while a
+        prediction of its next prompt stands, that prediction's (the ids a turn-start ask reads, as live)."""
+        predicted = self.predicted.get(s)
+        return engine_ids if predicted is None else predicted[1]
 
     def _tell(self, s: str, t: float) -> None:
         tell(self.sched, s, self.store.peek(s), t)
@@ -229,7 +238,7 @@ class EngineReplay:
         s = r.session
         if kind == START:
             if self.before[i] is not None:
-                behind = max(0, self.before[i] - self._position(s))
+                behind = max(0, self._held(s, self.before[i]) - self._position(s))
                 self.starts.append(TurnStart(s, r.start, behind, behind < self.grid, self.engine, self.wait_s(s)))
             self._censor(s, r.start)
             self.current[s] = i
@@ -268,6 +277,7 @@ class EngineReplay:
         if kind == "finish":
             i = job[1]
             t = self._feed_output(i, t, at_end=True)
+            t = self._predict(i, t)
             if self.limits.proxy and self.limits.label_s > 0:
                 self._at(t + self.limits.label_s, LABEL, i)
                 return t
@@ -307,7 +317,12 @@ class EngineReplay:
         self.latest[s] = self.order[i]
         back = self.ahead.pop(s, None)
         h, t = self._get(s, t, locked=False, ahead=back is not None and self.store.where(s) == back[1])
-        feed = self.store.feed_prompt(h, r.prompt_tokens, r.prompt_tokens - r.new_prompt_tokens)
+        predicted = self.predicted.pop(s, None)  # the ids the next prompt shares with a prediction, else the ledger's
+        shared = predicted[0] if predicted is not None else r.prompt_tokens - r.new_prompt_tokens
+        feed = self.store.feed_prompt(h, r.prompt_tokens, shared)
+        h.hold = r.prompt_tokens if self._predicts(r) else None
+        if predicted is not None and feed.rolled_back_to is not None:
+            self.tally.predictions_missed += 1
         if feed.cached:  # started from the prefix cache: its copies charged as a host tier's move (an upper bound)
             t = self._busy(t, self.costs.host_s(self.store.prefix.start_bytes(feed.cached)))
         if feed.rolled_back_to is not None:
@@ -344,6 +359,27 @@ class EngineReplay:
         h.ids += n
         self.out_fed[i] += n
         self.fed[s] = self.fed.get(s, 0) + n
+        self._tell(s, t)
+        return t
+
+    def _predicts(self, r: Request) -> bool:
+        """Whether the proxy predicts this request's next prompt: on, and the ledger says what it
+        predicts (`predicted_tokens`, from the big model's template)."""
+        return self.limits.proxy and self.limits.predict and r.predicted_tokens > 0
+
+    def _predict(self, i: int, t: float) -> float:
+        """A turn's end, its output fed: as `ShadowService.predict`, the session takes the next
+        prompt's start as predicted (unless that would send back rows read: skipped), and its held
+        output is let go either way."""
+        r, s = self.req[i], self.req[i].session
+        h = self.store.peek(s)
+        if h is None or h.hold is None or self.latest.get(s) != self.order[i]:
+            return t
+        h.hold = None
+        if r.predicted_kept >= h.committed:
+            self.store.feed_prompt(h, r.predicted_tokens, r.predicted_kept)
+            self.predicted[s] = (r.predicted_confirmed, r.predicted_tokens)
+            self.tally.predictions += 1
         self._tell(s, t)
         return t
 

@@ -10,6 +10,12 @@ token, `end` its last. `new_prompt_tokens` is what the shadow has not seen: the 
 prefix it shares with the session's previous prompt and output (a re-rendered earlier answer is
 not shared). Rules: start <= first_token <= end, no negative times or counts,
 new_prompt_tokens <= prompt_tokens.
+
+Optional, where the big model's template rendered the turns (`import_trajectory` with a
+renderer): `predicted_tokens`, the length of the next prompt's start the proxy predicts at this
+request's end (`ChatRenderer.next_prompt_ids`; 0: none), `predicted_kept`, the ids of this
+request's prompt and output the prediction keeps, and `predicted_confirmed`, the ids of the
+prediction the next prompt holds. Rules: kept <= prompt + output, confirmed <= predicted.
 """
 
 from __future__ import annotations
@@ -18,12 +24,13 @@ import heapq
 import json
 import zlib
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from shadow.errors import ShadowInputError, read_text
 
 FIELDS = ("session", "start", "first_token", "end", "prompt_tokens", "new_prompt_tokens", "output_tokens")
+PREDICTED = ("predicted_tokens", "predicted_kept", "predicted_confirmed")  # optional, 0 when absent
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,9 @@ class Request:
     prompt_tokens: int
     new_prompt_tokens: int
     output_tokens: int
+    predicted_tokens: int = 0
+    predicted_kept: int = 0
+    predicted_confirmed: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,7 +153,10 @@ class ServiceModel:
 def write_ledger(path: str | Path, requests: Iterable[Request]) -> None:
     with open(path, "w") as f:
         for r in requests:
-            f.write(json.dumps(asdict(r)) + "\n")
+            row = asdict(r)
+            if not r.predicted_tokens:
+                row = {k: v for k, v in row.items() if k not in PREDICTED}
+            f.write(json.dumps(row) + "\n")
 
 
 def read_ledger(path: str | Path) -> list[Request]:
@@ -167,6 +180,7 @@ def read_ledger(path: str | Path) -> list[Request]:
             r = Request(
                 str(row["session"]), float(row["start"]), float(row["first_token"]), float(row["end"]),
                 int(row["prompt_tokens"]), int(row["new_prompt_tokens"]), int(row["output_tokens"]),
+                *(_count(row.get(k, 0)) for k in PREDICTED),
             )
         except (TypeError, ValueError) as e:
             raise ShadowInputError(f"{where}: {e}") from None
@@ -175,6 +189,12 @@ def read_ledger(path: str | Path) -> list[Request]:
     if not out:
         raise ShadowInputError(f"{path} holds no requests")
     return out
+
+
+def _count(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"a predicted count must be a whole number, got {value!r}")
+    return value
 
 
 def check_request(r: Request, where: str) -> None:
@@ -186,6 +206,12 @@ def check_request(r: Request, where: str) -> None:
         raise ShadowInputError(f"{where}: negative token count")
     if r.new_prompt_tokens > r.prompt_tokens:
         raise ShadowInputError(f"{where}: new_prompt_tokens exceeds prompt_tokens")
+    if min(r.predicted_tokens, r.predicted_kept, r.predicted_confirmed) < 0:
+        raise ShadowInputError(f"{where}: negative predicted count")
+    if r.predicted_kept > r.prompt_tokens + r.output_tokens or r.predicted_confirmed > r.predicted_tokens \
+            or r.predicted_kept > r.predicted_tokens:
+        raise ShadowInputError(f"{where}: predicted counts out of range (need kept <= prompt + output, "
+                               "kept <= predicted and confirmed <= predicted)")
 
 
 # importers ------------------------------------------------------------------------------
@@ -242,16 +268,19 @@ def import_mooncake(path: str | Path, service: ServiceModel, block: int = MOONCA
     return service.serve(mooncake_arrivals(path, block))
 
 
-def import_trajectory(path: str | Path, service: ServiceModel, tokenizer=None) -> list[Request]:
+def import_trajectory(path: str | Path, service: ServiceModel, tokenizer=None, renderer=None) -> list[Request]:
     """A mini-swe-agent trajectory: one session; each assistant message one request, arriving at
-    its response's `created` time (unix s; `rebase` shifts a set of sessions to start at 0). Token counts: with a tokenizer, the Qwen3.5-style
-    prompts and outputs re-rendered and re-tokenised (new prompt tokens = the prompt past its
-    shared prefix with the previous prompt and output); without one, the provider's `usage`
-    counts (new prompt tokens = the prompt past the previous prompt). First token and end come
-    from `service`'s prefill and decode rates, an end clamped to the next request's arrival."""
-    from shadow.text.chat import render_output, render_prompt
+    its response's `created` time (unix s; `rebase` shifts a set of sessions to start at 0). Token
+    counts: with a `renderer` (the big model's `ChatRenderer`), the turns rendered as the proxy
+    renders them, with each next prompt's start predicted as the proxy predicts it (the
+    `predicted_*` fields); else with a tokenizer, the Qwen3.5-style prompts and outputs re-rendered
+    in code and re-tokenised; new prompt tokens = the prompt past its shared prefix with the
+    previous prompt and output. Without either, the provider's `usage` counts (new prompt tokens =
+    the prompt past the previous prompt). First token and end come from `service`'s prefill and
+    decode rates, an end clamped to the next request's arrival."""
     from shadow.text.conversations import load_conversation
     from shadow.core.reader import common_prefix
+    from shadow.text.rendering import CodeRendering, TemplateRendering
 
     path = Path(path)
     try:
@@ -265,37 +294,43 @@ def import_trajectory(path: str | Path, service: ServiceModel, tokenizer=None) -
         raise ShadowInputError(f"{path}: an assistant message has no response 'created' time")
     name = path.name.split(".")[0]
     arrivals = []
-    if tokenizer is not None:
-        conv = load_conversation(path)
+    if renderer is not None or tokenizer is not None:
+        rendering = TemplateRendering(renderer) if renderer is not None else CodeRendering(tokenizer)
+        turns = list(load_conversation(path).requests())
         previous: list[int] = []
-        for t, (history, output) in zip(times, conv.requests()):
-            prompt = tokenizer.encode(render_prompt(history))
-            out = tokenizer.encode(render_output(output))
+        predicted: list[int] | None = None
+        for k, (t, (history, output)) in enumerate(zip(times, turns)):
+            prompt, out = rendering.prompt(history), rendering.output(history, output)
+            if predicted is not None:  # what the previous request's prediction kept of this prompt
+                arrivals[-1] = (*arrivals[-1][:-1], common_prefix(predicted, prompt))
             shared = common_prefix(previous, prompt)
-            arrivals.append((name, float(t), len(prompt), len(prompt) - shared, len(out)))
+            predicted = rendering.next_prompt(history, output) if k + 1 < len(turns) else None
+            kept = common_prefix(prompt + out, predicted) if predicted else 0
+            arrivals.append((name, float(t), len(prompt), len(prompt) - shared, len(out),
+                             len(predicted or ()), kept, 0))
             previous = prompt + out
     else:
         last_prompt = 0
         for t, r in zip(times, responses):
             usage = r.get("usage") or {}
             prompt, output = int(usage.get("prompt_tokens", 0)), int(usage.get("completion_tokens", 0))
-            arrivals.append((name, float(t), prompt, max(0, prompt - last_prompt), output))
+            arrivals.append((name, float(t), prompt, max(0, prompt - last_prompt), output, 0, 0, 0))
             last_prompt = prompt
     arrivals.sort(key=lambda a: a[1])
     out = []
-    for i, (session, t, prompt, new, output) in enumerate(arrivals):
+    for i, (session, t, prompt, new, output, *predicted_counts) in enumerate(arrivals):
         start = t
         first = start + new / service.prefill_tok_s
         end = first + output / service.decode_tok_s
         if i + 1 < len(arrivals):  # the agent sent its next request then, so this one had ended
             end = min(end, arrivals[i + 1][1])
             first = min(first, end)
-        out.append(Request(session, start, first, end, prompt, new, output))
+        out.append(Request(session, start, first, end, prompt, new, output, *predicted_counts))
     return out
 
 
 def rebase(requests: Sequence[Request]) -> list[Request]:
     """The same requests with times counted from the earliest start."""
     origin = min(r.start for r in requests)
-    return [Request(r.session, r.start - origin, r.first_token - origin, r.end - origin, r.prompt_tokens,
-                    r.new_prompt_tokens, r.output_tokens) for r in requests]
+    return [replace(r, start=r.start - origin, first_token=r.first_token - origin, end=r.end - origin)
+            for r in requests]

@@ -54,7 +54,10 @@ class ReplayLimits:
     `ask_tokens` ids long. `pieces`: the pieces of the shadow's forward (`PiecewiseForward`), in
     which a share batch longer than `batch_s` is read between rounds. `prefix_cache_gib`: each
     shadow's prefix cache (`offline.prefixmodel`, needs `state`), every session's first prompt
-    sharing its first `shared_prefix_tokens` ids with the others'."""
+    sharing its first `shared_prefix_tokens` ids with the others'. `predict` (proxy modes, as
+    `shadow serve --predict`): a turn's output is held out of reading and, at its end, the session
+    takes the next prompt's start as the ledger's `predicted_*` counts say (requests without them:
+    read as they came)."""
 
     ids: str = "embedded"
     cap_gib: float | None = None
@@ -69,6 +72,7 @@ class ReplayLimits:
     seed: int = 0
     prefix_cache_gib: float | None = None  # the prefix cache's bound per shadow (None or 0: none)
     shared_prefix_tokens: int = 0  # ids every session's first prompt shares (a system prompt and tools)
+    predict: bool = True  # proxy modes: each turn's output held, its next prompt predicted where the ledger says
     pieces: int = 7  # pieces a shadow's forward runs in, read between rounds (attention layers + 1: the 0.8B's 7)
 
     def __post_init__(self) -> None:

@@ -53,6 +53,8 @@ class Arm:
     chunks_ask: int = 0
     chunks_wasted: int = 0  # chunks read and then rolled back (ids read again, in chunks)
     rollbacks: int = 0
+    predictions: int = 0  # next prompts predicted at turns' ends
+    predictions_missed: int = 0  # of those, the ones the next prompt sent back
     share_s: float = 0.0  # seconds read inside decode stretches
     longest_slice_s: float = 0.0
     voice_s: float = 0.0
@@ -87,6 +89,8 @@ class Arm:
         self.chunks_ask += tally.chunks_ask
         self.chunks_wasted += tally.ids_reread // grid
         self.rollbacks += tally.rollbacks
+        self.predictions += tally.predictions
+        self.predictions_missed += tally.predictions_missed
         self.share_s += tally.share_s
         self.longest_slice_s = max(self.longest_slice_s, tally.longest_slice_s)
         self.voice_s += tally.voice_s

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shadow.core.residency import StateSize
 from shadow.offline.ledger import Request
@@ -189,6 +189,6 @@ def pack(requests: Sequence[Request], active: float) -> list[Request]:
     for (s, c), begin in zip(order, st):
         name = s if c == 0 else f"{s}~{c + 1}"
         shift = begin - first[s]
-        out += [Request(name, r.start + shift, r.first_token + shift, r.end + shift, r.prompt_tokens,
-                        r.new_prompt_tokens, r.output_tokens) for r in by[s]]
+        out += [replace(r, session=name, start=r.start + shift, first_token=r.first_token + shift, end=r.end + shift)
+                for r in by[s]]
     return out
