@@ -384,3 +384,24 @@ def test_on_cuda_sessions_started_from_the_cache_equal_their_graphed_prefill_bit
         fresh = reader.prefill(s.ids[: s.committed])
         compared, mismatched, _ = compare_states(s.state, fresh)
         assert compared > 0 and mismatched == [], (kernels, s.name, mismatched)
+
+
+def test_a_session_back_from_the_host_tier_goes_on_storing_its_first_prompt(shadow_cache):
+    from shadow.core.store import SessionStore
+
+    loaded = load_model("tiny")
+    reader = reader_with_cache(loaded.model)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=1e-6, host_cap_gib=1.0)
+    shared = ids_of(230, 4 * G)
+    a = store.get("a")
+    reader.feed_prompt(a, shared + ids_of(231, 40))
+    reader.advance(a, max_chunks=2)
+    store.get("b")
+    store.settle(keep="b")  # "a" leaves the device for the host tier
+    assert store.peek("a") is None and store.holds("a")
+    a = store.get("a")
+    assert a.committed == 2 * G
+    read_all(reader, a)
+    c = reader.new_session("c")
+    assert reader.feed_prompt(c, shared + ids_of(232, 40)).cached == 4 * G
+    assert_fresh(reader, c)

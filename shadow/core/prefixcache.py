@@ -194,7 +194,7 @@ class PrefixTrie:
     def _drop_leaf_only(self, node: Node) -> None:
         self._drop_state(node, counted=False)
         del node.parent.children[node.key]
-        node.alive = False
+        node.alive, node.kv = False, None  # a session's walk may still name it: its rows go now
         self.bytes -= node.kv_bytes
         self.nodes -= 1
         self.counts.evictions += 1

@@ -112,7 +112,6 @@ class ModelledStore:
         h, seconds = self.resident.get(name), 0.0
         if h is None and name in self.host:
             h = self.host.pop(name)
-            h.prefix = None  # a host copy carries no place in the prefix cache (live: a new `Session`)
             self.host_used -= self.host_bytes(h)  # its size as it moved in: nothing changes it in the tier
             h.capacity = self.size.capacity(h.committed) if self.size else 0  # a fresh state's buffers, as live
             seconds = self.costs.host_s(self.host_bytes(h))
