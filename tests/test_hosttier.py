@@ -309,3 +309,30 @@ def test_a_planned_stop_waits_for_the_moves_in_flight_and_writes_them(reader, tm
     again = SessionStore(reader, "h", cap_gib=None, disk=tmp_path)
     for name, fp in before.items():
         assert_same(fp, fingerprint(again.get(name)))
+
+
+@pytest.mark.parametrize("disk", [True, False], ids=["spill", "drop"])
+def test_a_move_in_flight_whose_room_the_tier_needs_leaves_as_its_copy_would(reader, tmp_path, in_flight, disk):
+    """a's move into the tier is in flight when b needs its room: a leaves the tier as a copy would,
+    bound for disk (its copy waits for its write once whole) or, without a disk, dropped; either
+    way its rows are held until its copy is done, and only then let go."""
+    one = one_session_gib(reader)
+    store = SessionStore(reader, "h", cap_gib=0, host_cap_gib=one * 1.5, disk=tmp_path if disk else None)
+    a = fed(store, reader, "a", seed=90)
+    before, a_bytes = fingerprint(a), session_bytes(a)
+    fed(store, reader, "b", seed=91)
+    store.settle(keep="b")  # a moving into the tier
+    fed(store, reader, "c", seed=92)
+    store.settle(keep="c")  # b needs the room a's move holds
+    assert store.counters.host_to_disk == int(disk) and store.counters.drops == int(not disk)
+    assert store.holds("a") is disk and "a" not in store.host and store.resident_bytes() >= a_bytes  # a's rows held
+    for event in in_flight:
+        event.land()
+    store.settle(keep="c")
+    store.flush()
+    assert store.resident_bytes() == session_bytes(store.peek("c")) and store.host.names() == ["b"]
+    if disk:
+        assert next(r for r in store.status() if r.name == "a").tier == "disk"
+        assert_same(before, fingerprint(store.get("a")))
+    else:
+        assert store.get("a").committed == 0  # dropped: it starts over

@@ -426,6 +426,67 @@ def test_live_and_replayed_moves_through_the_host_tier_read_the_same_chunks(tiny
         service.stop()
 
 
+class LooksLater:
+    """Stands for a copy's CUDA event on the CPU (where every copy is whole at once): done only from
+    the store's `LOOKS`-th look at it on (a look at each settle and `get`), so a move out is in
+    flight across settles, as on a GPU."""
+
+    LOOKS = 6
+
+    def __init__(self):
+        self.looks = 0
+
+    def query(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.LOOKS
+
+    def synchronize(self) -> None:
+        self.looks = self.LOOKS
+
+
+@pytest.mark.parametrize("tiers", ["host-spill", "disk"])
+def test_live_and_replayed_read_the_same_chunks_while_moves_out_are_in_flight(tiny, read_log, tmp_path, monkeypatch,
+                                                                              tiers):
+    """Moves out beside the reads: each session's copy out stays in flight until the store's second
+    look (at a later settle or `get`), so sessions are moving across settles, and those fed again
+    meanwhile stay on the device. Through the host tier to disk, and straight to disk (the copy
+    then waits for its write behind). The replay, which knows no copy's timing,
+    moves the same sessions out at the same settles and back when they are fed: the counts and
+    every read are the same. (Without a disk, a dropped session's next read starts at the prefix
+    cache's line live; that is the prefix cache's to model, not the moves'.)"""
+    import shadow.core.hosttier as hosttier
+    import shadow.core.store as store_module
+
+    def in_flight(session, stream=None):
+        move = hosttier.move_to_host(session, stream)
+        move.event = LooksLater()
+        return move
+
+    monkeypatch.setattr(store_module, "move_to_host", in_flight)
+    requests = timeline(9)
+    size = StateSize.of(tiny.model.config, 4)
+    cap_gib = (size.resident(8192, 0) + 20 * size.checkpoint) / 2**30
+    host_gib = 150_000 / 2**30 if tiers == "host-spill" else None
+    limits = ReplayLimits(cap_gib=cap_gib, state=size, disk=True, host_cap_gib=host_gib)
+    arm = replay(requests, grid=GRID, rule=RULE, limits=limits,
+                 costs=CostTable(ChunkTable.flat(CHUNK_S * 1e6 / GRID, GRID), restore_gib_s=math.inf,
+                                 spill_gib_s=math.inf, host_gib_s=math.inf))
+    replayed = read_log.take()
+    live, service, store = live_under_a_cap(requests, read_log, cap_gib=cap_gib, disk=tmp_path / "disk",
+                                            host_cap_gib=host_gib)
+    try:
+        c = store.counters
+        assert (arm.to_host, arm.from_host, arm.spills, arm.restores, arm.drops) == \
+            (c.to_host, c.from_host, c.spills, c.restores, c.drops)
+        assert c.moves_kept > 0 and c.to_host + c.spills > 3  # moves were in flight when their sessions came back
+        assert live == replayed
+        for name in "abc":
+            if store.holds(name):
+                assert_exact(service, name)
+    finally:
+        service.stop()
+
+
 def test_a_turn_named_late_counts_as_running_from_then():
     sched = ReadScheduler(grid=4)
     sched.update("x", 0, 40, 0.0)
