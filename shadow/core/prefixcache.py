@@ -31,6 +31,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from shadow.core import driving
 from shadow.errors import ShadowInputError
 
@@ -321,13 +323,13 @@ class PrefixCache:
         state = self.model.new_state()
         for layer in state.attention:
             layer.reserve(hit.line)
+        into, rows = [state.arena.conv, state.arena.recurrent], [hit.state[0], hit.state[1]]
         for node in used:
             a, b = node.line - g, node.line
             for layer, (k, v) in zip(state.attention, node.kv):
-                layer.k[:, a:b].copy_(k)
-                layer.v[:, a:b].copy_(v)
-        state.arena.conv.copy_(hit.state[0])
-        state.arena.recurrent.copy_(hit.state[1])
+                into += [layer.k[:, a:b], layer.v[:, a:b]]
+                rows += [k, v]
+        torch._foreach_copy_(into, rows)  # every copy at once (grouped launches on a GPU), bits as they are
         state.length = hit.line
         session.state = state
         session.checkpoints = []
