@@ -221,6 +221,9 @@ def test_the_replay_holds_the_output_and_reads_the_prediction_instead():
     assert arms[True].predictions == 1 and arms[True].predictions_missed == 0
     assert [t.behind for t in arms[False].turns] == [1700 - 1536]  # of the engine's prompt and output
     assert [t.behind for t in arms[True].turns] == [1158 - 1024]  # of the prediction, as a turn-start ask reads
+    # to stand at the part of the new prompt known before it came (the same 1,158 ids in both arms): from the
+    # checkpoint after the rollback, or from the prediction's last line
+    assert [t.to_prompt for t in arms[False].turns] == [t.to_prompt for t in arms[True].turns] == [1158 - 1024]
 
 
 def test_a_ledger_keeps_its_predicted_counts_and_refuses_bad_ones(tmp_path):

@@ -322,10 +322,12 @@ def _tables(plan: Plan, outcome) -> None:
     console.print(f"replay-ledger · {len(requests):,} requests · {sessions:,} sessions · grid {plan.grid} · {engines} "
                   f"engine{'s' if engines > 1 else ''}{f' ({plan.route})' if engines > 1 else ''}")
     specs = [
-        ("turn starts of sessions with earlier turns", ["fresh %", "p50\nbehind", "p90\nbehind", "ask wait\np50 ms", "ask wait\np99 ms"],
+        ("turn starts of sessions with earlier turns", ["fresh %", "p50\nbehind", "p90\nbehind", "ask wait\np50 ms",
+                                                        "ask wait\np99 ms", "ready for\nthe prompt %", "p90 to\nthe prompt"],
          lambda s: [_fmt(s["turn_starts"]["fresh_pct"]), _fmt(s["turn_starts"]["behind"]["p50"], 0),
                     _fmt(s["turn_starts"]["behind"]["p90"], 0), _fmt(s["turn_starts"]["ask_wait_ms"]["p50"]),
-                    _fmt(s["turn_starts"]["ask_wait_ms"]["p99"])]),
+                    _fmt(s["turn_starts"]["ask_wait_ms"]["p99"]), _fmt(s["turn_starts"]["ready_pct"]),
+                    _fmt(s["turn_starts"]["to_prompt"]["p90"], 0)]),
         ("random times: an ask about an active session", ["stale %", "p50 lag", "ask wait\np50 ms", "ask wait\np90 ms",
                                                            "ask wait\np99 ms"],
          lambda s: [_fmt(s["random"]["stale_pct"]), _fmt(s["random"]["lag"]["p50"], 0),

@@ -37,8 +37,12 @@ START, FIRST, END, FEED, LABEL, ASK, PROBE, AHEAD = range(8)
 @dataclass(frozen=True)
 class TurnStart:
     """A turn start of a session with earlier turns: `behind` (= its lag) the ids its engine held
-    before the turn (the previous request's prompt and output so far) not read by this shadow;
-    `wait_s` the reading an ask would wait for then (restore and chunks, from the cost table)."""
+    before the turn (the previous request's prompt and output so far; while a prediction of the
+    next prompt stands, the prediction's) not read by this shadow; `wait_s` the reading an ask
+    would wait for then (restore and chunks, from the cost table); `to_prompt` the ids it must
+    still read to stand at the start of the new prompt that was known before it came (its prefix
+    shared with the ids held), ids read past that prefix and so read again after the rollback
+    included."""
 
     session: str
     start: float
@@ -46,6 +50,7 @@ class TurnStart:
     fresh: bool
     engine: int = 0
     wait_s: float = 0.0
+    to_prompt: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,6 +149,7 @@ class EngineReplay:
         self.latest: dict[str, int] = {}  # session -> the rank of the newest turn that fed its prompt
         self.current: dict[str, int] = {}  # session -> its newest request started here
         self.fed_prompt: set[int] = set()
+        self.known_next: dict[str, int | None] = {}  # session -> its next prompt's ids known at its last turn's end
         self.predicted: dict[str, tuple[int, int]] = {}  # session -> its standing prediction: (ids the next prompt holds, its ids)
         self.out_fed: dict[int, int] = {}  # request -> output ids fed
         self.fed: dict[str, int] = {}  # session -> ids the shadow was told of (kept through a drop)
@@ -185,6 +191,20 @@ class EngineReplay:
     def _lag(self, s: str, t: float) -> int:
         i = self.current.get(s)
         return 0 if i is None else max(0, self._held(s, readable(self.req[i], t)) - self._position(s))
+
+    def _to_prompt(self, s: str, r: Request) -> int:
+        """Ids `s` must read, when request r arrives, to stand at the part of r's prompt known before
+        it came (where the ledger says what the template predicted, that prediction's part, whether
+        the shadow predicted or not; else the part shared with the previous prompt and output):
+        from its read position, or, where it read past that part, from the newest checkpoint at or
+        below it (the rollback)."""
+        known = self.known_next.get(s)
+        shared = known if known is not None else r.prompt_tokens - r.new_prompt_tokens
+        h = self.store.find(s)
+        position = h.committed if h is not None else 0
+        if position <= shared:
+            return shared - position
+        return shared - max((c for c in h.checkpoint_positions if c <= shared), default=0)
 
     def _held(self, s: str, engine_ids: int) -> int:
         """The ids the shadow holds of `s` to be fresh on: the engine's (`engine_ids`), or, while a
@@ -239,7 +259,8 @@ class EngineReplay:
         if kind == START:
             if self.before[i] is not None:
                 behind = max(0, self._held(s, self.before[i]) - self._position(s))
-                self.starts.append(TurnStart(s, r.start, behind, behind < self.grid, self.engine, self.wait_s(s)))
+                self.starts.append(TurnStart(s, r.start, behind, behind < self.grid, self.engine, self.wait_s(s),
+                                             self._to_prompt(s, r)))
             self._censor(s, r.start)
             self.current[s] = i
             self.pending_fresh[s] = (i, r.prompt_tokens // self.grid * self.grid)
@@ -277,6 +298,8 @@ class EngineReplay:
         if kind == "finish":
             i = job[1]
             t = self._feed_output(i, t, at_end=True)
+            r = self.req[i]
+            self.known_next[r.session] = r.predicted_confirmed if r.predicted_tokens else None
             t = self._predict(i, t)
             if self.limits.proxy and self.limits.label_s > 0:
                 self._at(t + self.limits.label_s, LABEL, i)

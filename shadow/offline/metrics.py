@@ -1,4 +1,5 @@
-"""What an operator reads off a replay: freshness at turn starts, the wait an ask would have (at turn
+"""What an operator reads off a replay: freshness at turn starts (behind the ids held, and ready
+for the part of the new prompt known before it came), the wait an ask would have (at turn
 starts and at random times), each turn's time until its prompt was read, each session's worst lag,
 the share of sessions ever stale, the same in the busiest windows, and the load beside it.
 
@@ -92,6 +93,8 @@ def summary(arm, windows: Sequence[Window], grid: int) -> dict:
     return {
         "turn_starts": {"n": len(starts), "fresh_pct": _pct_of(starts, lambda t: t.fresh),
                         "behind": spread([t.behind for t in starts], (50, 90, 99), digits=0),
+                        "ready_pct": _pct_of(starts, lambda t: t.to_prompt < grid),
+                        "to_prompt": spread([t.to_prompt for t in starts], (50, 90, 99), digits=0),
                         "ask_wait_ms": spread([t.wait_s for t in starts], scale=1000)},
         "random": {"n": len(probes), "ask_wait_ms": spread([p.wait_s for p in probes], scale=1000),
                    "lag": spread([p.lag for p in probes], digits=0),
