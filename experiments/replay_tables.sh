@@ -58,9 +58,9 @@ for step in $steps; do
       # how fast the share's reads must be: one flat cost a chunk at every depth, no batches
       run "batch-29-cap0-flat" "$LEDGER" --pack 29 --share 0.02 --cap-gib 0 --read-ms-per-1k 7.3647 \
         --read-ms-per-1k 6.5 --read-ms-per-1k 6 --read-ms-per-1k 5.5 --read-ms-per-1k 5 --read-ms-per-1k 4 ;;
-    tiers)  # the store's tiers at the shipped defaults (4 GiB cap, 32 GiB host tier, no disk), charged $RATE:
-            # the Mooncake trace on 16 engines and the trajectories packed to 29, against no host tier, a disk, no cap
-      for store in "" "--host-cap-gib 0" "--disk" "--host-cap-gib 0 --disk" "--cap-gib 0"; do
+    tiers)  # the store's tiers at the shipped defaults (4 GiB cap, 32 GiB host tier, a disk), charged $RATE:
+            # the Mooncake trace on 16 engines and the trajectories packed to 29, against no disk, no host tier, no cap
+      for store in "" "--no-disk" "--host-cap-gib 0" "--host-cap-gib 0 --no-disk" "--cap-gib 0"; do
         tag=$(echo "default $store" | tr -d ' -')
         run "tiers-mooncake16-$tag" "$MOON" --engines 16 --share 0.02 --read-rate-json "$RATE" $store
         run "tiers-29-dense-$tag" "$LEDGER" --pack 29 --share 0.02 --batch 8 --batch-read-ms 50 --batch-wait-ms 1000 \

@@ -162,6 +162,7 @@ def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bo
     sync(cuda)
     start = time.perf_counter()
     store.settle()
+    store.flush()  # the move out (on a stream of its own) whole, and a file written behind on disk
     spill_s = time.perf_counter() - start
     if (c.to_host if host else c.spills) != 1:
         raise SystemExit(f"{arm}: the session did not leave the device ({store.totals()['last_error']})")
@@ -214,6 +215,7 @@ def phases(session, reader, weights_hash: str, folder: Path, cuda: bool) -> dict
     store = SessionStore(reader, weights_hash, cap_gib=0, disk=folder)
     store._resident[session.name] = session
     store.settle()
+    store.flush()  # its file, written behind, on disk
     path = store.path_of(session.name)
     header = sessionfile.read_fields(path)
     total = path.stat().st_size - header.start
