@@ -328,8 +328,29 @@ def trajectory_paths(items: list[str]) -> list[Path]:
     return out
 
 
+def replay_again(out: Path) -> dict:
+    """The replay of a finished run in `out` again (nothing driven): its ledger, costs and journal
+    with this build's replay settings (`live_figures.replay_ids`, the voice as live), the side by
+    side and the table recomputed against the run's own live figures. Writes `replay-again.json`
+    and `table-again.txt` beside the run's files (which stay as they were) and returns the first."""
+    from shadow.offline.ledger import read_ledger
+
+    doc = json.loads((out / "live-density.json").read_text())
+    status = json.loads((out / "status.json").read_text())
+    settings = {**doc["settings"]["replay"], "ids": fig.replay_ids(out / "journal.jsonl"),
+                "voice_share": 0.0 if not status.get("counters", {}).get("voice_s") else None}
+    replayed = fig.replay(out / "ledger.jsonl", out / "costs.json", settings, out, name="replay-again.txt")
+    again = {**doc, "replay": replayed, "settings": {**doc["settings"], "replay": settings},
+             "side_by_side": fig.side_by_side(doc["live"], replayed, read_ledger(out / "ledger.jsonl"))}
+    (out / "replay-again.json").write_text(json.dumps(again, indent=1))
+    (out / "table-again.txt").write_text(fig.table(again) + "\n")
+    return again
+
+
 def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
+    if a.replay_again:
+        return replay_again(Path(a.out))
     began = time.monotonic()
     from shadow.engines.gguf import write_gguf
     from shadow.text.tokenizer import load_tokenizer
@@ -411,7 +432,9 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
     forwards = sorted(x.latency_ms for x in run.asks if x.status == 200 and x.read_chunks == 0 and x.latency_ms)
     settings = {"share": a.share, "grid": a.grid, "cap_gib": a.cap_gib, "batch": a.batch, "model": a.model, "disk": bool(a.disk),
                 "seed": a.seed, "asks_per_hour": round(asked / span_hours, 3) if span_hours else 0.0,
-                "ask_ms": forwards[len(forwards) // 2] if forwards else None}
+                "ask_ms": forwards[len(forwards) // 2] if forwards else None, "ids": fig.replay_ids(journal),
+                # the driver's streams open no status-line channel: a service that said no phrase is replayed without
+                "voice_share": 0.0 if not run.status.get("counters", {}).get("voice_s") else None}
     replayed = fig.replay(out / "ledger.jsonl", out / "costs.json", settings, out)
     doc = {"experiment": "live-density", "settings": {**{k: v for k, v in vars(a).items() if k != "trajectories"},
                                                       "trajectories": [t.name for t in run.trajectories],
@@ -466,6 +489,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--disk", default=None, help="serve --disk (sessions past the cap spill and are restored; the replay's --disk)")
     p.add_argument("--serve-arg", action="append", default=[], help="one more serve argument (repeatable)")
+    p.add_argument("--replay-again", action="store_true",
+                   help="drive nothing: replay the finished run in --out again with this build's replay settings")
     a = p.parse_args(argv)
     if a.sessions < 1 or a.duration <= 0 or a.pairs < 0 or a.window <= 0 or a.pace <= 0:
         p.error("--sessions, --duration, --window and --pace are positive, --pairs at least 0")

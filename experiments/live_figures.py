@@ -13,6 +13,7 @@ import json
 import math
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,12 +213,27 @@ def costs_document(status: dict) -> dict:
     return {"source": "live status reading.chunk_ms_by_depth", "rows": sorted(rows, key=lambda r: r["context"])}
 
 
-def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path) -> dict:
+def replay_ids(journal: Path) -> str:
+    """The replay's `--ids` for the way the live proxy took the run's ids: `end` where most turns'
+    output ids came beside the engine's logprobs (llama-server: the proxy has them, and feeds them,
+    only once the response is over), else `tokenizer` (the prompt through the template round trip,
+    the output fed as streamed). Read from the journal's turn records (`ids_source`)."""
+    sources = Counter()
+    with open(journal) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("kind") == "turn":
+                sources[(record.get("ids_source") or {}).get("output")] += 1
+    return "end" if sources and sources.most_common(1)[0][0] == "logprobs" else "tokenizer"
+
+
+def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, name: str = "replay.txt") -> dict:
     """`shadow replay-ledger` over the run's ledger with the run's settings (`settings`: share,
-    grid, cap_gib, batch, disk, model, asks_per_hour, ask_ms, seed) and the live costs; its `--json`
-    document (the arm with the share)."""
+    grid, cap_gib, batch, disk, model, asks_per_hour, ask_ms, seed, ids (`replay_ids`) and
+    voice_share (0 where the live service said no phrase; None: the replay's default)) and the
+    live costs; its `--json` document (the arm with the share). Its output goes to `out_dir / name`."""
     cmd = [sys.executable, "-c", "from shadow.cli.main import main; main()", "replay-ledger", str(ledger_path),
-           "--format", "ledger", "--ids", "tokenizer", "--read-rate-json", str(costs_path),
+           "--format", "ledger", "--ids", settings.get("ids", "tokenizer"), "--read-rate-json", str(costs_path),
            "--share", str(settings["share"]), "--grid", str(settings["grid"]), "--model", settings["model"],
            "--asks-per-hour", str(settings["asks_per_hour"]), "--seed", str(settings["seed"]),
            "--disk" if settings.get("disk") else "--no-disk", "--json"]
@@ -227,8 +243,10 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path) -
         cmd += ["--batch", str(settings["batch"])]
     if settings.get("ask_ms") is not None:
         cmd += ["--ask-ms", str(settings["ask_ms"])]
+    if settings.get("voice_share") is not None:
+        cmd += ["--voice-share", str(settings["voice_share"])]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    (out_dir / "replay.txt").write_text(done.stdout + done.stderr)
+    (out_dir / name).write_text(done.stdout + done.stderr)
     if done.returncode not in (0, 1):  # 1: its monotone checks failed; the figures are still there
         raise RuntimeError(f"replay-ledger exit {done.returncode}: {done.stderr[-2000:]}")
     doc = json.loads(done.stdout.strip().splitlines()[-1])
@@ -354,4 +372,4 @@ def _poll_step(polls: list[Poll]) -> float | None:
 
 
 __all__ = ["Asked", "Poll", "Sent", "costs_document", "decode_union_s", "density", "engine_cost", "ledger", "live",
-           "new_prompt_tokens", "replay", "scraped", "side_by_side", "table", "to_fresh", "write_ledger"]
+           "new_prompt_tokens", "replay", "replay_ids", "scraped", "side_by_side", "table", "to_fresh", "write_ledger"]

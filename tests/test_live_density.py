@@ -98,6 +98,25 @@ def test_the_replay_runs_on_the_same_ledger_and_costs(run):
     assert rows["turn starts fresh %"]["replay"] == summary["turn_starts"]["fresh_pct"]
     table = (out / "table.txt").read_text()
     assert "turn starts fresh %" in table and "pair 1" in table
+    # llama-server shows its output ids beside the logprobs, which the proxy feeds once the response is
+    # over: the replay feeds them then too; the driver's streams open no status-line channel: no voice
+    turns = [r for r in map(json.loads, (out / "journal.jsonl").read_text().splitlines()) if r.get("kind") == "turn"]
+    assert Counter((r.get("ids_source") or {}).get("output") for r in turns).most_common(1)[0][0] == "logprobs"
+    assert "--ids end" in replay["command"] and "--voice-share 0.0" in replay["command"]
+
+
+def test_a_finished_run_is_replayed_again_against_its_own_live_figures(run):
+    doc, out = run
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import live_density
+
+    again = live_density.main(["--out", str(out), "--replay-again"])
+    assert json.loads((out / "replay-again.json").read_text()) == again
+    first = json.loads((out / "live-density.json").read_text())  # the run's document as written
+    assert again["live"] == first["live"] and again["engine"] == first["engine"]
+    assert again["replay"]["command"] == first["replay"]["command"]
+    assert again["side_by_side"] == first["side_by_side"]  # the same ledger, costs and settings: the same replay
+    assert (out / "table-again.txt").read_text() == (out / "table.txt").read_text()
 
 
 def test_engine_cost_pairs_an_off_window_with_an_on_window(run):
@@ -146,3 +165,17 @@ def test_decode_time_counts_overlapping_streams_once():
     f = figures()
     rs = [Request("a", 0, 1.0, 3.0, 1, 1, 1), Request("b", 0, 2.0, 4.0, 1, 1, 1), Request("c", 0, 6.0, 7.0, 1, 1, 1)]
     assert f.decode_union_s(rs) == 4.0
+
+
+def test_the_replays_ids_follow_where_the_live_output_ids_came_from(tmp_path):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import live_figures as f
+
+    def journal(*outputs):
+        path = tmp_path / f"journal-{len(outputs)}-{outputs[0]}.jsonl"
+        path.write_text("".join(json.dumps({"kind": "turn", "ids_source": {"prompt": "engine-tokenize", "output": o}}) + "\n"
+                                for o in outputs) + json.dumps({"session": "s", "behind": 0}) + "\n")
+        return path
+
+    assert f.replay_ids(journal("logprobs", "logprobs", "engine")) == "end"
+    assert f.replay_ids(journal("engine", "engine", "logprobs")) == "tokenizer"
