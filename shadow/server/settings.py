@@ -182,8 +182,8 @@ class StoreSettings:
     disk_cap_gib: float = setting(64.0, gt=0, panel=STORE, help=(
         "Bound on the store's own files in --disk, GiB (oldest removed first)."))
     unload_slack_gib: float | None = setting(None, ge=0, panel=STORE, help=(
-        "Proxy mode, with --disk: after an idle burst that leaves more than this many GiB free in the shadow's CUDA "
-        "memory pool, park every session on disk and unload the model. Default: never."))
+        "Proxy mode, with a disk folder (not --no-disk): after an idle burst that leaves more than this many GiB free "
+        "in the shadow's CUDA memory pool, park every session on disk and unload the model. Default: never."))
     key: str | None = setting(None, repr=False, name="store_key", env="SHADOW_STORE_KEY", panel=STORE, help=(
         "A secret for the session files in --disk: each carries a keyed digest (HMAC-SHA256) made with it, and a "
         "file without that digest (planted by someone without the key) is refused."))
