@@ -337,7 +337,7 @@ def replay_again(out: Path) -> dict:
 
     doc = json.loads((out / "live-density.json").read_text())
     status = json.loads((out / "status.json").read_text())
-    settings = {**doc["settings"]["replay"], "ids": fig.replay_ids(out / "journal.jsonl"),
+    settings = {**doc["settings"]["replay"], "ids": fig.replay_ids(out / "journal.jsonl"), "disk": fig.service_disk(status),
                 "voice_share": 0.0 if not status.get("counters", {}).get("voice_s") else None}
     replayed = fig.replay(out / "ledger.jsonl", out / "costs.json", settings, out, name="replay-again.txt")
     again = {**doc, "replay": replayed, "settings": {**doc["settings"], "replay": settings},
@@ -430,7 +430,8 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
     span_hours = dens.active * dens.span_s / 3600
     asked = sum(1 for x in run.asks if x.time < a.duration)
     forwards = sorted(x.latency_ms for x in run.asks if x.status == 200 and x.read_chunks == 0 and x.latency_ms)
-    settings = {"share": a.share, "grid": a.grid, "cap_gib": a.cap_gib, "batch": a.batch, "model": a.model, "disk": bool(a.disk),
+    settings = {"share": a.share, "grid": a.grid, "cap_gib": a.cap_gib, "batch": a.batch, "model": a.model,
+                "disk": fig.service_disk(run.status),
                 "seed": a.seed, "asks_per_hour": round(asked / span_hours, 3) if span_hours else 0.0,
                 "ask_ms": forwards[len(forwards) // 2] if forwards else None, "ids": fig.replay_ids(journal),
                 # the driver's streams open no status-line channel: a service that said no phrase is replayed without

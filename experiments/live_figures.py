@@ -227,6 +227,12 @@ def replay_ids(journal: Path) -> str:
     return "end" if sources and sources.most_common(1)[0][0] == "logprobs" else "tokenizer"
 
 
+def service_disk(status: dict) -> bool:
+    """Whether the live service's store had a disk (`--disk`, or serve's default folder): its status
+    names a disk cap only then."""
+    return (status.get("store") or {}).get("disk_cap_bytes") is not None
+
+
 def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, name: str = "replay.txt") -> dict:
     """`shadow replay-ledger` over the run's ledger with the run's settings (`settings`: share,
     grid, cap_gib, batch, disk, model, asks_per_hour, ask_ms, seed, ids (`replay_ids`) and
@@ -372,4 +378,4 @@ def _poll_step(polls: list[Poll]) -> float | None:
 
 
 __all__ = ["Asked", "Poll", "Sent", "costs_document", "decode_union_s", "density", "engine_cost", "ledger", "live",
-           "new_prompt_tokens", "replay", "replay_ids", "scraped", "side_by_side", "table", "to_fresh", "write_ledger"]
+           "new_prompt_tokens", "replay", "replay_ids", "scraped", "service_disk", "side_by_side", "table", "to_fresh", "write_ledger"]

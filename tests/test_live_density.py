@@ -179,3 +179,11 @@ def test_the_replays_ids_follow_where_the_live_output_ids_came_from(tmp_path):
 
     assert f.replay_ids(journal("logprobs", "logprobs", "engine")) == "end"
     assert f.replay_ids(journal("engine", "engine", "logprobs")) == "tokenizer"
+
+
+def test_the_replays_disk_follows_the_live_store():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import live_figures as f
+
+    assert f.service_disk({"store": {"disk_cap_bytes": 64 * 2**30}}) is True
+    assert f.service_disk({"store": {"disk_cap_bytes": None}}) is False
