@@ -5,9 +5,10 @@ weights, the real Qwen3.5 vocabulary and chat template). Every session after the
 the shared prefix's last grid line (the journal says where) and, read to its end, is bit-equal to
 a fresh prefill of its own ids; the cache's hits and tokens saved show in status and /metrics.
 
-The same sessions through a service without the cache give the time a first prompt's read takes
-without it; both are measured (the shadow's read seconds of each session's first prompt, and the
-copies of a hit), never asserted. With `SHADOW_PREFIX_CACHE_TIMES=FILE` the figures are written
+The same sessions through a second app without the cache (`--no-prefix-cache`), each session sent
+to one app and then the other so that both share the machine's load, give the time a first
+prompt's read takes without it; both are measured (the shadow's read seconds of each session's
+first prompt, and the copies of a hit), never asserted. With `SHADOW_PREFIX_CACHE_TIMES=FILE` the figures are written
 there as JSON (docs/BENCHMARKS.md gives the command and what it measured)."""
 
 from __future__ import annotations
@@ -116,37 +117,53 @@ def read_seconds(service: ShadowService) -> tuple[float, int]:
         c["chunks_idle"] + c["chunks_share"] + c["chunks_ask"]
 
 
-def run_sessions(engine: str, big_model: Path, tmp_path: Path, cache: bool) -> dict:
-    journal = tmp_path / f"journal-{cache}.jsonl"
-    reads, chunks, ids = [], [], {}
-    with shadow_in_front(engine, big_model, journal, cache) as (client, service):
+def one_session(client, service: ShadowService, n: int) -> tuple[float, int, list[int]]:
+    """Session n's first turn through the app and its read to the end: (the read's seconds, chunks
+    read, its ids), its state checked bit for bit against a fresh prefill of its ids."""
+    name = f"opencode-{n}"
+    seconds, read = read_seconds(service)
+    with client.stream("POST", "/v1/chat/completions", json=body(n), headers={"x-session-id": name}) as r:
+        assert r.status_code == 200
+        for _ in r.iter_lines():
+            pass
+    settled(service, timeout=120)
+    read_to_its_end(service, name)
+    after, read_after = read_seconds(service)
+    with service.device.hold(), service.state_lock:
+        s = service.store.get(name)
+        ids = list(s.ids)
+        compared, mismatched, _ = compare_states(s.state, service.reader.prefill(s.ids[: s.committed]))
+    assert compared > 0 and mismatched == [], (name, mismatched)
+    return after - seconds, read_after - read, ids
+
+
+def run_sessions(engine: str, big_model: Path, tmp_path: Path) -> dict:
+    """The twenty sessions through two apps side by side, the prefix cache on in one and off in the
+    other, each session sent to one and then the other (so both arms share the machine's load)."""
+    arms = {True: {"reads": [], "chunks": [], "ids": {}}, False: {"reads": [], "chunks": [], "ids": {}}}
+    journals = {cache: tmp_path / f"journal-{cache}.jsonl" for cache in arms}
+    with shadow_in_front(engine, big_model, journals[True], True) as (on, on_service), \
+            shadow_in_front(engine, big_model, journals[False], False) as (off, off_service):
+        apps = {True: (on, on_service), False: (off, off_service)}
         for n in range(SESSIONS):
-            name = f"opencode-{n}"
-            seconds, read = read_seconds(service)
-            with client.stream("POST", "/v1/chat/completions", json=body(n), headers={"x-session-id": name}) as r:
-                assert r.status_code == 200
-                for _ in r.iter_lines():
-                    pass
-            settled(service, timeout=120)
-            read_to_its_end(service, name)
-            after, read_after = read_seconds(service)
-            reads.append(after - seconds)
-            chunks.append(read_after - read)
-            with service.device.hold(), service.state_lock:
-                s = service.store.get(name)
-                ids[name] = list(s.ids)
-                compared, mismatched, _ = compare_states(s.state, service.reader.prefill(s.ids[: s.committed]))
-            assert compared > 0 and mismatched == [], (name, mismatched)
-        status = service.status()
-        metrics = client.get("/metrics").text
-    turns = [json.loads(line) for line in journal.read_text().splitlines()]
-    lines = {r["session"]: r["prefix_cache_line"] for r in turns if r.get("kind") == "turn"}
-    return {"reads": reads, "chunks": chunks, "ids": ids, "lines": lines, "status": status, "metrics": metrics}
+            for cache, (client, service) in apps.items():
+                seconds, chunks, ids = one_session(client, service, n)
+                arms[cache]["reads"].append(seconds)
+                arms[cache]["chunks"].append(chunks)
+                arms[cache]["ids"][f"opencode-{n}"] = ids
+        for cache, (client, service) in apps.items():
+            arms[cache]["status"] = service.status()
+            arms[cache]["metrics"] = client.get("/metrics").text
+    for cache, journal in journals.items():
+        turns = [json.loads(line) for line in journal.read_text().splitlines()]
+        arms[cache]["lines"] = {r["session"]: r["prefix_cache_line"] for r in turns if r.get("kind") == "turn"}
+    return arms
 
 
 def test_twenty_sessions_sharing_a_system_prompt_and_tools_start_at_its_last_line(transformers_engine, big_model,
                                                                                tmp_path):
-    with_cache = run_sessions(transformers_engine, big_model, tmp_path, cache=True)
+    arms = run_sessions(transformers_engine, big_model, tmp_path)
+    with_cache, without = arms[True], arms[False]
     first = with_cache["ids"]["opencode-0"]
     shared = {name: common_prefix(first, ids) // G * G for name, ids in with_cache["ids"].items()}
     assert 10_000 < len(first) < 16_000 and min(list(shared.values())[1:]) >= 10_000  # a 12k-token prefix
@@ -156,12 +173,12 @@ def test_twenty_sessions_sharing_a_system_prompt_and_tools_start_at_its_last_lin
         assert with_cache["lines"][name] == shared[name], name  # the shared prefix's last grid line
     cache = with_cache["status"]["prefix_cache"]
     assert cache["hits"] == SESSIONS - 1 and cache["tokens_saved"] == sum(list(shared.values())[1:])
-    assert f"shadow_prefix_cache_hits_total{{" in with_cache["metrics"]
+    assert "shadow_prefix_cache_hits_total{" in with_cache["metrics"]
     assert "shadow_prefix_cache_tokens_saved_total" in with_cache["metrics"]
     assert "shadow_prefix_cache_bytes" in with_cache["metrics"]
 
-    without = run_sessions(transformers_engine, big_model, tmp_path, cache=False)
     assert without["status"]["prefix_cache"] is None and set(without["lines"].values()) == {0}
+    assert "shadow_prefix_cache" not in without["metrics"]
     assert without["ids"] == with_cache["ids"]  # the same prompts, read the same way but from their start
     assert all(c == len(i) // G for c, i in zip(without["chunks"], without["ids"].values()))
 
@@ -170,11 +187,13 @@ def test_twenty_sessions_sharing_a_system_prompt_and_tools_start_at_its_last_lin
         later_with, later_without = with_cache["reads"][1:], without["reads"][1:]
         Path(out).write_text(json.dumps({
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch threads 1 (tests/conftest.py)",
+            "load_average_after": os.getloadavg(),
             "sessions": SESSIONS, "grid": G, "first_prompt_tokens": len(first),
             "shared_line": shared["opencode-1"],
             "read_s_with_cache": {"first": with_cache["reads"][0], "later_median": statistics.median(later_with)},
             "read_s_without_cache": {"first": without["reads"][0], "later_median": statistics.median(later_without)},
             "chunks_with_cache_later": with_cache["chunks"][1:], "chunks_without_cache_later": without["chunks"][1:],
             "speedup_median": statistics.median(later_without) / statistics.median(later_with),
+            "speedup_paired_median": statistics.median(b / a for a, b in zip(later_with, later_without)),
             "prefix_cache": with_cache["status"]["prefix_cache"],
         }, indent=1) + "\n")
