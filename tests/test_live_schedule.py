@@ -29,6 +29,7 @@ from shadow.server.generator import Generator
 from shadow.server.host import Shadow
 from shadow.server.http.app import ShadowApp
 from shadow.server.service import ShadowService
+from shadow.server.settings import PrefixCacheSettings
 from shadow.text.tokenizer import load_tokenizer
 
 CHUNK_S = 0.0625  # 1/16 s: every time in the timeline below is exact in binary, so both sides add alike
@@ -230,7 +231,9 @@ def live_reads(requests: list[Request], store_for, read_log: ReadLog, on_driver=
     loaded, reader = open_reader("tiny", grid=GRID)
     hook = ChunkCost(reader.forward, clock)
     reader.forward = hook
-    settings = settings_for(rule=RULE, prefix_match=False)  # restores at the prompt's feed, as the replay's default
+    # restores at the prompt's feed and no prefix cache, as the replay's defaults (the replay's model of the
+    # prefix cache against the live one: tests/test_prefix_cache.py)
+    settings = settings_for(rule=RULE, prefix_match=False, prefix=PrefixCacheSettings(on=False))
     settings = replace(settings, store=replace(settings.store, restore_ahead=False))
     service = service_for(settings, reader, store_for(reader, loaded, clock),
                           clock=clock)
