@@ -446,7 +446,7 @@ def test_a_session_past_the_cap_is_spilled_whenever_a_disk_holds_it_and_says_why
     fed(alone, reader, "b", seed=2)
     alone.settle(keep="b")
     assert alone.peek("a") is None and not alone.holds("a") and alone.counters.drops == 1
-    assert alone.totals()["recent_drops"] == {"a": "dropped: no tier had room (no --disk); its next turn reads it again"}
+    assert alone.totals()["recent_drops"] == {"a": "dropped: no tier had room (no disk folder: --no-disk); its next turn reads it again"}
 
 def test_measure_restore_times_a_scratch_session_and_leaves_nothing(reader, tmp_path):
     store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)

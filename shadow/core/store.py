@@ -425,7 +425,7 @@ class SessionStore:
         let go once whole); False where staging is full."""
         leaving = self._moving[name]
         if not self.disk:
-            self._dropped(name, "dropped: the host tier was full and there is no --disk")
+            self._dropped(name, "dropped: the host tier was full and there is no disk folder (--no-disk)")
             del self._moving[name]
             self._letting_go.append(leaving)
             self.host.take(name)
@@ -554,7 +554,7 @@ class SessionStore:
             return None
         why = "spilled: past the device cap" + (" and the host tier's" if self.host is not None else "")
         if not self.disk:
-            self._dropped(name, "dropped: no tier had room (no --disk); its next turn reads it again")
+            self._dropped(name, "dropped: no tier had room (no disk folder: --no-disk); its next turn reads it again")
         elif self.clock() < self._disk_full_until:
             return errno.ENOSPC
         elif (nbytes := host_bytes(session)) <= self.stage_cap:
@@ -609,7 +609,7 @@ class SessionStore:
             return self._retarget(name)
         copy = self.host.peek(name)
         if not self.disk:
-            self._dropped(name, "dropped: the host tier was full and there is no --disk")
+            self._dropped(name, "dropped: the host tier was full and there is no disk folder (--no-disk)")
             self.host.take(name)
             self._written.discard(name)
             return True
