@@ -148,7 +148,7 @@ def token_engine(renderer: ChatRenderer, replies: list[dict], seen: list[dict]) 
     return app
 
 
-def test_the_proxy_reads_the_next_prompt_before_it_comes(tiny, qwen):
+def test_the_proxy_reads_the_next_prompt_before_it_comes(tiny, qwen, tmp_path):
     words = " ".join(f"word{i}" for i in range(300))
     replies = [{"role": "assistant", "content": f"Done {k}.", "reasoning_content": f"Thinking {k}: {words}"}
                for k in range(3)]
@@ -156,7 +156,8 @@ def test_the_proxy_reads_the_next_prompt_before_it_comes(tiny, qwen):
     seen: list[dict] = []
     with serving(token_engine(qwen, replies, seen)) as engine:
         url = str(engine.base_url).rstrip("/") + "/v1"
-        with running(upstream=url, dialect="vllm", renderer=qwen) as (proxy, service):
+        journal = tmp_path / "journal.jsonl"
+        with running(upstream=url, dialect="vllm", renderer=qwen, journal=journal) as (proxy, service):
             for k in range(3):
                 r = proxy.post("/v1/chat/completions", json={"messages": history, "stream": True},
                                headers={"x-session-id": "p"})
@@ -170,6 +171,10 @@ def test_the_proxy_reads_the_next_prompt_before_it_comes(tiny, qwen):
                 history = [*history, {"role": "assistant", "content": replies[k]["content"]},
                            {"role": "user", "content": f"Next {k}."}]
                 assert_exact(service, "p")
+            turns = [json.loads(x) for x in journal.read_text().splitlines()]
+            found = [t["prediction"] for t in turns if t.get("kind") == "turn"]
+            assert found[0] is None and [p["outcome"] for p in found[1:]] == ["confirmed", "confirmed"]
+            assert sum(p["ids_not_read_twice"] for p in found[1:]) == status["counters"]["predictions"]["ids_not_read_twice"]
             counts = status["counters"]["predictions"]
             assert counts["made"] == 3 and counts["confirmed"] == 2 and counts["missed"] == 0
             assert counts["ids_not_read_twice"] > 0 and status["counters"]["rollbacks"] == 0

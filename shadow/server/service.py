@@ -87,6 +87,7 @@ class ShadowService:
         self._latest: dict[str, int] = {}  # store name -> the newest turn that fed its prompt
         self._cached_start: dict[int, int] = {}  # turn -> the grid line its session started at from the prefix cache
         self._predicted: dict[str, int] = {}  # store name -> ids its prediction keeps from a second read
+        self._prediction_of: dict[int, dict] = {}  # turn id -> what its prompt found of a prediction (journaled)
         self._next_turn = 0
         self._overdue_told: set[int] = set()  # turns the watchdog has logged as overdue
         self.waiting = 0
@@ -303,7 +304,7 @@ class ShadowService:
             if feed.rolled_back_to is not None:
                 self.counters.rollbacks += 1
                 self.counters.ids_reread += feed.reread
-            self._prediction_checked(name, feed)
+            self._prediction_checked(name, feed, turn.id)
             self.checks.setdefault(name, SessionChecks()).replaced(known if feed.first_diff is None else feed.first_diff)
             turn.fed = Fed(prompt=True, prompt_len=len(ids))
             if feed.cached:
@@ -353,9 +354,9 @@ class ShadowService:
         except ShadowInputError:
             return None
 
-    def _prediction_checked(self, name: str, feed) -> None:
+    def _prediction_checked(self, name: str, feed, turn: int) -> None:
         """A prompt came after a prediction for its session: confirmed, or missed (it sent the
-        session back)."""
+        session back); counted, and kept for the turn's journal line."""
         avoided = self._predicted.pop(name, None)
         if avoided is None:
             return
@@ -363,8 +364,10 @@ class ShadowService:
         if feed.rolled_back_to is None:
             counts["confirmed"] += 1
             counts["ids_not_read_twice"] += avoided
+            self._prediction_of[turn] = {"outcome": "confirmed", "ids_not_read_twice": avoided}
         else:
             counts["missed"] += 1
+            self._prediction_of[turn] = {"outcome": "missed", "ids_not_read_twice": 0}
 
     def _ahead(self, turn: ServedTurn, shadow: Shadow, name: str):
         """What was brought back of `name` since the turn's request came (waiting for the rest of
@@ -483,6 +486,7 @@ class ShadowService:
                     return
                 self._overdue_told.discard(turn.id)
                 self._cached_start.pop(turn.id, None)
+                self._prediction_of.pop(turn.id, None)  # a turn ended without its journal line
                 self.sched.turn_ended(turn.id, self.clock())
                 shadow = self.host.shadow
                 if turn.hold_output and shadow is not None:
@@ -565,7 +569,8 @@ class ShadowService:
                       "prompt_ids": None if ids is None or ids.prompt is None else len(ids.prompt),
                       "output_ids": None if ids is None else len(ids.output),
                       "notes": [] if ids is None else ids.notes,
-                      "prefix_cache_line": self._cached_start.pop(turn.id, 0), "time": time.time()}
+                      "prefix_cache_line": self._cached_start.pop(turn.id, 0),
+                      "prediction": self._prediction_of.pop(turn.id, None), "time": time.time()}
             if lines:
                 record["status_lines"] = lines
             self.shared.journal.write(record)
