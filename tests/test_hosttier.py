@@ -336,3 +336,13 @@ def test_a_move_in_flight_whose_room_the_tier_needs_leaves_as_its_copy_would(rea
         assert_same(before, fingerprint(store.get("a")))
     else:
         assert store.get("a").committed == 0  # dropped: it starts over
+
+
+def test_a_host_copy_keeps_every_field_of_the_session_a_held_output_included(reader):
+    store = SessionStore(reader, "h", cap_gib=0, host_cap_gib=1.0)
+    a = fed(store, reader, "a", seed=95)
+    a.hold, a.rollbacks, a.ids_reread = len(a.ids) - 3, 2, 7
+    fed(store, reader, "b", seed=96)
+    store.settle(keep="b")
+    back = store.get("a")
+    assert back is not a and (back.hold, back.rollbacks, back.ids_reread) == (len(a.ids) - 3, 2, 7)

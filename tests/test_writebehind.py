@@ -249,3 +249,22 @@ def test_a_kill_during_writes_behind_loses_no_session_whose_file_was_written(tmp
         assert s.committed > 0
         compared, mismatched, _ = compare_states(s.state, reader.prefill(s.ids[: s.committed]))
         assert compared > 0 and mismatched == []
+
+
+def test_a_session_back_from_its_copy_before_its_write_is_as_its_file_would_give_it(reader, tmp_path):
+    """An output held out of reading (`Session.hold`) is not in a session file: a session back from
+    the disk tier's copy, before its file was read, holds none either, as a restore from the file."""
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
+    started, release = gated(store)
+    try:
+        a = fed(store, reader, "a")
+        a.hold = len(a.ids)
+        fed(store, reader, "b", seed=2)
+        store.settle(keep="b")
+        assert started.wait(10) and store.peek("a") is None
+        back = store.get("a")
+        assert back.hold is None and store.counters.back_before_written == 1
+    finally:
+        release.set()
+    store.flush()
+    assert SessionStore(reader, "h", cap_gib=None, disk=tmp_path).get("a").hold is None  # as from the file

@@ -488,7 +488,7 @@ class SessionStore:
             c.back_before_written += 1
         c.moves_kept += 1
         self._spilled_why.pop(name, None)
-        return leaving.move.session
+        return leaving.move.session if leaving.to == "host" else as_from_disk(leaving.move.session)
 
     def _stage(self, copy: Session, nbytes: int, submit: bool = True) -> None:
         """`copy` waits in host memory for its file (queued to be written behind, unless `submit` is
@@ -516,7 +516,7 @@ class SessionStore:
             return None
         session = from_host(copy, self.reader.model.new_state())
         self._back_from_staging(name)
-        return session
+        return as_from_disk(session)
 
     def _back_from_staging(self, name: str) -> None:
         """`name`'s copy bound for disk is back on the device: its job not begun dropped (one being
@@ -747,7 +747,7 @@ class SessionStore:
                 return ahead.session
             if self._staged.get(name) is ahead.copy:
                 self._back_from_staging(name)
-                return ahead.session
+                return as_from_disk(ahead.session)
             return None
         if not self.disk or (self.host is not None and name in self.host) or name in self._staged:
             return None  # a newer copy is in host memory
@@ -972,6 +972,14 @@ class Leaving:
     to: str
     device_bytes: int
     nbytes: int
+
+
+def as_from_disk(session: Session) -> Session:
+    """`session`, back from the disk tier before its file was read (from its copy, or kept where it
+    was), as its file would give it: no output held out of reading (a file carries no `hold`), so it
+    reads on as a restored session does, live and in the replay alike."""
+    session.hold = None
+    return session
 
 
 def version_of(session: Session, record: dict | None) -> tuple:
