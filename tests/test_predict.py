@@ -256,3 +256,40 @@ def test_a_trajectory_imported_with_the_template_records_what_the_proxy_predicts
     assert all(r.predicted_tokens > 0 for r in reqs[:-1]) and reqs[-1].predicted_tokens == 0
     assert all(r.predicted_confirmed == r.predicted_tokens for r in reqs[:-1])  # every one confirmed
     assert all(r.predicted_kept <= r.prompt_tokens + r.output_tokens for r in reqs)
+
+
+def test_an_output_past_what_a_fork_may_read_is_read_as_it_came_and_the_prediction_sends_it_back(tiny, qwen):
+    """A hold is let go once the output leaves more ids unread than a fork may read (here an ask's
+    bound of 256): the output may be read as it streams (asks and phrases keep working), and the
+    prediction at the turn's end still comes, rolling back whatever of it was read; every state
+    stays bit-equal."""
+    from shadow.server.settings import Limits
+
+    words = " ".join(f"word{i}" for i in range(300))
+    replies = [{"role": "assistant", "content": f"Done {k}.", "reasoning_content": f"Thinking {k}: {words}"}
+               for k in range(2)]
+    history = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Start."}]
+    seen: list[dict] = []
+    with serving(token_engine(qwen, replies, seen)) as engine:
+        url = str(engine.base_url).rstrip("/") + "/v1"
+        with running(upstream=url, dialect="vllm", renderer=qwen, limits=Limits(max_ask_tail=256)) as (proxy, service):
+            for k in range(2):
+                proxy.post("/v1/chat/completions", json={"messages": history, "stream": True},
+                           headers={"x-session-id": "p"})
+                settled(service)
+                wait_until_read(service, ["p"])
+                assert_exact(service, "p")
+                history = [*history, {"role": "assistant", "content": replies[k]["content"]},
+                           {"role": "user", "content": f"Next {k}."}]
+            counts = service.status()["counters"]["predictions"]
+            assert counts["holds_released"] == 2 and counts["made"] == 2 and counts["confirmed"] == 1
+
+
+def test_verify_lets_a_hold_go_past_its_bound_and_stays_exact(tiny, qwen, tokenizer):
+    path = shared_file("trajectories", "mini-swe-agent", "django__django-11095.traj.json")
+    conversation = load_conversation(path)
+    bounded, = verify(Reader(tiny.model, 512), tokenizer, [conversation], rendering=TemplateRendering(qwen),
+                      predict=True, hold_max=64)
+    free, = verify(Reader(tiny.model, 512), tokenizer, [conversation], rendering=TemplateRendering(qwen),
+                   predict=True)
+    assert bounded.same_grid_bit_equal and bounded.ids_reread > free.ids_reread == 0

@@ -71,7 +71,7 @@ def replay(
     reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation], store: SessionStore,
     on_turn: Callable[[], None] | None = None, batch: int = 1, *, batched: Counter | None = None,
     rendering: CodeRendering | TemplateRendering | None = None, predict: bool = False,
-    predictions: dict[str, Predictions] | None = None,
+    predictions: dict[str, Predictions] | None = None, hold_max: int | None = None,
 ) -> dict[str, list[int]]:
     """Feed every request of every conversation (its re-rendered prompt, then its output) and read
     after each, the conversations' turns interleaved round robin through `store` (which may
@@ -81,7 +81,9 @@ def replay(
     counts each conversation's chunks read beside another's. `rendering`: how turns become ids
     (default: the template in code). `predict` (a rendering that predicts): each output is held
     out of reading and, at the turn's end, replaced by the next prompt's start as predicted
-    (`Reader.predict`), counted in `predictions`. Returns each conversation's final ids."""
+    (`Reader.predict`), counted in `predictions`; an output that leaves more than `hold_max` ids
+    unread is read as it came (as `shadow serve` lets a hold go past what a phrase may read), and
+    its prediction sends those rows back. Returns each conversation's final ids."""
     rendering = rendering or CodeRendering(tokenizer)
     predict = predict and rendering.predicts
     predictions = predictions if predictions is not None else {}
@@ -97,6 +99,11 @@ def replay(
         if name in predicted and fed.rolled_back_to is not None:
             predictions[name].missed += 1
         predicted.discard(name)
+
+    def output(name: str, session: Session, turn: int) -> None:
+        reader.feed_output(session, rendering.output(*pending[name][turn]))
+        if session.hold is not None and hold_max is not None and len(session.ids) - session.committed > hold_max:
+            session.hold = None
 
     def turn_over(name: str, session: Session, turn: int) -> None:
         """The turn's end: the next prompt's start predicted where a next request comes (the last
@@ -117,8 +124,7 @@ def replay(
                 feed(name, session, pending[name][turn][0])
             read_batched(reader, sessions, batch, batched)
             for name, session in zip(names, sessions):
-                history, output = pending[name][turn]
-                reader.feed_output(session, rendering.output(history, output))
+                output(name, session, turn)
             read_batched(reader, sessions, batch, batched)
             for name, session in zip(names, sessions):
                 turn_over(name, session, turn)
@@ -129,11 +135,10 @@ def replay(
                     on_turn()
             continue
         for name in names:
-            history, output = pending[name][turn]
             session = store.get(name)
-            feed(name, session, history)
+            feed(name, session, pending[name][turn][0])
             reader.advance(session)
-            reader.feed_output(session, rendering.output(history, output))
+            output(name, session, turn)
             reader.advance(session)
             turn_over(name, session, turn)
             reader.advance(session)
@@ -194,14 +199,14 @@ def verify(
     reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation],
     against_grid: int | None = None, store: SessionStore | None = None,
     progress: Callable[[int, int, str], None] | None = None, *, batch: int = 1,
-    rendering: CodeRendering | TemplateRendering | None = None, predict: bool = False,
+    rendering: CodeRendering | TemplateRendering | None = None, predict: bool = False, hold_max: int | None = None,
 ) -> list[Verdict]:
     """Replay `conversations` (interleaved, through `store`; default: one with no cap), then
     compare each final state with fresh prefills. ShadowInputError, before anything is read or
     written, when `store` already holds a session named like a conversation. progress(done, total, stage) is called as it
     goes (total = all turns + 2 per conversation). `batch` > 1: chunks read several sessions a
     forward (`replay`); ShadowInputError where `store` has a cap, which could spill a session
-    between its feed and its read. `rendering`, `predict`: as `replay`."""
+    between its feed and its read. `rendering`, `predict`, `hold_max`: as `replay`."""
     if against_grid is not None:
         check_grid(against_grid)
     if not isinstance(batch, int) or batch < 1:
@@ -230,7 +235,7 @@ def verify(
     batched = Counter()
     predictions: dict[str, Predictions] = {}
     final = replay(reader, tokenizer, conversations, store, turn_done, batch, batched=batched,
-                   rendering=rendering, predict=predict, predictions=predictions)
+                   rendering=rendering, predict=predict, predictions=predictions, hold_max=hold_max)
     verdicts = []
     for conv in conversations:
         session = store.get(conv.name)

@@ -11,7 +11,7 @@ from shadow.server.gaps import LongGaps
 from shadow.server.timings import ROUND_SECONDS, Histogram
 
 
-PREDICTION_COUNTS = ("made", "confirmed", "missed", "skipped", "ids_not_read_twice")
+PREDICTION_COUNTS = ("made", "confirmed", "missed", "skipped", "ids_not_read_twice", "holds_released")
 
 
 @dataclass
@@ -29,8 +29,9 @@ class Counters:
     rollbacks: int = 0  # prompts that went back to a checkpoint (or the start), every session
     ids_reread: int = 0  # ids those rollbacks read again
     # next prompts predicted at a proxied turn's end (`ShadowService.predict`): made, confirmed or
-    # missed by the prompt that came, skipped (none, or one that differed from rows read), and the
-    # ids a confirmed one kept from being read twice
+    # missed by the prompt that came, skipped (none, or one that differed from the prompt's rows read),
+    # the ids a confirmed one kept from being read twice, and the holds let go (an output past what a
+    # fork may read, read as it came)
     predictions: dict = field(default_factory=lambda: dict.fromkeys(PREDICTION_COUNTS, 0))
     upstream_errors: dict = field(default_factory=dict)  # kind -> count (proxy mode)
     # each turn's prompt and output by their state (idcheck.PART_STATES): verified, unverified,

@@ -230,6 +230,8 @@ class ShadowCollector:
                 family.add(outcome, value=predictions[outcome])
             out.counter("prediction_ids_not_read_twice", "Ids a confirmed prediction kept from being read twice",
                         predictions["ids_not_read_twice"])
+            out.counter("prediction_holds_released", "Held outputs let go past what a fork may read (read as they came)",
+                        predictions["holds_released"])
 
     @staticmethod
     def _asks(out: "Families", status: dict, held: dict) -> None:

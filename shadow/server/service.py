@@ -319,7 +319,8 @@ class ShadowService:
         prompt's start as the template will render it (`Reader.predict`), to read before that
         prompt comes, and the hold on its output is lifted either way. Not taken (counted as
         skipped) when there is none or it differs from rows read already: the engine read other
-        ids than the template renders, and the next prompt will show which."""
+        ids than the template renders, and the next prompt will show which. An output whose hold
+        was let go (`_hold_limit`) was read as it came: the prediction then sends those rows back."""
         shadow = self.host.shadow
         if not turn.hold_output or shadow is None or not self.shared.switch.shadow or not turn.fed.prompt:
             return
@@ -328,17 +329,22 @@ class ShadowService:
             with self.state_lock:
                 name = turn.session
                 session = shadow.store.peek(name)
-                if session is None or self._latest.get(name) != turn.id or session.hold is None:
+                if session is None or self._latest.get(name) != turn.id:
                     return
                 wanted = self._valid_ids(shadow, ids)
                 same = common_prefix(session.ids, wanted) if wanted else -1
                 counts = self.counters.predictions
-                if wanted is None or same < session.committed:
+                prompt_line = turn.fed.prompt_len // shadow.grid * shadow.grid
+                if wanted is None or same < min(session.committed, prompt_line):
                     session.hold = None
                     counts["skipped"] += 1
                 else:
-                    self._predicted[name] = reread_without_hold(session, same, shadow.grid)
-                    shadow.reader.predict(session, wanted)
+                    held = session.hold is not None
+                    self._predicted[name] = reread_without_hold(session, same, shadow.grid) if held else 0
+                    fed = shadow.reader.predict(session, wanted)
+                    if fed.rolled_back_to is not None:  # an output read as it came (its hold let go)
+                        self.counters.rollbacks += 1
+                        self.counters.ids_reread += fed.reread
                     self.checks.setdefault(name, SessionChecks()).predicted_past(same)
                     counts["made"] += 1
                 self.reading.sync(shadow, name)
@@ -403,8 +409,20 @@ class ShadowService:
             shadow.reader.feed_output(session, ids)  # checked before any change
             turn.fed.output_len += len(ids)
             grid = shadow.grid
-            if (len(session.ids) - session.committed) // grid != before // grid:
+            if session.hold is not None and len(session.ids) - session.committed > self._hold_limit():
+                session.hold = None  # past what a phrase or an ask may read from a fork: read as it comes
+                self.counters.predictions["holds_released"] += 1
                 self.reading.sync(shadow, name)
+            elif (len(session.ids) - session.committed) // grid != before // grid:
+                self.reading.sync(shadow, name)
+
+    def _hold_limit(self) -> int:
+        """The most unread ids a held output may leave its session with: what the voice's phrase may
+        read from a fork where the voice reads the shadow's own state, else what an ask may."""
+        voice = self.voicing.voice
+        if voice is not None and not voice.own_model:
+            return voice.max_tail
+        return self.shared.settings.limits.max_ask_tail
 
     def between_rounds(self, turn: ServedTurn, output_ids: Sequence[int] = ()) -> int:
         """Between two rounds of the embedded generator, on the device thread: the new output ids
