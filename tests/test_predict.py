@@ -229,6 +229,13 @@ def test_the_replay_holds_the_output_and_reads_the_prediction_instead():
     # to stand at the part of the new prompt known before it came (the same 1,158 ids in both arms): from the
     # checkpoint after the rollback, or from the prediction's last line
     assert [t.to_prompt for t in arms[False].turns] == [t.to_prompt for t in arms[True].turns] == [1158 - 1024]
+    # a hold bounded at 256 unread ids lets the 600 go: read as they come in the decode's share (half of
+    # it here), then sent back by the prediction
+    from shadow.core.schedule import BandwidthRule
+
+    bounded = replay(reqs, costs=COSTS, limits=ReplayLimits(ids="engine", hold_max=256), rule=BandwidthRule(share=0.5))
+    assert bounded.rollbacks == 1 and bounded.chunks_wasted == 1 and bounded.predictions == 1
+    assert bounded.predictions_missed == 0 and [t.to_prompt for t in bounded.turns] == [1158 - 1024]
 
 
 def test_a_ledger_keeps_its_predicted_counts_and_refuses_bad_ones(tmp_path):

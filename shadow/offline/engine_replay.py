@@ -380,6 +380,8 @@ class EngineReplay:
         if h is None:
             h, t = self._get(s, t)
         h.ids += n
+        if h.hold is not None and self.limits.hold_max is not None and h.ids - h.committed > self.limits.hold_max:
+            h.hold = None  # as live: past what a fork may read, the output is read as it comes
         self.out_fed[i] += n
         self.fed[s] = self.fed.get(s, 0) + n
         self._tell(s, t)
@@ -396,11 +398,14 @@ class EngineReplay:
         output is let go either way."""
         r, s = self.req[i], self.req[i].session
         h = self.store.peek(s)
-        if h is None or h.hold is None or self.latest.get(s) != self.order[i]:
+        if h is None or not self._predicts(r) or i not in self.fed_prompt or self.latest.get(s) != self.order[i]:
             return t
         h.hold = None
-        if r.predicted_kept >= h.committed:
-            self.store.feed_prompt(h, r.predicted_tokens, r.predicted_kept)
+        if r.predicted_kept >= min(h.committed, r.prompt_tokens // self.grid * self.grid):
+            feed = self.store.feed_prompt(h, r.predicted_tokens, r.predicted_kept)
+            if feed.rolled_back_to is not None:  # an output read as it came (its hold let go)
+                self.tally.rollbacks += 1
+                self.tally.ids_reread += feed.reread
             self.predicted[s] = (r.predicted_confirmed, r.predicted_tokens)
             self.tally.predictions += 1
         self._tell(s, t)
