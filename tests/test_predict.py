@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from fastapi import FastAPI, Request
@@ -112,9 +113,10 @@ def test_verify_with_the_template_reads_no_id_twice_where_it_predicts(tiny, qwen
     assert runs[True].tokens == runs[False].tokens  # the same ids in the end: the served ones
 
 
-def token_engine(renderer: ChatRenderer, replies: list[dict], seen: list[dict]) -> FastAPI:
+def token_engine(renderer: ChatRenderer, replies: list[dict], seen: list[dict], pause_s: float = 0.0) -> FastAPI:
     """A vLLM-shaped engine: the prompt rendered by `renderer`, its ids in the first event; each
-    reply streamed a token at a time with its ids, as the template writes it after the prompt."""
+    reply streamed with its ids, as the template writes it after the prompt (its reasoning in one
+    event, then `pause_s` before the rest)."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -136,6 +138,7 @@ def token_engine(renderer: ChatRenderer, replies: list[dict], seen: list[dict]) 
         async def events():
             yield event({"index": 0, "delta": {"role": "assistant", "content": ""}}, prompt_token_ids=prompt)
             yield event({"index": 0, "delta": {"reasoning": reply.get("reasoning_content", "")}, "token_ids": ids[:-2]})
+            await asyncio.sleep(pause_s)
             yield event({"index": 0, "delta": {"content": reply["content"]}, "token_ids": ids[-2:-1]})
             yield event({"index": 0, "delta": {}, "finish_reason": "stop", "token_ids": ids[-1:]})
             usage = {"prompt_tokens": len(prompt), "completion_tokens": len(ids), "total_tokens": len(prompt) + len(ids)}
@@ -229,11 +232,12 @@ def test_the_replay_holds_the_output_and_reads_the_prediction_instead():
     # to stand at the part of the new prompt known before it came (the same 1,158 ids in both arms): from the
     # checkpoint after the rollback, or from the prediction's last line
     assert [t.to_prompt for t in arms[False].turns] == [t.to_prompt for t in arms[True].turns] == [1158 - 1024]
-    # a hold bounded at 256 unread ids lets the 600 go: read as they come in the decode's share (half of
-    # it here), then sent back by the prediction
+    # a status line's phrase at 4.5 s finds more than 256 ids unread and lets the 600 go: read then in the
+    # decode's share (half of it here), then sent back by the prediction
     from shadow.core.schedule import BandwidthRule
 
-    bounded = replay(reqs, costs=COSTS, limits=ReplayLimits(ids="engine", hold_max=256), rule=BandwidthRule(share=0.5))
+    bounded = replay(reqs, costs=COSTS, limits=ReplayLimits(ids="engine", hold_max=256, voice_share=0.5),
+                     rule=BandwidthRule(share=0.5))
     assert bounded.rollbacks == 1 and bounded.chunks_wasted == 1 and bounded.predictions == 1
     assert bounded.predictions_missed == 0 and [t.to_prompt for t in bounded.turns] == [1158 - 1024]
 
@@ -265,11 +269,13 @@ def test_a_trajectory_imported_with_the_template_records_what_the_proxy_predicts
     assert all(r.predicted_kept <= r.prompt_tokens + r.output_tokens for r in reqs)
 
 
-def test_an_output_past_what_a_fork_may_read_is_read_as_it_came_and_the_prediction_sends_it_back(tiny, qwen):
-    """A hold is let go once the output leaves more ids unread than a fork may read (here an ask's
-    bound of 256): the output may be read as it streams (asks and phrases keep working), and the
-    prediction at the turn's end still comes, rolling back whatever of it was read; every state
-    stays bit-equal."""
+def test_an_ask_mid_turn_past_what_a_fork_may_read_lets_the_hold_go(tiny, qwen):
+    """An ask while a turn streams, its session holding more output unread than one fork may read
+    (here an ask's bound of 256): the hold is let go, the output read as it came so that the ask
+    can be answered, and the prediction at the turn's end still comes, sending back what of the
+    output was read; every state stays bit-equal."""
+    import threading
+
     from shadow.server.settings import Limits
 
     words = " ".join(f"word{i}" for i in range(300))
@@ -277,19 +283,34 @@ def test_an_output_past_what_a_fork_may_read_is_read_as_it_came_and_the_predicti
                for k in range(2)]
     history = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Start."}]
     seen: list[dict] = []
-    with serving(token_engine(qwen, replies, seen)) as engine:
+    with serving(token_engine(qwen, replies, seen, pause_s=1.5)) as engine:
         url = str(engine.base_url).rstrip("/") + "/v1"
         with running(upstream=url, dialect="vllm", renderer=qwen, limits=Limits(max_ask_tail=256)) as (proxy, service):
-            for k in range(2):
-                proxy.post("/v1/chat/completions", json={"messages": history, "stream": True},
-                           headers={"x-session-id": "p"})
-                settled(service)
-                wait_until_read(service, ["p"])
-                assert_exact(service, "p")
-                history = [*history, {"role": "assistant", "content": replies[k]["content"]},
-                           {"role": "user", "content": f"Next {k}."}]
+            answers = []
+            with proxy.stream("POST", "/v1/chat/completions", json={"messages": history, "stream": True},
+                              headers={"x-session-id": "p"}) as r:
+                lines = r.iter_lines()
+                while "reasoning" not in next(lines):  # the reasoning's event has come: its ids are held
+                    pass
+                time.sleep(0.3)  # the proxy hands them over beside the stream
+                asking = threading.Thread(target=lambda: answers.append(proxy.post(
+                    "/v1/shadow/ask", json={"session": "p", "question": "A or B?", "choices": ["A", "B"]})))
+                asking.start()
+                for _ in lines:
+                    pass
+            asking.join()
+            settled(service)
+            wait_until_read(service, ["p"])
+            assert answers[0].status_code == 200
             counts = service.status()["counters"]["predictions"]
-            assert counts["holds_released"] == 2 and counts["made"] == 2 and counts["confirmed"] == 1
+            assert counts["holds_released"] == 1 and counts["made"] == 1
+            assert_exact(service, "p")
+            history = [*history, {"role": "assistant", "content": replies[0]["content"]}, {"role": "user", "content": "Next."}]
+            proxy.post("/v1/chat/completions", json={"messages": history, "stream": True}, headers={"x-session-id": "p"})
+            settled(service)
+            wait_until_read(service, ["p"])
+            assert service.status()["counters"]["predictions"]["confirmed"] == 1
+            assert_exact(service, "p")
 
 
 def test_verify_lets_a_hold_go_past_its_bound_and_stays_exact(tiny, qwen, tokenizer):

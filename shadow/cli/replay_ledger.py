@@ -167,7 +167,7 @@ def replay_ledger(
                        restore_ahead=settings.store.restore_ahead,
                        prefix_cache_gib=settings.prefix.gib if settings.prefix.on else None,
                        shared_prefix_tokens=shared_prefix_tokens, predict=settings.engine.predict,
-                       hold_max=2 * grid if settings.voice.share > 0 else settings.limits.max_ask_tail,
+                       hold_max=2 * grid if settings.voice.share > 0 else None,
                        voice_share=settings.voice.share, label_s=label_ms / 1000, asks_per_hour=asks_per_hour, seed=seed)
     plan = Plan(costs, shares, prio_sets, rule, limits, grid=grid, engines=engines, route=route, pack_to=pack_to,
                 check_fleet=check_fleet, solve=solve_share, samples=samples, window_s=window_s,

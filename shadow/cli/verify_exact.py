@@ -36,7 +36,7 @@ def verify_exact(
     chat_template: Annotated[Path | None, typer.Option(callback=input_file, help="Render turns as the proxy does: the big model's chat template (a .jinja, or a tokenizer_config.json / chat_template.json holding one), tokenized by --tokenizer. Default: the project's Qwen3.5-style template in code.")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="With --chat-template: a folder with the big model's tokenizer.json. Default: the model's own, else the real Qwen3.5 vocabulary.")] = None,
     predict: Annotated[bool, typer.Option(help="With --chat-template: hold each output out of reading and, at the turn's end, read the next prompt's start as the template will render it (as `shadow serve --predict` does); the next prompt confirms it or sends the session back. Without --chat-template: no effect.")] = True,
-    hold_max: Annotated[int | None, typer.Option(callback=bounds(ge=0), help="With --predict: an output that leaves more than this many ids unread is read as it comes (as serve lets a hold go past what its voice's phrase may read from a fork: 2 grids) and its prediction sends those rows back. Default: 2 x --grid; 0: no bound.")] = None,
+    hold_max: Annotated[int | None, typer.Option(callback=bounds(ge=1), help="With --predict: an output that leaves more than this many ids unread is read as it comes and its prediction sends those rows back, as serve does when a phrase or an ask must read a held output from a fork (a phrase may read 2 grids). Default: never (a replay has no phrase or ask mid-turn).")] = None,
     seed: Annotated[int, typer.Option(callback=seed_bounds, help="Seed of the random preset weights and of the sample session (0 to 2**63 - 1).")] = 0,
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
@@ -73,7 +73,7 @@ def verify_exact(
 
         rendering = TemplateRendering(renderer_for(chat_template, tokenizer, loaded.path))
     predicting = predict and rendering is not None
-    held = 2 * grid if hold_max is None else (hold_max or None)
+    held = hold_max
     store = SessionStore(reader, loaded.weights_hash, cap_gib=cap_gib, disk=disk,
                          disk_cap_gib=disk_cap_gib, model=model)
     with progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:

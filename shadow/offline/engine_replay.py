@@ -380,8 +380,6 @@ class EngineReplay:
         if h is None:
             h, t = self._get(s, t)
         h.ids += n
-        if h.hold is not None and self.limits.hold_max is not None and h.ids - h.committed > self.limits.hold_max:
-            h.hold = None  # as live: past what a fork may read, the output is read as it comes
         self.out_fed[i] += n
         self.fed[s] = self.fed.get(s, 0) + n
         self._tell(s, t)
@@ -543,6 +541,11 @@ class EngineReplay:
             if line > t or i not in self.fed_prompt:
                 continue
             self.line_at[i] = t + LINE_EVERY_S
+            h = self.store.peek(r.session)
+            if h is not None and h.hold is not None and self.limits.hold_max is not None \
+                    and h.ids - h.committed > self.limits.hold_max:
+                h.hold = None  # as live: the phrase needs the output read, so its hold is let go
+                self._tell(r.session, t)
             used = self.voice_used.get(i, 0.0)
             if self.limits.voice_share * max(0.0, t - r.first_token) - used >= cost - 1e-9:
                 t = self._land(t)  # a phrase's fork finishes the batch under way first

@@ -57,9 +57,9 @@ class ReplayLimits:
     sharing its first `shared_prefix_tokens` ids with the others'. `predict` (proxy modes, as
     `shadow serve --predict`): a turn's output is held out of reading and, at its end, the session
     takes the next prompt's start as the ledger's `predicted_*` counts say (requests without them:
-    read as they came); `hold_max`: as live, a held output that leaves more ids unread is read as it
-    comes (serve's bound: what the voice's phrase may read, 2 grids, with the voice on; else
-    `--max-ask-tail`), and the prediction sends it back."""
+    read as they came); `hold_max`: as live, a status line's phrase that finds more ids unread than
+    it may read (2 grids) lets its turn's held output go, to be read as it comes, and the
+    prediction then sends it back (None: never)."""
 
     ids: str = "embedded"
     cap_gib: float | None = None
@@ -75,7 +75,7 @@ class ReplayLimits:
     prefix_cache_gib: float | None = None  # the prefix cache's bound per shadow (None or 0: none)
     shared_prefix_tokens: int = 0  # ids every session's first prompt shares (a system prompt and tools)
     predict: bool = True  # proxy modes: each turn's output held, its next prompt predicted where the ledger says
-    hold_max: int | None = None  # a held output leaving more ids unread is read as it comes (None: no bound)
+    hold_max: int | None = None  # a phrase finding more ids unread lets its turn's held output go (None: never)
     pieces: int = 7  # pieces a shadow's forward runs in, read between rounds (attention layers + 1: the 0.8B's 7)
 
     def __post_init__(self) -> None:

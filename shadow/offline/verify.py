@@ -82,8 +82,8 @@ def replay(
     (default: the template in code). `predict` (a rendering that predicts): each output is held
     out of reading and, at the turn's end, replaced by the next prompt's start as predicted
     (`Reader.predict`), counted in `predictions`; an output that leaves more than `hold_max` ids
-    unread is read as it came (as `shadow serve` lets a hold go past what a phrase may read), and
-    its prediction sends those rows back. Returns each conversation's final ids."""
+    unread is read as it came (as `shadow serve` lets a hold go when a phrase or an ask must read
+    it from a fork), and its prediction sends those rows back. Returns each conversation's final ids."""
     rendering = rendering or CodeRendering(tokenizer)
     predict = predict and rendering.predicts
     predictions = predictions if predictions is not None else {}

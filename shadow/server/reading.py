@@ -407,13 +407,26 @@ class Reading:
             self.in_flight.batch_read.finish()
             self.collect()
 
+    def let_hold_go(self, shadow: Shadow, session: Session, limit: int) -> bool:
+        """A held output (`Session.hold`) that leaves more than `limit` ids unread is let go, to be
+        read as it comes, when a fork must read the session (an ask, a phrase): counted. The caller
+        holds the lock."""
+        if session.hold is None or len(session.ids) - session.committed <= limit:
+            return False
+        session.hold = None
+        self.shared.counters.predictions["holds_released"] += 1
+        self.sync(shadow, session.name)
+        return True
+
     def read_to_end(self, shadow: Shadow, name: str, timeout_s: float, started: float) -> tuple[Session, int, int]:
         """For an ask, on the device thread: read `name` to its last whole chunk, a chunk at a time
         (answering standing questions on the way), until timeout_s after `started`; returns
-        (session, ids unread before, chunks read)."""
+        (session, ids unread before, chunks read). A held output past what the ask may read in one
+        fork is let go first (`let_hold_go`)."""
         self.finish_in_flight()
         with self.lock:
             s = self.get(shadow, name)
+            self.let_hold_go(shadow, s, self.shared.settings.limits.max_ask_tail)
             behind = len(s.ids) - s.committed
         read = 0
         while self.clock() - started < timeout_s:

@@ -320,7 +320,8 @@ class ShadowService:
         prompt comes, and the hold on its output is lifted either way. Not taken (counted as
         skipped) when there is none or it differs from rows read already: the engine read other
         ids than the template renders, and the next prompt will show which. An output whose hold
-        was let go (`_hold_limit`) was read as it came: the prediction then sends those rows back."""
+        was let go (`Reading.let_hold_go`: a phrase or an ask needed it read) was read as it came: the
+        prediction then sends those rows back."""
         shadow = self.host.shadow
         if not turn.hold_output or shadow is None or not self.shared.switch.shadow or not turn.fed.prompt:
             return
@@ -409,20 +410,8 @@ class ShadowService:
             shadow.reader.feed_output(session, ids)  # checked before any change
             turn.fed.output_len += len(ids)
             grid = shadow.grid
-            if session.hold is not None and len(session.ids) - session.committed > self._hold_limit():
-                session.hold = None  # past what a phrase or an ask may read from a fork: read as it comes
-                self.counters.predictions["holds_released"] += 1
+            if (len(session.ids) - session.committed) // grid != before // grid:
                 self.reading.sync(shadow, name)
-            elif (len(session.ids) - session.committed) // grid != before // grid:
-                self.reading.sync(shadow, name)
-
-    def _hold_limit(self) -> int:
-        """The most unread ids a held output may leave its session with: what the voice's phrase may
-        read from a fork where the voice reads the shadow's own state, else what an ask may."""
-        voice = self.voicing.voice
-        if voice is not None and not voice.own_model:
-            return voice.max_tail
-        return self.shared.settings.limits.max_ask_tail
 
     def between_rounds(self, turn: ServedTurn, output_ids: Sequence[int] = ()) -> int:
         """Between two rounds of the embedded generator, on the device thread: the new output ids

@@ -71,7 +71,10 @@ class Voicing:
             if (voice is None or shadow is None or not shared.switch.shadow or not shared.switch.voice
                     or turn.session is None or not turn.fed.prompt):
                 return None
-            cost = voice.estimate(voice.prefill(shadow.store.peek(turn.session), len(extra)))
+            session = shadow.store.peek(turn.session)
+            if session is not None and not voice.own_model and not voice.fits(session, extra):
+                self.reading.let_hold_go(shadow, session, voice.max_tail)  # read on, for the phrases after this one
+            cost = voice.estimate(voice.prefill(session, len(extra)))
             if not turn.voice.allows(turn.first_token, shared.clock(), cost):
                 return None
         steps = lambda: self._write_steps(voice, turn, kind, extra, recent, lang)  # noqa: E731
