@@ -43,13 +43,13 @@ def free_port() -> int:
 def settings_for(upstream: str | None = None, disk=None, journal=None, label_from_upstream=False, prefix_match=True,
                  require_exact=False, session_headers=None, status_channel="auto", status_timing=None,
                  rule: BandwidthRule = BandwidthRule(), dialect: str = "auto", engine_timeout_s: float = 600.0,
-                 predict: bool = True, **more) -> ServeSettings:
+                 predict: bool = True, read_ahead: bool = False, **more) -> ServeSettings:
     """The settings a test's service runs with: grid GRID, no cap, and what the test names."""
     sessions = SessionSettings(prefix_match=prefix_match, **({"headers": tuple(session_headers)} if session_headers else {}))
     return ServeSettings(
         model=ModelSettings("tiny", grid=GRID), store=StoreSettings(cap_gib=None, disk=disk), schedule=rule,
         engine=EngineSettings(upstream=upstream, dialect=dialect, label_from_upstream=label_from_upstream,
-                              timeout_s=engine_timeout_s, predict=predict),
+                              timeout_s=engine_timeout_s, predict=predict, read_ahead=read_ahead),
         sessions=sessions, status=StatusSettings(status_channel, timing=LineTiming(**(status_timing or {}))),
         journal=journal, require_exact=require_exact, **more)
 
@@ -112,7 +112,8 @@ def wait_until_read(service: ShadowService, names, timeout: float = 60.0) -> Non
     deadline = time.time() + timeout
     while time.time() < deadline:
         with service.state_lock:
-            done = all(service.store.get(n).pending < GRID for n in names) and not service.turns
+            sessions = [service.store.get(n) for n in names]
+            done = all(s.readable - s.committed < GRID for s in sessions) and not service.turns  # held ids wait
             done = done and not service.pending  # standing questions answered
         if done:
             service.device.run(lambda: None)  # and no chunk in flight

@@ -65,7 +65,7 @@ def test_replay_shares_serves_reading_settings_and_their_defaults():
     shared = replay.keys() & {s.name for s in options()} - {"disk", "model"}
     assert shared == {"grid", "share", "slice_ms", "batch", "batch_ms", "batch_read_ms", "batch_wait_ms", "batch_busy",
                       "priorities", "cap_gib", "host_cap_gib", "restore_ahead", "prefix_cache", "prefix_cache_gib",
-                      "voice_share", "predict", "chat_template"}
+                      "voice_share", "predict", "read_ahead", "chat_template"}
     for name in shared:
         mine, theirs = replay[name].default, serve[name].default
         assert mine == theirs or list(mine) == [theirs], name  # a repeatable option: one arm, serve's default

@@ -151,7 +151,13 @@ def token_engine(renderer: ChatRenderer, replies: list[dict], seen: list[dict], 
     return app
 
 
-def test_the_proxy_reads_the_next_prompt_before_it_comes(tiny, qwen, tmp_path):
+@pytest.mark.parametrize("read_ahead", [False, True])
+def test_the_proxy_reads_what_the_next_prompt_keeps_and_nothing_twice(tiny, qwen, tmp_path, read_ahead):
+    """Three turns in front of a vLLM-shaped engine whose replies the next prompt re-renders (the
+    reasoning dropped). By default the session keeps the ids it was served (an ask between turns is
+    exact) and reads only what the next prompt keeps; with --read-ahead it takes the next prompt's
+    start as predicted and reads it before that prompt comes (an ask between turns says so). Either
+    way the next prompts confirm the predictions, nothing is read twice, every state is bit-equal."""
     words = " ".join(f"word{i}" for i in range(300))
     replies = [{"role": "assistant", "content": f"Done {k}.", "reasoning_content": f"Thinking {k}: {words}"}
                for k in range(3)]
@@ -160,17 +166,25 @@ def test_the_proxy_reads_the_next_prompt_before_it_comes(tiny, qwen, tmp_path):
     with serving(token_engine(qwen, replies, seen)) as engine:
         url = str(engine.base_url).rstrip("/") + "/v1"
         journal = tmp_path / "journal.jsonl"
-        with running(upstream=url, dialect="vllm", renderer=qwen, journal=journal) as (proxy, service):
+        with running(upstream=url, dialect="vllm", renderer=qwen, journal=journal,
+                     read_ahead=read_ahead) as (proxy, service):
             for k in range(3):
                 r = proxy.post("/v1/chat/completions", json={"messages": history, "stream": True},
                                headers={"x-session-id": "p"})
                 assert r.status_code == 200
                 settled(service)
-                wait_until_read(service, ["p"])  # the prediction read in the idle gap
+                wait_until_read(service, ["p"])
                 status = service.status()
                 assert status["sessions"][0]["committed"] > 0
+                served = qwen.prompt_ids(history) + qwen.encode(qwen.reply_text(history, replies[k], end="<|im_end|>"))
+                with service.state_lock:
+                    held = list(service.store.get("p").ids)
                 ask = proxy.post("/v1/shadow/ask", json={"session": "p", "question": "A or B?", "choices": ["A", "B"]})
-                assert ask.status_code == 200 and "read ahead" in ask.json()["why_not"]
+                assert ask.status_code == 200
+                if read_ahead:
+                    assert "read ahead" in ask.json()["why_not"] and held != served
+                else:
+                    assert ask.json()["exact"] is True and held[: len(served)] == served  # the ids served, exact
                 history = [*history, {"role": "assistant", "content": replies[k]["content"]},
                            {"role": "user", "content": f"Next {k}."}]
                 assert_exact(service, "p")
@@ -212,7 +226,7 @@ def test_the_replay_holds_the_output_and_reads_the_prediction_instead():
     """A turn's prompt of 1,100 ids and an output of 600 decoded from 3 to 5 s, its next prompt
     at 10 s keeping 1,098 of them and the reply re-rendered in 60 (as the template predicted at
     5 s). Read as it came, the chunk past the prompt's checkpoint (1,024) is read and rolled back;
-    held and predicted, nothing is read twice."""
+    held (the prediction says the next prompt keeps 1,098), or read ahead, nothing is read twice."""
     from shadow.offline.ledger import Request
     from shadow.offline.limits import ReplayLimits
     from shadow.offline.replay import replay
@@ -222,24 +236,28 @@ def test_the_replay_holds_the_output_and_reads_the_prediction_instead():
     reqs = [Request("s", 0.0, 3.0, 5.0, 1100, 1100, 600, predicted_tokens=1158, predicted_kept=1098,
                     predicted_confirmed=1158),
             Request("s", 10.0, 10.1, 11.0, 1258, 160, 10)]
-    arms = {p: replay(reqs, costs=COSTS, limits=ReplayLimits(ids="engine", predict=p), use_share=False)
-            for p in (False, True)}
-    assert arms[False].rollbacks == 1 and arms[False].chunks_wasted == 1 and arms[False].predictions == 0
-    assert arms[True].rollbacks == 0 and arms[True].chunks_wasted == 0
-    assert arms[True].predictions == 1 and arms[True].predictions_missed == 0
-    assert [t.behind for t in arms[False].turns] == [1700 - 1536]  # of the engine's prompt and output
-    assert [t.behind for t in arms[True].turns] == [1158 - 1024]  # of the prediction, as a turn-start ask reads
-    # to stand at the part of the new prompt known before it came (the same 1,158 ids in both arms): from the
-    # checkpoint after the rollback, or from the prediction's last line
-    assert [t.to_prompt for t in arms[False].turns] == [t.to_prompt for t in arms[True].turns] == [1158 - 1024]
+    arms = {name: replay(reqs, costs=COSTS, limits=ReplayLimits(ids="engine", **limits), use_share=False)
+            for name, limits in (("off", {"predict": False}), ("hold", {}), ("ahead", {"read_ahead": True}))}
+    assert arms["off"].rollbacks == 1 and arms["off"].chunks_wasted == 1 and arms["off"].predictions == 0
+    for name in ("hold", "ahead"):
+        assert arms[name].rollbacks == 0 and arms[name].chunks_wasted == 0
+        assert arms[name].predictions == 1 and arms[name].predictions_missed == 0
+    # behind the ids held, as a turn-start ask reads them: the engine's prompt and output (read, or held),
+    # or the prediction read ahead
+    assert [t.behind for t in arms["off"].turns] == [1700 - 1536]
+    assert [t.behind for t in arms["hold"].turns] == [1700 - 1024]
+    assert [t.behind for t in arms["ahead"].turns] == [1158 - 1024]
+    # to stand at the part of the new prompt known before it came (the same 1,158 ids in every arm): from the
+    # checkpoint after the rollback, from the prompt's line, or from the prediction's last line
+    assert [t.to_prompt for a in arms.values() for t in a.turns] == [1158 - 1024] * 3
     # a status line's phrase at 4.5 s finds more than 256 ids unread and lets the 600 go: read then in the
-    # decode's share (half of it here), then sent back by the prediction
+    # decode's share (half of it here), and sent back by the next prompt (no hold left for a prediction)
     from shadow.core.schedule import BandwidthRule
 
     bounded = replay(reqs, costs=COSTS, limits=ReplayLimits(ids="engine", hold_max=256, voice_share=0.5),
                      rule=BandwidthRule(share=0.5))
-    assert bounded.rollbacks == 1 and bounded.chunks_wasted == 1 and bounded.predictions == 1
-    assert bounded.predictions_missed == 0 and [t.to_prompt for t in bounded.turns] == [1158 - 1024]
+    assert bounded.rollbacks == 1 and bounded.chunks_wasted == 1 and bounded.predictions == 0
+    assert [t.to_prompt for t in bounded.turns] == [1158 - 1024]
 
 
 def test_a_ledger_keeps_its_predicted_counts_and_refuses_bad_ones(tmp_path):
@@ -272,8 +290,8 @@ def test_a_trajectory_imported_with_the_template_records_what_the_proxy_predicts
 def test_an_ask_mid_turn_past_what_a_fork_may_read_lets_the_hold_go(tiny, qwen):
     """An ask while a turn streams, its session holding more output unread than one fork may read
     (here an ask's bound of 256): the hold is let go, the output read as it came so that the ask
-    can be answered, and the prediction at the turn's end still comes, sending back what of the
-    output was read; every state stays bit-equal."""
+    can be answered, and the next prompt sends back what of it was read; every state stays
+    bit-equal."""
     import threading
 
     from shadow.server.settings import Limits
@@ -309,7 +327,8 @@ def test_an_ask_mid_turn_past_what_a_fork_may_read_lets_the_hold_go(tiny, qwen):
             proxy.post("/v1/chat/completions", json={"messages": history, "stream": True}, headers={"x-session-id": "p"})
             settled(service)
             wait_until_read(service, ["p"])
-            assert service.status()["counters"]["predictions"]["confirmed"] == 1
+            status = service.status()["counters"]  # the output the ask had read went back: no hold was left to keep
+            assert status["predictions"]["confirmed"] == status["predictions"]["missed"] == 0 and status["rollbacks"] == 1
             assert_exact(service, "p")
 
 

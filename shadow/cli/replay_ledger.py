@@ -40,6 +40,7 @@ SHARED = {"grid": (False, False, ""), "cap_gib": (False, True, "Each shadow's (p
           "prefix_cache_gib": (False, False, "Each shadow's."),
           "predict": (False, False, "Modelled where a ledger says what each turn's end predicts (its predicted_* "
                                     "counts: trajectories imported with --chat-template)."),
+          "read_ahead": (False, False, "Modelled as --predict is."),
           "chat_template": (False, False, "Trajectories are rendered with it and the real Qwen3.5 vocabulary, as the "
                                           "proxy renders them, each next prompt predicted as the proxy predicts it "
                                           "(else the Qwen3.5-style template in code)."),
@@ -167,6 +168,7 @@ def replay_ledger(
                        restore_ahead=settings.store.restore_ahead,
                        prefix_cache_gib=settings.prefix.gib if settings.prefix.on else None,
                        shared_prefix_tokens=shared_prefix_tokens, predict=settings.engine.predict,
+                       read_ahead=settings.engine.read_ahead,
                        hold_max=2 * grid if settings.voice.share > 0 else None,
                        voice_share=settings.voice.share, label_s=label_ms / 1000, asks_per_hour=asks_per_hour, seed=seed)
     plan = Plan(costs, shares, prio_sets, rule, limits, grid=grid, engines=engines, route=route, pack_to=pack_to,

@@ -36,6 +36,7 @@ def verify_exact(
     chat_template: Annotated[Path | None, typer.Option(callback=input_file, help="Render turns as the proxy does: the big model's chat template (a .jinja, or a tokenizer_config.json / chat_template.json holding one), tokenized by --tokenizer. Default: the project's Qwen3.5-style template in code.")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="With --chat-template: a folder with the big model's tokenizer.json. Default: the model's own, else the real Qwen3.5 vocabulary.")] = None,
     predict: Annotated[bool, typer.Option(help="With --chat-template: hold each output out of reading and, at the turn's end, read the next prompt's start as the template will render it (as `shadow serve --predict` does); the next prompt confirms it or sends the session back. Without --chat-template: no effect.")] = True,
+    read_ahead: Annotated[bool, typer.Option(help="With --predict: at each turn's end take the next prompt's start as predicted and read it (as `shadow serve --read-ahead`), rather than read only what it keeps of the ids served.")] = False,
     hold_max: Annotated[int | None, typer.Option(callback=bounds(ge=1), help="With --predict: an output that leaves more than this many ids unread is read as it comes and its prediction sends those rows back, as serve does when a phrase or an ask must read a held output from a fork (a phrase may read 2 grids). Default: never (a replay has no phrase or ask mid-turn).")] = None,
     seed: Annotated[int, typer.Option(callback=seed_bounds, help="Seed of the random preset weights and of the sample session (0 to 2**63 - 1).")] = 0,
     csv: CsvOpt = None,
@@ -83,7 +84,7 @@ def verify_exact(
             bar.update(task, completed=done, total=total, description=stage)
 
         verdicts = verify(reader, words, conversations, against_grid or None, store, step, batch=batch,
-                          rendering=rendering, predict=predicting, hold_max=held)
+                          rendering=rendering, predict=predicting, hold_max=held, read_ahead=read_ahead)
     store.close()
     counters = store.counters
     seconds = time.perf_counter() - started
@@ -118,7 +119,7 @@ def verify_exact(
             "weights_hash": loaded.weights_hash, "device": device, "kernels": loaded.model.kernels.name, "autotune_pins": runtime.pinned(), "dtype": str(loaded.model.dtype).removeprefix("torch."),
             "grid": grid, "batch": batch, "turns": sum(v.turns for v in verdicts), "tokens": sum(v.tokens for v in verdicts),
             "rollbacks": sum(v.rollbacks for v in verdicts), "ids_reread": sum(v.ids_reread for v in verdicts),
-            "rendering": f"template {rendering.renderer.origin}" if rendering else "code", "predict": predicting, "hold_max": held if predicting else None,
+            "rendering": f"template {rendering.renderer.origin}" if rendering else "code", "predict": predicting, "read_ahead": predicting and read_ahead, "hold_max": held if predicting else None,
             "predictions": sum(v.predictions for v in verdicts),
             "predictions_missed": sum(v.predictions_missed for v in verdicts),
             "same_grid_bit_equal": equal, "tensors_compared": sum(v.tensors_compared for v in verdicts),

@@ -149,6 +149,7 @@ class EngineReplay:
         self.latest: dict[str, int] = {}  # session -> the rank of the newest turn that fed its prompt
         self.current: dict[str, int] = {}  # session -> its newest request started here
         self.fed_prompt: set[int] = set()
+        self.holding: set[str] = set()  # sessions holding what their next prompt will not keep (a prediction)
         self.known_next: dict[str, int | None] = {}  # session -> its next prompt's ids known at its last turn's end
         self.predicted: dict[str, tuple[int, int]] = {}  # session -> its standing prediction: (ids the next prompt holds, its ids)
         self.out_fed: dict[int, int] = {}  # request -> output ids fed
@@ -344,8 +345,9 @@ class EngineReplay:
         shared = predicted[0] if predicted is not None else r.prompt_tokens - r.new_prompt_tokens
         feed = self.store.feed_prompt(h, r.prompt_tokens, shared)
         h.hold = r.prompt_tokens if self._predicts(r) else None
-        if predicted is not None and feed.rolled_back_to is not None:
+        if (predicted is not None or s in self.holding) and feed.rolled_back_to is not None:
             self.tally.predictions_missed += 1
+        self.holding.discard(s)
         if feed.cached:  # started from the prefix cache: its copies charged as a host tier's move (an upper bound)
             t = self._busy(t, self.costs.host_s(self.store.prefix.start_bytes(feed.cached)))
         if feed.rolled_back_to is not None:
@@ -391,21 +393,27 @@ class EngineReplay:
         return self.limits.proxy and self.limits.predict and r.predicted_tokens > 0
 
     def _predict(self, i: int, t: float) -> float:
-        """A turn's end, its output fed: as `ShadowService.predict`, the session takes the next
-        prompt's start as predicted (unless that would send back rows read: skipped), and its held
-        output is let go either way."""
+        """A turn's end, its output fed: as `ShadowService.predict`, the session reads on up to what
+        the next prompt keeps of its ids (`predicted_kept`) and holds the rest, or, `read_ahead`,
+        takes the next prompt's start as predicted; skipped where that would send back rows of
+        the prompt read (the hold let go)."""
         r, s = self.req[i], self.req[i].session
         h = self.store.peek(s)
         if h is None or not self._predicts(r) or i not in self.fed_prompt or self.latest.get(s) != self.order[i]:
             return t
-        h.hold = None
+        held, h.hold = h.hold is not None, None
         if r.predicted_kept >= min(h.committed, r.prompt_tokens // self.grid * self.grid):
-            feed = self.store.feed_prompt(h, r.predicted_tokens, r.predicted_kept)
-            if feed.rolled_back_to is not None:  # an output read as it came (its hold let go)
-                self.tally.rollbacks += 1
-                self.tally.ids_reread += feed.reread
-            self.predicted[s] = (r.predicted_confirmed, r.predicted_tokens)
-            self.tally.predictions += 1
+            if self.limits.read_ahead:
+                feed = self.store.feed_prompt(h, r.predicted_tokens, r.predicted_kept)
+                if feed.rolled_back_to is not None:  # an output read as it came (its hold let go)
+                    self.tally.rollbacks += 1
+                    self.tally.ids_reread += feed.reread
+                self.predicted[s] = (r.predicted_confirmed, r.predicted_tokens)
+                self.tally.predictions += 1
+            elif held:
+                h.hold = max(r.predicted_kept, h.committed)
+                self.holding.add(s)
+                self.tally.predictions += 1
         self._tell(s, t)
         return t
 

@@ -56,8 +56,9 @@ class ReplayLimits:
     shadow's prefix cache (`offline.prefixmodel`, needs `state`), every session's first prompt
     sharing its first `shared_prefix_tokens` ids with the others'. `predict` (proxy modes, as
     `shadow serve --predict`): a turn's output is held out of reading and, at its end, the session
-    takes the next prompt's start as the ledger's `predicted_*` counts say (requests without them:
-    read as they came); `hold_max`: as live, a status line's phrase that finds more ids unread than
+    reads on up to what the next prompt keeps of its ids and holds the rest, as the ledger's
+    `predicted_*` counts say (requests without them: read as they came), or, `read_ahead`, takes
+    the next prompt's start as predicted and reads it; `hold_max`: as live, a status line's phrase that finds more ids unread than
     it may read (2 grids) lets its turn's held output go, to be read as it comes, and the
     prediction then sends it back (None: never)."""
 
@@ -75,6 +76,7 @@ class ReplayLimits:
     prefix_cache_gib: float | None = None  # the prefix cache's bound per shadow (None or 0: none)
     shared_prefix_tokens: int = 0  # ids every session's first prompt shares (a system prompt and tools)
     predict: bool = True  # proxy modes: each turn's output held, its next prompt predicted where the ledger says
+    read_ahead: bool = False  # with predict: the prediction's ids read before the next prompt, not held
     hold_max: int | None = None  # a phrase finding more ids unread lets its turn's held output go (None: never)
     pieces: int = 7  # pieces a shadow's forward runs in, read between rounds (attention layers + 1: the 0.8B's 7)
 

@@ -17,7 +17,7 @@ from shadow.text.chat import render_question
 from shadow.text.rendering import CodeRendering, TemplateRendering
 from shadow.text.conversations import Conversation
 from shadow.errors import ShadowInputError
-from shadow.core.reader import Reader, Session, check_grid
+from shadow.core.reader import Reader, Session, check_grid, common_prefix
 from shadow.model.state import ModelState, tensor_kind
 from shadow.core.store import SessionStore
 from shadow.text.tokenizer import Tokenizer
@@ -71,7 +71,7 @@ def replay(
     reader: Reader, tokenizer: Tokenizer, conversations: Sequence[Conversation], store: SessionStore,
     on_turn: Callable[[], None] | None = None, batch: int = 1, *, batched: Counter | None = None,
     rendering: CodeRendering | TemplateRendering | None = None, predict: bool = False,
-    predictions: dict[str, Predictions] | None = None, hold_max: int | None = None,
+    predictions: dict[str, Predictions] | None = None, hold_max: int | None = None, read_ahead: bool = False,
 ) -> dict[str, list[int]]:
     """Feed every request of every conversation (its re-rendered prompt, then its output) and read
     after each, the conversations' turns interleaved round robin through `store` (which may
@@ -80,8 +80,9 @@ def replay(
     at their own depths; the store must then keep them all resident (no cap), and `batched`
     counts each conversation's chunks read beside another's. `rendering`: how turns become ids
     (default: the template in code). `predict` (a rendering that predicts): each output is held
-    out of reading and, at the turn's end, replaced by the next prompt's start as predicted
-    (`Reader.predict`), counted in `predictions`; an output that leaves more than `hold_max` ids
+    out of reading and, at the turn's end, read only up to where the next prompt's start as
+    predicted differs from it (`read_ahead`: replaced by that prediction and read, `Reader.predict`),
+    counted in `predictions`; an output that leaves more than `hold_max` ids
     unread is read as it came (as `shadow serve` lets a hold go when a phrase or an ask must read
     it from a fork), and its prediction sends those rows back. Returns each conversation's final ids."""
     rendering = rendering or CodeRendering(tokenizer)
@@ -106,15 +107,21 @@ def replay(
             session.hold = None
 
     def turn_over(name: str, session: Session, turn: int) -> None:
-        """The turn's end: the next prompt's start predicted where a next request comes (the last
-        turn's is not: no request would check it), else the output read as it came."""
+        """The turn's end: where a next request comes (the last turn's is not predicted: no request
+        would check it), the next prompt's start predicted: the session reads on up to where it
+        differs from the ids served and holds the rest (`read_ahead`: takes the prediction's ids
+        and reads them); else the output is read as it came."""
         history, output = pending[name][turn]
         ids = rendering.next_prompt(history, output) if predict and turn + 1 < len(pending[name]) else None
-        if ids is not None:
+        if ids is None or (session.hold is None and not read_ahead):
+            session.hold = None
+            return
+        if read_ahead:
             reader.predict(session, ids)
-            predictions.setdefault(name, Predictions()).made += 1
-            predicted.add(name)
-        session.hold = None
+        else:
+            session.hold = max(common_prefix(session.ids, ids), session.committed)
+        predictions.setdefault(name, Predictions()).made += 1
+        predicted.add(name)
 
     for turn in range(max(len(r) for r in pending.values())):
         names = [name for name, requests in pending.items() if turn < len(requests)]
@@ -200,13 +207,14 @@ def verify(
     against_grid: int | None = None, store: SessionStore | None = None,
     progress: Callable[[int, int, str], None] | None = None, *, batch: int = 1,
     rendering: CodeRendering | TemplateRendering | None = None, predict: bool = False, hold_max: int | None = None,
+    read_ahead: bool = False,
 ) -> list[Verdict]:
     """Replay `conversations` (interleaved, through `store`; default: one with no cap), then
     compare each final state with fresh prefills. ShadowInputError, before anything is read or
     written, when `store` already holds a session named like a conversation. progress(done, total, stage) is called as it
     goes (total = all turns + 2 per conversation). `batch` > 1: chunks read several sessions a
     forward (`replay`); ShadowInputError where `store` has a cap, which could spill a session
-    between its feed and its read. `rendering`, `predict`, `hold_max`: as `replay`."""
+    between its feed and its read. `rendering`, `predict`, `hold_max`, `read_ahead`: as `replay`."""
     if against_grid is not None:
         check_grid(against_grid)
     if not isinstance(batch, int) or batch < 1:
@@ -235,7 +243,8 @@ def verify(
     batched = Counter()
     predictions: dict[str, Predictions] = {}
     final = replay(reader, tokenizer, conversations, store, turn_done, batch, batched=batched,
-                   rendering=rendering, predict=predict, predictions=predictions, hold_max=hold_max)
+                   rendering=rendering, predict=predict, predictions=predictions, hold_max=hold_max,
+                   read_ahead=read_ahead)
     verdicts = []
     for conv in conversations:
         session = store.get(conv.name)

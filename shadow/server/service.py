@@ -315,13 +315,16 @@ class ShadowService:
         self.answers.answer_if_ready(shadow, session)
 
     def predict(self, turn: ServedTurn, ids: Sequence[int] | None) -> None:
-        """A proxied turn's end, after its output was fed: its session takes `ids`, the next
-        prompt's start as the template will render it (`Reader.predict`), to read before that
-        prompt comes, and the hold on its output is lifted either way. Not taken (counted as
-        skipped) when there is none or it differs from rows read already: the engine read other
-        ids than the template renders, and the next prompt will show which. An output whose hold
-        was let go (`Reading.let_hold_go`: a phrase or an ask needed it read) was read as it came: the
-        prediction then sends those rows back."""
+        """A proxied turn's end, after its output was fed: `ids`, the next prompt's start as the
+        template will render it, say how much of the session's ids the next prompt keeps. The
+        session keeps the ids it was served (asks about it stay exact) and reads on up to where the
+        prediction differs from them: the output past that stays held, unread, until the next
+        prompt comes. With `--read-ahead` the session takes the prediction's ids instead and reads
+        them before that prompt (`Reader.predict`; unverified until it comes). Not taken (counted as
+        skipped, the hold lifted) when there is none or it differs from the prompt's rows read: the
+        engine read other ids than the template renders. An output whose hold was let go
+        (`Reading.let_hold_go`: a phrase or an ask needed it read) was read as it came: a read ahead
+        then sends those rows back."""
         shadow = self.host.shadow
         if not turn.hold_output or shadow is None or not self.shared.switch.shadow or not turn.fed.prompt:
             return
@@ -341,13 +344,18 @@ class ShadowService:
                     counts["skipped"] += 1
                 else:
                     held = session.hold is not None
-                    self._predicted[name] = reread_without_hold(session, same, shadow.grid) if held else 0
-                    fed = shadow.reader.predict(session, wanted)
-                    if fed.rolled_back_to is not None:  # an output read as it came (its hold let go)
-                        self.counters.rollbacks += 1
-                        self.counters.ids_reread += fed.reread
-                    self.checks.setdefault(name, SessionChecks()).predicted_past(same)
+                    if held or self.settings.engine.read_ahead:  # its next prompt confirms it or not
+                        self._predicted[name] = reread_without_hold(session, same, shadow.grid) if held else 0
+                    if self.settings.engine.read_ahead:
+                        fed = shadow.reader.predict(session, wanted)
+                        if fed.rolled_back_to is not None:  # an output read as it came (its hold let go)
+                            self.counters.rollbacks += 1
+                            self.counters.ids_reread += fed.reread
+                        self.checks.setdefault(name, SessionChecks()).predicted_past(same)
+                    elif held:
+                        session.hold = max(same, session.committed)  # the part the next prompt keeps is read on
                     counts["made"] += 1
+                turn.hold_output = False  # the hold is the prediction's now: the turn's end leaves it
                 self.reading.sync(shadow, name)
 
         self.device.run(job, "predict")

@@ -288,9 +288,14 @@ class EngineSettings:
         "greedy token) and journal its answer as the reference label."))
     predict: bool = setting(True, panel=ENGINE, help=(
         "Proxy mode, chat requests with a chat template: hold each turn's output out of reading and, when the turn "
-        "ends, read the next prompt's start as the template will render it (the output re-rendered, e.g. its "
-        "reasoning dropped before a new user message) in the gap before it comes; the next prompt's ids confirm it "
-        "or send the session back, counted in status. Off: the output is read as it streams."))
+        "ends, predict with the template how much of it the next prompt keeps (a reply re-rendered, e.g. its "
+        "reasoning dropped before a new user message, is not kept): that part is read, the rest stays held, "
+        "unread, until the next prompt comes; confirmed or missed, counted in status. Off: the output is read as "
+        "it streams, and the next prompt sends back what it changed."))
+    read_ahead: bool = setting(False, panel=ENGINE, help=(
+        "With --predict: at a turn's end the session takes the next prompt's start as the template will render it "
+        "and reads it before that prompt comes. Until it comes those ids are unverified: asks answer exact: false "
+        "(--require-exact refuses them)."))
     timeout_s: float = 600.0  # the watchdog: a turn in flight longer is listed as overdue
     connect_timeout_s: float = setting(10.0, name="engine_connect_timeout_s", gt=0, panel=ENGINE, help=(
         "Proxy mode: the longest a connection to the engine may take to open, s (504 beyond)."))
