@@ -113,6 +113,17 @@ def test_verify_with_the_template_reads_no_id_twice_where_it_predicts(tiny, qwen
     assert runs[True].tokens == runs[False].tokens  # the same ids in the end: the served ones
 
 
+WORDS = " ".join(f"word{i}" for i in range(300))
+
+
+def reasoning_replies(n: int, system: str = "You help. " + WORDS) -> tuple[list[dict], list[dict]]:
+    """n replies whose long reasoning the next prompt drops (a new user message follows each), and
+    the history of the first request."""
+    replies = [{"role": "assistant", "content": f"Done {k}.", "reasoning_content": f"Thinking {k}: {WORDS}"}
+               for k in range(n)]
+    return replies, [{"role": "system", "content": system}, {"role": "user", "content": "Start."}]
+
+
 def token_engine(renderer: ChatRenderer, replies: list[dict], seen: list[dict], pause_s: float = 0.0) -> FastAPI:
     """A vLLM-shaped engine: the prompt rendered by `renderer`, its ids in the first event; each
     reply streamed with its ids, as the template writes it after the prompt (its reasoning in one
@@ -158,10 +169,7 @@ def test_the_proxy_reads_what_the_next_prompt_keeps_and_nothing_twice(tiny, qwen
     exact) and reads only what the next prompt keeps; with --read-ahead it takes the next prompt's
     start as predicted and reads it before that prompt comes (an ask between turns says so). Either
     way the next prompts confirm the predictions, nothing is read twice, every state is bit-equal."""
-    words = " ".join(f"word{i}" for i in range(300))
-    replies = [{"role": "assistant", "content": f"Done {k}.", "reasoning_content": f"Thinking {k}: {words}"}
-               for k in range(3)]
-    history = [{"role": "system", "content": "You help. " + words}, {"role": "user", "content": "Start."}]
+    replies, history = reasoning_replies(3)
     seen: list[dict] = []
     with serving(token_engine(qwen, replies, seen)) as engine:
         url = str(engine.base_url).rstrip("/") + "/v1"
@@ -200,10 +208,7 @@ def test_the_proxy_reads_what_the_next_prompt_keeps_and_nothing_twice(tiny, qwen
 
 
 def test_without_predict_the_output_is_read_as_it_came_and_the_next_prompt_rolls_back(tiny, qwen):
-    words = " ".join(f"word{i}" for i in range(300))
-    replies = [{"role": "assistant", "content": f"Done {k}.", "reasoning_content": f"Thinking {k}: {words}"}
-               for k in range(2)]
-    history = [{"role": "system", "content": "You help. " + words}, {"role": "user", "content": "Start."}]
+    replies, history = reasoning_replies(2)
     seen: list[dict] = []
     with serving(token_engine(qwen, replies, seen)) as engine:
         url = str(engine.base_url).rstrip("/") + "/v1"
@@ -296,10 +301,7 @@ def test_an_ask_mid_turn_past_what_a_fork_may_read_lets_the_hold_go(tiny, qwen):
 
     from shadow.server.settings import Limits
 
-    words = " ".join(f"word{i}" for i in range(300))
-    replies = [{"role": "assistant", "content": f"Done {k}.", "reasoning_content": f"Thinking {k}: {words}"}
-               for k in range(2)]
-    history = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Start."}]
+    replies, history = reasoning_replies(2, "You help.")
     seen: list[dict] = []
     with serving(token_engine(qwen, replies, seen, pause_s=1.5)) as engine:
         url = str(engine.base_url).rstrip("/") + "/v1"
