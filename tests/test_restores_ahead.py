@@ -34,8 +34,11 @@ def test_a_session_past_the_cap_comes_back_from_its_tier_when_its_request_arrive
                              ("b", first["b"] + " " + long_text(4, 60))):  # each session's next turn extends it
             turn(client, name, prompt)
             settled(service)
-        if service.store.behind is not None:  # the files written behind are on disk
-            service.store.behind.flush()
+        def flushed() -> None:  # the files written behind are on disk, their copies out of host memory
+            with service.state_lock:
+                service.store.flush()
+
+        service.device.run(flushed)
         status = client.get("/v1/shadow/status").json()
         rows = {row["name"]: row for row in status["sessions"]}
         assert rows["a"]["tier"] == tier  # (b, worked on last, is kept on the device)
