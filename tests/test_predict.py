@@ -342,3 +342,17 @@ def test_verify_lets_a_hold_go_past_its_bound_and_stays_exact(tiny, qwen, tokeni
     free, = verify(Reader(tiny.model, 512), tokenizer, [conversation], rendering=TemplateRendering(qwen),
                    predict=True)
     assert bounded.same_grid_bit_equal and bounded.ids_reread > free.ids_reread == 0
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--tokenizer", "."], "only with --chat-template"),
+    (["--hold-max", "0"], "--hold-max must be >= 1"),
+    (["--chat-template", "no-such-template.jinja"], "no such file"),
+])
+def test_verify_exact_refuses_bad_prediction_options_before_any_work(args, says):
+    from typer.testing import CliRunner
+
+    from shadow.cli.main import app
+
+    r = CliRunner().invoke(app, ["verify-exact", *args])
+    assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output

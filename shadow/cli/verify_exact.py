@@ -57,6 +57,8 @@ def verify_exact(
     from shadow.offline.verify import KINDS, verify
 
     check_kernels(kernels, device)
+    if tokenizer is not None and chat_template is None:
+        raise typer.BadParameter("the big model's tokenizer renders turns only with --chat-template", param_hint="--tokenizer")
     if batch > 1 and cap_gib is not None:
         raise typer.BadParameter("batched reads keep a round's sessions resident together; give --batch without --cap-gib",
                                  param_hint="--batch")
