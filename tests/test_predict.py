@@ -356,3 +356,18 @@ def test_verify_exact_refuses_bad_prediction_options_before_any_work(args, says)
 
     r = CliRunner().invoke(app, ["verify-exact", *args])
     assert r.exit_code == 2 and says in r.output and "Traceback" not in r.output
+
+
+def test_a_hold_past_a_prediction_reads_what_the_next_prompt_keeps_and_no_further(reader):
+    s = reader.new_session("s")
+    prompt = list(range(100, 100 + 2 * GRID + 10))
+    reader.feed_prompt(s, prompt, hold_output=True)
+    reader.feed_output(s, list(range(5000, 5000 + 3 * GRID)))
+    reader.advance(s)
+    assert s.committed == 2 * GRID
+    kept = len(prompt) + GRID + 5  # the next prompt keeps the output's first GRID + 5 ids
+    assert reader.hold_past(s, s.ids[:kept] + [7] * 40) == kept
+    reader.advance(s)
+    assert s.committed == 3 * GRID and s.ids[: len(prompt)] == prompt and exact(reader, s)
+    fed = reader.feed_prompt(s, s.ids[:kept] + [7] * 40)  # as predicted: nothing read goes back
+    assert fed.rolled_back_to is None and s.rollbacks == 0

@@ -97,8 +97,8 @@ class Reader:
         """A turn's whole prompt. Where it differs from the ids known, go back to the newest
         checkpoint at or below the first difference (or to the start); mark a checkpoint at the
         last grid line at or below the prompt's end (`driving.feed_prompt`). `hold_output`: the
-        output fed after it waits out of reading (`Session.hold`) until `predict` or the next
-        prompt says what the next prompt holds of it (asks still see it, from a fork)."""
+        output fed after it waits out of reading (`Session.hold`; asks still see it, from a fork)
+        until `hold_past` or `predict` says what the next prompt keeps of it, or that prompt comes."""
         ids = self.check_ids(ids)
         self.settle()
         new = not session.ids
@@ -115,6 +115,14 @@ class Reader:
     def feed_output(self, session: Session, ids: Sequence[int]) -> None:
         """Ids the big model generated after the last prompt; appended as they are."""
         session.ids.extend(self.check_ids(ids))
+
+    def hold_past(self, session: Session, ids: Sequence[int]) -> int:
+        """The start of the session's next prompt as the big model's template will render it: the
+        session keeps its ids and may read on up to where `ids` differ from them (never below what
+        it has read); the rest stays held until that prompt comes. Returns where they differ."""
+        same = common_prefix(session.ids, ids)
+        session.hold = max(same, session.committed)
+        return same
 
     def predict(self, session: Session, ids: Sequence[int]) -> Feed:
         """The start of the session's next prompt as the big model's template will render it (the

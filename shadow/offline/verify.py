@@ -17,7 +17,7 @@ from shadow.text.chat import render_question
 from shadow.text.rendering import CodeRendering, TemplateRendering
 from shadow.text.conversations import Conversation
 from shadow.errors import ShadowInputError
-from shadow.core.reader import Reader, Session, check_grid, common_prefix
+from shadow.core.reader import Reader, Session, check_grid
 from shadow.model.state import ModelState, tensor_kind
 from shadow.core.store import SessionStore
 from shadow.text.tokenizer import Tokenizer
@@ -119,7 +119,7 @@ def replay(
         if read_ahead:
             reader.predict(session, ids)
         else:
-            session.hold = max(common_prefix(session.ids, ids), session.committed)
+            reader.hold_past(session, ids)
         predictions.setdefault(name, Predictions()).made += 1
         predicted.add(name)
 

@@ -353,7 +353,7 @@ class ShadowService:
                             self.counters.ids_reread += fed.reread
                         self.checks.setdefault(name, SessionChecks()).predicted_past(same)
                     elif held:
-                        session.hold = max(same, session.committed)  # the part the next prompt keeps is read on
+                        shadow.reader.hold_past(session, wanted)  # the part the next prompt keeps is read on
                     counts["made"] += 1
                 turn.hold_output = False  # the hold is the prediction's now: the turn's end leaves it
                 self.reading.sync(shadow, name)
