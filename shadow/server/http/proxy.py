@@ -372,16 +372,21 @@ class Proxy:
             self._finish_later(proxied)
 
     def _feed_beside(self, proxied: ProxiedTurn) -> asyncio.Task:
-        """`_feed` as a task beside the stream; the turn's `feed_idle` is clear until it is done
-        (its end waits for it) and the proxy holds the task till then."""
+        """`_feed` as a task beside the stream; the turn's `feed_idle` is clear until the turn's
+        latest hand-over is done (its end waits for it) and the proxy holds the task till then. A
+        task's done callback runs after `done()` is already true, so an earlier task's callback may
+        come after the next task started: only the latest sets `feed_idle`, else the turn's end
+        would feed beside a hand-over still in flight (its ids taken twice)."""
         idle = proxied.turn.shown.feed_idle
         idle.clear()
         task = asyncio.ensure_future(self._feed(proxied))
         self._feeds.add(task)
+        proxied.feeding = task
 
         def done(_) -> None:
             self._feeds.discard(task)
-            idle.set()
+            if proxied.feeding is task:
+                idle.set()
 
         task.add_done_callback(done)
         return task

@@ -5,6 +5,7 @@ for the shadow (`ProxiedTurn.take_shown`)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ class ProxiedTurn:
     lines: "Lines | None" = None  # its status lines (a streamed chat with a channel on)
     added: frozenset = frozenset()  # the fields the proxy added to the client's request
     deadlines: "Deadlines | None" = None  # the engine's time limits on it (`deadlines`), from when it went out
+    feeding: asyncio.Task | None = None  # its latest hand-over to the shadow beside the stream
 
     @property
     def stream(self) -> bool:
