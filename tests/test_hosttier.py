@@ -224,6 +224,9 @@ def test_the_service_reports_the_host_tier_in_status_and_metrics(tiny, tmp_path)
         metrics = client.get("/metrics").text
     assert status["store"]["host_sessions"] >= 1 and status["store"]["host_bytes"] > 0
     assert re.search(r"^shadow_sessions_in_host[{ ]", metrics, re.M) and re.search(r"^shadow_to_host_total[{ ]", metrics, re.M)
+    for name in ("sessions_moving", "moving_bytes", "sessions_staged", "staged_bytes", "write_behind_queue",
+                 "written_behind_total"):  # the moves in flight and the copies waiting for disk
+        assert re.search(rf"^shadow_{name}[{{ ]", metrics, re.M), name
 
 
 # moves beside the reads: a copy out in flight ----------------------------------------------------
