@@ -435,3 +435,53 @@ def busy(s: ReadScheduler, at: float) -> None:
     s._share_reads.append((at, 1.5))
     s._share_used_recently += 1.5
     s.share_used += 1.5
+
+
+def busy_stretch(rule: dict, turns: dict[str, bool]) -> ReadScheduler:
+    """A busy share (`busy`) at 100 s with a turn in flight, decoding, on each of `turns`' sessions,
+    told held or not; session "a" has one chunk to read from 100 s."""
+    s = scheduler(**rule)
+    for n, (name, held) in enumerate(turns.items()):
+        s.turn_started(n, name, 0.0)
+        s.update(name, 0, 10, now=0.0, held=held)
+        s.first_token(n, 0.0)
+    busy(s, 100.0)
+    s.update("a", 0, G + 1, now=100.0)
+    return s
+
+
+def test_a_batch_waits_only_where_a_turn_in_flight_may_bring_chunks():
+    """A busy share's batch short of full waits for more chunks only while some turn in flight may
+    bring them: a session whose output is read as it streams. With every turn in flight on a held
+    session (its output waits out of reading for its re-render), none can come before a turn ends,
+    so the batch reads at once; the hold let go, it waits again, as does a turn whose prompt is
+    still to come (a turn's start clears its session's `held`, its prompt told with it)."""
+    rule = dict(chunk_s=0.004, batch=4, batch_s=1.0, batch_wait_s=1.0, batch_busy=0.5, busy_window_s=10.0,
+                batch_bank_s=0.6)
+    held = busy_stretch(rule, {"x": True, "y": True})
+    assert not held.chunks_may_come()
+    read = held.next_read(100.2, between_rounds=True)
+    assert isinstance(read, Read) and read.session == "a" and read.batch == 1  # no wait for chunks that cannot come
+
+    streaming = busy_stretch(rule, {"x": True, "y": False})  # y's output is read as it streams: as before
+    assert streaming.chunks_may_come()
+    assert streaming.next_read(100.2, between_rounds=True) == Wait(pytest.approx(101.0))
+    assert isinstance(streaming.next_read(101.0, between_rounds=True), Read)  # waited its second
+
+    let_go = busy_stretch(rule, {"x": True})
+    assert isinstance(let_go.next_read(100.2, between_rounds=True), Read)
+    let_go.update("x", 0, 10, now=100.3)  # the hold let go (a phrase must read it): its stream may bring chunks
+    assert let_go.between_rounds_due(100.3)
+    assert let_go.next_read(100.3, between_rounds=True) == Wait(pytest.approx(101.0))
+
+    new_turn = busy_stretch(rule, {"x": True})
+    new_turn.update("z", 0, 10, now=50.0, held=True)  # held at its last turn's prediction
+    assert not new_turn.chunks_may_come()  # no turn of z in flight, x held
+    new_turn.turn_started("next", "z", 100.1)  # z's next turn: its prompt is still to be fed
+    assert new_turn.chunks_may_come()
+    assert new_turn.next_read(100.2, between_rounds=True) == Wait(pytest.approx(101.0))
+    new_turn.update("z", 0, 10, now=100.3, held=True)  # its prompt fed, its output held
+    assert isinstance(new_turn.next_read(100.3, between_rounds=True), Read)
+    unnamed = busy_stretch(rule, {"x": True})
+    unnamed.turn_started("found later", None, 100.1)  # a proxy still finding its session from the prompt
+    assert unnamed.chunks_may_come()

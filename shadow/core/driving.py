@@ -24,11 +24,14 @@ from shadow.core.schedule import Read, ReadScheduler, graphed_batch
 class GridSession(Protocol):
     """What the rules need of a session: its name, the ids it holds (`known`), its read position
     (`committed`, a grid multiple), its checkpoints (oldest first, at `checkpoint_positions`) and
-    its marks (rising grid lines above `committed` where a checkpoint is still wanted)."""
+    its marks (rising grid lines above `committed` where a checkpoint is still wanted) and its
+    `hold` (None, or the id from which what is fed waits out of reading: an output held for its
+    re-render)."""
 
     name: str
     marks: list[int]
     checkpoints: list[Any]
+    hold: int | None
 
     @property
     def committed(self) -> int: ...
@@ -206,12 +209,15 @@ def pieces_now(batch_s: float, per_piece_s: float | None, left: int) -> int:
 # the scheduler --------------------------------------------------------------------------------
 
 def tell(sched: ReadScheduler, name: str, session: GridSession | None, now: float) -> bool:
-    """Tell the scheduler a session's true state: its read position, ids and next mark while it
-    is resident (`session`), else that it is not (a session on disk waits for its next turn).
-    Returns whether the scheduler had not known the session before."""
+    """Tell the scheduler a session's true state: its read position, ids that may be read, next
+    mark and whether what is fed to it now is held out of reading (its stream brings no chunks: a
+    batch does not wait for them) while it is resident (`session`), else that it is not (a session
+    on disk waits for its next turn). Returns whether the scheduler had not known the session
+    before."""
     told = sched.sessions.get(name)
     if session is not None:
-        sched.update(name, session.committed, session.readable, now, mark=session.marks[0] if session.marks else None)
+        sched.update(name, session.committed, session.readable, now, mark=session.marks[0] if session.marks else None,
+                     held=session.hold is not None)
     elif told is not None and told.resident:
-        sched.update(name, told.committed, told.known, now, resident=False)
+        sched.update(name, told.committed, told.known, now, resident=False, held=told.held)
     return told is None

@@ -54,7 +54,13 @@ each the more there are, and when the share is the limit every millisecond shoul
 tokens. So while the share is busy (its reads over the last `busy_window_s` used at least
 `batch_busy` of the share of that window), a batch that could take more entries than are ready
 waits for more chunks, up to `batch_wait_s` from its oldest backlog, unless the stretch's budget
-holds `batch_bank_s` or more (enough to read at once); a share that is not busy reads at once.
+holds `batch_bank_s` or more (enough to read at once); a share that is not busy reads at once. It
+waits only where more chunks can come: some turn in flight whose output is read as it streams (its
+session not `held`: `update(held=True)` says the ids fed past `known` wait out of reading, an
+output held for its re-render) or whose prompt is still to come (a turn whose session is not named
+yet, or was not told since the turn started: a turn's start clears its session's `held`). Where
+every turn in flight is on a held session, no chunk can come before one of them ends (a new
+request's prompt aside, which no wait foresees), so the batch reads at once.
 
 Which session: among resident sessions with a whole chunk to read, by the `Priorities` steps in
 order (each switchable): a pending ask or standing question first, then sessions with a turn in
@@ -287,6 +293,7 @@ class _Session:
     question: bool = False
     stop: int | None = None  # a standing question's grid line: read no further until answered
     mark: int | None = None  # its next checkpoint line: a batch's run of it ends there
+    held: bool = False  # ids fed past `known` wait out of reading (its stream brings no chunks)
     version: int = 0  # bumped whenever its rank changes: older heap entries are stale
     ranked_whole: int = -1  # its whole chunks when last ranked (the `fewest` step ranks by them)
 
@@ -334,18 +341,20 @@ class ReadScheduler:
     # the sessions ----------------------------------------------------------------------------
 
     def update(self, name: str, committed: int, known: int, now: float, resident: bool = True,
-               mark: int | None = None) -> None:
+               mark: int | None = None, held: bool = False) -> None:
         """A session's read position (`committed`, a grid multiple), the ids known for it (read or
-        not), whether its state is resident (spilled sessions are not read until fed again) and
-        its next checkpoint line past `committed` (None: none), where a batch's run of it ends."""
+        not), whether its state is resident (spilled sessions are not read until fed again), its
+        next checkpoint line past `committed` (None: none), where a batch's run of it ends, and
+        whether ids fed to it from now wait out of reading (`held`: an output held for its
+        re-render, so its stream brings the reader no chunks; a batch does not wait for them)."""
         s = self.sessions.get(name)
         if s is None:
             self._seen += 1
             s = self.sessions[name] = _Session(name, self._seen)
             self.changes += 1
-        before = (s.committed, s.resident, self._whole(s), s.mark)
-        s.committed, s.known, s.resident, s.mark = committed, known, resident, mark
-        if (s.committed, s.resident, self._whole(s), s.mark) != before:
+        before = (s.committed, s.resident, self._whole(s), s.mark, s.held)
+        s.committed, s.known, s.resident, s.mark, s.held = committed, known, resident, mark, held
+        if (s.committed, s.resident, self._whole(s), s.mark, s.held) != before:
             self.changes += 1
         self._refresh(s, now)
 
@@ -448,6 +457,7 @@ class ReadScheduler:
             self.update(session, 0, 0, now)
             s = self.sessions[session]
         s.last_turn = now
+        s.held = False  # its prompt is still to be fed: told again with it
         self._refresh(s, now, rerank=True)
 
     def first_token(self, turn: Hashable, now: float) -> None:
@@ -669,12 +679,12 @@ class ReadScheduler:
         """With batches on, in the share: `first`'s chunk and the next ones (`_batch`) while the
         batch's estimate stays within `share_batch_s`, read when the budget pays for the whole
         batch and waited for until then. While the share is busy (`share_busy`), a batch that is not
-        full waits up to `batch_wait_s` from its oldest backlog for more chunks. None where no
-        batch forms (and none is waited for)."""
+        full waits up to `batch_wait_s` from its oldest backlog for more chunks, where more can come
+        (`chunks_may_come`). None where no batch forms (and none is waited for)."""
         others, est, full = self._batch(first, self.rule.share_batch_s, fits)
         if est is None:
             return None
-        if not full and self.rule.batch_wait_s > 0 and self.share_busy(now):
+        if not full and self.rule.batch_wait_s > 0 and self.share_busy(now) and self.chunks_may_come():
             names = {first.name, *(name for name, _ in others)}
             since = min((self.sessions[n].backlog_since for n in names if self.sessions[n].backlog_since is not None),
                         default=now)
@@ -685,6 +695,18 @@ class ReadScheduler:
         if est <= budget + 1e-12:
             return Read(first.name, 1, "share", first.committed, est, others)
         return Wait(max(self.stretch_start + (self.share_used + est) / self.rule.share, now + EPS))
+
+    def chunks_may_come(self) -> bool:
+        """Whether a turn in flight may bring the reader more chunks: one whose session is not
+        named yet (its prompt is still to come), or is not `held` (its output is read as it
+        streams, or its prompt is still to be fed). O(sessions with a turn in flight)."""
+        if len(self.turns) > sum(self._running.values()):
+            return True
+        for name in self._running:
+            s = self.sessions.get(name)
+            if s is None or not s.held:
+                return True
+        return False
 
     def share_busy(self, now: float) -> bool:
         """Whether the share is busy: its reads over the last `busy_window_s` used at least
