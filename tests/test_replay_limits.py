@@ -213,6 +213,20 @@ def test_targets_read_their_figure_and_the_solver_finds_the_share():
     assert solved.share == pytest.approx(0.05, rel=0.03) and solved.monotone and solved.below < solved.share
 
 
+def test_a_target_on_turn_starts_ready_for_the_new_prompt():
+    """'ready >= 97 %': the share of turn starts under a chunk from the part of the new prompt known
+    before it came (`turn_starts.ready_pct` of a replay's summary); one figure, in %."""
+    t = parse_target("ready >= 97 %")
+    assert t == Target("ready", None, ">=", 97.0) and t.text == "ready >= 97 %" and t.higher_is_better
+    summary = {"turn_starts": {"fresh_pct": 99.0, "ready_pct": 96.5}}
+    assert t.figure(summary) == 96.5 and not t.met(t.figure(summary))
+    assert parse_target("ready >= 97").met(97.0)
+    with pytest.raises(ValueError, match="one figure"):
+        parse_target("p99 ready >= 97 %")
+    solved = solve(lambda share: min(100.0, 90.0 + 500 * share), t)
+    assert solved.share == pytest.approx(0.014, rel=0.03) and solved.value >= 97.0
+
+
 def test_rendezvous_routing_moves_sessions_only_to_the_new_engine():
     names = [f"s{i}" for i in range(300)]
     for n in range(1, 6):

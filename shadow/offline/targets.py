@@ -1,10 +1,12 @@
 """A target on one of a replay's figures, and the smallest share that meets it.
 
 A target is `[pNN|max] METRIC OP NUMBER [UNIT]`: "p99 ask wait <= 50 ms", "p90 time to fresh <= 2 s",
-"stale sessions <= 5 %", "fresh >= 97 %", "peak fresh >= 95 %". The metrics are `metrics.METRICS`;
-a metric with percentiles needs one (pNN among p50, p90, p99, or max), a plain one takes none. A
-bare number N is "fresh >= N %" (the share of turn starts fresh). Percentiles of empty sets (no
-turn start, no probe) are missing, and a missing figure meets no target.
+"stale sessions <= 5 %", "fresh >= 97 %", "peak fresh >= 95 %", "ready >= 97 %". The metrics are
+`metrics.METRICS` and "ready" (`TARGET_METRICS`: the share of turn starts ready for the new prompt,
+under a chunk to read to stand at the part of it known before it came); a metric with percentiles
+needs one (pNN among p50, p90, p99, or max), a plain one takes none. A bare number N is "fresh >= N
+%" (the share of turn starts fresh). Percentiles of empty sets (no turn start, no probe) are
+missing, and a missing figure meets no target.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from dataclasses import dataclass
 
 from shadow.offline.metrics import METRICS
 
+# figures a target may name: `metrics.METRICS`, and the turn starts ready for the new prompt
+TARGET_METRICS: dict[str, tuple[tuple[str, ...], str, bool]] = {
+    **METRICS, "ready": (("turn_starts", "ready_pct"), "%", True)}
 UNITS = {"ms": "ms", "s": "s", "%": "%", "tokens": "tokens", "token": "tokens"}
 OPS = {"<=": "<=", "≤": "<=", "<": "<", ">=": ">=", "≥": ">=", ">": ">"}
 _FORM = re.compile(r"^\s*(?:(p\d+(?:\.\d+)?|max|median)\s+)?([a-z][a-z -]*?)\s*(<=|>=|≤|≥|<|>)\s*"
@@ -23,7 +28,7 @@ _FORM = re.compile(r"^\s*(?:(p\d+(?:\.\d+)?|max|median)\s+)?([a-z][a-z -]*?)\s*(
 
 @dataclass(frozen=True)
 class Target:
-    """`metric` (a METRICS name), `stat` (p50, p90, p99, max, or None for a plain figure), `op`,
+    """`metric` (a TARGET_METRICS name), `stat` (p50, p90, p99, max, or None for a plain figure), `op`,
     `value` in the metric's own unit."""
 
     metric: str
@@ -33,7 +38,7 @@ class Target:
 
     @property
     def text(self) -> str:
-        unit = METRICS[self.metric][1]
+        unit = TARGET_METRICS[self.metric][1]
         return f"{self.stat + ' ' if self.stat else ''}{self.metric} {self.op} {self.value:g} {unit}"
 
     @property
@@ -43,7 +48,7 @@ class Target:
     def figure(self, summary: dict) -> float | None:
         """The figure this target is on, in `summary` (`metrics.summary`)."""
         node = summary
-        for key in METRICS[self.metric][0]:
+        for key in TARGET_METRICS[self.metric][0]:
             node = node.get(key) if isinstance(node, dict) else None
         if self.stat is not None:
             node = node.get(self.stat) if isinstance(node, dict) else None
@@ -72,9 +77,9 @@ def parse_target(text: str) -> Target:
         raise ValueError(f"a target reads like 'p99 ask wait <= 50 ms' or 'fresh >= 97 %' (got {text!r})")
     stat, metric, op, value, unit = m.groups()
     metric = metric.strip()
-    if metric not in METRICS:
-        raise ValueError(f"unknown metric {metric!r} in {text!r} (metrics: {', '.join(METRICS)})")
-    _, own, _ = METRICS[metric]
+    if metric not in TARGET_METRICS:
+        raise ValueError(f"unknown metric {metric!r} in {text!r} (metrics: {', '.join(TARGET_METRICS)})")
+    _, own, _ = TARGET_METRICS[metric]
     has_stats = own != "%" and metric not in ("fresh", "peak fresh")
     stat = "p50" if stat == "median" else stat
     if has_stats and stat not in ("p50", "p90", "p99", "max"):
