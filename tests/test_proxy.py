@@ -5,6 +5,7 @@ the shadow; every turn ends; what the shadow could not verify, it says."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -634,3 +635,47 @@ def test_the_stream_never_waits_for_a_hand_over_to_the_shadow(tiny):
             assert len(service.store.get("beside").ids) > 12
         assert_exact(service, "beside")
 
+
+
+def test_a_turns_end_waits_for_its_latest_hand_over_not_an_earlier_ones_callback():
+    """A task's done callbacks run a loop step after `done()` turns true, so the relay can start the
+    next hand-over before the previous one's callback has run. That late callback must not mark the
+    turn's hand-overs idle while the next one is in flight: the turn's end would then feed the same
+    output beside it (its ids taken twice)."""
+    from concurrent.futures import Future
+
+    from shadow.server.http.proxy import Proxy
+    from shadow.server.http.proxy_turn import ProxiedTurn
+    from shadow.server.turn import ServedTurn, Shown
+
+    async def scenario() -> list[bool]:
+        proxy = Proxy.__new__(Proxy)  # only the hand-over bookkeeping: no engine, no service
+        proxy._feeds = set()
+        release = {1: asyncio.Event(), 2: asyncio.Event()}
+        calls = []
+
+        async def feed(proxied) -> float:  # a hand-over that ends when the scenario lets it
+            calls.append(len(calls) + 1)
+            await release[len(calls)].wait()
+            return 0.0
+
+        proxy._feed = feed
+        proxied = ProxiedTurn(ServedTurn(id=1, started=0.0, shown=Shown()), {}, True, "s", Future())
+        idle, seen = proxied.turn.shown.feed_idle, []
+        first = proxy._feed_beside(proxied)
+        await asyncio.sleep(0)
+        seen.append(idle.is_set())  # in flight
+        release[1].set()
+        while not first.done():
+            await asyncio.sleep(0)
+        second = proxy._feed_beside(proxied)  # as the relay does: the first is done, its callback not run yet
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        seen.append(idle.is_set())  # the first's callback has run; the second is in flight
+        release[2].set()
+        await second
+        await asyncio.sleep(0)
+        seen.append(idle.is_set())
+        return seen
+
+    assert asyncio.run(scenario()) == [False, False, True]
