@@ -187,8 +187,6 @@ def test_a_client_that_disconnects_mid_stream_ends_its_turn(tiny, caplog):
         async def events():
             yield 'data: {"choices": [{"index": 0, "delta": {"content": "a"}}]}\n\n'
             for _ in range(50):
-                import asyncio
-
                 await asyncio.sleep(0.1)
                 yield 'data: {"choices": [{"index": 0, "delta": {"content": "b"}}]}\n\n'
             yield "data: [DONE]\n\n"
