@@ -136,15 +136,15 @@ class ShadowCollector:
             out.gauge("host_bytes", "Bytes of the sessions in the host-memory tier", totals["host_bytes"])
             if totals["host_cap_bytes"] is not None:
                 out.gauge("host_cap_bytes", "The store's bound on host-tier bytes", totals["host_cap_bytes"])
-            out.gauge("sessions_moving", "Sessions leaving the device, their copy out still in flight",
-                      totals["moving_sessions"])
-            out.gauge("moving_bytes", "Device bytes held until the copies out in flight are done", totals["moving_bytes"])
-            out.gauge("sessions_staged", "Host copies bound for disk, waiting for their write behind",
-                      totals["staged_sessions"])
-            out.gauge("staged_bytes", "Bytes of the host copies waiting for their write behind", totals["staged_bytes"])
-            if totals["stage_cap_bytes"] is not None:
-                out.gauge("stage_cap_bytes", "The store's bound on bytes staged for disk", totals["stage_cap_bytes"])
-            out.gauge("write_behind_queue", "Session files queued for the write-behind thread", totals["write_behind_queue"])
+            for key, name, help_ in (
+                    ("moving_sessions", "sessions_moving", "Sessions leaving the device, their copy out still in flight"),
+                    ("moving_bytes", "moving_bytes", "Device bytes held until the copies out in flight are done"),
+                    ("staged_sessions", "sessions_staged", "Host copies bound for disk, waiting for their write behind"),
+                    ("staged_bytes", "staged_bytes", "Bytes of the host copies waiting for their write behind"),
+                    ("stage_cap_bytes", "stage_cap_bytes", "The store's bound on bytes staged for disk"),
+                    ("write_behind_queue", "write_behind_queue", "Session files queued for the write-behind thread")):
+                if totals[key] is not None:
+                    out.gauge(name, help_, totals[key])
             out.counter("written_behind", "Host copies written to disk by the write-behind thread", totals["written_behind"])
         pending = [r["pending"] for r in rows]
         out.gauge("backlog_ids", "Ids known and not read yet, over every session", sum(pending))
