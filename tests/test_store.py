@@ -149,6 +149,32 @@ def test_status_reports_resident_and_spilled(reader, tmp_path):
     assert rows["a"].checkpoints == 1 and rows["a"].last_use == 1000.0 and rows["a"].bytes > 0
 
 
+def test_status_polls_read_each_unchanged_file_header_once(reader, tmp_path, monkeypatch):
+    """Status runs under the service's lock: a poll reads the header of a file only where the file
+    changed since the last one (a new file, one rewritten), never every spilled file every time."""
+    import shadow.core.store as store_module
+
+    store = SessionStore(reader, "h", cap_gib=0, disk=tmp_path)
+    for i, name in enumerate("abc"):
+        fed(store, reader, name, seed=i)
+    store.settle()
+    store.flush()
+    read = []
+    real = store_module.read_fields
+    monkeypatch.setattr(store_module, "read_fields", lambda path, key=None: read.append(path.name) or real(path, key))
+    first = [(r.name, r.tier) for r in store.status()]
+    assert first == [("a", "disk"), ("b", "disk"), ("c", "disk")] and len(read) == 3
+    store.totals(), store.status(), store.names()  # polls again: nothing changed, nothing read
+    assert len(read) == 3
+    fed(store, reader, "a", n=400, seed=7)  # back, read further, written again: a new file
+    store.settle()
+    store.flush()
+    rows = {r.name: r for r in store.status()}
+    assert read[3:] == [store.path_of("a").name] and rows["a"].committed == 384
+    store.path_of("b").write_bytes(b"not a session file")  # a file changed in place: read again, refused
+    assert "b" not in {r.name for r in store.status()} and read[-1] == store.path_of("b").name
+
+
 def test_retention_by_age_and_disk_cap(reader, tmp_path):
     now = [time.time()]
     store = SessionStore(reader, "h", cap_gib=None, disk=tmp_path, clock=lambda: now[0])

@@ -53,7 +53,7 @@ from shadow.core.hosttier import HostTier, Move, from_host, host_bytes, move_to_
 from shadow.core.reader import Reader, Session
 from shadow.core.residency import GIB, RestoreRate, Settle
 from shadow.core.sessionfile import (
-    MARKER, MAX_HEADER, SUFFIX, Header, Identity, SessionFileError, file_bytes, read_fields, read_session,
+    MARKER, MAX_HEADER, SUFFIX, Header, Identity, SessionFileError, read_fields, read_session,
     session_file_name, write_session,
 )
 from shadow.core.sessionformat import key_bytes
@@ -183,6 +183,7 @@ class SessionStore:
         self._written: set[str] = set()  # host-tier copies whose file holds them
         self._disk_full_until = -math.inf  # a write behind found the disk full: nothing leaves for it before then
         self._stream = None  # the CUDA stream copies out run on (made with the first one)
+        self._header_cache: dict[str, tuple[tuple, Header | None]] = {}  # file name: (its stamp, its header)
         self._sweep_lock = threading.Lock()  # sweeps run where the store runs and on the write-behind thread
         if self.disk:
             _make_folder(self.disk)
@@ -846,17 +847,26 @@ class SessionStore:
         return own_files(self.disk)
 
     def _headers(self) -> list[tuple[Path, Header, os.stat_result]]:
-        """Every session file with a valid header whose session it is named for."""
-        out = []
+        """Every session file with a valid header whose session it is named for. A file's header is
+        read again only where the file changed (its inode, size or modification time), so a status
+        poll under the service's lock reads no unchanged file (a restore still verifies every byte)."""
+        out, seen = [], {}
         for path, st in self._own():
             if not path.name.endswith(SUFFIX):
                 continue
-            try:
-                header = read_fields(path, self.key)
-            except SessionFileError:
-                continue
-            if session_file_name(header.name) == path.name:
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            cached = self._header_cache.get(path.name)
+            if cached is not None and cached[0] == stamp:
+                header = cached[1]
+            else:
+                try:
+                    header = read_fields(path, self.key)
+                except SessionFileError:
+                    header = None
+            seen[path.name] = (stamp, header)
+            if header is not None and session_file_name(header.name) == path.name:
                 out.append((path, header, st))
+        self._header_cache = seen
         return out
 
     def sweep(self, protect: Path | None = None) -> None:
