@@ -334,15 +334,21 @@ def test_an_ask_mid_turn_past_what_a_fork_may_read_lets_the_hold_go(tiny, qwen):
             settled(service)
             wait_until_read(service, ["p"])
             assert answers[0].status_code == 200
+            asked = {k: answers[0].json()[k] for k in ("behind", "read_chunks", "pending_after")}
             counts = service.status()["counters"]["predictions"]
             assert counts["holds_released"] == 1 and counts["made"] == 1
+            with service.state_lock:
+                s = service.store.get("p")
+                read_then = (s.committed, s.hold, len(s.ids))
+            assert read_then[0] > GRID, (asked, read_then)  # the ask read the output it let go
             assert_exact(service, "p")
             history = [*history, {"role": "assistant", "content": replies[0]["content"]}, {"role": "user", "content": "Next."}]
             proxy.post("/v1/chat/completions", json={"messages": history, "stream": True}, headers={"x-session-id": "p"})
             settled(service)
             wait_until_read(service, ["p"])
             status = service.status()["counters"]  # the output the ask had read went back: no hold was left to keep
-            assert status["predictions"]["confirmed"] == status["predictions"]["missed"] == 0 and status["rollbacks"] == 1
+            assert status["predictions"]["confirmed"] == status["predictions"]["missed"] == 0 and status["rollbacks"] == 1, \
+                (status["predictions"], status["rollbacks"], asked, read_then)
             assert_exact(service, "p")
 
 
