@@ -161,6 +161,7 @@ def live(requests: list[Sent], asks: list[Asked], polls: list[Poll], journal: Pa
         "sessions": len({r.session for r in mine}),
         "turn_starts": {"n": len(kept), "raced": len(turn) - len(kept),
                         "fresh_pct": _pct([a.behind < grid for a in kept]),
+                        "at_arrival": service_turn_starts(mine, journal, grid),
                         "behind": spread([a.behind for a in kept], digits=0),
                         "ask_ms": spread([a.latency_ms for a in kept])},
         "random": {"n": len(rand), "ask_ms": spread([a.latency_ms for a in rand]),
@@ -176,6 +177,31 @@ def live(requests: list[Sent], asks: list[Asked], polls: list[Poll], journal: Pa
                     "prompt": {s: counts.checks[("prompt", s)] for s in STATES},
                     "output": {s: counts.checks[("output", s)] for s in STATES}},
     }
+
+
+def service_turn_starts(requests: list[Sent], journal: Path, grid: int) -> dict | None:
+    """Turn starts fresh as the service saw them at each request's arrival (the journal's
+    `unread_at_start`: the ids the session held unread when the turn named it, the instant the replay
+    takes too), for `requests` of sessions with an earlier turn. A session's journal lines are its
+    turns in order, matched to its requests by start; None where the journal has no such field (an
+    earlier build) or a session's counts differ (a request the service never journaled)."""
+    lines = [json.loads(x) for x in journal.read_text().splitlines() if x.strip()] if journal.exists() else []
+    turns: dict[str, list[dict]] = {}
+    for record in lines:
+        if record.get("kind") == "turn":
+            turns.setdefault(record.get("session"), []).append(record)
+    if not turns or any("unread_at_start" not in t for ts in turns.values() for t in ts):
+        return None
+    sent: dict[str, list[Sent]] = {}
+    for r in sorted(requests, key=lambda r: r.start):
+        sent.setdefault(r.session, []).append(r)
+    unread = []
+    for session, mine in sent.items():
+        records = turns.get(session, [])
+        if len(records) < len(mine):
+            return None
+        unread += [t["unread_at_start"] for t in records[1:len(mine)] if t["unread_at_start"] is not None]
+    return {"n": len(unread), "fresh_pct": _pct([u < grid for u in unread]), "behind": spread(unread, digits=0)}
 
 
 STORE_MOVES = ("spills", "restores", "drops", "to_host", "from_host", "host_to_disk")
@@ -273,6 +299,8 @@ def side_by_side(live_: dict, replayed: dict, requests: list[Request]) -> dict:
     forward = replayed["ask_ms"] or 0.0
     rows = {
         "turn starts fresh %": (live_["turn_starts"]["fresh_pct"], s["turn_starts"]["fresh_pct"]),
+        "turn starts fresh at arrival %": ((live_["turn_starts"].get("at_arrival") or {}).get("fresh_pct"),
+                                           s["turn_starts"]["fresh_pct"]),
         **{f"ask at {where} p{q} ms": (live_[key]["ask_ms"][f"p{q}"], _plus(s[key]["ask_wait_ms"][f"p{q}"], forward))
            for where, key in (("turn starts", "turn_starts"), ("random times", "random")) for q in (50, 99)},
         "time to fresh p50 s": (live_["to_fresh_s"]["p50"], s["to_fresh_s"]["p50"]),
@@ -378,4 +406,4 @@ def _poll_step(polls: list[Poll]) -> float | None:
 
 
 __all__ = ["Asked", "Poll", "Sent", "costs_document", "decode_union_s", "density", "engine_cost", "ledger", "live",
-           "new_prompt_tokens", "replay", "replay_ids", "scraped", "service_disk", "side_by_side", "table", "to_fresh", "write_ledger"]
+           "new_prompt_tokens", "replay", "replay_ids", "scraped", "service_disk", "service_turn_starts", "side_by_side", "table", "to_fresh", "write_ledger"]

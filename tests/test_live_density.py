@@ -72,6 +72,12 @@ def test_live_figures_come_from_real_asks_polls_and_counters(run):
     assert live["requests"] > 0 and live["failed"] == 0
     starts = live["turn_starts"]
     assert starts["n"] > 0 and starts["fresh_pct"] is not None and starts["ask_ms"]["p50"] > 0
+    # the service's own figure, at each request's arrival: every later turn of a driven session, from the journal
+    arrival = starts["at_arrival"]
+    assert arrival is not None and arrival["n"] == len(doc_later_turns(out)) and arrival["fresh_pct"] is not None
+    status = json.loads((out / "status.json").read_text())
+    counted = status["counters"]["turn_starts"]
+    assert counted["fresh"] + counted["behind"] >= arrival["n"] and counted["new"] >= 3
     assert live["to_fresh_s"]["n"] == live["requests"] and live["to_fresh_s"]["poll_s"] > 0
     assert live["share"]["decode_s"] > 0
     assert live["chunks"]["chunks_idle"] + live["chunks"]["chunks_share"] + live["chunks"]["chunks_ask"] > 0
@@ -81,6 +87,17 @@ def test_live_figures_come_from_real_asks_polls_and_counters(run):
     assert {s["name"] for s in status["sessions"]} <= set(doc["sent"]["sessions"])
     costs = json.loads((out / "costs.json").read_text())
     assert [r["context"] for r in costs["rows"]] == sorted(int(d) for d in status["reading"]["chunk_ms_by_depth"])
+
+
+def doc_later_turns(out: Path) -> list[dict]:
+    """The driver's requests in the density phase that are not their session's first."""
+    sent = sorted((json.loads(line) for line in (out / "sent.jsonl").read_text().splitlines()), key=lambda s: s["start"])
+    seen, later = set(), []
+    for s in sent:
+        if s["session"] in seen and s["start"] < 45:
+            later.append(s)
+        seen.add(s["session"])
+    return later
 
 
 def test_the_replay_runs_on_the_same_ledger_and_costs(run):

@@ -124,10 +124,11 @@ def reasoning_replies(n: int, system: str = "You help. " + WORDS) -> tuple[list[
     return replies, [{"role": "system", "content": system}, {"role": "user", "content": "Start."}]
 
 
-def token_engine(renderer: ChatRenderer, replies: list[dict], seen: list[dict], pause_s: float = 0.0) -> FastAPI:
+def token_engine(renderer: ChatRenderer, replies: list[dict], seen: list[dict], pause_s: float = 0.0,
+                 release=None) -> FastAPI:
     """A vLLM-shaped engine: the prompt rendered by `renderer`, its ids in the first event; each
     reply streamed with its ids, as the template writes it after the prompt (its reasoning in one
-    event, then `pause_s` before the rest)."""
+    event, then `pause_s`, or empty deltas until the threading.Event `release` is set, before the rest)."""
     app = FastAPI()
 
     @app.get("/v1/models")
@@ -149,6 +150,10 @@ def token_engine(renderer: ChatRenderer, replies: list[dict], seen: list[dict], 
         async def events():
             yield event({"index": 0, "delta": {"role": "assistant", "content": ""}}, prompt_token_ids=prompt)
             yield event({"index": 0, "delta": {"reasoning": reply.get("reasoning_content", "")}, "token_ids": ids[:-2]})
+            deadline = time.monotonic() + 60
+            while release is not None and not release.is_set() and time.monotonic() < deadline:
+                yield event({"index": 0, "delta": {"reasoning": ""}, "token_ids": []})  # an empty delta now and
+                await asyncio.to_thread(release.wait, 0.1)  # then, as a stream that waits on its decode
             await asyncio.sleep(pause_s)
             yield event({"index": 0, "delta": {"content": reply["content"]}, "token_ids": ids[-2:-1]})
             yield event({"index": 0, "delta": {}, "finish_reason": "stop", "token_ids": ids[-1:]})
@@ -315,7 +320,8 @@ def test_an_ask_mid_turn_past_what_a_fork_may_read_lets_the_hold_go(tiny, qwen):
 
     replies, history = reasoning_replies(2, "You help.")
     seen: list[dict] = []
-    with serving(token_engine(qwen, replies, seen, pause_s=5.0)) as engine:
+    answered = threading.Event()  # the engine sends the rest of the turn once the ask is answered
+    with serving(token_engine(qwen, replies, seen, release=answered)) as engine:
         url = str(engine.base_url).rstrip("/") + "/v1"
         with running(upstream=url, dialect="vllm", renderer=qwen, limits=Limits(max_ask_tail=256)) as (proxy, service):
             answers = []
@@ -325,8 +331,14 @@ def test_an_ask_mid_turn_past_what_a_fork_may_read_lets_the_hold_go(tiny, qwen):
                 while "reasoning" not in next(lines):  # the reasoning's event has come: its ids are held
                     pass
                 held_past_the_bound(service, "p", 256)  # the proxy hands them over beside the stream
-                asking = threading.Thread(target=lambda: answers.append(proxy.post(
-                    "/v1/shadow/ask", json={"session": "p", "question": "A or B?", "choices": ["A", "B"]})))
+                def ask() -> None:
+                    try:
+                        answers.append(proxy.post("/v1/shadow/ask", json={"session": "p", "question": "A or B?",
+                                                                          "choices": ["A", "B"]}))
+                    finally:
+                        answered.set()
+
+                asking = threading.Thread(target=ask)
                 asking.start()
                 for _ in lines:
                     pass

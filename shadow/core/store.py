@@ -239,6 +239,19 @@ class SessionStore:
         except OSError:
             return False
 
+    def unread(self, name: str) -> int | None:
+        """The ids the store holds of session `name` and has not read (a held output counted), wherever
+        it is; None where the store holds no such session. Moves nothing, reads at most one
+        file's header (cached: `_headers`)."""
+        session = self._resident.get(name) or (self._moving[name].move.session if name in self._moving else None) \
+            or self._staged.get(name) or (self.host.peek(name) if self.host is not None else None)
+        if session is not None:
+            return session.pending
+        if not self.disk or not self.holds(name):
+            return None
+        found = next((h for path, h, _ in self._headers() if h.name == name), None)
+        return None if found is None else found.tokens - found.committed
+
     def names(self) -> list[str]:
         """Every session: resident or moving, in host memory, or on disk in a valid header."""
         on_disk = {h.name for _, h, _ in self._headers()}

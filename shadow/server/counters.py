@@ -12,6 +12,7 @@ from shadow.server.timings import ROUND_SECONDS, Histogram
 
 
 PREDICTION_COUNTS = ("made", "confirmed", "missed", "skipped", "ids_not_read_twice", "holds_released")
+TURN_START_STATES = ("fresh", "behind", "new")
 
 
 @dataclass
@@ -34,6 +35,10 @@ class Counters:
     # fork may read, read as it came)
     predictions: dict = field(default_factory=lambda: dict.fromkeys(PREDICTION_COUNTS, 0))
     upstream_errors: dict = field(default_factory=dict)  # kind -> count (proxy mode)
+    # turns by what their session's shadow held when they named it (at the request's arrival where it
+    # named its session, else when its prompt did): `fresh` under a chunk unread (a held output
+    # counted), `behind` a chunk or more, `new` a session the store did not hold
+    turn_starts: dict = field(default_factory=lambda: dict.fromkeys(TURN_START_STATES, 0))
     # each turn's prompt and output by their state (idcheck.PART_STATES): verified, unverified,
     # mismatched, not_read
     turn_parts: dict = field(default_factory=lambda: {p: {"verified": 0, "unverified": 0, "mismatched": 0,

@@ -242,6 +242,12 @@ class ShadowCollector:
                         predictions["ids_not_read_twice"])
             out.counter("prediction_holds_released", "Held outputs let go past what a fork may read (read as they came)",
                         predictions["holds_released"])
+        starts = c.get("turn_starts")
+        if starts is not None:
+            family = out.family("turn_starts", "Turns by what their session's shadow held unread when they named it: "
+                                "fresh (under a chunk), behind, or a session not held", ["state"], CounterMetricFamily)
+            for state, n in starts.items():
+                family.add(state, value=n)
 
     @staticmethod
     def _asks(out: "Families", status: dict, held: dict) -> None:

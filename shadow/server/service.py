@@ -237,9 +237,23 @@ class ShadowService:
             self.turns.add(turn)
             self.counters.requests += 1
             self.sched.turn_started(turn.id, None, turn.started)
+            if requested is not None:
+                self._note_start(turn, requested)
             if requested is not None and shadow is not None and self.ahead is not None and self.shared.switch.shadow:
                 turn.restoring = self.ahead.start(shadow.store, requested)  # beside the engine's prefill
         return turn
+
+    def _note_start(self, turn: ServedTurn, name: str) -> None:
+        """What the turn's session held unread when the turn named it (`turn.unread_at_start`), counted
+        in `counters.turn_starts` (the replay's turn starts fresh, live): fresh under a chunk, a
+        held output counted. A turn names its session once; the caller holds the lock."""
+        shadow = self.host.shadow
+        if shadow is None or not self.shared.switch.shadow:
+            return
+        unread = shadow.store.unread(name)
+        turn.unread_at_start = unread
+        state = "new" if unread is None else "fresh" if unread < shadow.grid else "behind"
+        self.counters.turn_starts[state] += 1
 
     def name_turn(self, turn: ServedTurn, prompt: Sequence[int]) -> str:
         """The store name the turn's prompt is read into, chosen once (the first time its prompt
@@ -249,6 +263,8 @@ class ShadowService:
                 shadow = self.host.shadow
                 name = self.names.choose(turn.requested, prompt, None if shadow is None else shadow.store,
                                          self.settings.model.grid if shadow is None else shadow.grid)
+                if turn.requested is None:
+                    self._note_start(turn, name)
                 self.sched.turn_session(turn.id, name, self.clock())
             return turn.session
 
@@ -585,7 +601,8 @@ class ShadowService:
                       "output_ids": None if ids is None else len(ids.output),
                       "notes": [] if ids is None else ids.notes,
                       "prefix_cache_line": self._cached_start.pop(turn.id, 0),
-                      "prediction": self._prediction_of.pop(turn.id, None), "time": time.time()}
+                      "prediction": self._prediction_of.pop(turn.id, None), "unread_at_start": turn.unread_at_start,
+                      "time": time.time()}
             if lines:
                 record["status_lines"] = lines
             self.shared.journal.write(record)
@@ -749,6 +766,7 @@ class ShadowService:
                     "chunks_ask": c.chunks_ask, "batched_reads": dict(c.batched_reads), "read_pieces": c.read_pieces, "asks": c.asks, "last_chunk_ms": round(c.last_chunk_ms, 3),
                     "idle_s": round(c.idle_s, 6), "ask_s": round(c.ask_s, 6),
                     "rollbacks": c.rollbacks, "ids_reread": c.ids_reread, "predictions": dict(c.predictions),
+                    "turn_starts": dict(c.turn_starts),
                     "upstream_errors": dict(c.upstream_errors),
                     "turn_parts": {p: dict(v) for p, v in c.turn_parts.items()},
                     "status_lines": dict(c.status_lines), "voice_said": c.voice_said,

@@ -89,6 +89,9 @@ class ServedTurn(Turn):
     shown: Shown | None = None  # proxy mode
     restoring: Future | None = None  # its session coming back from the host tier or disk since the request came
     hold_output: bool = False  # proxy: its output waits out of reading until the next prompt is predicted
+    # the ids its session's shadow held unread when the turn named it (`ShadowService.note_start`;
+    # None: not named yet, or a session the store did not hold)
+    unread_at_start: int | None = None
 
     @property
     def embedded(self) -> bool:
