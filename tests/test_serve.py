@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -748,3 +749,33 @@ def test_a_stopped_app_keeps_nothing_of_its_service_alive(upstream):
         del client, service
         gc.collect()
         assert [ref() for ref in held] == [None, None]
+
+
+def test_each_turn_start_says_what_its_session_held_unread_named_by_header_or_by_prefix(tiny, tmp_path):
+    """A turn's start, live: what its session's shadow held unread when the turn named it (the
+    replay's turn starts fresh): a new session is `new`, else `fresh` under a grid unread or
+    `behind`; a turn found by its prompt's prefix counts when its prompt names it. Journaled, in
+    status and /metrics, the same counts in each."""
+    journal = tmp_path / "journal.jsonl"
+    with running(journal=journal) as (client, service):
+        first = [{"role": "user", "content": long_text(5, 60)}]
+        r = client.post("/v1/chat/completions", json={"messages": first, "max_tokens": 2}, headers={"x-session-id": "a"})
+        assert r.status_code == 200
+        again = first + [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                         {"role": "user", "content": "and then?"}]
+        assert client.post("/v1/chat/completions", json={"messages": again, "max_tokens": 2},
+                           headers={"x-session-id": "a"}).status_code == 200
+        found = client.post("/v1/chat/completions", json={"messages": again + [
+            {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}], "max_tokens": 2})
+        assert found.headers["x-shadow-session"] == "a"  # continued by its prefix: named when its prompt came
+        status = client.get("/v1/shadow/status").json()
+        metrics = client.get("/metrics").text
+    turns = [json.loads(x) for x in journal.read_text().splitlines() if '"kind": "turn"' in x]
+    starts = [t["unread_at_start"] for t in turns]
+    assert len(starts) == 3 and starts[0] is None and all(isinstance(u, int) and u >= 0 for u in starts[1:])
+    expected = {"new": 1, "fresh": 0, "behind": 0}
+    for unread in starts[1:]:
+        expected["fresh" if unread < GRID else "behind"] += 1
+    assert status["counters"]["turn_starts"] == expected
+    for state, n in expected.items():
+        assert re.search(rf'^shadow_turn_starts_total\{{[^}}]*state="{state}"[^}}]*\}} {n}\.0$', metrics, re.M), state

@@ -175,6 +175,28 @@ def test_status_polls_read_each_unchanged_file_header_once(reader, tmp_path, mon
     assert "b" not in {r.name for r in store.status()} and read[-1] == store.path_of("b").name
 
 
+def test_unread_is_what_the_store_holds_unread_wherever_the_session_is(reader, tmp_path):
+    """`unread`: a session's ids not read yet (a held output counted), resident, in host memory or on
+    disk; None for a session the store does not hold. It moves nothing."""
+    from shadow.core.hosttier import HostTier
+
+    store = SessionStore(reader, "h", cap_gib=None, disk=tmp_path)
+    s = fed(store, reader, "a", n=300)  # 340 ids, 320 read
+    assert store.unread("a") == 20 and store.unread("nobody") is None
+    reader.feed_output(s, ids(100, 9))
+    s.hold = 340  # an output held out of reading still counts as unread
+    assert store.unread("a") == 120
+    store.cap, store.host = 0, HostTier(1 << 30)
+    store.settle()
+    assert store.peek("a") is None and "a" in store.host and store.unread("a") == 120
+    assert store.get("a").pending == 120  # back from host memory, then to disk alone
+    store.host = None
+    store.settle()
+    store.flush()  # now on disk only: its file's header says it
+    assert store.peek("a") is None and store.path_of("a").exists() and store.unread("a") == 120
+    assert store.peek("a") is None  # still on disk: nothing moved
+
+
 def test_retention_by_age_and_disk_cap(reader, tmp_path):
     now = [time.time()]
     store = SessionStore(reader, "h", cap_gib=None, disk=tmp_path, clock=lambda: now[0])
