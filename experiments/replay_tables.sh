@@ -2,7 +2,7 @@
 # The freshness tables and figures in docs/FRESHNESS.md, from `shadow replay-ledger` runs of the read
 # scheduler (shadow/core/schedule.py).
 # Usage: bash experiments/replay_tables.sh [DATA_DIR] [STEP ...]   (DATA_DIR default ../shared/data)
-#   the live service's limits: ledger live batches tiers dense calls ablation share-sweep fleet curve
+#   the live service's limits: ledger live batches predict tiers dense calls ablation share-sweep fleet curve
 #   the idealised replay (ids at once, no cap, no voice, one chunk cost): trajectories packed density
 #     traj-fleet mooncake mooncake-fleet mooncake-routes
 #   default: every step, in that order. Each step prints its commands; outputs in out/freshness-*.txt (the
@@ -12,7 +12,7 @@
 set -euo pipefail
 data=../shared/data
 if [ $# -gt 0 ] && [ -d "$1" ]; then data=$1; shift; fi
-steps=${*:-ledger live batches tiers dense calls ablation share-sweep fleet curve trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes}
+steps=${*:-ledger live batches predict tiers dense calls ablation share-sweep fleet curve trajectories packed density traj-fleet mooncake mooncake-fleet mooncake-routes}
 RATE=${RATE:-docs/results/batch/read-rate-h200-batches.json}  # a read-rate run's costs by depth and batch (RATE=... to choose)
 RUN=$(basename "$RATE" .json)  # names the outputs charged by it
 H200=7.3647  # ms per 1,000: docs/results/read-rate-512-h200-r2-fixed.json, one chunk at 16k (the idealised runs)
@@ -58,6 +58,22 @@ for step in $steps; do
       # how fast the share's reads must be: one flat cost a chunk at every depth, no batches
       run "batch-29-cap0-flat" "$LEDGER" --pack 29 --share 0.02 --cap-gib 0 --read-ms-per-1k 7.3647 \
         --read-ms-per-1k 6.5 --read-ms-per-1k 6 --read-ms-per-1k 5.5 --read-ms-per-1k 5 --read-ms-per-1k 4 ;;
+    predict)  # what the next prompt keeps, predicted: the ledger imported with the template's rendering
+              # (out/trajectories-template.ledger.jsonl), packed to 29, idle + 2 %, charged $RATE; the
+              # shipped defaults and the dense recipe, with --predict (the default), --read-ahead, --no-predict
+      TL=out/trajectories-template.ledger.jsonl
+      [ -s "$TL" ] || run predict-ledger "$TRAJ" --samples 0 --chat-template "$data/templates/qwen3.5.jinja" --write-ledger "$TL"
+      S="--pack 29 --share 0.02 --samples 300 --read-rate-json $RATE"
+      D="$S --batch 8 --batch-read-ms 50 --batch-wait-ms 1000"
+      for arm in "" "--no-predict"; do
+        run "predict-defaults$(echo "$arm" | tr -d ' -')" "$TL" $S $arm
+      done
+      for arm in "" "--read-ahead" "--no-predict"; do
+        for target in "fresh >= 97 %" "ready >= 97 %"; do
+          run "predict-dense$(echo "$arm" | tr -d ' -')-$(echo "$target" | cut -d' ' -f1)" "$TL" $D $arm --solve-share "$target"
+        done
+      done
+      run predict-dense-novoice "$TL" $D --voice-share 0 ;;
     tiers)  # the store's tiers at the shipped defaults (4 GiB cap, 32 GiB host tier, a disk), charged $RATE:
             # the Mooncake trace on 16 engines and the trajectories packed to 29, against no disk, no host tier, no cap
       for store in "" "--no-disk" "--host-cap-gib 0" "--host-cap-gib 0 --no-disk" "--cap-gib 0"; do
