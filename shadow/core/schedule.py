@@ -340,7 +340,7 @@ class ReadScheduler:
 
     # the sessions ----------------------------------------------------------------------------
 
-    def update(self, name: str, committed: int, known: int, now: float, resident: bool = True,
+    def update(self, name: str, committed: int, known: int, now: float, *, resident: bool = True,
                mark: int | None = None, held: bool = False) -> None:
         """A session's read position (`committed`, a grid multiple), the ids known for it (read or
         not), whether its state is resident (spilled sessions are not read until fed again), its
