@@ -200,7 +200,10 @@ def service_turn_starts(requests: list[Sent], journal: Path, grid: int) -> dict 
         records = turns.get(session, [])
         if len(records) < len(mine):
             return None
-        unread += [t["unread_at_start"] for t in records[1:len(mine)] if t["unread_at_start"] is not None]
+        found = [t["unread_at_start"] for t in records[1:len(mine)]]
+        if any(u is not None and (not isinstance(u, int) or isinstance(u, bool) or u < 0) for u in found):
+            return None  # not the service's field as it writes it: no figure rather than a wrong one
+        unread += [u for u in found if u is not None]
     return {"n": len(unread), "fresh_pct": _pct([u < grid for u in unread]), "behind": spread(unread, digits=0)}
 
 

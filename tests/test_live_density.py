@@ -204,3 +204,22 @@ def test_the_replays_disk_follows_the_live_store():
 
     assert f.service_disk({"store": {"disk_cap_bytes": 64 * 2**30}}) is True
     assert f.service_disk({"store": {"disk_cap_bytes": None}}) is False
+
+
+def test_turn_starts_at_arrival_come_from_the_journal_and_refuse_a_field_the_service_never_writes(tmp_path):
+    f = figures()
+    sent = [f.Sent("s", k, float(k), []) for k in range(3)] + [f.Sent("t", 0, 0.5, [])]
+    journal = tmp_path / "journal.jsonl"
+
+    def write(values: dict) -> None:
+        journal.write_text("".join(json.dumps({"kind": "turn", "session": name, "unread_at_start": u}) + "\n"
+                                   for name, us in values.items() for u in us))
+
+    write({"s": [None, 100, 900], "t": [None]})  # a session's first turn is new: left out
+    assert f.service_turn_starts(sent, journal, 512) == {"n": 2, "fresh_pct": 50.0,
+                                                         "behind": f.spread([100, 900], digits=0)}
+    for bad in ("12", -1, 1.5, True):  # not the service's field as it writes it: no figure
+        write({"s": [None, bad, 900], "t": [None]})
+        assert f.service_turn_starts(sent, journal, 512) is None
+    journal.write_text(json.dumps({"kind": "turn", "session": "s", "prediction": None}) + "\n")  # an earlier build
+    assert f.service_turn_starts(sent, journal, 512) is None

@@ -241,16 +241,22 @@ class SessionStore:
 
     def unread(self, name: str) -> int | None:
         """The ids the store holds of session `name` and has not read (a held output counted), wherever
-        it is; None where the store holds no such session. Moves nothing, reads at most one
-        file's header (cached: `_headers`)."""
+        it is; None where the store holds no such session (or only a file of it that is not valid).
+        Moves nothing; reads at most the header of its own file, and that only where the file
+        changed since it was last read (`_header`)."""
         session = self._resident.get(name) or (self._moving[name].move.session if name in self._moving else None) \
             or self._staged.get(name) or (self.host.peek(name) if self.host is not None else None)
         if session is not None:
             return session.pending
-        if not self.disk or not self.holds(name):
+        if not self.disk:
             return None
-        found = next((h for path, h, _ in self._headers() if h.name == name), None)
-        return None if found is None else found.tokens - found.committed
+        path = self.path_of(name)
+        try:
+            st = path.lstat()
+        except OSError:
+            return None
+        header = self._header(path, st) if stat.S_ISREG(st.st_mode) else None
+        return None if header is None or header.name != name else header.tokens - header.committed
 
     def names(self) -> list[str]:
         """Every session: resident or moving, in host memory, or on disk in a valid header."""
@@ -863,24 +869,31 @@ class SessionStore:
         """Every session file with a valid header whose session it is named for. A file's header is
         read again only where the file changed (its inode, size or modification time), so a status
         poll under the service's lock reads no unchanged file (a restore still verifies every byte)."""
-        out, seen = [], {}
+        out, listed = [], set()
         for path, st in self._own():
             if not path.name.endswith(SUFFIX):
                 continue
-            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
-            cached = self._header_cache.get(path.name)
-            if cached is not None and cached[0] == stamp:
-                header = cached[1]
-            else:
-                try:
-                    header = read_fields(path, self.key)
-                except SessionFileError:
-                    header = None
-            seen[path.name] = (stamp, header)
+            listed.add(path.name)
+            header = self._header(path, st)
             if header is not None and session_file_name(header.name) == path.name:
                 out.append((path, header, st))
-        self._header_cache = seen
+        for gone in self._header_cache.keys() - listed:  # files removed since: forgotten
+            del self._header_cache[gone]
         return out
+
+    def _header(self, path: Path, st: os.stat_result) -> Header | None:
+        """`path`'s header (None: not a valid one), read only where the file changed (its inode,
+        size or modification time in `st`) since it was last read."""
+        stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._header_cache.get(path.name)
+        if cached is not None and cached[0] == stamp:
+            return cached[1]
+        try:
+            header = read_fields(path, self.key)
+        except SessionFileError:
+            header = None
+        self._header_cache[path.name] = (stamp, header)
+        return header
 
     def sweep(self, protect: Path | None = None) -> None:
         """Remove the store's own files (rejected ones too; each must carry the session marker)
