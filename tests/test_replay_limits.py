@@ -198,7 +198,8 @@ def test_windows_measure_the_load_where_it_is():
 @pytest.mark.parametrize("text, message", [
     ("p99 ask wait", "reads like"), ("ask wait <= 5 ms", "needs p50, p90, p99 or max"),
     ("p99 fresh >= 97", "one figure"), ("p99 speed <= 3 ms", "unknown metric"), ("fresh >= 97 ms", "in %, not ms"),
-    ("150", "is a percentage in (0, 100]"),
+    ("150", "is a percentage in (0, 100]"), ("ready >= 197 %", "a percentage, at most 100"),
+    ("fresh >= 101", "a percentage, at most 100"),
 ])
 def test_a_malformed_target_is_refused(text, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):

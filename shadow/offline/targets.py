@@ -90,6 +90,8 @@ def parse_target(text: str) -> Target:
     scale = {("s", "ms"): 1e-3, ("ms", "s"): 1e3}.get((own, unit), 1.0)
     if unit != own and scale == 1.0:
         raise ValueError(f"{metric!r} is in {own}, not {unit} (got {text!r})")
+    if own == "%" and float(value) > 100:
+        raise ValueError(f"{metric!r} is a percentage, at most 100 (got {text!r})")
     return Target(metric, stat, OPS[op], float(value) * scale)
 
 
