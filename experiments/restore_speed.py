@@ -10,14 +10,17 @@ the share of its pages still cached is measured (mincore) and reported; format-3
 O_DIRECT where the folder's file system takes it (`direct_io`), which bypasses the cache anyway.
 
 Arms, interleaved run by run: `host` (the store's host tier: the session moved to host copies of
-its tensors, pinned on a GPU, and back; beside it, in the same run, `pinned_copy`: a plain copy of
+its tensors, pinned on a GPU from the store's pool, filled ahead before each run as a service's is
+soon after it starts, and back; beside it, in the same run, `pinned_copy`: a plain copy of
 the same tensors to pinned buffers allocated beforehand and back, the copy engine's speed on these
 bytes, with no store around it), `format3` (this build's files: blocks verified as they are read,
 O_DIRECT, pinned copies), `format3-buffered` (the same through the page cache). Then the same session's
 ids read again from the start on the same device (`--reread-runs`, median; one chunk first to
 warm graphs and caches), unless `--no-reread`; `--reread-tokens N` reads only the first N (the
 0.8B shape on a CPU cannot read 58k tokens in minutes). `where_the_time_goes`: a format-3
-restore's parts, each timed alone (`phases`).
+restore's parts, each timed alone (`phases`). On a GPU, `steps_beside_pinning`: short GPU steps on
+this thread timed alone and while a pinned pool pins 2 GiB on its own thread (does pinning stall the
+device thread?); `pinned_pool`: each run's pool, its fallbacks (moves that pinned where they began).
 
     python3 experiments/restore_speed.py --device cuda --runs 5
     python3 experiments/restore_speed.py --device cpu --runs 5 --reread-tokens 1024
@@ -34,6 +37,7 @@ import mmap
 import os
 import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -41,6 +45,7 @@ import torch
 from shadow.core import blockio, sessionfile
 from shadow.core.reader import open_reader
 from shadow.core.sessionfile import BLOCK_BYTES
+from shadow.core.pinnedpool import PinnedPool
 from shadow.core.store import SessionStore, session_bytes
 
 ARMS = ("host", "format3", "format3-buffered")
@@ -74,9 +79,13 @@ def main() -> None:
     times: dict[str, dict[str, list[float]]] = {a: {"spill": [], "restore": []} for a in arms}
     sizes: dict[str, int] = {}
     cached: list[float] = []
+    pools: dict[str, list[dict]] = {}  # each run's pinned pool, after its move out and back
     for run in range(args.runs):
         for arm in arms if run % 2 == 0 else arms[::-1]:
-            spill_s, restore_s, nbytes, still, session = one_run(arm, session, reader, loaded.weights_hash, folder, cuda)
+            spill_s, restore_s, nbytes, still, session, pool = one_run(arm, session, reader, loaded.weights_hash,
+                                                                       folder, cuda)
+            if pool is not None:
+                pools.setdefault(arm, []).append(pool)
             if not same(before, session):
                 raise SystemExit(f"run {run} ({arm}): the restored state is not bit-equal")
             times[arm]["spill"].append(spill_s)
@@ -108,6 +117,9 @@ def main() -> None:
         "runs": [round(t, 4) for t in times[headline]["restore"]], "bit_equal": True,
         "arms": {arm: arm_summary(times[arm], sizes[arm]) for arm in arms},
         "where_the_time_goes": where,
+        "pinned_pool": {arm: {"fallbacks": [p["fallbacks"] for p in runs], "pinned_bytes": runs[-1]["pinned_bytes"],
+                              "pin_seconds": [p["pin_seconds"] for p in runs]} for arm, runs in pools.items()},
+        "steps_beside_pinning": steps_beside_pinning() if cuda else None,
     }
     if "host" in times:
         host_bytes = sizes["host"]
@@ -159,6 +171,8 @@ def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bo
     store._resident[session.name] = session  # the experiment's session, as if it had been read
     del session
     c = store.counters
+    if store.pinned is not None and not store.pinned.wait_filled(60):  # as a service's is, soon after it starts
+        raise SystemExit(f"{arm}: the pinned pool did not fill ({store.pinned.stats().error})")
     sync(cuda)
     start = time.perf_counter()
     store.settle()
@@ -173,7 +187,34 @@ def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bo
     restore_s = time.perf_counter() - start
     if (c.from_host if host else c.restores) != 1:
         raise SystemExit(f"{arm}: the session did not come back ({c.rejected})")
-    return spill_s, restore_s, c.bytes_to_host if host else c.bytes_written, still, back
+    pool = asdict(store.pinned.stats()) if store.pinned is not None else None
+    return spill_s, restore_s, c.bytes_to_host if host else c.bytes_written, still, back, pool
+
+
+def steps_beside_pinning(steps: int = 200) -> dict:
+    """Whether pinning on the pool's thread stalls the device thread: `steps` short GPU steps (a
+    4096-square bf16 matrix product, synchronised: about a read's piece), each timed, alone and
+    while a fresh pool pins 2 GiB ahead on its thread; the steps' median and longest, ms."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def timed() -> list[float]:
+        out = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            (a @ a).sum().item()
+            out.append((time.perf_counter() - start) * 1000)
+        return out
+
+    timed()  # warm
+    alone = timed()
+    pool = PinnedPool(limit=2 << 30, ahead=2 << 30)
+    beside = timed()
+    filled = pool.wait_filled(60)
+    stats = pool.stats()
+    pool.close()
+    return {"steps": steps, "alone_ms": {"p50": round(statistics.median(alone), 3), "max": round(max(alone), 3)},
+            "beside_ms": {"p50": round(statistics.median(beside), 3), "max": round(max(beside), 3)},
+            "pinned_bytes": stats.pinned_bytes, "pin_seconds": stats.pin_seconds, "filled": filled}
 
 
 def pinned_copy(session, runs: int, cuda: bool) -> dict | None:

@@ -259,6 +259,39 @@ def test_the_host_tier_moves_a_cuda_session_to_pinned_memory_and_back_bit_for_bi
     assert compared > 0 and mismatched == []
 
 
+def test_copies_out_take_the_pools_memory_pinned_ahead_and_give_it_back(tiny_cuda):
+    """On a GPU the store pins ahead on the pool's thread: a session's move out takes every tensor's
+    memory from the pool (pinned, nothing pinned where the move began), comes back bit for bit,
+    and once the copy is let go its spans are the pool's again."""
+    import gc
+
+    from shadow.core.store import SessionStore
+
+    reader = Reader(tiny_cuda.model, 512)
+    store = SessionStore(reader, "h", cap_gib=0, host_cap_gib=1.0)
+    assert store.pinned is not None and store.pinned.wait_filled(60)
+    ids = torch.randint(0, 248044, (3000,), generator=torch.Generator().manual_seed(9)).tolist()
+    s = store.get("a")
+    reader.feed_prompt(s, ids)
+    reader.advance(s)
+    before = {k: v.clone() for k, v in s.state.tensors().items()}
+    tensors = len(before) + 2 * len(s.checkpoints)
+    del s
+    store.get("b")
+    store.settle(keep="b")
+    store.flush()
+    copy = store.host.peek("a")
+    assert all(t.is_pinned() for t in copy.state.tensors().values())
+    stats = store.pinned.stats()
+    assert stats.fallbacks == 0 and stats.spans_lent == tensors and stats.pinned_bytes <= store.pinned.limit
+    del copy
+    back = store.get("a")
+    assert all(torch.equal(before[k], v) for k, v in back.state.tensors().items())
+    gc.collect()
+    assert store.pinned.stats().spans_lent == 0
+    assert store.totals()["pinned"]["fallbacks"] == 0
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_a_restore_ahead_on_a_side_stream_beside_reads_gives_the_session_bit_for_bit(tiny_cuda, tier, tmp_path):
     """A session in the host tier or on disk brought back on a stream of its own, on another

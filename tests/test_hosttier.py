@@ -256,8 +256,8 @@ def in_flight(monkeypatch):
 
     events = []
 
-    def held(session, stream=None):
-        move = hosttier.move_to_host(session, stream)
+    def held(session, stream=None, pool=None):
+        move = hosttier.move_to_host(session, stream, pool)
         move.event = InFlight()
         events.append(move.event)
         return move

@@ -460,8 +460,8 @@ def test_live_and_replayed_read_the_same_chunks_while_moves_out_are_in_flight(ti
     import shadow.core.hosttier as hosttier
     import shadow.core.store as store_module
 
-    def in_flight(session, stream=None):
-        move = hosttier.move_to_host(session, stream)
+    def in_flight(session, stream=None, pool=None):
+        move = hosttier.move_to_host(session, stream, pool)
         move.event = LooksLater()
         return move
 

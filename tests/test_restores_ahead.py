@@ -90,8 +90,8 @@ def test_no_restore_starts_for_a_session_still_leaving_the_device(tiny, tmp_path
         def synchronize(self):
             self.landed = True
 
-    def held(session, stream=None):
-        move = hosttier.move_to_host(session, stream)
+    def held(session, stream=None, pool=None):
+        move = hosttier.move_to_host(session, stream, pool)
         move.event = InFlight()
         return move
 

@@ -2,8 +2,8 @@
 
 A session moved out keeps every tensor of its state (KV rows up to its committed length, the GDN
 conv and recurrent state) and of its checkpoints as a host copy of the same dtype and shape,
-pinned where the model is on a GPU (torch's caching host allocator keeps freed pinned blocks for
-the next move, so a pin is paid once per size, not per move), with its ids and counters. Moved
+pinned where the model is on a GPU (from a `pinnedpool.PinnedPool` pinned ahead on a thread of its
+own where the store has one, so a move pins nothing where it begins), with its ids and counters. Moved
 back, the copies are loaded into a fresh state on the model's device: the same bytes, so the
 session is the one that left. No format stands between the two: nothing is encoded or hashed.
 
@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from shadow.core.pinnedpool import PinnedPool
 from shadow.core.reader import Session
 from shadow.model.state import AttentionState, DeltaSnapshot, ModelState, snapshot_tensors
 
@@ -46,18 +47,26 @@ def host_bytes(session: Session) -> int:
     return session.state.nbytes() + sum(c.nbytes() for c in session.checkpoints) + 8 * len(session.ids)
 
 
-def _to_host(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-    out.copy_(t, non_blocking=pin)
-    return out
+def _empty_like(sources: list[torch.Tensor], pin: bool, pool: PinnedPool | None) -> list[torch.Tensor]:
+    """Host tensors shaped like `sources`: from `pool` where it holds them all, else allocated here
+    (pinned where `pin`)."""
+    specs = [(t.shape, t.dtype) for t in sources]
+    made = pool.take(specs) if pool is not None else None
+    return made if made is not None else [torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pin)
+                                          for shape, dtype in specs]
 
 
-def _copy(session: Session, pin: bool) -> Session:
+def _copy(session: Session, pin: bool, pool: PinnedPool | None = None) -> Session:
     """`session`'s host copy, its copies queued on the current stream (whole once it is done); its
     other fields (counters, marks, a held output) as they are."""
-    state = HostState({k: _to_host(v, pin) for k, v in session.state.tensors().items()}, session.state.length)
-    checkpoints = [DeltaSnapshot(c.position, _to_host(c.conv, pin), _to_host(c.recurrent, pin))
-                   for c in session.checkpoints]
+    named = session.state.tensors()
+    sources = [*named.values()] + [t for c in session.checkpoints for t in (c.conv, c.recurrent)]
+    copies = _empty_like(sources, pin, pool)
+    for out, source in zip(copies, sources):
+        out.copy_(source, non_blocking=pin)
+    state = HostState(dict(zip(named, copies)), session.state.length)
+    rest = iter(copies[len(named):])
+    checkpoints = [DeltaSnapshot(c.position, next(rest), next(rest)) for c in session.checkpoints]
     return replace(session, state=state, ids=list(session.ids), checkpoints=checkpoints, marks=list(session.marks))
 
 
@@ -93,19 +102,20 @@ class Move:
             torch.cuda.current_stream(self.session.state.device).wait_event(self.event)
 
 
-def move_to_host(session: Session, stream: torch.cuda.Stream | None = None) -> Move:
-    """Begin copying `session` to host memory (pinned on a GPU). On a GPU the copies run on `stream`
-    (None: the current stream) after every piece of work already queued on the current one, and
-    the move's event is recorded after them: the caller's thread does not wait for them. On the
-    CPU the copy is plain, whole when this returns."""
+def move_to_host(session: Session, stream: torch.cuda.Stream | None = None, pool: PinnedPool | None = None) -> Move:
+    """Begin copying `session` to host memory (pinned on a GPU: from `pool` where it has the room,
+    else pinned here). On a GPU the copies run on `stream` (None: the current stream) after every
+    piece of work already queued on the current one, and the move's event is recorded after them:
+    the caller's thread does not wait for them. On the CPU the copy is plain (into `pool`'s memory
+    where given), whole when this returns."""
     device = session.state.device
     if device.type != "cuda":
-        return Move(session, _copy(session, pin=False))
+        return Move(session, _copy(session, pin=False, pool=pool))
     current = torch.cuda.current_stream(device)
     stream = current if stream is None else stream
     stream.wait_stream(current)  # the copy reads the rows as every write queued before it left them
     with torch.cuda.stream(stream):
-        copy = _copy(session, pin=True)
+        copy = _copy(session, pin=True, pool=pool)
         event = torch.cuda.Event()
         event.record(stream)
     return Move(session, copy, event)

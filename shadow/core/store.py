@@ -42,7 +42,7 @@ import time
 from collections import OrderedDict
 from contextlib import contextmanager
 from collections.abc import Callable, Container
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -50,6 +50,7 @@ from shadow.errors import ShadowInputError
 from shadow.model.runtime import arithmetic
 from shadow.core import blockio
 from shadow.core.hosttier import HostTier, Move, from_host, host_bytes, move_to_host
+from shadow.core.pinnedpool import PinnedPool
 from shadow.core.reader import Reader, Session
 from shadow.core.residency import GIB, RestoreRate, Settle
 from shadow.core.sessionfile import (
@@ -70,6 +71,7 @@ FOLDER_MODE = 0o700
 RECENT_DROPS = 64  # dropped sessions whose reason totals() keeps
 MEASURE_NAME = "shadow restore measurement"  # no client can name a session so (a space)
 STAGE_CAP_GIB = 4.0  # host memory the copies waiting for their writes to disk may hold
+PINNED_AHEAD_GIB = 2.0  # pinned host memory kept free ahead of the next copies out (on a GPU)
 
 
 @dataclass
@@ -183,6 +185,7 @@ class SessionStore:
         self._written: set[str] = set()  # host-tier copies whose file holds them
         self._disk_full_until = -math.inf  # a write behind found the disk full: nothing leaves for it before then
         self._stream = None  # the CUDA stream copies out run on (made with the first one)
+        self.pinned = self._pinned_pool()  # host memory for copies out, pinned ahead (None off a GPU)
         self._header_cache: dict[str, tuple[tuple, Header | None]] = {}  # file name: (its stamp, its header)
         self._sweep_lock = threading.Lock()  # sweeps run where the store runs and on the write-behind thread
         if self.disk:
@@ -327,12 +330,14 @@ class SessionStore:
 
     def close(self) -> list[tuple[str, str]]:
         """A planned stop: `save` every session; the write-behind thread ends (a later move to the
-        host tier starts another)."""
+        host tier starts another), and the pinned pool pins no more."""
         failed = self.save()
         if self.behind is not None:
             self.behind.close()
             self._collect()
             self.behind = None
+        if self.pinned is not None:
+            self.pinned.close()
         return failed
 
     def _version(self, session: Session, record: dict | None = None) -> tuple:
@@ -424,12 +429,20 @@ class SessionStore:
             self._stream = torch.cuda.Stream(device)
         return self._stream
 
+    def _pinned_pool(self) -> PinnedPool | None:
+        """On a GPU with a host tier or a disk: the pool copies out take pinned memory from, within
+        the host tier's and staging's bounds, `PINNED_AHEAD_GIB` kept pinned ahead of need."""
+        if self.reader.model.device.type != "cuda" or not (self.host or self.disk):
+            return None
+        limit = (self.host.cap if self.host is not None else 0) + (self.stage_cap if self.disk else 0)
+        return PinnedPool(limit, int(PINNED_AHEAD_GIB * GIB)) if limit else None
+
     def _begin_move(self, session: Session, to: str, nbytes: int) -> None:
         """`session` leaves the device: its copy to host memory begun beside the reads, its room
         (in the host tier, or in staging for disk) held until the copy is whole."""
         name = session.name
         start = time.perf_counter()
-        move = move_to_host(session, self._side_stream())
+        move = move_to_host(session, self._side_stream(), self.pinned)
         seconds = time.perf_counter() - start
         self._moving[name] = Leaving(move, to, session_bytes(session), nbytes)
         del self._resident[name]
@@ -964,6 +977,7 @@ class SessionStore:
             "write_behind_queue": self.behind.pending() if self.behind is not None else 0,
             "moving_sessions": len(self._moving), "moving_bytes": sum(m.device_bytes for m in self._moving.values()),
             "staged_sessions": len(self._staged), "staged_bytes": self.staged_bytes(), "stage_cap_bytes": self.stage_cap,
+            "pinned": asdict(self.pinned.stats()) if self.pinned is not None else None,
         }
 
     def status(self) -> list[SessionRow]:

@@ -146,6 +146,13 @@ class ShadowCollector:
                 if totals[key] is not None:
                     out.gauge(name, help_, totals[key])
             out.counter("written_behind", "Host copies written to disk by the write-behind thread", totals["written_behind"])
+            pinned = totals.get("pinned")
+            if pinned is not None:  # on a GPU: the pool copies out take pinned host memory from
+                out.gauge("pinned_bytes", "Host memory the pinned pool has pinned", pinned["pinned_bytes"])
+                out.gauge("pinned_free_bytes", "Pinned host memory free for the next copies out", pinned["free_bytes"])
+                out.counter("pinned_fallbacks", "Copies out that found no pinned span free and pinned where they began",
+                            pinned["fallbacks"])
+                out.counter("pinned_pin_seconds", "Seconds the pinned pool's thread spent pinning", pinned["pin_seconds"])
         pending = [r["pending"] for r in rows]
         out.gauge("backlog_ids", "Ids known and not read yet, over every session", sum(pending))
         grid = status["grid"]

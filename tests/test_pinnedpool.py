@@ -1,0 +1,153 @@
+"""The pinned pool: memory filled ahead on its own thread, lent in aligned spans that come back when
+their tensors are freed, bounded, and a host copy carved from it equal to the session bit for bit.
+On the CPU the pool's memory is plain (`pin=False`); the GPU tests pin it."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+from test_store import GRID, fed, fingerprint, assert_same
+
+from shadow.core.hosttier import from_host, move_to_host
+from shadow.core.pinnedpool import ALIGN, PinnedPool
+from shadow.core.reader import Reader
+from shadow.core.store import SessionStore
+
+KIB = 1024
+SLAB = 64 * KIB
+
+
+@pytest.fixture()
+def pool():
+    p = PinnedPool(limit=4 * SLAB, ahead=2 * SLAB, slab_bytes=SLAB, pin=False)
+    assert p.wait_filled(10)
+    yield p
+    p.close()
+
+
+def test_the_pool_fills_ahead_on_its_own_thread_and_lends_aligned_disjoint_spans(pool):
+    stats = pool.stats()
+    assert (stats.slabs, stats.pinned_bytes, stats.free_bytes, stats.spans_lent) == (2, 2 * SLAB, 2 * SLAB, 0)
+    a, b, c = pool.take([((3, 100), torch.bfloat16), ((7,), torch.float32), ((2, 5, 9), torch.int64)])
+    assert (a.shape, a.dtype, b.shape, b.dtype, c.shape, c.dtype) == \
+        ((3, 100), torch.bfloat16, (7,), torch.float32, (2, 5, 9), torch.int64)
+    assert all(t.data_ptr() % ALIGN == 0 and t.is_contiguous() for t in (a, b, c))
+    a.fill_(1.5), b.fill_(-2.0), c.fill_(7)
+    assert (a == 1.5).all() and (b == -2.0).all() and (c == 7).all()  # no span overlaps another
+    assert pool.stats().spans_lent == 3 and pool.stats().lent_bytes == 3 * ALIGN
+
+
+def test_a_span_comes_back_when_its_tensor_and_every_view_of_it_are_freed(pool):
+    (t,) = pool.take([((1000,), torch.float32)])
+    view = t[10:20]
+    del t
+    gc.collect()
+    assert pool.stats().spans_lent == 1  # the view still reads the span
+    view.fill_(3.0)
+    del view
+    gc.collect()
+    stats = pool.stats()
+    assert stats.spans_lent == 0 and stats.free_bytes == stats.pinned_bytes
+    # the freed runs merged back: the whole slab can be lent as one span again
+    whole = pool.take([((SLAB,), torch.uint8)])
+    assert whole is not None and whole[0].numel() == SLAB
+
+
+def test_a_request_the_free_spans_cannot_hold_takes_nothing_and_the_thread_pins_for_it(pool):
+    held = pool.take([((SLAB,), torch.uint8), ((SLAB,), torch.uint8)])  # both slabs lent
+    assert held is not None
+    before = pool.stats()
+    assert pool.take([((SLAB // 2,), torch.uint8), ((3 * SLAB,), torch.uint8)]) is None
+    after = pool.stats()
+    assert after.fallbacks == before.fallbacks + 1 and after.spans_lent == 2  # none taken
+    assert pool.wait_filled(10)
+    # the largest unmet tensor (3 slabs) would pass the limit (4 slabs, 2 pinned): it stays the caller's
+    assert pool.stats().pinned_bytes <= pool.limit
+    small = pool.take([((SLAB // 2,), torch.uint8)])
+    assert small is None or pool.stats().pinned_bytes <= pool.limit
+
+
+def test_the_pool_never_pins_past_its_limit_and_a_lent_out_pool_falls_back():
+    p = PinnedPool(limit=3 * SLAB, ahead=10 * SLAB, slab_bytes=SLAB, pin=False)
+    try:
+        assert p.wait_filled(10)
+        assert p.stats().pinned_bytes == 3 * SLAB  # ahead asked for ten: the limit allows three
+        lent = [p.take([((SLAB,), torch.uint8)]) for _ in range(3)]
+        assert all(x is not None for x in lent)
+        assert p.take([((1,), torch.uint8)]) is None
+        assert p.wait_filled(10) and p.stats().pinned_bytes == 3 * SLAB and p.stats().fallbacks == 1
+    finally:
+        p.close()
+
+
+def test_an_unmet_request_gets_a_slab_of_its_size_where_the_limit_has_room():
+    p = PinnedPool(limit=8 * SLAB, ahead=SLAB, slab_bytes=SLAB, pin=False)
+    try:
+        assert p.wait_filled(10)
+        assert p.take([((3 * SLAB,), torch.uint8)]) is None  # larger than any slab
+        assert p.wait_filled(10)
+        got = p.take([((3 * SLAB,), torch.uint8)])
+        assert got is not None and p.stats().pinned_bytes == 4 * SLAB
+    finally:
+        p.close()
+
+
+def test_threads_taking_and_freeing_at_once_leave_the_pool_whole(pool):
+    errors = []
+
+    def churn(seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(300):
+                n = int(torch.randint(1, 20 * KIB, (1,), generator=g))
+                got = pool.take([((n,), torch.uint8)])
+                if got is not None:
+                    got[0].fill_(seed)
+                    assert bool((got[0] == seed).all())
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=churn, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    gc.collect()
+    stats = pool.stats()
+    assert not errors and stats.spans_lent == 0 and stats.free_bytes == stats.pinned_bytes <= pool.limit
+
+
+def test_bad_bounds_are_refused():
+    with pytest.raises(ValueError):
+        PinnedPool(limit=-1, ahead=0)
+    with pytest.raises(ValueError):
+        PinnedPool(limit=SLAB, ahead=0, slab_bytes=0)
+
+
+def test_a_host_copy_carved_from_the_pool_moves_back_bit_for_bit(tiny):
+    reader = Reader(tiny.model, GRID)
+    store = SessionStore(reader, "h", cap_gib=None)
+    a = fed(store, reader, "a", seed=3)
+    before = fingerprint(a)
+    p = PinnedPool(limit=64 << 20, ahead=32 << 20, slab_bytes=16 << 20, pin=False)
+    try:
+        assert p.wait_filled(10)
+        move = move_to_host(a, pool=p)
+        copy = move.copy
+        lent = p.stats().spans_lent
+        assert lent == len(a.state.tensors()) + 2 * len(a.checkpoints) and p.stats().fallbacks == 0
+        back = from_host(copy, reader.model.new_state())
+        assert_same(before, fingerprint(back))
+        del move, copy, back  # (on the CPU the session back shares its checkpoints' memory with the copy)
+        gc.collect()
+        assert p.stats().spans_lent == 0  # the copy freed, its spans are the pool's again
+    finally:
+        p.close()
+
+
+def test_a_store_off_a_gpu_has_no_pinned_pool(tiny, tmp_path):
+    store = SessionStore(Reader(tiny.model, GRID), "h", cap_gib=0, host_cap_gib=1.0, disk=tmp_path)
+    assert store.pinned is None and store.totals()["pinned"] is None
