@@ -2,16 +2,19 @@
 
 Pinning host memory is slow (about 0.4 s for a 58k session's 0.88 GiB on an H100 host) and, done
 where a move begins, stalls the thread that reads. A `PinnedPool` pins slabs on a thread of its
-own, ahead of need, and hands out spans of them: a copy's tensors are carved from one span
-(`take`), each aligned, so a move to host memory finds its memory pinned already. A span goes back
-to the pool when the last tensor carved from it is freed (its memory is a buffer object the
-tensors keep alive; the pool is told when that object dies), so the copy's owners (the host tier,
-staging, a write behind, a restore) need not tell it.
+own, ahead of need, and hands out spans of them: each of a copy's tensors is carved from a
+page-aligned span of its own (`take`, all or none, best fit), so a move to host memory finds its
+memory pinned already. A span goes back to the pool when its tensor and every view of it are freed
+(its memory is a buffer object the tensor keeps alive; the pool is told when that object dies), so
+the copy's owners (the host tier, staging, a write behind, a restore) need not tell it.
 
 The pool is bounded: its slabs never pass `limit` bytes, and it keeps at least `ahead` bytes free
 where the limit allows (a slab pinned each time the free bytes fall below it, or a request went
-unmet). A request the free spans cannot hold (the pool full, or no free run long enough) gets None: the caller pins on its own thread, as
-before the pool, and the pool counts it (`fallbacks`). Slabs are kept until `close`.
+unmet). A request the free spans cannot hold (the pool full, or no free run long enough) gets
+None: the caller pins on its own thread, as before the pool, and the pool counts it
+(`fallbacks`). Slabs are kept while the pool lives, and each while a span of it is lent. A span's
+return is noted without a lock (a garbage collection may free a tensor on any thread, the pool's
+lock held or not) and taken in at the pool's next call.
 
 Exactness is not the pool's concern: a span is memory, the copies into it are the tier's.
 """
@@ -22,6 +25,7 @@ import ctypes
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,18 +56,20 @@ class PoolStats:
 
 
 class PinnedPool:
-    """Host memory (pinned where `pin`) in slabs of `slab_bytes`, at most `limit` bytes in all,
-    at least `ahead` bytes kept free by a thread of its own where the limit allows."""
+    """Host memory (pinned where `pin`) in slabs, at most `limit` bytes in all, at least `ahead`
+    bytes kept free by a thread of its own where the limit allows."""
 
     def __init__(self, limit: int, ahead: int, slab_bytes: int = SLAB_BYTES, pin: bool = True):
         if limit < 0 or ahead < 0 or slab_bytes <= 0:
             raise ValueError("a pinned pool's limit and ahead are >= 0 and its slab size > 0")
-        self.limit, self.ahead, self.slab_bytes, self.pin = limit, min(ahead, limit), slab_bytes, pin
+        self.limit, self.ahead, self.slab_bytes, self.pin = limit, min(ahead, limit), _power_of_two(slab_bytes), pin
         self._slabs: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per slab: (offset, size) runs, by offset, merged
         self._lent: dict[int, tuple[int, int, int]] = {}  # a span's id -> (slab, offset, size)
+        self._returned: deque[int] = deque()  # spans whose tensors were freed, given back under the lock
         self._next_id = 0
-        self._pinned = 0  # bytes of the slabs' spans (each slab pins a page more, for alignment)
+        self._pinned = 0  # bytes of the slabs
+        self._pinning = False  # the thread is pinning a slab now
         self._unmet = 0  # the largest tensor a request could not place since the last slab
         self._takes = self._fallbacks = 0
         self._pin_seconds = 0.0
@@ -71,7 +77,9 @@ class PinnedPool:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closed = False
-        self._thread = threading.Thread(target=self._fill, name="shadow-pinned-pool", daemon=True)
+        # the thread holds the pool weakly: a pool nobody holds is let go, and its thread ends
+        self._thread = threading.Thread(target=_fill, args=(weakref.ref(self), self._wake), name="shadow-pinned-pool",
+                                        daemon=True)
         self._thread.start()
 
     # lending -----------------------------------------------------------------------------
@@ -80,9 +88,10 @@ class PinnedPool:
         """Empty tensors of the given shapes and dtypes, each carved from a free span of its own, or
         None where the free spans cannot hold them all (none is taken; the caller allocates its
         own, and the pool pins more ahead). A span comes back to the pool when its tensor, and
-        every view of it, is freed."""
+        every view of it, is freed; its slab lives at least as long."""
         nbytes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
         with self._lock:
+            self._collect()
             self._takes += 1
             spans = []
             for n in nbytes:
@@ -98,16 +107,21 @@ class PinnedPool:
             lent = []
             for slab, offset, size in spans:
                 self._lent[self._next_id] = (slab, offset, size)
-                lent.append((self._next_id, self._slabs[slab].data_ptr() + offset))
+                lent.append((self._next_id, self._slabs[slab], offset))
                 self._next_id += 1
             if self._free_bytes() < self.ahead:
                 self._wake.notify()
         tensors = []
-        for (shape, dtype), n, (span_id, address) in zip(specs, nbytes, lent):
-            holder = (ctypes.c_char * max(n, 1)).from_address(address)
-            weakref.finalize(holder, self._give_back, span_id)
+        for (shape, dtype), n, (span_id, slab, offset) in zip(specs, nbytes, lent):
+            holder = (ctypes.c_char * max(n, 1)).from_address(slab.data_ptr() + offset)
+            weakref.finalize(holder, _returned, self._returned, span_id, slab)  # the slab lives while the span does
             tensors.append(torch.frombuffer(holder, dtype=torch.uint8)[:n].view(dtype).view(shape))
         return tensors
+
+    def _collect(self) -> None:
+        """Spans whose tensors were freed, free again (under the lock)."""
+        while self._returned:
+            self._free_run(*self._lent.pop(self._returned.popleft()))
 
     def _best_fit(self, size: int) -> tuple[int, int, int] | None:
         """(slab, offset, size) of `size` bytes taken from the start of the shortest free run that
@@ -139,65 +153,60 @@ class PinnedPool:
                 merged.append((o, n))
         self._free[slab] = merged
 
-    def _give_back(self, span_id: int) -> None:
-        with self._lock:
-            self._free_run(*self._lent.pop(span_id))
-
     # filling ahead -------------------------------------------------------------------------
 
     def _free_bytes(self) -> int:
         return sum(n for runs in self._free for _, n in runs)
 
-    def _wants_slab(self) -> int:
-        """Bytes of the next slab to pin, 0 for none: one of `slab_bytes` (or of the largest tensor
-        a request could not place, if larger) while the free bytes are below `ahead` or a request
-        went unmet, within the limit."""
-        if self._error is not None or not (self._free_bytes() < self.ahead or self._unmet):
+    def _wanted(self) -> int:
+        """Bytes of the next slab to pin, 0 for none: one large enough for the largest tensor a
+        request could not place, else (while fewer than `ahead` bytes are free) one of
+        `slab_bytes`, the first of them the limit has room for. Slab sizes are powers of two (what
+        torch's pinned allocator pins for them anyway), so room under the limit smaller than a
+        slab stays unpinned."""
+        if self._error is not None or self._closed:
             return 0
-        size = _aligned(max(self.slab_bytes, self._unmet))
-        if self._pinned + size > self.limit:
-            self._unmet = 0  # no room: the caller's own pins serve those requests
-            return 0
-        return size
+        sizes = [_power_of_two(max(self.slab_bytes, self._unmet))] if self._unmet else []
+        if self._free_bytes() < self.ahead:
+            sizes.append(self.slab_bytes)
+        return next((n for n in sizes if self._pinned + n <= self.limit), 0)
 
-    def _fill(self) -> None:
-        """The pool's thread: pin a slab whenever one is wanted; on an error, stop pinning (the
-        error in `stats`, requests no span fits fall back to the caller)."""
-        while True:
+    def _pin(self, nbytes: int) -> None:
+        """Pin a slab of `nbytes` (on the pool's thread) and add its page-aligned run to the free ones."""
+        start = time.perf_counter()
+        try:  # pinned memory comes page-aligned; plain memory gets a page more to align in
+            slab = torch.empty(nbytes if self.pin else nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
+        except Exception as e:  # noqa: BLE001 - reported in stats; the pool stops growing
             with self._lock:
-                while not self._closed and not (nbytes := self._wants_slab()):
-                    self._wake.wait()
-                if self._closed:
-                    return
-                self._unmet = 0
-            start = time.perf_counter()
-            try:  # a page more, so that its spans start on page boundaries
-                slab = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
-            except Exception as e:  # noqa: BLE001 - reported in stats; the pool stops growing
-                with self._lock:
-                    self._error = f"{type(e).__name__}: {e}"
-                return
-            with self._lock:
-                self._pin_seconds += time.perf_counter() - start
-                self._slabs.append(slab)
-                self._free.append([(-slab.data_ptr() % ALIGN, nbytes)])
-                self._pinned += nbytes
+                self._error, self._pinning = f"{type(e).__name__}: {e}", False
+            return
+        pad = -slab.data_ptr() % ALIGN
+        usable = (nbytes - pad) // ALIGN * ALIGN if self.pin else nbytes
+        with self._lock:
+            self._pin_seconds += time.perf_counter() - start
+            self._slabs.append(slab)
+            self._free.append([(pad, usable)] if usable > 0 else [])
+            self._pinned += nbytes
+            self._pinning = False
 
     def wait_filled(self, timeout: float = 60.0) -> bool:
-        """Block until the pool wants no slab (its `ahead` free, or its limit reached); False on
-        timeout or when its thread stopped on an error. For tests and measurements."""
+        """Block until the pool wants no slab and pins none (its `ahead` free, or its limit
+        reached); False on timeout or when its thread stopped on an error. For tests and
+        measurements."""
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             with self._lock:
+                self._collect()
                 if self._error is not None:
                     return False
-                if not self._wants_slab():
+                if not self._pinning and not self._wanted():
                     return True
             time.sleep(0.005)
         return False
 
     def close(self) -> None:
-        """Stop the thread; the slabs are let go once every span lent from them is freed."""
+        """Stop the thread: the pool pins no more (it still lends what it holds). Its slabs go with
+        the pool, each one once no span of it is lent."""
         with self._lock:
             self._closed = True
             self._wake.notify()
@@ -205,6 +214,40 @@ class PinnedPool:
 
     def stats(self) -> PoolStats:
         with self._lock:
+            self._collect()
             pinned, free = self._pinned, self._free_bytes()
             return PoolStats(len(self._slabs), pinned, free, pinned - free, len(self._lent), self._takes,
                              self._fallbacks, round(self._pin_seconds, 4), self._error)
+
+
+def _returned(returned: deque[int], span_id: int, slab: torch.Tensor) -> None:
+    """A span's tensors are freed: noted without a lock (a collection may run this on any thread,
+    the pool's lock held or not); `slab` is held until now so the span's memory lives as long."""
+    returned.append(span_id)
+
+
+def _fill(pool_ref: weakref.ref, wake: threading.Condition) -> None:
+    """The pool's thread: pin a slab whenever one is wanted, until the pool is closed or let go;
+    on an error, pin no more (the error in `stats`; requests the free spans cannot hold fall back
+    to the caller)."""
+    while True:
+        pool = pool_ref()
+        if pool is None:
+            return
+        with wake:
+            pool._collect()
+            if pool._closed:
+                return
+            nbytes = pool._wanted()
+            if nbytes:
+                pool._unmet, pool._pinning = 0, True
+            else:
+                del pool  # not held while waiting: a pool nobody else holds is let go
+                wake.wait(timeout=1.0)
+                continue
+        pool._pin(nbytes)
+        del pool
+
+
+def _power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()

@@ -180,6 +180,7 @@ class SessionStore:
         self.stage_cap = int(stage_cap_gib * GIB)
         self._moving: OrderedDict[str, Leaving] = OrderedDict()  # copies out in flight, oldest first
         self._letting_go: list[Leaving] = []  # moves of sessions gone meanwhile: their rows held until done
+        self._kept: list[Move] = []  # moves let go for sessions kept on the device: their copies held until done
         self._staged: OrderedDict[str, Session] = OrderedDict()  # host copies bound for disk, not yet written
         self._staged_bytes: dict[str, int] = {}
         self._written: set[str] = set()  # host-tier copies whose file holds them
@@ -432,7 +433,7 @@ class SessionStore:
     def _pinned_pool(self) -> PinnedPool | None:
         """On a GPU with a host tier or a disk: the pool copies out take pinned memory from, within
         the host tier's and staging's bounds, `PINNED_AHEAD_GIB` kept pinned ahead of need."""
-        if self.reader.model.device.type != "cuda" or not (self.host or self.disk):
+        if self.reader.model.device.type != "cuda" or (self.host is None and not self.disk):
             return None
         limit = (self.host.cap if self.host is not None else 0) + (self.stage_cap if self.disk else 0)
         return PinnedPool(limit, int(PINNED_AHEAD_GIB * GIB)) if limit else None
@@ -489,6 +490,9 @@ class SessionStore:
                 leaving.move.wait()
             if leaving.move.done():
                 self._letting_go.remove(leaving)
+        for move in self._kept if wait else ():
+            move.wait()
+        self._kept = [m for m in self._kept if not m.done()]
         for name, leaving in list(self._moving.items()):
             if wait:
                 leaving.move.wait()
@@ -511,6 +515,7 @@ class SessionStore:
         if leaving is None:
             return None
         leaving.move.keep()
+        self._kept.append(leaving.move)  # its copy held until done: its host memory is still written
         c = self.counters
         if leaving.to == "host":
             self.host.take(name)  # its reservation let go
