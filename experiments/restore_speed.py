@@ -21,6 +21,8 @@ warm graphs and caches), unless `--no-reread`; `--reread-tokens N` reads only th
 restore's parts, each timed alone (`phases`). On a GPU, `steps_beside_pinning`: short GPU steps on
 this thread timed alone and while a pinned pool pins 2 GiB on its own thread (does pinning stall the
 device thread?); `pinned_pool`: each run's pool, its fallbacks (moves that pinned where they began).
+Each arm's `spill_begun_runs`: the settle alone, before the move is waited for (what a move out
+holds the device thread).
 
     python3 experiments/restore_speed.py --device cuda --runs 5
     python3 experiments/restore_speed.py --device cpu --runs 5 --reread-tokens 1024
@@ -115,7 +117,7 @@ def main() -> None:
         "spill_s": round(statistics.median(times[headline]["spill"]), 4),
         "spill_gib_per_s": round(file_bytes / 2**30 / statistics.median(times[headline]["spill"]), 2),
         "runs": [round(t, 4) for t in times[headline]["restore"]], "bit_equal": True,
-        "arms": {arm: arm_summary(times[arm], sizes[arm]) for arm in arms},
+        "arms": {arm: arm_summary(arm, times[arm], sizes[arm]) for arm in arms},
         "where_the_time_goes": where,
         "pinned_pool": {arm: {"fallbacks": [p["fallbacks"] for p in runs], "pinned_bytes": runs[-1]["pinned_bytes"],
                               "pin_seconds": [p["pin_seconds"] for p in runs]} for arm, runs in pools.items()},
@@ -162,6 +164,9 @@ def random_session(reader, tokens: int, checkpoints: int):
     return session
 
 
+begun: dict[str, list[float]] = {}  # by arm, each run's settle alone: the time a move out holds the device thread
+
+
 def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bool):
     """Spill `session` and restore it by `arm`'s way: (spill s, restore s, bytes moved, share of the
     file's pages cached before the restore (None: no file), the restored session)."""
@@ -176,8 +181,10 @@ def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bo
     sync(cuda)
     start = time.perf_counter()
     store.settle()
+    settled_s = time.perf_counter() - start  # what the device thread spends: the move begun
     store.flush()  # the move out (on a stream of its own) whole, and a file written behind on disk
     spill_s = time.perf_counter() - start
+    begun.setdefault(arm, []).append(settled_s)
     if (c.to_host if host else c.spills) != 1:
         raise SystemExit(f"{arm}: the session did not leave the device ({store.totals()['last_error']})")
     still = None if host else drop_cache(store.path_of("restore-speed"))
@@ -339,11 +346,12 @@ def reread_times(reader, ids: list[int], tokens: int, runs: int, cuda: bool) -> 
     return tokens, out
 
 
-def arm_summary(t: dict[str, list[float]], nbytes: int) -> dict:
+def arm_summary(arm: str, t: dict[str, list[float]], nbytes: int) -> dict:
     restore, spill = statistics.median(t["restore"]), statistics.median(t["spill"])
     return {"file_bytes": nbytes, "restore_s": round(restore, 4), "restore_gib_per_s": round(nbytes / 2**30 / restore, 2),
             "restore_runs": [round(x, 4) for x in t["restore"]], "spill_s": round(spill, 4),
-            "spill_gib_per_s": round(nbytes / 2**30 / spill, 2), "spill_runs": [round(x, 4) for x in t["spill"]]}
+            "spill_gib_per_s": round(nbytes / 2**30 / spill, 2), "spill_runs": [round(x, 4) for x in t["spill"]],
+            "spill_begun_runs": [round(x, 5) for x in begun.get(arm, [])]}
 
 
 def sync(cuda: bool) -> None:
