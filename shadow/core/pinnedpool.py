@@ -89,7 +89,7 @@ class PinnedPool:
         None where the free spans cannot hold them all (none is taken; the caller allocates its
         own, and the pool pins more ahead). A span comes back to the pool when its tensor, and
         every view of it, is freed; its slab lives at least as long."""
-        nbytes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+        nbytes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
         with self._lock:
             self._collect()
             self._takes += 1

@@ -236,12 +236,19 @@ class SessionStore:
         if name in self._resident or name in self._moving or name in self._staged \
                 or (self.host is not None and name in self.host):
             return True
+        return self._file_of(name) is not None
+
+    def _file_of(self, name: str) -> tuple[Path, os.stat_result] | None:
+        """`name`'s file in the disk folder and its `lstat`, where there is a disk and the file is a
+        regular one (a link is not followed); None otherwise."""
         if not self.disk:
-            return False
+            return None
+        path = self.path_of(name)
         try:
-            return stat.S_ISREG(self.path_of(name).lstat().st_mode)
+            st = path.lstat()
         except OSError:
-            return False
+            return None
+        return (path, st) if stat.S_ISREG(st.st_mode) else None
 
     def unread(self, name: str) -> int | None:
         """The ids the store holds of session `name` and has not read (a held output counted), wherever
@@ -252,14 +259,8 @@ class SessionStore:
             or self._staged.get(name) or (self.host.peek(name) if self.host is not None else None)
         if session is not None:
             return session.pending
-        if not self.disk:
-            return None
-        path = self.path_of(name)
-        try:
-            st = path.lstat()
-        except OSError:
-            return None
-        header = self._header(path, st) if stat.S_ISREG(st.st_mode) else None
+        found = self._file_of(name)
+        header = self._header(*found) if found is not None else None
         return None if header is None or header.name != name else header.tokens - header.committed
 
     def names(self) -> list[str]:
@@ -751,15 +752,11 @@ class SessionStore:
                 session = from_host(copy, self.reader.model.new_state())
                 done(session)
             return Restored(session, ("host", id(copy), 0, 0), time.perf_counter() - start, copy)
-        if not self.disk:
+        if (found := self._file_of(name)) is None:
             return None
-        path = self.path_of(name)
-        try:
-            st = path.lstat()
-        except OSError:
-            return None
+        path, st = found
         key = (path.name, st.st_ino, st.st_mtime_ns, st.st_size)
-        if not stat.S_ISREG(st.st_mode) or key in self._refused:
+        if key in self._refused:
             return None
         start = time.perf_counter()
         with beside(stream) as done:
