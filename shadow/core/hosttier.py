@@ -3,7 +3,8 @@
 A session moved out keeps every tensor of its state (KV rows up to its committed length, the GDN
 conv and recurrent state) and of its checkpoints as a host copy of the same dtype and shape,
 pinned where the model is on a GPU (from a `pinnedpool.PinnedPool` pinned ahead on a thread of its
-own where the store has one, so a move pins nothing where it begins), with its ids and counters. Moved
+own where the store has one and it has room, so such a move pins nothing where it begins; else
+pinned there), with its ids and counters. Moved
 back, the copies are loaded into a fresh state on the model's device: the same bytes, so the
 session is the one that left. No format stands between the two: nothing is encoded or hashed.
 
