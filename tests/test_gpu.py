@@ -292,6 +292,28 @@ def test_copies_out_take_the_pools_memory_pinned_ahead_and_give_it_back(tiny_cud
     assert store.totals()["pinned"]["fallbacks"] == 0
 
 
+def test_a_slab_is_page_locked_copies_bit_for_bit_and_is_let_go():
+    """A pool's slab is mapped memory page-locked by `cudaHostRegister`: torch sees it pinned, a
+    device-to-host copy into it and back is bit-equal, and once the slab is freed its mapping is
+    unregistered and closed."""
+    import ctypes
+    import gc
+
+    from shadow.core.pinnedpool import Slab
+
+    slab = Slab(64 << 20, pin=True)
+    view = torch.frombuffer((ctypes.c_char * slab.nbytes).from_address(slab.address), dtype=torch.uint8)
+    assert slab.pinned and view.is_pinned()
+    src = torch.randint(0, 255, (slab.nbytes,), dtype=torch.uint8, device="cuda")
+    view.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(view.cuda(), src)
+    mapped = slab._map
+    del view, slab
+    gc.collect()
+    assert mapped.closed
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_a_restore_ahead_on_a_side_stream_beside_reads_gives_the_session_bit_for_bit(tiny_cuda, tier, tmp_path):
     """A session in the host tier or on disk brought back on a stream of its own, on another

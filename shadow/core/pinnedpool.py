@@ -22,6 +22,7 @@ Exactness is not the pool's concern: a span is memory, the copies into it are th
 from __future__ import annotations
 
 import ctypes
+import mmap
 import threading
 import time
 import weakref
@@ -31,8 +32,11 @@ from dataclasses import dataclass
 
 import torch
 
+from shadow.core import cudart
+
 ALIGN = 4096  # a span's offset and size in its slab: a page, so a span also suits direct I/O
 SLAB_BYTES = 256 << 20
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages made present by mmap itself
 
 
 def _aligned(n: int) -> int:
@@ -55,6 +59,38 @@ class PoolStats:
     error: str | None
 
 
+class Slab:
+    """`nbytes` of anonymous memory, page-aligned, its pages made present when it is mapped
+    (outside any CUDA call), then page-locked for the GPU where `pin` (`cudaHostRegister`, called
+    without the GIL). Unlocked and unmapped when the slab is freed.
+
+    Why not torch's pinned allocator: while a pool of its slabs (`cudaHostAlloc`) pinned 2 GiB on
+    its thread, short synchronised GPU steps on another thread took 256 ms each, not 0.23 ms (a
+    lent H100, `experiments/restore_speed.py`'s `steps_beside_pinning`). Here the pages are made
+    present by the kernel outside any CUDA call, and the register call holds no GIL;
+    `experiments/pin_stall.py` measures each way beside GPU steps."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self.nbytes = nbytes
+        self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        self.pinned = False
+        if pin:
+            try:
+                cudart.host_register(self.address, nbytes)
+            except BaseException:
+                self._map.close()
+                raise
+            self.pinned = True
+        weakref.finalize(self, _unmap, self._map, self.address if pin else None)
+
+
+def _unmap(mapped: mmap.mmap, pinned_at: int | None) -> None:
+    if pinned_at is not None:
+        cudart.host_unregister(pinned_at)
+    mapped.close()
+
+
 class PinnedPool:
     """Host memory (pinned where `pin`) in slabs, at most `limit` bytes in all, at least `ahead`
     bytes kept free by a thread of its own where the limit allows."""
@@ -62,8 +98,8 @@ class PinnedPool:
     def __init__(self, limit: int, ahead: int, slab_bytes: int = SLAB_BYTES, pin: bool = True):
         if limit < 0 or ahead < 0 or slab_bytes <= 0:
             raise ValueError("a pinned pool's limit and ahead are >= 0 and its slab size > 0")
-        self.limit, self.ahead, self.slab_bytes, self.pin = limit, min(ahead, limit), _power_of_two(slab_bytes), pin
-        self._slabs: list[torch.Tensor] = []
+        self.limit, self.ahead, self.slab_bytes, self.pin = limit, min(ahead, limit), _aligned(slab_bytes), pin
+        self._slabs: list[Slab] = []
         self._free: list[list[tuple[int, int]]] = []  # per slab: (offset, size) runs, by offset, merged
         self._lent: dict[int, tuple[int, int, int]] = {}  # a span's id -> (slab, offset, size)
         self._returned: deque[int] = deque()  # spans whose tensors were freed, given back under the lock
@@ -113,7 +149,7 @@ class PinnedPool:
                 self._wake.notify()
         tensors = []
         for (shape, dtype), n, (span_id, slab, offset) in zip(specs, nbytes, lent):
-            holder = (ctypes.c_char * max(n, 1)).from_address(slab.data_ptr() + offset)
+            holder = (ctypes.c_char * max(n, 1)).from_address(slab.address + offset)
             weakref.finalize(holder, _returned, self._returned, span_id, slab)  # the slab lives while the span does
             tensors.append(torch.frombuffer(holder, dtype=torch.uint8)[:n].view(dtype).view(shape))
         return tensors
@@ -161,31 +197,28 @@ class PinnedPool:
     def _wanted(self) -> int:
         """Bytes of the next slab to pin, 0 for none: one large enough for the largest tensor a
         request could not place, else (while fewer than `ahead` bytes are free) one of
-        `slab_bytes`, the first of them the limit has room for. Slab sizes are powers of two (what
-        torch's pinned allocator pins for them anyway), so room under the limit smaller than a
-        slab stays unpinned."""
+        `slab_bytes`, the first of them the limit has room for (room under the limit smaller than
+        a slab stays unpinned)."""
         if self._error is not None or self._closed:
             return 0
-        sizes = [_power_of_two(max(self.slab_bytes, self._unmet))] if self._unmet else []
+        sizes = [max(self.slab_bytes, _aligned(self._unmet))] if self._unmet else []
         if self._free_bytes() < self.ahead:
             sizes.append(self.slab_bytes)
         return next((n for n in sizes if self._pinned + n <= self.limit), 0)
 
     def _pin(self, nbytes: int) -> None:
-        """Pin a slab of `nbytes` (on the pool's thread) and add its page-aligned run to the free ones."""
+        """Pin a slab of `nbytes` (on the pool's thread) and add it to the free runs."""
         start = time.perf_counter()
-        try:  # pinned memory comes page-aligned; plain memory gets a page more to align in
-            slab = torch.empty(nbytes if self.pin else nbytes + ALIGN, dtype=torch.uint8, pin_memory=self.pin)
+        try:
+            slab = Slab(nbytes, self.pin)
         except Exception as e:  # noqa: BLE001 - reported in stats; the pool stops growing
             with self._lock:
                 self._error, self._pinning = f"{type(e).__name__}: {e}", False
             return
-        pad = -slab.data_ptr() % ALIGN
-        usable = (nbytes - pad) // ALIGN * ALIGN if self.pin else nbytes
         with self._lock:
             self._pin_seconds += time.perf_counter() - start
             self._slabs.append(slab)
-            self._free.append([(pad, usable)] if usable > 0 else [])
+            self._free.append([(0, nbytes)])
             self._pinned += nbytes
             self._pinning = False
 
@@ -220,7 +253,7 @@ class PinnedPool:
                              self._fallbacks, round(self._pin_seconds, 4), self._error)
 
 
-def _returned(returned: deque[int], span_id: int, slab: torch.Tensor) -> None:
+def _returned(returned: deque[int], span_id: int, slab: Slab) -> None:
     """A span's tensors are freed: noted without a lock (a collection may run this on any thread,
     the pool's lock held or not); `slab` is held until now so the span's memory lives as long."""
     returned.append(span_id)
@@ -247,7 +280,3 @@ def _fill(pool_ref: weakref.ref, wake: threading.Condition) -> None:
                 continue
         pool._pin(nbytes)
         del pool
-
-
-def _power_of_two(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
