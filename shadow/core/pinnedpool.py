@@ -73,6 +73,8 @@ class Slab:
     def __init__(self, nbytes: int, pin: bool):
         self.nbytes = nbytes
         self._map = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        if hasattr(mmap, "MADV_DONTFORK"):  # a forked child never shares (copies on write) pages the GPU writes to
+            self._map.madvise(mmap.MADV_DONTFORK)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self.pinned = False
         if pin:
