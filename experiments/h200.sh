@@ -113,7 +113,7 @@ for step in "$@"; do
              timeout 250 shadow voice-replay --model $m --device cuda --conversation $D/django__django-16950.traj.json \
                --conversation $D/pytest-dev__pytest-6197.traj.json --max-turns 40 --csv "$OUT/voice-replay-$m.csv" --json \
                > "$OUT/voice-replay-$m.txt" 2>&1; tail -n 12 "$OUT/voice-replay-$m.txt"; done ;;
-    pinstall) timeout 200 python3 experiments/pin_stall.py --total-gib 2 2>&1 | tee "$OUT/pin-stall.txt" | cut -c1-700 ;;
+    pinstall) timeout 200 python3 experiments/pin_stall.py --total-gib 2 --ways "${PIN_WAYS:-torch-256,register-256,ctypes-256,ctypes-32,populate-256}" 2>&1 | tee "$OUT/pin-stall.txt" | cut -c1-700 ;;
     restore) timeout 240 python3 experiments/restore_speed.py --device cuda --runs 5 --folder /var/tmp/shadow-restore \
                > "$OUT/restore-h200.txt" 2>&1; tail -c 2500 "$OUT/restore-h200.txt" ;;
     density) # 24 agent sessions at once beside a CUDA llama-server, measured against the replay of the same run.
