@@ -186,12 +186,14 @@ def test_a_real_prometheus_finds_the_shadow_series_status_reports(tiny, tmp_path
 
 
 def _on_disk(service, timeout: float = 60.0) -> str:
-    """A session the store spilled (a session takes its memory once it is read)."""
+    """A session the store spilled, its file written (a session takes its memory once it is read;
+    one still on its way to disk would come back from memory, not from its file)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         rows = service.status()["sessions"]
-        if any(not r["resident"] for r in rows):
-            return next(r["name"] for r in rows if not r["resident"])
+        written = [r["name"] for r in rows if r["tier"] == "disk" and r["moving"] is None]
+        if written:
+            return written[0]
         time.sleep(0.1)
     raise AssertionError("no session was spilled")
 
