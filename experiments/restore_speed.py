@@ -65,6 +65,9 @@ def main() -> None:
     ap.add_argument("--reread-tokens", type=int, default=None, help="read only this many ids again (default: all)")
     ap.add_argument("--no-reread", action="store_true")
     ap.add_argument("--folder", default="/tmp/shadow-restore")
+    ap.add_argument("--pool-gib", type=float, default=None,
+                    help="a pinned pool of exactly this many GiB, filled before each run and never grown in it "
+                         "(default: the store's own, which pins ahead again as a move takes its memory)")
     args = ap.parse_args()
     arms = [a for a in args.arms.split(",") if a]
     if unknown := set(arms) - set(ARMS):
@@ -85,7 +88,7 @@ def main() -> None:
     for run in range(args.runs):
         for arm in arms if run % 2 == 0 else arms[::-1]:
             spill_s, restore_s, nbytes, still, session, pool = one_run(arm, session, reader, loaded.weights_hash,
-                                                                       folder, cuda)
+                                                                       folder, cuda, args.pool_gib)
             if pool is not None:
                 pools.setdefault(arm, []).append(pool)
             if not same(before, session):
@@ -116,7 +119,7 @@ def main() -> None:
         "restore_s": round(restore_s, 4), "restore_gib_per_s": round(file_bytes / 2**30 / restore_s, 2),
         "spill_s": round(statistics.median(times[headline]["spill"]), 4),
         "spill_gib_per_s": round(file_bytes / 2**30 / statistics.median(times[headline]["spill"]), 2),
-        "runs": [round(t, 4) for t in times[headline]["restore"]], "bit_equal": True,
+        "runs": [round(t, 4) for t in times[headline]["restore"]], "bit_equal": True, "pool_gib": args.pool_gib,
         "arms": {arm: arm_summary(arm, times[arm], sizes[arm]) for arm in arms},
         "where_the_time_goes": where,
         "pinned_pool": {arm: {"fallbacks": [p["fallbacks"] for p in runs], "pinned_bytes": runs[-1]["pinned_bytes"],
@@ -167,7 +170,7 @@ def random_session(reader, tokens: int, checkpoints: int):
 begun: dict[str, list[float]] = {}  # by arm, each run's settle alone: the time a move out holds the device thread
 
 
-def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bool):
+def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bool, pool_gib: float | None = None):
     """Spill `session` and restore it by `arm`'s way: (spill s, restore s, bytes moved, share of the
     file's pages cached before the restore (None: no file), the restored session)."""
     host = arm == "host"
@@ -176,6 +179,9 @@ def one_run(arm: str, session, reader, weights_hash: str, folder: Path, cuda: bo
     store._resident[session.name] = session  # the experiment's session, as if it had been read
     del session
     c = store.counters
+    if store.pinned is not None and pool_gib:
+        store.pinned.close()
+        store.pinned = PinnedPool(int(pool_gib * 2**30), int(pool_gib * 2**30))
     if store.pinned is not None and not store.pinned.wait_filled(60):  # as a service's is, soon after it starts
         raise SystemExit(f"{arm}: the pinned pool did not fill ({store.pinned.stats().error})")
     sync(cuda)
