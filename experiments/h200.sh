@@ -2,7 +2,7 @@
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
 #     timeline abdefault abzero abbatch abdense abtiers proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch attnkernels verifybatch ratebatch
-#     density densitywait pinstall
+#     density densitywait pinstall pincopies
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -114,6 +114,11 @@ for step in "$@"; do
                --conversation $D/pytest-dev__pytest-6197.traj.json --max-turns 40 --csv "$OUT/voice-replay-$m.csv" --json \
                > "$OUT/voice-replay-$m.txt" 2>&1; tail -n 12 "$OUT/voice-replay-$m.txt"; done ;;
     pinstall) timeout 200 python3 experiments/pin_stall.py --total-gib 2 --ways "${PIN_WAYS:-torch-256,register-256,ctypes-256,ctypes-32,populate-256}" 2>&1 | tee "$OUT/pin-stall.txt" | cut -c1-700 ;;
+    pincopies) # copies, not matrix products, beside each way of pinning; then moves with a pool that never grows in them
+      timeout 200 python3 experiments/pin_stall.py --total-gib 2 --beside copies --ways "${PIN_WAYS:-torch-256,ctypes-256,ctypes-32,populate-256}" 2>&1 \
+        | tee "$OUT/pin-copies.txt" | cut -c1-700
+      timeout 200 python3 experiments/restore_speed.py --device cuda --runs 5 --arms host --no-reread --pool-gib 3 \
+        > "$OUT/restore-pool-fixed.txt" 2>&1; tail -c 1500 "$OUT/restore-pool-fixed.txt" ;;
     restore) timeout 240 python3 experiments/restore_speed.py --device cuda --runs 5 --folder /var/tmp/shadow-restore \
                > "$OUT/restore-h200.txt" 2>&1; tail -c 2500 "$OUT/restore-h200.txt" ;;
     density) # 24 agent sessions at once beside a CUDA llama-server, measured against the replay of the same run.

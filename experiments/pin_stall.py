@@ -1,8 +1,10 @@
 """Does pinning host memory on one thread stall the GPU work of another, and which way of pinning
 stalls it least?
 
-Short GPU steps (a 4096-square bf16 matrix product, synchronised) run on this thread, each timed,
-alone and then while a second thread pins `--total-gib` in pieces, one way at a time:
+Short GPU steps (a 4096-square bf16 matrix product, synchronised; with `--beside copies`, a 64 MiB
+copy from the device to registered host memory and back, as a move out and a restore) run on this
+thread, each timed, alone and then while a second thread pins `--total-gib` in pieces, one way at a
+time:
 - `torch-<size>`: torch's pinned allocator (`cudaHostAlloc`), pieces of `size`;
 - `register-<size>`: anonymous memory mapped with its pages populated (`MAP_POPULATE`) on the
   pinning thread outside any CUDA call, then page-locked with `cudaHostRegister` (torch's binding);
@@ -15,6 +17,7 @@ pinning calls and in populating, and the GiB/s of each. Then, per way, one devic
 registered span is shown to copy at pinned speed.
 
     python3 experiments/pin_stall.py --total-gib 2
+    python3 experiments/pin_stall.py --total-gib 2 --beside copies --ways torch-256,ctypes-256,populate-256
 Last stdout line: one JSON object.
 """
 
@@ -39,17 +42,29 @@ def main() -> None:
     ap.add_argument("--ways", default="torch-256,torch-32,register-256,register-32,ctypes-256,ctypes-32,ctypes-4,populate-256")
     ap.add_argument("--copy-mib", type=int, default=256)
     ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--beside", choices=("matmul", "copies"), default="matmul",
+                    help="the timed step: a matrix product, or a 64 MiB copy to registered host memory and back")
     args = ap.parse_args()
     a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    if args.beside == "copies":  # host memory registered before anything is timed, as a pool's slab
+        held = populated(64 * MIB)
+        register(held, "ctypes")
+        host = torch.frombuffer(held, dtype=torch.uint8)
+        dev = torch.randint(0, 255, (64 * MIB,), dtype=torch.uint8, device="cuda")
 
     def step() -> float:
         start = time.perf_counter()
-        (a @ a).sum().item()
+        if args.beside == "copies":
+            host.copy_(dev, non_blocking=True)
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+        else:
+            (a @ a).sum().item()
         return (time.perf_counter() - start) * 1000
 
     for _ in range(20):
         step()
-    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+    out = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "beside": args.beside,
            "alone_ms": summary([step() for _ in range(args.steps)]), "ways": {}}
     total = int(args.total_gib * 2**30)
     for way in args.ways.split(","):
