@@ -84,7 +84,8 @@ class Slab:
                 self._map.close()
                 raise
             self.pinned = True
-        weakref.finalize(self, _unmap, self._map, self.address if pin else None)
+        done = weakref.finalize(self, _unmap, self._map, self.address if pin else None)
+        done.atexit = False  # at exit the process's memory goes with it; no CUDA call while CUDA shuts down
 
 
 def _unmap(mapped: mmap.mmap, pinned_at: int | None) -> None:
