@@ -292,6 +292,28 @@ def test_copies_out_take_the_pools_memory_pinned_ahead_and_give_it_back(tiny_cud
     assert store.totals()["pinned"]["fallbacks"] == 0
 
 
+def test_a_pin_ahead_past_the_bound_pins_it_all_at_start_and_nothing_while_moving(tiny_cuda):
+    """`pin_ahead_gib` at or past the host tier's bound: the pool pins the whole bound when the
+    store starts, and a move out takes its memory without a pin beside it."""
+    from shadow.core.store import SessionStore
+
+    reader = Reader(tiny_cuda.model, 512)
+    store = SessionStore(reader, "h", cap_gib=0, host_cap_gib=0.5, pin_ahead_gib=64)
+    assert store.pinned is not None and store.pinned.wait_filled(60)
+    before = store.pinned.stats()
+    assert before.pinned_bytes == store.pinned.limit == 1 << 29 and before.free_bytes == before.pinned_bytes
+    s = store.get("a")
+    reader.feed_prompt(s, list(range(1, 1500)))
+    reader.advance(s)
+    del s
+    store.get("b")
+    store.settle(keep="b")
+    store.flush()
+    after = store.pinned.stats()
+    assert store.host.peek("a") is not None and after.fallbacks == 0 and after.spans_lent > 0
+    assert (after.slabs, after.pinned_bytes, after.pin_seconds) == (before.slabs, before.pinned_bytes, before.pin_seconds)
+
+
 def test_a_slab_is_page_locked_copies_bit_for_bit_and_is_let_go():
     """A pool's slab is mapped memory page-locked by `cudaHostRegister`: torch sees it pinned, a
     device-to-host copy into it and back is bit-equal, and once the slab is freed its mapping is

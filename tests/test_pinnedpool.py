@@ -195,3 +195,9 @@ def test_a_host_copy_carved_from_the_pool_moves_back_bit_for_bit(tiny):
 def test_a_store_off_a_gpu_has_no_pinned_pool(tiny, tmp_path):
     store = SessionStore(Reader(tiny.model, GRID), "h", cap_gib=0, host_cap_gib=1.0, disk=tmp_path)
     assert store.pinned is None and store.totals()["pinned"] is None
+
+
+def test_a_negative_pin_ahead_is_refused(tiny, tmp_path):
+    with pytest.raises(ValueError, match="pin_ahead_gib"):
+        SessionStore(Reader(tiny.model, GRID), "h", cap_gib=0, host_cap_gib=1.0, disk=tmp_path, pin_ahead_gib=-1)
+    assert not any(tmp_path.iterdir())  # nothing made

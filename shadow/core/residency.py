@@ -18,6 +18,10 @@ GIB = 1 << 30
 # the host tier's bound a shadow on a GPU gets unless told otherwise, for the live service and its
 # replay alike: 32 GiB holds some 36 sessions of 58k tokens of the 0.8B (0.88 GiB each)
 HOST_CAP_GIB = 32.0
+# on a GPU the store keeps this much host memory pinned and free ahead of the next moves out, pinned on
+# a thread of its own within the host tier's and staging's bounds; at or past those bounds, all of it
+# is pinned when the store starts and none while it serves
+PIN_AHEAD_GIB = 2.0
 # the resident cap a shadow gets unless told otherwise, beside an engine (proxy mode) and on the CPU,
 # for the live service and its replay alike: four 58k sessions of the 0.8B (0.88 GiB each) and room
 CAP_GIB = 4.0

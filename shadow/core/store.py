@@ -52,7 +52,7 @@ from shadow.core import blockio
 from shadow.core.hosttier import HostTier, Move, from_host, host_bytes, move_to_host
 from shadow.core.pinnedpool import PinnedPool
 from shadow.core.reader import Reader, Session
-from shadow.core.residency import GIB, RestoreRate, Settle
+from shadow.core.residency import GIB, PIN_AHEAD_GIB, RestoreRate, Settle
 from shadow.core.sessionfile import (
     MARKER, MAX_HEADER, SUFFIX, Header, Identity, SessionFileError, read_fields, read_session,
     session_file_name, write_session,
@@ -71,7 +71,6 @@ FOLDER_MODE = 0o700
 RECENT_DROPS = 64  # dropped sessions whose reason totals() keeps
 MEASURE_NAME = "shadow restore measurement"  # no client can name a session so (a space)
 STAGE_CAP_GIB = 4.0  # host memory the copies waiting for their writes to disk may hold
-PINNED_AHEAD_GIB = 2.0  # pinned host memory kept free ahead of the next copies out (on a GPU)
 
 
 @dataclass
@@ -140,13 +139,19 @@ class SessionStore:
         disk_cap_gib: float | None = 64.0, max_age_s: float = 48 * 3600, model: str = "",
         clock: Callable[[], float] = time.time, retry_s: float = RETRY_S, key: str | bytes | None = None,
         direct: bool = True, host_cap_gib: float | None = None, stage_cap_gib: float = STAGE_CAP_GIB,
+        pin_ahead_gib: float = PIN_AHEAD_GIB,
     ):
         """`disk_cap_gib` bounds the store's own files in `disk` (None: no bound); a session whose
         spill failed is tried again at the first settle `retry_s` or more later. With `key`, files
         carry a keyed digest made with it and only files with that digest are read. `direct`: O_DIRECT file I/O where the file system takes it.
         `host_cap_gib`: the host tier's bound (None or 0: no host tier, sessions past the cap
         go to disk or are dropped). `stage_cap_gib`: the host memory the copies of sessions bound
-        for disk may hold while they wait for their writes."""
+        for disk may hold while they wait for their writes. `pin_ahead_gib`: on a GPU, the host
+        memory kept pinned and free ahead of the next moves out (at or past the two bounds: all of
+        it, pinned when the store starts)."""
+        if pin_ahead_gib < 0:
+            raise ValueError(f"pin_ahead_gib is >= 0, not {pin_ahead_gib}")
+        self.pin_ahead = int(pin_ahead_gib * GIB)
         self.reader = reader
         self.identity = Identity(weights_hash, reader.grid, arithmetic(reader.model))
         self.cap = None if cap_gib is None else int(cap_gib * GIB)  # None: no cap
@@ -433,11 +438,11 @@ class SessionStore:
 
     def _pinned_pool(self) -> PinnedPool | None:
         """On a GPU with a host tier or a disk: the pool copies out take pinned memory from, within
-        the host tier's and staging's bounds, `PINNED_AHEAD_GIB` kept pinned ahead of need."""
+        the host tier's and staging's bounds, `pin_ahead` bytes kept pinned ahead of need."""
         if self.reader.model.device.type != "cuda" or (self.host is None and not self.disk):
             return None
         limit = (self.host.cap if self.host is not None else 0) + (self.stage_cap if self.disk else 0)
-        return PinnedPool(limit, int(PINNED_AHEAD_GIB * GIB)) if limit else None
+        return PinnedPool(limit, self.pin_ahead) if limit else None
 
     def _begin_move(self, session: Session, to: str, nbytes: int) -> None:
         """`session` leaves the device: its copy to host memory begun beside the reads, its room

@@ -35,7 +35,7 @@ from typing import Any, get_type_hints
 
 from shadow.core.prefixcache import PREFIX_CACHE_GIB
 from shadow.core.residency import (
-    CAP_GIB, EMBEDDED_FLOOR_GIB, EMBEDDED_HEADROOM_GIB, EMBEDDED_SHARE, HOST_CAP_GIB,
+    CAP_GIB, EMBEDDED_FLOOR_GIB, EMBEDDED_HEADROOM_GIB, EMBEDDED_SHARE, HOST_CAP_GIB, PIN_AHEAD_GIB,
 )
 from shadow.core.schedule import BandwidthRule, KnownCosts, Priorities
 from shadow.errors import ShadowInputError
@@ -168,6 +168,10 @@ class StoreSettings:
         "Host-memory tier for sessions past --cap-gib, GiB: they move to host memory (pinned, bit for bit) and, past "
         "this, to --disk. 0: none. A shadow on the CPU has none (its sessions are in host memory already); at most "
         "half the machine's memory is taken."))
+    pin_ahead_gib: float = setting(PIN_AHEAD_GIB, ge=0, panel=STORE, help=(
+        "On a GPU, host memory the store keeps pinned and free ahead of the next moves to the host tier or disk, GiB, "
+        "pinned on a thread of its own, never past --host-cap-gib plus the staging bound. At or past that bound, all "
+        "of it is pinned when the service starts, so no move runs beside a pin (docs/STORE.md)."))
     restore_ahead: bool = setting(True, panel=STORE, help=(
         "A request that names its session starts bringing it back from the host tier or disk at once, on a thread "
         "(and a CUDA stream) of its own, beside the shadow's reads and the engine's prefill; --no-restore-ahead "

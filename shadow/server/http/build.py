@@ -55,7 +55,8 @@ def store_for(settings: ServeSettings, reader: Reader, weights_hash: str, cap_gi
     log.info("the store: cap %.2f GiB%s, disk %s", cap, "" if s.cap_gib is not None else " (by default)",
              folder if folder is not None else "none (--no-disk: sessions past the caps are dropped)")
     return SessionStore(reader, weights_hash, cap_gib=cap, disk=folder, disk_cap_gib=s.disk_cap_gib,
-                        model=settings.model.model, key=s.key, host_cap_gib=host_cap_gib(s.host_cap_gib, device))
+                        model=settings.model.model, key=s.key, host_cap_gib=host_cap_gib(s.host_cap_gib, device),
+                        pin_ahead_gib=s.pin_ahead_gib)
 
 
 def embedded_cap(settings: ServeSettings, generator, free_bytes: int | None = None) -> float:
