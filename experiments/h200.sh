@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
-#     timeline abdefault abzero abbatch abdense abtiers proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch attnkernels verifybatch ratebatch
+#     timeline abdefault abzero abbatch abdense abtiers abtierspinned proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch attnkernels verifybatch ratebatch
 #     density densitywait pinstall pincopies
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
@@ -81,6 +81,8 @@ for step in "$@"; do
     abdense) ab_run dense "" "--batch 8 --batch-read-ms 50 --batch-wait-ms 1000" ;;
     abtiers) # the A/B's own sessions forced through the tiers: a device cap that holds one, a host tier two, then disk
              rm -rf /var/tmp/shadow-ab-tiers; ab_run tiers "" "--cap-gib 0.3 --host-cap-gib 0.6 --disk /var/tmp/shadow-ab-tiers" ;;
+    abtierspinned) # the same with the tiers' whole bound pinned at start (nothing pinned beside the moves)
+             rm -rf /var/tmp/shadow-ab-tiers; ab_run tierspinned "" "--cap-gib 0.3 --host-cap-gib 0.6 --disk /var/tmp/shadow-ab-tiers --pin-ahead-gib 1024" ;;
     timeline) for share in ${SHARES:-0.0001 0.02}; do  # the GPU's clocks and power sampled every 20 ms beside it
                 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv,noheader \
                   -lms 20 > "$OUT/gpu-$share.csv" 2>&1 & smi=$!
