@@ -66,9 +66,10 @@ class Slab:
 
     Why not torch's pinned allocator: while a pool of its slabs (`cudaHostAlloc`) pinned 2 GiB on
     its thread, short synchronised GPU steps on another thread took 256 ms each, not 0.23 ms (a
-    lent H100, `experiments/restore_speed.py`'s `steps_beside_pinning`). Here the pages are made
-    present by the kernel outside any CUDA call, and the register call holds no GIL;
-    `experiments/pin_stall.py` measures each way beside GPU steps."""
+    lent H100, `experiments/restore_speed.py`'s `steps_beside_pinning`). Made present first and
+    registered, 2 GiB held those steps up by one register call at most (7.5 to 11.3 ms a 256 MiB
+    slab; p99 0.24 ms), though copies to the host tier that ran beside such pinning were still 5 to
+    16 times slower than alone (`experiments/pin_stall.py`, docs/BENCHMARKS.md)."""
 
     def __init__(self, nbytes: int, pin: bool):
         self.nbytes = nbytes
