@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from shadow.core import cudart
+
 MIB = 1 << 20
 
 
@@ -138,29 +140,12 @@ def address(m: mmap.mmap) -> int:
 
 
 def register(m: mmap.mmap, how: str = "register") -> None:
-    if how == "ctypes":
-        err = libcudart().cudaHostRegister(address(m), len(m), 1)  # cudaHostRegisterPortable
-    else:
-        err = torch.cuda.cudart().cudaHostRegister(address(m), len(m), 1)
+    if how == "ctypes":  # the library's own call (through ctypes, without the GIL)
+        cudart.host_register(address(m), len(m))
+        return
+    err = torch.cuda.cudart().cudaHostRegister(address(m), len(m), cudart.HOST_REGISTER_PORTABLE)
     if int(err) != 0:
         raise RuntimeError(f"cudaHostRegister failed: {err}")
-
-
-_CUDART: list = []
-
-
-def libcudart() -> ctypes.CDLL:
-    """The CUDA runtime this process loaded (torch's), for calls that let go of the GIL."""
-    if not _CUDART:
-        with open("/proc/self/maps") as maps:
-            path = next((line.split()[-1] for line in maps if "libcudart.so" in line), None)
-        if path is None:
-            raise RuntimeError("no libcudart.so is loaded in this process")
-        lib = ctypes.CDLL(path)
-        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        lib.cudaHostRegister.restype = ctypes.c_int
-        _CUDART.append(lib)
-    return _CUDART[0]
 
 
 def copy_speed(kind: str, nbytes: int) -> dict:

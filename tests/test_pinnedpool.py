@@ -197,7 +197,8 @@ def test_a_store_off_a_gpu_has_no_pinned_pool(tiny, tmp_path):
     assert store.pinned is None and store.totals()["pinned"] is None
 
 
-def test_a_negative_pin_ahead_is_refused(tiny, tmp_path):
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_a_pin_ahead_not_finite_and_non_negative_is_refused(tiny, tmp_path, bad):
     with pytest.raises(ValueError, match="pin_ahead_gib"):
-        SessionStore(Reader(tiny.model, GRID), "h", cap_gib=0, host_cap_gib=1.0, disk=tmp_path, pin_ahead_gib=-1)
+        SessionStore(Reader(tiny.model, GRID), "h", cap_gib=0, host_cap_gib=1.0, disk=tmp_path, pin_ahead_gib=bad)
     assert not any(tmp_path.iterdir())  # nothing made

@@ -149,8 +149,8 @@ class SessionStore:
         for disk may hold while they wait for their writes. `pin_ahead_gib`: on a GPU, the host
         memory kept pinned and free ahead of the next moves out (at or past the two bounds: all of
         it, pinned when the store starts)."""
-        if pin_ahead_gib < 0:
-            raise ValueError(f"pin_ahead_gib is >= 0, not {pin_ahead_gib}")
+        if not (math.isfinite(pin_ahead_gib) and pin_ahead_gib >= 0):
+            raise ValueError(f"pin_ahead_gib is a finite number >= 0, not {pin_ahead_gib}")
         self.pin_ahead = int(pin_ahead_gib * GIB)
         self.reader = reader
         self.identity = Identity(weights_hash, reader.grid, arithmetic(reader.model))
