@@ -123,7 +123,8 @@ def main() -> None:
         "arms": {arm: arm_summary(arm, times[arm], sizes[arm]) for arm in arms},
         "where_the_time_goes": where,
         "pinned_pool": {arm: {"fallbacks": [p["fallbacks"] for p in runs], "pinned_bytes": runs[-1]["pinned_bytes"],
-                              "pin_seconds": [p["pin_seconds"] for p in runs]} for arm, runs in pools.items()},
+                              "pin_seconds": [p["pin_seconds"] for p in runs],
+                              "quiet_seconds": [p["quiet_seconds"] for p in runs]} for arm, runs in pools.items()},
         "steps_beside_pinning": steps_beside_pinning() if cuda else None,
     }
     if "host" in times:

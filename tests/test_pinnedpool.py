@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 
 import pytest
 import torch
 from test_store import GRID, fed, fingerprint, assert_same
 
 from shadow.core.hosttier import from_host, move_to_host
+from shadow.core import pinnedpool
 from shadow.core.pinnedpool import ALIGN, PinnedPool
 from shadow.core.reader import Reader
 from shadow.core.store import SessionStore
@@ -94,6 +96,24 @@ def test_an_unmet_request_gets_a_slab_of_its_size_where_the_limit_has_room():
         assert got is not None and p.stats().pinned_bytes == 4 * SLAB
     finally:
         p.close()
+
+
+def test_the_pool_pins_nothing_while_a_copy_it_was_told_of_is_in_flight(pool):
+    with pool.quiet():
+        held = pool.take([((SLAB,), torch.uint8), ((SLAB,), torch.uint8)])  # both slabs lent: it wants two more
+        assert held is not None
+        time.sleep(0.3)
+        assert pool.stats().slabs == 2
+    assert pool.wait_filled(10) and pool.stats().slabs == 4
+    assert pool.stats().quiet_seconds >= 0.25
+
+
+def test_a_copy_in_flight_holds_the_pool_back_no_longer_than_its_bound(pool, monkeypatch):
+    monkeypatch.setattr(pinnedpool, "QUIET_WAIT_S", 0.2)
+    with pool.quiet():
+        held = pool.take([((SLAB,), torch.uint8), ((SLAB,), torch.uint8)])
+        assert held is not None and pool.wait_filled(10) and pool.stats().slabs == 4  # pinned in the block, after its bound
+    assert 0.2 <= pool.stats().quiet_seconds < 5
 
 
 def test_threads_taking_and_freeing_at_once_leave_the_pool_whole(pool):

@@ -17,6 +17,7 @@ without going back to the device.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -107,18 +108,20 @@ def move_to_host(session: Session, stream: torch.cuda.Stream | None = None, pool
     """Begin copying `session` to host memory (pinned on a GPU: from `pool` where it has the room,
     else pinned here). On a GPU the copies run on `stream` (None: the current stream) after every
     piece of work already queued on the current one, and the move's event is recorded after them:
-    the caller's thread does not wait for them. On the CPU the copy is plain (into `pool`'s memory
-    where given), whole when this returns."""
+    the caller's thread does not wait for them, and `pool` begins no slab until they are done. On
+    the CPU the copy is plain (into `pool`'s memory where given), whole when this returns."""
     device = session.state.device
     if device.type != "cuda":
         return Move(session, _copy(session, pin=False, pool=pool))
     current = torch.cuda.current_stream(device)
     stream = current if stream is None else stream
     stream.wait_stream(current)  # the copy reads the rows as every write queued before it left them
-    with torch.cuda.stream(stream):
+    with pool.quiet() if pool is not None else nullcontext(), torch.cuda.stream(stream):
         copy = _copy(session, pin=True, pool=pool)
         event = torch.cuda.Event()
         event.record(stream)
+        if pool is not None:
+            pool.beside(event)  # the pool pins nothing until the copy is whole (nor since it lent the memory)
     return Move(session, copy, event)
 
 

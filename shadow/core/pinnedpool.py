@@ -16,6 +16,12 @@ None: the caller pins on its own thread, as before the pool, and the pool counts
 return is noted without a lock (a garbage collection may free a tensor on any thread, the pool's
 lock held or not) and taken in at the pool's next call.
 
+The pool pins nothing beside a copy to or from host memory it is told of (`beside`, `quiet`): on
+a lent H100, copies that ran while the pool registered slabs beside them were several times slower
+than alone (docs/BENCHMARKS.md). Its thread waits for such copies to finish, at most
+`QUIET_WAIT_S` a slab (then it pins anyway: a pool starved of slabs sends copies to pin where
+they begin, which costs more), and counts the wait (`quiet_seconds`).
+
 Exactness is not the pool's concern: a span is memory, the copies into it are the tier's.
 """
 
@@ -27,7 +33,8 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +43,7 @@ from shadow.core import cudart
 
 ALIGN = 4096  # a span's offset and size in its slab: a page, so a span also suits direct I/O
 SLAB_BYTES = 256 << 20
+QUIET_WAIT_S = 1.0  # the longest the pool's thread holds a slab back for copies in flight
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: the pages made present by mmap itself
 
 
@@ -46,7 +54,8 @@ def _aligned(n: int) -> int:
 @dataclass
 class PoolStats:
     """What the pool holds and did: bytes pinned, free and lent, spans lent, requests it could not
-    serve, and the seconds its thread spent pinning (none of them on the caller's thread)."""
+    serve, the seconds its thread spent pinning (none of them on the caller's thread) and waiting
+    for copies in flight before it pinned."""
 
     slabs: int
     pinned_bytes: int
@@ -56,6 +65,7 @@ class PoolStats:
     takes: int
     fallbacks: int
     pin_seconds: float
+    quiet_seconds: float
     error: str | None
 
 
@@ -112,7 +122,8 @@ class PinnedPool:
         self._pinning = False  # the thread is pinning a slab now
         self._unmet = 0  # the largest tensor a request could not place since the last slab
         self._takes = self._fallbacks = 0
-        self._pin_seconds = 0.0
+        self._pin_seconds = self._quiet_seconds = 0.0
+        self._in_flight: deque = deque()  # copies to or from host memory in flight: anything with `query()`
         self._error: str | None = None
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -193,6 +204,43 @@ class PinnedPool:
                 merged.append((o, n))
         self._free[slab] = merged
 
+    # copies in flight ----------------------------------------------------------------------
+
+    def beside(self, event) -> None:
+        """A copy to or from host memory is in flight until `event.query()` (a CUDA event recorded
+        after it): the pool pins no slab until then (at most `QUIET_WAIT_S`)."""
+        with self._lock:
+            self._in_flight.append(event)
+            self._prune()
+
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        """No slab is begun while the block runs (a copy the caller waits for; at most
+        `QUIET_WAIT_S`)."""
+        running = _Running()
+        self.beside(running)
+        try:
+            yield
+        finally:
+            running.over = True
+
+    def _prune(self) -> None:
+        """Copies at the head that are done, let go (under the lock)."""
+        while self._in_flight and self._in_flight[0].query():
+            self._in_flight.popleft()
+
+    def _wait_quiet(self) -> None:
+        """On the pool's thread, before a slab: wait while a copy is in flight, at most
+        `QUIET_WAIT_S`; the wait is counted."""
+        start = time.perf_counter()
+        while True:
+            with self._lock:
+                self._prune()
+                if not self._in_flight or self._closed or time.perf_counter() - start >= QUIET_WAIT_S:
+                    self._quiet_seconds += time.perf_counter() - start
+                    return
+            time.sleep(0.002)
+
     # filling ahead -------------------------------------------------------------------------
 
     def _free_bytes(self) -> int:
@@ -254,7 +302,16 @@ class PinnedPool:
             self._collect()
             pinned, free = self._pinned, self._free_bytes()
             return PoolStats(len(self._slabs), pinned, free, pinned - free, len(self._lent), self._takes,
-                             self._fallbacks, round(self._pin_seconds, 4), self._error)
+                             self._fallbacks, round(self._pin_seconds, 4), round(self._quiet_seconds, 4), self._error)
+
+
+class _Running:
+    """A copy in flight for as long as a `quiet` block runs."""
+
+    over = False
+
+    def query(self) -> bool:
+        return self.over
 
 
 def _returned(returned: deque[int], span_id: int, slab: Slab) -> None:
@@ -282,5 +339,6 @@ def _fill(pool_ref: weakref.ref, wake: threading.Condition) -> None:
                 del pool  # not held while waiting: a pool nobody else holds is let go
                 wake.wait(timeout=1.0)
                 continue
+        pool._wait_quiet()
         pool._pin(nbytes)
         del pool

@@ -40,7 +40,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from collections.abc import Callable, Container
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -444,6 +444,10 @@ class SessionStore:
         limit = (self.host.cap if self.host is not None else 0) + (self.stage_cap if self.disk else 0)
         return PinnedPool(limit, self.pin_ahead) if limit else None
 
+    def _quiet(self):
+        """A block in which the pinned pool begins no slab (a restore's copies run in it)."""
+        return self.pinned.quiet() if self.pinned is not None else nullcontext()
+
     def _begin_move(self, session: Session, to: str, nbytes: int) -> None:
         """`session` leaves the device: its copy to host memory begun beside the reads, its room
         (in the host tier, or in staging for disk) held until the copy is whole."""
@@ -683,7 +687,8 @@ class SessionStore:
         if self.host is None or name not in self.host:
             return None
         start = time.perf_counter()
-        session = from_host(self.host.peek(name), self.reader.model.new_state())
+        with self._quiet():
+            session = from_host(self.host.peek(name), self.reader.model.new_state())
         # only once it is back: a move that fails (out of device memory) keeps the copy
         self._host_moved_back(name, time.perf_counter() - start)
         return session
@@ -753,7 +758,7 @@ class SessionStore:
         copy = copy if copy is not None else self._staged.get(name)
         if copy is not None:
             start = time.perf_counter()
-            with beside(stream) as done:
+            with self._quiet(), beside(stream) as done:
                 session = from_host(copy, self.reader.model.new_state())
                 done(session)
             return Restored(session, ("host", id(copy), 0, 0), time.perf_counter() - start, copy)
@@ -764,7 +769,7 @@ class SessionStore:
         if key in self._refused:
             return None
         start = time.perf_counter()
-        with beside(stream) as done:
+        with self._quiet(), beside(stream) as done:
             try:
                 session = read_session(path, self.identity, self.reader.model.new_state(),
                                        self.reader.max_checkpoints, key=self.key, direct=self.direct)
@@ -814,8 +819,9 @@ class SessionStore:
             return None  # a link or folder at its name is not the store's; a refused file is not read twice
         start = time.perf_counter()
         try:
-            session = read_session(path, self.identity, self.reader.model.new_state(), self.reader.max_checkpoints,
-                                   key=self.key, direct=self.direct)
+            with self._quiet():
+                session = read_session(path, self.identity, self.reader.model.new_state(), self.reader.max_checkpoints,
+                                       key=self.key, direct=self.direct)
             if session.name != name:
                 raise SessionFileError(f"holds session {session.name!r}, not {name!r}")
         except SessionFileError as e:

@@ -153,6 +153,8 @@ class ShadowCollector:
                 out.counter("pinned_fallbacks", "Copies out that found no pinned span free and pinned where they began",
                             pinned["fallbacks"])
                 out.counter("pinned_pin_seconds", "Seconds the pinned pool's thread spent pinning", pinned["pin_seconds"])
+                out.counter("pinned_quiet_seconds", "Seconds the pinned pool's thread held a slab back for copies in flight",
+                            pinned["quiet_seconds"])
         pending = [r["pending"] for r in rows]
         out.gauge("backlog_ids", "Ids known and not read yet, over every session", sum(pending))
         grid = status["grid"]
