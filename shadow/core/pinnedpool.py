@@ -17,8 +17,9 @@ return is noted without a lock (a garbage collection may free a tensor on any th
 lock held or not) and taken in at the pool's next call.
 
 The pool pins nothing beside a copy to or from host memory it is told of (`beside`, `quiet`): on
-a lent H100, copies that ran while the pool registered slabs beside them were several times slower
-than alone (docs/BENCHMARKS.md). Its thread waits for such copies to finish, at most
+a lent H100, a copy beside a register call waited for it (about 11 ms a 256 MiB slab), and moves
+that ran while the pool registered slabs beside them were 5 to 16 times slower than alone
+(docs/BENCHMARKS.md). Its thread waits for such copies to finish, at most
 `QUIET_WAIT_S` a slab (then it pins anyway: a pool starved of slabs sends copies to pin where
 they begin, which costs more), and counts the wait (`quiet_seconds`).
 
@@ -78,8 +79,8 @@ class Slab:
     its thread, short synchronised GPU steps on another thread took 256 ms each, not 0.23 ms (a
     lent H100, `experiments/restore_speed.py`'s `steps_beside_pinning`). Made present first and
     registered, 2 GiB held those steps up by one register call at most (7.5 to 11.3 ms a 256 MiB
-    slab; p99 0.24 ms), though copies to the host tier that ran beside such pinning were still 5 to
-    16 times slower than alone (`experiments/pin_stall.py`, docs/BENCHMARKS.md)."""
+    slab; p99 0.24 ms); a copy beside a register call waits for it, which is why the pool begins
+    none beside a copy (`experiments/pin_stall.py --beside copies`, docs/BENCHMARKS.md)."""
 
     def __init__(self, nbytes: int, pin: bool):
         self.nbytes = nbytes
