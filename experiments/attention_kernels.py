@@ -12,12 +12,15 @@ as a batch of 4 (how a kernel with no split of its own would fill the GPU for on
 not timed); cuDNN as the library would have to call it (`cudnn_chunk`: a session at a time, its
 cached rows in 4 slices as a batch, the rows left over, the chunk's causal square, merged by
 log-sum-exp; with its float32 difference and the time of a first call at shapes no call met,
-which builds cuDNN graphs), and its calls alone; and FlexAttention (compiled, lower-right causal
-block mask, GQA). 20 back-to-back calls between CUDA events after warm-up, median of 5 rounds.
+which builds cuDNN graphs), and its calls alone; FlexAttention (compiled, lower-right causal
+block mask, GQA); and FlashAttention-4's CuTe forward where `flash_attn.cute` is installed
+(varlen, the cached rows packed and in 512-row pages; its first call's compile time, and its
+difference from the library's kernel). 20 back-to-back calls between CUDA events after warm-up, median of 5 rounds.
 Each row also says whether the kernel gave a session the same bits alone and in the batch, and
 twice.
 
     python3 experiments/attention_kernels.py --depths 16384,65536 --batches 1,8
+    python3 experiments/attention_kernels.py --arms fa4     # the library's kernel beside FA4 alone
 """
 
 from __future__ import annotations
@@ -82,7 +85,7 @@ def cudnn_chunk(q1: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int,
     return (weight[..., None] * out).sum(0).transpose(0, 1).to(q1.dtype)
 
 
-def survey(depth: int, batch: int) -> list[dict]:
+def survey(depth: int, batch: int, arms: str = "all") -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(depth + batch)
     length = depth + T
     ks = [torch.randn(HKV, length, D, device="cuda", generator=g).bfloat16() for _ in range(batch)]
@@ -97,6 +100,11 @@ def survey(depth: int, batch: int) -> list[dict]:
         lambda: ta.attend_sessions(q, ks, vs, [length] * batch, SCALE, out=out), causal_flops,
         (lambda: ta.attend_sessions(q[:, :T], ks[:1], vs[:1], [length], SCALE)) if batch > 1 else None,
     ))
+    if arms == "fa4":  # the library's kernel and FlashAttention-4 alone
+        rows += flash_attn_4(q, ks, vs, out, depth, batch, causal_flops)
+        for row in rows:
+            row.update(depth=depth, batch=batch)
+        return rows
     # SDPA's layout: [B, H, L, D]
     qb = q.view(HQ, batch, T, D).transpose(0, 1).contiguous()
     kb, vb = torch.stack(ks), torch.stack(vs)
@@ -152,8 +160,56 @@ def survey(depth: int, batch: int) -> list[dict]:
                             lambda: flex(qb, kb, vb, block_mask=mask, scale=SCALE, enable_gqa=True), causal_flops))
     except Exception as e:
         rows.append({"kernel": "flex attention", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+    rows += flash_attn_4(q, ks, vs, out, depth, batch, causal_flops)
     for row in rows:
         row.update(depth=depth, batch=batch)
+    return rows
+
+
+def flash_attn_4(q, ks, vs, mine, depth: int, batch: int, flops: float) -> list[dict]:
+    """FlashAttention-4's CuTe forward (`flash_attn.cute`, SM90 for head dim 256) on the same rows,
+    in its layout ([rows, heads, 256], sessions as variable-length sequences, the causal mask
+    aligned bottom-right): the cached rows packed, and in 512-row pages through a page table. The
+    layout change is made before the timing. `mine`: the library's output of the same call."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception as e:  # noqa: BLE001 - not installed here: said so, the survey goes on
+        return [{"kernel": "flash-attn-4", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}]
+    length = depth + T
+    qf = q.view(HQ, batch * T, D).transpose(0, 1).contiguous()  # [B*T, Hq, D]
+    kf = torch.cat([k.transpose(0, 1) for k in ks]).contiguous()  # [B*length, Hkv, D]
+    vf = torch.cat([v.transpose(0, 1) for v in vs]).contiguous()
+    cu_q = torch.arange(0, (batch + 1) * T, T, dtype=torch.int32, device="cuda")
+    cu_k = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device="cuda")
+    pages = length // T
+    kp, vp = kf.view(batch * pages, T, HKV, D), vf.view(batch * pages, T, HKV, D)
+    table = torch.arange(batch * pages, dtype=torch.int32, device="cuda").view(batch, pages)
+    used = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+
+    def packed(n=batch):
+        return flash_attn_varlen_func(qf[: n * T], kf[: n * length], vf[: n * length], cu_seqlens_q=cu_q[: n + 1],
+                                      cu_seqlens_k=cu_k[: n + 1], max_seqlen_q=T, max_seqlen_k=length,
+                                      softmax_scale=SCALE, causal=True)[0]
+
+    def paged(n=batch):
+        return flash_attn_varlen_func(qf[: n * T], kp, vp, cu_seqlens_q=cu_q[: n + 1], seqused_k=used[:n],
+                                      page_table=table[:n], max_seqlen_q=T, max_seqlen_k=length,
+                                      softmax_scale=SCALE, causal=True)[0]
+    rows = []
+    for name, fn in (("flash-attn-4 varlen (causal bottom-right, GQA)", packed),
+                     ("flash-attn-4 varlen, 512-row pages", paged)):
+        t0 = time.perf_counter()
+        try:
+            fn()
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - a refused shape is a finding
+            rows.append({"kernel": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"})
+            continue
+        first = round(time.perf_counter() - t0, 2)
+        row = measure(name, fn, flops, (lambda fn=fn: fn(1)) if batch > 1 else None)
+        row["first call (compiles), s"] = first
+        row["max |diff| from shadow triton"] = float((fn().float() - mine.float()).abs().max())
+        rows.append(row)
     return rows
 
 
@@ -161,12 +217,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depths", default="16384,65536")
     parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--arms", choices=("all", "fa4"), default="all",
+                        help="fa4: the library's kernel and FlashAttention-4 only")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), flush=True)
     every = []
     for depth in (int(x) for x in args.depths.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
-            for row in survey(depth, batch):
+            for row in survey(depth, batch, args.arms):
                 every.append(row)
                 print(json.dumps(row), flush=True)
     print(json.dumps({"rows": every}))

@@ -2,7 +2,7 @@
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
 #     timeline abdefault abzero abbatch abdense abtiers abtierspinned proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch attnkernels verifybatch ratebatch
-#     density densitywait pinstall pincopies
+#     density densitywait pinstall pincopies kernelsurvey
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -123,6 +123,17 @@ for step in "$@"; do
         > "$OUT/restore-pool-fixed.txt" 2>&1; tail -c 1500 "$OUT/restore-pool-fixed.txt" ;;
     restore) timeout 240 python3 experiments/restore_speed.py --device cuda --runs 5 --folder /var/tmp/shadow-restore \
                > "$OUT/restore-h200.txt" 2>&1; tail -c 2500 "$OUT/restore-h200.txt" ;;
+    kernelsurvey) # FlashInfer's GDN prefill and FlashAttention-4 beside the library's kernels: bits and times.
+             # Needs the wheels staged first (../shared/tools/device-stage.sh: flash-attn-4, flashinfer-python,
+             # nvidia-cutlass-dsl and its libs, quack-kernels, apache-tvm-ffi, cuda-tile, torch-c-dlpack-ext),
+             # `receive`d part by part, then `install`ed into /tmp/site2 in the same warm machine.
+             [ -f /tmp/site2/.extra-path ] || { echo "no staged wheels in /tmp/site2"; continue; }
+             ( export PYTHONPATH=/tmp/site2:$(cat /tmp/site2/.extra-path)$PYTHONPATH
+               timeout 240 python3 experiments/gdn_kernels.py --batches ${BATCHES:-1,8} > "$OUT/gdn-kernels.txt" 2>&1
+               tail -n 12 "$OUT/gdn-kernels.txt" | cut -c1-400
+               timeout 300 python3 experiments/attention_kernels.py --arms fa4 --depths ${DEPTHS:-16384,65536} \
+                 --batches ${BATCHES:-1,8} > "$OUT/attention-fa4.txt" 2>&1
+               tail -n 12 "$OUT/attention-fa4.txt" | cut -c1-400 ) ;;
     density) # 24 agent sessions at once beside a CUDA llama-server, measured against the replay of the same run.
              # Needs .carry/llama-src (build_llama_server.sh pack), $D's trajectories, .carry/qwen3.5.jinja and the
              # gguf==0.19.0 wheel in .whl. The CUDA build took 310 s on a lent H100 (2026-12-06, -j16); cached, 0 s.
