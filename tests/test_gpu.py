@@ -314,6 +314,32 @@ def test_a_pin_ahead_past_the_bound_pins_it_all_at_start_and_nothing_while_movin
     assert (after.slabs, after.pinned_bytes, after.pin_seconds) == (before.slabs, before.pinned_bytes, before.pin_seconds)
 
 
+def test_a_move_out_holds_its_pool_back_until_its_copy_is_whole(tiny_cuda):
+    """A move out tells the pool it takes memory from of its copy (the move's event): the pool's
+    thread begins no slab until the copy is whole, and lets the event go once it is."""
+    from shadow.core.hosttier import move_to_host
+    from shadow.core.pinnedpool import PinnedPool
+
+    reader = Reader(tiny_cuda.model, 512)
+    s = reader.new_session("a")
+    reader.feed_prompt(s, list(range(1, 1500)))
+    reader.advance(s)
+    pool = PinnedPool(limit=256 << 20, ahead=64 << 20, slab_bytes=64 << 20)
+    try:
+        assert pool.wait_filled(60)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)  # the copy queued behind about 0.1 s of work
+        move = move_to_host(s, side, pool)
+        assert not move.done() and any(e is move.event for e in pool._in_flight)
+        move.wait()
+        assert pool.wait_filled(60)  # the pool refills once the copy is whole
+        assert not pool._in_flight and pool.stats().quiet_seconds > 0
+    finally:
+        pool.close()
+
+
 def test_a_slab_is_page_locked_copies_bit_for_bit_and_is_let_go():
     """A pool's slab is mapped memory page-locked by `cudaHostRegister`: torch sees it pinned, a
     device-to-host copy into it and back is bit-equal, and once the slab is freed its mapping is

@@ -110,3 +110,59 @@ def test_no_restore_starts_for_a_session_still_leaving_the_device(tiny, tmp_path
     finally:
         ahead.close()
     assert store.get("a") is a and not store.moving("a")
+
+
+@pytest.mark.parametrize("tier", ["staging", "host"])
+def test_a_copy_brought_back_is_taken_though_its_file_was_written_meanwhile(tiny, tmp_path, tier):
+    """A session brought back from its host copy (in the host tier, or waiting in staging for its
+    write) whose copy has since left host memory because its file was written: the file holds that
+    copy, so the store takes what was brought back (no second restore from the file), bit for bit."""
+    loaded, reader = open_reader("tiny", grid=GRID)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=0, disk=tmp_path,
+                         host_cap_gib=1 if tier == "host" else 0)
+    a = store.get("a")
+    reader.feed_prompt(a, list(range(100, 100 + 3 * GRID)))
+    reader.advance(a)
+    del a
+    store.get("b")
+    store.settle(keep="b")
+    if tier == "host":
+        store.flush()  # its file written behind
+    copy = store.host.peek("a") if tier == "host" else store._staged.get("a")
+    ahead = store.restore_ahead("a")
+    assert copy is not None and ahead is not None and ahead.copy is copy
+    if tier == "host":  # the tier's copy leaves for disk: its file was written behind, so it just goes
+        assert store._host_out("a") and store.host.peek("a") is None
+    else:
+        store.flush()  # the write lands and the copy leaves staging
+        assert "a" not in store._staged
+    restores = store.counters.restores
+    got = store.get("a", ahead)
+    assert got is ahead.session and store.counters.restores == restores + 1
+    fresh = reader.prefill(got.ids[: got.committed])
+    compared, mismatched, _ = compare_states(got.state, fresh)
+    assert compared > 0 and mismatched == []
+
+
+def test_a_copy_brought_back_is_not_taken_once_its_file_holds_a_newer_version(tiny, tmp_path):
+    loaded, reader = open_reader("tiny", grid=GRID)
+    store = SessionStore(reader, loaded.weights_hash, cap_gib=0, disk=tmp_path)
+    a = store.get("a")
+    reader.feed_prompt(a, list(range(100, 100 + 3 * GRID)))
+    reader.advance(a)
+    del a
+    store.get("b")
+    store.settle(keep="b")
+    store.flush()
+    ahead = store.restore_ahead("a")  # from its file
+    assert ahead is not None
+    moved = store.get("a")  # another request fed it first, read on, and it left again
+    reader.feed_output(moved, [7] * GRID)
+    reader.advance(moved)
+    del moved
+    store.settle(keep="b")
+    store.flush()
+    stale = store.restore_ahead("a")
+    assert stale is not None
+    newer = store.get("a", ahead)
+    assert newer is not ahead.session and newer.committed == 4 * GRID

@@ -793,6 +793,10 @@ class SessionStore:
             if self._staged.get(name) is ahead.copy:
                 self._back_from_staging(name)
                 return as_from_disk(ahead.session)
+            if self._written_since(name, ahead.copy):
+                self.counters.restores += 1
+                self._spilled_why.pop(name, None)
+                return as_from_disk(ahead.session)
             return None
         if not self.disk or (self.host is not None and name in self.host) or name in self._staged:
             return None  # a newer copy is in host memory
@@ -805,6 +809,14 @@ class SessionStore:
             return None
         self._restored(name, st.st_size, ahead.seconds)
         return ahead.session
+
+    def _written_since(self, name: str, copy: Session) -> bool:
+        """Whether `copy`, a host copy of `name` no longer in host memory, left it because its file
+        was written: no newer copy is in the host tier or staging, and the file holds its version."""
+        if (self.host is not None and name in self.host) or name in self._staged or not self.disk:
+            return False
+        self._collect()
+        return self._saved.get(name) == self._version(copy) and self.path_of(name).is_file()
 
     def _restore(self, name: str) -> Session | None:
         if not self.disk:
