@@ -37,7 +37,6 @@ from shadow.model.kernels import reference
 from attention_batch import gpu_ms  # run as a script: experiments/ is on the path
 
 T = 512
-POOL = 64  # slots in the state pool the `state_indices` arm reads and writes
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +150,7 @@ def survey(batch: int) -> list[dict]:
 
     def pooled(y, graph=False):
         n = y["q"].shape[0]
-        pool = torch.zeros(POOL, *y["state"].shape[1:], device="cuda")
+        pool = torch.zeros(4 + 2 * n, *y["state"].shape[1:], device="cuda")  # more slots than sessions
         slots = torch.arange(3, 3 + 2 * n, 2, dtype=torch.int64, device="cuda")  # spread through the pool
         pool.index_copy_(0, slots, y["state"].transpose(-1, -2).contiguous())
         call = flashinfer_call(y, False, pool, slots)

@@ -335,7 +335,7 @@ def test_a_move_out_holds_its_pool_back_until_its_copy_is_whole(tiny_cuda):
         assert not move.done() and any(e is move.event for e in pool._in_flight)
         move.wait()
         assert pool.wait_filled(60)  # the pool refills once the copy is whole
-        assert not pool._in_flight and pool.stats().quiet_seconds > 0
+        assert not pool._in_flight and pool.stats().quiet_seconds >= 0.05  # the copy waited behind about 0.1 s
     finally:
         pool.close()
 

@@ -144,7 +144,9 @@ def test_a_copy_brought_back_is_taken_though_its_file_was_written_meanwhile(tiny
     assert compared > 0 and mismatched == []
 
 
-def test_a_copy_brought_back_is_not_taken_once_its_file_holds_a_newer_version(tiny, tmp_path):
+def test_a_copy_brought_back_is_not_taken_once_a_newer_version_was_written(tiny, tmp_path):
+    """A copy brought back from staging, then the session fed by another request, read on, moved
+    out again and its newer file written: the copy brought back is not taken (the newer is)."""
     loaded, reader = open_reader("tiny", grid=GRID)
     store = SessionStore(reader, loaded.weights_hash, cap_gib=0, disk=tmp_path)
     a = store.get("a")
@@ -153,16 +155,14 @@ def test_a_copy_brought_back_is_not_taken_once_its_file_holds_a_newer_version(ti
     del a
     store.get("b")
     store.settle(keep="b")
-    store.flush()
-    ahead = store.restore_ahead("a")  # from its file
-    assert ahead is not None
+    ahead = store.restore_ahead("a")  # from its copy waiting in staging
+    assert ahead is not None and ahead.copy is not None
     moved = store.get("a")  # another request fed it first, read on, and it left again
     reader.feed_output(moved, [7] * GRID)
     reader.advance(moved)
     del moved
     store.settle(keep="b")
-    store.flush()
-    stale = store.restore_ahead("a")
-    assert stale is not None
+    store.flush()  # its newer file written, no copy of it left in memory
+    assert "a" not in store._staged
     newer = store.get("a", ahead)
     assert newer is not ahead.session and newer.committed == 4 * GRID

@@ -108,7 +108,7 @@ def move_to_host(session: Session, stream: torch.cuda.Stream | None = None, pool
     """Begin copying `session` to host memory (pinned on a GPU: from `pool` where it has the room,
     else pinned here). On a GPU the copies run on `stream` (None: the current stream) after every
     piece of work already queued on the current one, and the move's event is recorded after them:
-    the caller's thread does not wait for them, and `pool` begins no slab until they are done. On
+    the caller's thread does not wait for them, and `pool` page-locks no slab until they are done. On
     the CPU the copy is plain (into `pool`'s memory where given), whole when this returns."""
     device = session.state.device
     if device.type != "cuda":

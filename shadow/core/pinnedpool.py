@@ -16,12 +16,14 @@ None: the caller pins on its own thread, as before the pool, and the pool counts
 return is noted without a lock (a garbage collection may free a tensor on any thread, the pool's
 lock held or not) and taken in at the pool's next call.
 
-The pool pins nothing beside a copy to or from host memory it is told of (`beside`, `quiet`): on
-a lent H100, a copy beside a register call waited for it (about 11 ms a 256 MiB slab), and moves
-that ran while the pool registered slabs beside them were 5 to 16 times slower than alone
-(docs/BENCHMARKS.md). Its thread waits for such copies to finish, at most
-`QUIET_WAIT_S` a slab (then it pins anyway: a pool starved of slabs sends copies to pin where
-they begin, which costs more), and counts the wait (`quiet_seconds`).
+The pool begins no page-locking beside a copy to or from host memory it is told of (`beside`,
+`quiet`): on a lent H100, a copy beside a register call waited for it (about 11 ms a 256 MiB
+slab), and moves that ran while the pool registered slabs beside them were 5 to 16 times slower
+than alone (docs/BENCHMARKS.md). Its thread maps a slab and makes its pages present (which holds
+up no copy), then waits for such copies to finish, at most `QUIET_WAIT_S` a slab (then it pins
+anyway: a pool starved of slabs sends copies to pin where they begin, which costs more), and
+counts the wait (`quiet_seconds`). A register call already running when a copy begins is not
+stopped: that copy waits for it (one slab's call at most).
 
 Exactness is not the pool's concern: a span is memory, the copies into it are the tier's.
 """
@@ -89,20 +91,24 @@ class Slab:
             self._map.madvise(mmap.MADV_DONTFORK)
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
         self.pinned = False
-        if pin:
-            try:
-                cudart.host_register(self.address, nbytes)
-            except BaseException:
-                self._map.close()
-                raise
-            self.pinned = True
-        done = weakref.finalize(self, _unmap, self._map, self.address if pin else None)
+        self._registered: list[int] = []  # the address once page-locked: what the finalizer unlocks
+        done = weakref.finalize(self, _unmap, self._map, self._registered)
         done.atexit = False  # at exit the process's memory goes with it; no CUDA call while CUDA shuts down
+        if pin:
+            self.register()
+
+    def register(self) -> None:
+        """Page-lock the slab for the GPU (`cudaHostRegister`, without the GIL), once; raises on a
+        CUDA error (the slab is then unmapped when it is freed)."""
+        if not self.pinned:
+            cudart.host_register(self.address, self.nbytes)
+            self._registered.append(self.address)
+            self.pinned = True
 
 
-def _unmap(mapped: mmap.mmap, pinned_at: int | None) -> None:
-    if pinned_at is not None:
-        cudart.host_unregister(pinned_at)
+def _unmap(mapped: mmap.mmap, registered: list[int]) -> None:
+    for address in registered:
+        cudart.host_unregister(address)
     mapped.close()
 
 
@@ -230,16 +236,21 @@ class PinnedPool:
         while self._in_flight and self._in_flight[0].query():
             self._in_flight.popleft()
 
-    def _wait_quiet(self) -> None:
-        """On the pool's thread, before a slab: wait while a copy is in flight, at most
-        `QUIET_WAIT_S`; the wait is counted."""
+    def _wait_quiet(self) -> float | None:
+        """On the pool's thread, before a slab is page-locked: wait while a copy is in flight, at
+        most `QUIET_WAIT_S`; the seconds waited (counted where there was a wait), None when the
+        pool was closed meanwhile."""
         start = time.perf_counter()
         while True:
             with self._lock:
                 self._prune()
-                if not self._in_flight or self._closed or time.perf_counter() - start >= QUIET_WAIT_S:
-                    self._quiet_seconds += time.perf_counter() - start
-                    return
+                waited = time.perf_counter() - start
+                if self._closed:
+                    return None
+                if not self._in_flight or waited >= QUIET_WAIT_S:
+                    if waited > 0.001:
+                        self._quiet_seconds += waited
+                    return waited
             time.sleep(0.002)
 
     # filling ahead -------------------------------------------------------------------------
@@ -260,16 +271,25 @@ class PinnedPool:
         return next((n for n in sizes if self._pinned + n <= self.limit), 0)
 
     def _pin(self, nbytes: int) -> None:
-        """Pin a slab of `nbytes` (on the pool's thread) and add it to the free runs."""
+        """Pin a slab of `nbytes` (on the pool's thread) and add it to the free runs: mapped with
+        its pages present (which holds up no copy), then page-locked once no copy is in flight
+        (`_wait_quiet`); nothing is added where the pool was closed meanwhile."""
         start = time.perf_counter()
         try:
-            slab = Slab(nbytes, self.pin)
+            slab = Slab(nbytes, pin=False)
+            waited = self._wait_quiet()
+            if waited is None:
+                with self._lock:
+                    self._pinning = False
+                return
+            if self.pin:
+                slab.register()
         except Exception as e:  # noqa: BLE001 - reported in stats; the pool stops growing
             with self._lock:
                 self._error, self._pinning = f"{type(e).__name__}: {e}", False
             return
         with self._lock:
-            self._pin_seconds += time.perf_counter() - start
+            self._pin_seconds += time.perf_counter() - start - waited
             self._slabs.append(slab)
             self._free.append([(0, nbytes)])
             self._pinned += nbytes
@@ -340,6 +360,5 @@ def _fill(pool_ref: weakref.ref, wake: threading.Condition) -> None:
                 del pool  # not held while waiting: a pool nobody else holds is let go
                 wake.wait(timeout=1.0)
                 continue
-        pool._wait_quiet()
         pool._pin(nbytes)
         del pool

@@ -215,7 +215,7 @@ class SessionStore:
         copy out is in flight), moved back from host memory, restored from disk, or new. A bad file
         is refused (reported once) and the session starts over; a bad file never raises.
         `ahead`: what `restore_ahead` brought back, taken if its host copy or file is still the one
-        it came from."""
+        it came from, or its copy left host memory because its file was written."""
         self._moves_done()
         session = self._resident.get(name)
         if session is None:
@@ -445,7 +445,7 @@ class SessionStore:
         return PinnedPool(limit, self.pin_ahead) if limit else None
 
     def _quiet(self):
-        """A block in which the pinned pool begins no slab (a restore's copies run in it)."""
+        """A block in which the pinned pool page-locks no slab (a restore's copies run in it)."""
         return self.pinned.quiet() if self.pinned is not None else nullcontext()
 
     def _begin_move(self, session: Session, to: str, nbytes: int) -> None:
@@ -562,7 +562,8 @@ class SessionStore:
         copy = self._staged.get(name)
         if copy is None:
             return None
-        session = from_host(copy, self.reader.model.new_state())
+        with self._quiet():
+            session = from_host(copy, self.reader.model.new_state())
         self._back_from_staging(name)
         return as_from_disk(session)
 
@@ -782,8 +783,9 @@ class SessionStore:
         return Restored(session, key, time.perf_counter() - start)
 
     def _adopt(self, name: str, ahead: Restored) -> Session | None:
-        """`ahead`'s session, if its host copy or file is still the one it came from (else None:
-        bring it back again)."""
+        """`ahead`'s session, if its host copy or file is still the one it came from, or its copy
+        left host memory because its file was written (`_written_since`); else None: bring it back
+        again."""
         if ahead.copy is not None:
             if ahead.session.name != name:
                 return None
