@@ -112,6 +112,16 @@ def test_no_restore_starts_for_a_session_still_leaving_the_device(tiny, tmp_path
     assert store.get("a") is a and not store.moving("a")
 
 
+def left_the_device(store: SessionStore, reader) -> None:
+    """Session "a" read three chunks deep, then moved off the device (b kept there)."""
+    a = store.get("a")
+    reader.feed_prompt(a, list(range(100, 100 + 3 * GRID)))
+    reader.advance(a)
+    del a
+    store.get("b")
+    store.settle(keep="b")
+
+
 @pytest.mark.parametrize("tier", ["staging", "host"])
 def test_a_copy_brought_back_is_taken_though_its_file_was_written_meanwhile(tiny, tmp_path, tier):
     """A session brought back from its host copy (in the host tier, or waiting in staging for its
@@ -120,12 +130,7 @@ def test_a_copy_brought_back_is_taken_though_its_file_was_written_meanwhile(tiny
     loaded, reader = open_reader("tiny", grid=GRID)
     store = SessionStore(reader, loaded.weights_hash, cap_gib=0, disk=tmp_path,
                          host_cap_gib=1 if tier == "host" else 0)
-    a = store.get("a")
-    reader.feed_prompt(a, list(range(100, 100 + 3 * GRID)))
-    reader.advance(a)
-    del a
-    store.get("b")
-    store.settle(keep="b")
+    left_the_device(store, reader)
     if tier == "host":
         store.flush()  # its file written behind
     copy = store.host.peek("a") if tier == "host" else store._staged.get("a")
@@ -149,12 +154,7 @@ def test_a_copy_brought_back_is_not_taken_once_a_newer_version_was_written(tiny,
     out again and its newer file written: the copy brought back is not taken (the newer is)."""
     loaded, reader = open_reader("tiny", grid=GRID)
     store = SessionStore(reader, loaded.weights_hash, cap_gib=0, disk=tmp_path)
-    a = store.get("a")
-    reader.feed_prompt(a, list(range(100, 100 + 3 * GRID)))
-    reader.advance(a)
-    del a
-    store.get("b")
-    store.settle(keep="b")
+    left_the_device(store, reader)
     ahead = store.restore_ahead("a")  # from its copy waiting in staging
     assert ahead is not None and ahead.copy is not None
     moved = store.get("a")  # another request fed it first, read on, and it left again
