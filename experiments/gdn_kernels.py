@@ -167,9 +167,20 @@ def survey(batch: int) -> list[dict]:
     return rows
 
 
+def batch_sizes(text: str) -> list[int]:
+    """`--batches`: positive whole numbers, comma-separated (argparse turns a refusal into one line, exit 2)."""
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes are positive whole numbers, comma-separated, not {text!r}")
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--batches", default=[1, 8], type=batch_sizes, help="sessions per call, comma-separated (1,8)")
     args = parser.parse_args()
     versions = {"torch": torch.__version__}
     for module in ("fla", "flashinfer"):
@@ -179,7 +190,7 @@ def main() -> None:
             versions[module] = f"not importable: {type(e).__name__}: {e}"
     print(torch.cuda.get_device_name(), json.dumps(versions), flush=True)
     every = []
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in args.batches:
         for r in survey(batch):
             every.append(r)
             print(json.dumps(r), flush=True)
