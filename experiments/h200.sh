@@ -138,7 +138,9 @@ for step in "$@"; do
              # Needs .carry/llama-src (build_llama_server.sh pack), $D's trajectories, .carry/qwen3.5.jinja and the
              # gguf==0.19.0 wheel in .whl. The CUDA build took 310 s on a lent H100 (2026-12-06, -j16); cached, 0 s.
              # In one call (9 min): the GGUF, engine and shadow up in about 120 s, DENSITY_S (120) of density,
-             # PAIRS x 2 x WINDOW_S (2 x 2 x 15 s) off/on, the engine's tokenization and the replay in about 30 s;
+             # then the engine's cost at a steady load (a stream a slot of STEADY_PROMPT ids, 8192; up to SETTLE_S,
+             # 60, for them all to decode; PAIRS x 2 x WINDOW_S, 2 x 2 x 15 s, off/on), the engine's tokenization
+             # and the replay in about 30 s;
              # the driver shortens the density phase to be done FINISH_BY (525) s after the step began (--finish-by)
              # and is stopped 45 s later.
              # DETACH=1: the driver runs in a process session of its own, which outlives the call while the machine
@@ -170,7 +172,7 @@ sys.exit(not json.load(u.urlopen("http://127.0.0.1:18999/v1/shadow/status", time
              finish=${FINISH_BY:-525}
              args=(experiments/live_density.py --out /tmp/density \
                --llama-server "$llama" --sessions ${SESSIONS:-24} --duration ${DENSITY_S:-120} --pairs ${PAIRS:-2} \
-               --window ${WINDOW_S:-15} --model qwen3.5-0.8b --device cuda --trajectories "${TRAJ:-$D}" \
+               --window ${WINDOW_S:-15} --steady-prompt ${STEADY_PROMPT:-8192} --settle ${SETTLE_S:-60} --model qwen3.5-0.8b --device cuda --trajectories "${TRAJ:-$D}" \
                --template "${TEMPLATE:-.carry/qwen3.5.jinja}" --hidden ${HIDDEN:-1024} --layers ${LAYERS:-8} --heads 8 \
                --kv-heads 2 --engine-arg=-ngl --engine-arg=999 --request-timeout 120 \
                --finish-by $(( finish - ($(date +%s) - start) )) ${DENSITY_ARGS:-})

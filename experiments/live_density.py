@@ -22,17 +22,25 @@ service's status is polled every `--poll-s` (time to fresh, share charged, the s
 The engine is llama-server (`--llama-server`, default the CPU build of
 `experiments/build_llama_server.sh`) with `--parallel N` (continuous batching is its default) and a
 context of N x the longest session (prompt and output in Qwen3.5 ids), serving a random-weight GGUF
-of `shadow/engines/gguf.py` (`--hidden`, `--layers`). After `--duration` s, `--pairs` K pairs of
-windows of `--window` s switch the shadow off, then on (`/v1/shadow/switch`), the sessions going
-on: the engine's decode tokens/s and inter-token gaps in each, and llama-server's own counters
-(`--metrics`) at each window's ends (`live_figures.engine_cost`).
+of `shadow/engines/gguf.py` (`--hidden`, `--layers`).
+
+The engine's cost comes after the density phase, at a steady load: no request or ask starts after
+`--duration` s; each slot, once its last response is over, streams one long response of a session
+of its own (`steady.sK`: a trajectory's prompt nearest `--steady-prompt` ids, made unique by a
+line of its own, `max_tokens` as many as its slot holds, `ignore_eos`), so the N streams decode
+together and the shadow has their new prompts to read in its share. Once every steady stream
+decodes (at most `--settle` s), `--pairs` K pairs of windows of `--window` s switch the shadow off
+and on (`/v1/shadow/switch`), in the order off-on, on-off, ... (a drift in the engine's speed as
+its streams deepen cancels); then the steady streams are cut. Each window's decode tokens/s and
+inter-token gaps (the steady streams'), the share charged in it, and llama-server's own counters
+(`--metrics`) at its ends (`live_figures.engine_cost`); each pair's change with the shadow on.
 
 Writes in `--out`: `live-density.json` (its last line too on stdout: settings, live figures,
 replay, side by side, engine cost), `ledger.jsonl` (the density phase's requests), `costs.json`
 (the chunk costs the live service learned, charged by the replay), `sent.jsonl` and `asks.jsonl`
 (every request and ask as the driver saw it), `journal.jsonl`, `status.json` (the last status),
 `metrics-density.txt` and `metrics.txt` (`/metrics` at the density phase's end and at the run's),
-`replay.txt`, `engine.log`, `serve.log`, `table.txt`.
+`steady.jsonl` (the cost phase's streams), `replay.txt`, `engine.log`, `serve.log`, `table.txt`.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -47,6 +56,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,6 +70,7 @@ import live_figures as fig  # noqa: E402
 from shadow.errors import ShadowInputError  # noqa: E402
 
 QUESTION = {"question": "Is the agent about to finish the task? A: yes, B: no.", "choices": ["A", "B"]}
+STEADY_LINE = "(steady stream {k}: a load for the engine's cost, not a recorded turn)"
 AFTER_RUN_S = 60.0  # --finish-by keeps this for the last responses, the engine's tokenization, the replay and the files
 MIN_DURATION_S = 20.0
 DATA = Path(os.environ.get("SHADOW_SHARED_DATA") or ROOT.parent / "shared" / "data")
@@ -78,6 +89,15 @@ class Trajectory:
     name: str
     turns: list[Turn]
     longest: int  # the last prompt and its output, Qwen3.5 ids
+    prompt_ids: Callable[[int], int]  # turn index -> its prompt's length in Qwen3.5 ids (tokenized when asked)
+
+    def turn_near(self, ids: int) -> int:
+        """The index of the turn whose prompt is nearest `ids` long (prompts grow turn by turn)."""
+        lo, hi = 0, len(self.turns) - 1
+        while lo < hi:  # the first turn at least `ids` long
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if self.prompt_ids(mid) < ids else (lo, mid)
+        return min((k for k in (lo - 1, lo) if k >= 0), key=lambda k: abs(self.prompt_ids(k) - ids))
 
 
 def load_trajectory(path: Path, tokenizer) -> Trajectory:
@@ -91,14 +111,18 @@ def load_trajectory(path: Path, tokenizer) -> Trajectory:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise ShadowInputError(f"{path}: not a mini-swe-agent trajectory ({type(e).__name__}: {e})") from None
     conv = load_conversation(path)
-    turns = []
+    turns, histories = [], []
     for t, (history, out) in zip(times, conv.requests()):
         msgs = [{"role": m.role, "content": m.content,
                  **({"reasoning_content": m.reasoning} if m.role == "assistant" and m.reasoning else {})} for m in history]
         turns.append(Turn(float(t - times[0]), msgs, len(tokenizer.encode(render_output(out)))))
-    last_history, _ = list(conv.requests())[-1]
-    longest = len(tokenizer.encode(render_prompt(last_history))) + turns[-1].output_tokens
-    return Trajectory(conv.name, turns, longest)
+        histories.append(history)
+
+    @functools.cache
+    def prompt_ids(k: int) -> int:
+        return len(tokenizer.encode(render_prompt(histories[k])))
+
+    return Trajectory(conv.name, turns, prompt_ids(len(turns) - 1) + turns[-1].output_tokens, prompt_ids)
 
 
 def free_port() -> int:
@@ -139,13 +163,16 @@ class Run:
         self.tasks: set[asyncio.Task] = set()
         self.switch_error: str | None = None
         self.engine_windows: list[tuple[dict, dict]] = []  # the engine's counters at each window's ends
+        self.steady: list[fig.Sent] = []  # the cost phase's streams
+        self.steady_over = asyncio.Event()  # set when the windows are over: the steady streams are cut
+        self.settled: dict = {}  # how the cost phase began: the wait for the steady streams, strays in flight
 
     def now(self) -> float:
         return time.monotonic() - self.t0
 
     async def main(self) -> None:
         a = self.args
-        self.stop_at = a.duration + 2 * a.pairs * a.window
+        self.stop_at = a.duration  # no request or ask of the density phase starts after it
         limits = httpx.Limits(max_connections=4 * a.sessions + 16, max_keepalive_connections=4 * a.sessions + 16)
         async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(a.request_timeout), limits=limits) as c:
             self.client = c
@@ -153,7 +180,7 @@ class Run:
             background = [asyncio.create_task(self.poll()), asyncio.create_task(self.random_asks())]
             switching = asyncio.create_task(self.switches())
             await asyncio.gather(*(self.slot(k) for k in range(a.sessions)))
-            await switching  # its last window ends at stop_at, which the slots have passed
+            await switching  # the slots' steady streams were cut when its last window ended
             if self.tasks:
                 await asyncio.wait(list(self.tasks), timeout=a.request_timeout)
             for t in background:
@@ -166,6 +193,12 @@ class Run:
     # the sessions -------------------------------------------------------------------------------
 
     async def slot(self, k: int) -> None:
+        """Slot k: its trajectories' turns until the density phase ends, then its steady stream."""
+        await self.density_turns(k)
+        if self.args.pairs:
+            await self.steady_stream(k)
+
+    async def density_turns(self, k: int) -> None:
         first, copy = True, 0
         while self.now() < self.stop_at:
             traj = self.trajectories[self.next_traj % len(self.trajectories)]
@@ -177,7 +210,7 @@ class Run:
             base = self.now() - traj.turns[begin].offset_s * self.args.pace
             for i in range(begin, len(traj.turns)):
                 due = base + traj.turns[i].offset_s * self.args.pace
-                await asyncio.sleep(max(0.0, due - self.now()))
+                await asyncio.sleep(max(0.0, min(due, self.stop_at) - self.now()))
                 if self.now() >= self.stop_at:
                     return
                 if i > begin and self.rng.random() < self.args.turn_asks:
@@ -212,6 +245,35 @@ class Run:
         self.held[name] = rec.prompt_tokens + rec.output_tokens
         return rec.error is None
 
+    async def steady_stream(self, k: int) -> None:
+        """Slot k's stream of the cost phase: a prompt of its own, decoding until the windows are over."""
+        if self.steady_over.is_set():
+            return
+        traj = self.trajectories[k % len(self.trajectories)]
+        turn = traj.turns[traj.turn_near(self.args.steady_prompt)]
+        first, *rest = turn.messages
+        messages = [{**first, "content": STEADY_LINE.format(k=k) + "\n" + first["content"]}, *rest]
+        room = max(t.longest for t in self.trajectories) - self.args.steady_prompt - 256
+        body = {"messages": messages, "max_tokens": max(256, min(16_384, room)), "ignore_eos": True,
+                "stream": True, "logprobs": True, "top_logprobs": 1, "temperature": 0}
+        rec = fig.Sent(f"steady.s{k}", -1, self.now(), messages)
+        self.steady.append(rec)
+        try:
+            async with self.client.stream("POST", "/v1/chat/completions", json=body,
+                                          headers={"x-session-id": rec.session}) as r:
+                rec.status = r.status_code
+                if r.status_code != 200:
+                    rec.error = (await r.aread()).decode("utf-8", "replace")[:300]
+                else:
+                    async for line in r.aiter_lines():
+                        if self.steady_over.is_set():
+                            break  # cut: the response closes, the proxy ends the engine's request
+                        if line.startswith("data: {"):
+                            self.event(rec, json.loads(line[len("data: "):]))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+            rec.error = f"{type(e).__name__}: {e}"
+        rec.end = self.now()
+
     def event(self, rec: fig.Sent, event: dict) -> None:
         """One streamed event: its output ids (beside the logprobs) and their time, the usage, an error."""
         for choice in event.get("choices") or ():
@@ -240,7 +302,8 @@ class Run:
             r = await self.client.post("/v1/shadow/ask", json={"session": session, **QUESTION, "timeout_s": 60})
             d = r.json() if r.status_code == 200 else {}
             self.asks.append(fig.Asked(kind, session, t, r.status_code, d.get("latency_ms"), d.get("behind"),
-                                       d.get("read_chunks"), d.get("insertion"), held))
+                                       d.get("read_chunks"), d.get("insertion"), held, d.get("device_wait_ms"),
+                                       d.get("device_busy_with")))
         except (httpx.HTTPError, ValueError):
             self.asks.append(fig.Asked(kind, session, t, 0, held=held))
 
@@ -277,18 +340,32 @@ class Run:
         await asyncio.sleep(max(0.0, a.duration - self.now()))
         with contextlib.suppress(httpx.HTTPError):
             self.metrics_density = (await self.client.get("/metrics")).text
-        for _ in range(a.pairs):
-            for on in (False, True):
-                start = self.now()
-                try:
-                    (await self.client.post("/v1/shadow/switch", json={"on": on})).raise_for_status()
-                except httpx.HTTPError as e:  # no window then: the pairs stop, the density figures stay
-                    self.switch_error = f"{type(e).__name__}: {e}"
-                    return
-                before = await self.engine_counters()
-                await asyncio.sleep(max(0.0, start + a.window - self.now()))
-                self.windows.append(("on" if on else "off", start, self.now()))
-                self.engine_windows.append((before, await self.engine_counters()))
+        if not a.pairs:
+            return
+        try:
+            began = self.now()
+            while self.now() < began + a.settle and not (
+                    len(self.steady) == a.sessions and all(r.first_token is not None for r in self.steady)):
+                await asyncio.sleep(0.25)
+            self.settled = {"waited_s": round(self.now() - began, 3),
+                            "steady_decoding": sum(r.first_token is not None and r.end is None for r in self.steady),
+                            "density_in_flight": sum(r.end is None for r in self.sent)}
+            for p in range(a.pairs):
+                for on in ((False, True) if p % 2 == 0 else (True, False)):
+                    start = self.now()
+                    try:
+                        (await self.client.post("/v1/shadow/switch", json={"on": on})).raise_for_status()
+                    except httpx.HTTPError as e:  # no window then: the pairs stop, the density figures stay
+                        self.switch_error = f"{type(e).__name__}: {e}"
+                        return
+                    before = await self.engine_counters()
+                    await asyncio.sleep(max(0.0, start + a.window - self.now()))
+                    self.windows.append(("on" if on else "off", start, self.now()))
+                    self.engine_windows.append((before, await self.engine_counters()))
+        finally:
+            self.steady_over.set()
+            with contextlib.suppress(httpx.HTTPError):  # the shadow left on, as it ran
+                await self.client.post("/v1/shadow/switch", json={"on": True})
 
     async def engine_counters(self) -> dict[str, float]:
         """llama-server's own counters (`--metrics`), on a connection of their own."""
@@ -387,7 +464,8 @@ def main(argv: list[str] | None = None) -> dict:
         serve = start(stack, serve_cmd, out / "serve.log", env)
         wait_up(f"{url}/v1/shadow/status", serve, 900, ready=lambda r: r.status_code == 200 and r.json()["ready"])
         if a.finish_by:  # what is left after the setup, less the windows and the work after the run
-            left = a.finish_by - (time.monotonic() - began) - 2 * a.pairs * a.window - AFTER_RUN_S
+            cost = (a.settle + 2 * a.pairs * a.window) if a.pairs else 0.0
+            left = a.finish_by - (time.monotonic() - began) - cost - AFTER_RUN_S
             if left < a.duration:
                 a.asked_duration, a.duration = a.duration, max(MIN_DURATION_S, round(left, 1))
         run = Run(a, url, trajectories, engine_url)
@@ -442,16 +520,17 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
                                                       "context": ctx, "wall_s": round(wall, 1), "replay": settings,
                                                       "request_hours": round(hours, 4)},
            "live": live, "replay": replayed, "side_by_side": fig.side_by_side(live, replayed, requests),
-           "engine": {**fig.engine_cost(run.sent, run.windows, run.polls, run.engine_windows),
-                      "switch_error": run.switch_error},
-           "sent": {"requests": len(run.sent), "asks": len(run.asks),
-                    "sessions": sorted({r.session for r in run.sent})}}
+           "engine": {**fig.engine_cost(run.steady, run.windows, run.polls, run.engine_windows, others=run.sent),
+                      "settled": run.settled, "switch_error": run.switch_error},
+           "sent": {"requests": len(run.sent), "asks": len(run.asks), "steady": len(run.steady),
+                    "sessions": sorted({r.session for r in [*run.sent, *run.steady]})}}
     (out / "table.txt").write_text(fig.table(doc) + "\n")
     (out / "live-density.json").write_text(json.dumps(doc, indent=1))
     (out / "asks.jsonl").write_text("".join(json.dumps(asdict(x)) + "\n" for x in run.asks))
-    (out / "sent.jsonl").write_text("".join(json.dumps({k: v for k, v in asdict(r).items()
-                                                        if k not in ("messages", "output_ids", "prompt_ids", "token_times")})
-                                            + "\n" for r in run.sent))
+    for name, records in (("sent.jsonl", run.sent), ("steady.jsonl", run.steady)):
+        (out / name).write_text("".join(json.dumps({k: v for k, v in asdict(r).items()
+                                                    if k not in ("messages", "output_ids", "prompt_ids", "token_times")})
+                                        + "\n" for r in records))
     return doc
 
 
@@ -463,8 +542,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--template", default=str(DATA / "templates" / "qwen3.5.jinja"), help="the engine's chat template")
     p.add_argument("--sessions", type=int, default=3, help="N: sessions active at once (the engine's slots)")
     p.add_argument("--duration", type=float, default=90.0, help="seconds of the density phase")
-    p.add_argument("--pairs", type=int, default=0, help="then this many off/on pairs of windows (engine cost)")
+    p.add_argument("--pairs", type=int, default=0, help="then this many off/on pairs of windows at a steady load (engine cost)")
     p.add_argument("--window", type=float, default=30.0, help="seconds of each off or on window")
+    p.add_argument("--steady-prompt", type=int, default=8192, help="the steady streams' prompts, about this many ids")
+    p.add_argument("--settle", type=float, default=60.0, help="the longest wait for every steady stream to decode")
     p.add_argument("--pace", type=float, default=1.0, help="recorded gaps between a session's requests times this")
     p.add_argument("--start", choices=("random", "first"), default="random", help="a slot's first trajectory's first turn")
     p.add_argument("--max-output", type=int, default=100_000, help="cap on a request's max_tokens")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 from collections import Counter
@@ -51,7 +52,8 @@ class Sent:
 class Asked:
     """One ask: `kind` 'turn' (sent at a turn start of a session with earlier turns) or 'random';
     `held` the ids the session held before that turn (turn asks; the answer's `insertion` above it
-    means the new prompt was fed first: `raced`)."""
+    means the new prompt was fed first: `raced`); of its latency, the wait for the device thread and
+    the kind of job the device ran when it came (the answer's `device_wait_ms`, `device_busy_with`)."""
 
     kind: str
     session: str
@@ -62,6 +64,8 @@ class Asked:
     read_chunks: int | None = None
     insertion: int | None = None
     held: int | None = None
+    device_wait_ms: float | None = None
+    device_busy_with: str | None = None
 
     @property
     def raced(self) -> bool:
@@ -163,8 +167,8 @@ def live(requests: list[Sent], asks: list[Asked], polls: list[Poll], journal: Pa
                         "fresh_pct": _pct([a.behind < grid for a in kept]),
                         "at_arrival": service_turn_starts(mine, journal, grid),
                         "behind": spread([a.behind for a in kept], digits=0),
-                        "ask_ms": spread([a.latency_ms for a in kept])},
-        "random": {"n": len(rand), "ask_ms": spread([a.latency_ms for a in rand]),
+                        "ask_ms": spread([a.latency_ms for a in kept]), **device_waits(kept)},
+        "random": {"n": len(rand), "ask_ms": spread([a.latency_ms for a in rand]), **device_waits(rand),
                    "lag": spread([a.behind for a in rand], digits=0),
                    "stale_pct": _pct([a.behind >= grid for a in rand])},
         "asks_failed": sum(a.status != 200 for a in asks if a.time < phase_end),
@@ -177,6 +181,18 @@ def live(requests: list[Sent], asks: list[Asked], polls: list[Poll], journal: Pa
                     "prompt": {s: counts.checks[("prompt", s)] for s in STATES},
                     "output": {s: counts.checks[("output", s)] for s in STATES}},
     }
+
+
+def device_waits(asks: list[Asked], long_ms: float = 50.0) -> dict:
+    """Of the asks' latencies, the wait for the device thread (p50/p90/p99/max ms), and for the
+    asks that waited `long_ms` or more, how many waited behind each kind of job (empty where the
+    service gave no such field: an earlier build)."""
+    waits = [a for a in asks if a.device_wait_ms is not None]
+    if not waits:
+        return {}
+    long = Counter(a.device_busy_with or "idle" for a in waits if a.device_wait_ms >= long_ms)
+    return {"device_wait_ms": spread([a.device_wait_ms for a in waits]),
+            f"waited_{long_ms:g}ms_behind": dict(long.most_common())}
 
 
 def service_turn_starts(requests: list[Sent], journal: Path, grid: int) -> dict | None:
@@ -320,14 +336,17 @@ def side_by_side(live_: dict, replayed: dict, requests: list[Request]) -> dict:
 
 
 def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], polls: list[Poll],
-                counters: list[tuple[dict, dict]] | None = None) -> dict:
+                counters: list[tuple[dict, dict]] | None = None, others: list[Sent] = ()) -> dict:
     """The engine's decode in each window ('off' or 'on', start, end; seconds from the run's
-    start): tokens streamed in it over the seconds in it with a stream decoding (aggregate decode
-    tokens/s), the gaps between a stream's consecutive tokens within it (p50, p99 ms), the share
-    charged in it (from the polls), and where `counters` gives llama-server's own counters at the
-    window's ends (`--metrics`), the tokens it predicted over the window's seconds and per decode
-    call (how many streams a batched step carried); each off window paired with the on window
-    after it."""
+    start) of `requests` (the streams measured): tokens streamed in it over the seconds in it with
+    a stream decoding (aggregate decode tokens/s), the gaps between a stream's consecutive tokens
+    within it (p50, p99 ms), the share charged in it (from the polls), `others` still in flight in
+    it (load beside the streams measured), and where `counters` gives llama-server's own counters
+    at the window's ends (`--metrics`), the tokens it predicted over the window's seconds and per
+    decode call (how many streams a batched step carried). Windows pair two by two (off-on or
+    on-off): each pair's change of decode tokens/s with the shadow on, and over the pairs their
+    median and mean, the share charged in the on windows, and the cost beyond it (points: the
+    decode lost less the share charged)."""
     rows = []
     for w, (kind, a, b) in enumerate(windows):
         times, gaps, spans = 0, [], []
@@ -340,29 +359,48 @@ def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], p
         busy = decode_union_s(spans)
         share, decode = _delta(polls, "share_s", a, b), _delta(polls, "decode_s", a, b)
         rows.append({"shadow": kind, "start": round(a, 3), "end": round(b, 3), "tokens": times,
+                     "others_in_flight": sum(r.start < b and (r.end is None or r.end > a) for r in others),
                      "decode_busy_s": round(busy, 3), "tok_s": _round(times / busy) if busy else None,
                      "gap_ms": spread(gaps), "gaps": len(gaps),
                      "share_charged_pct": _round(100 * share / decode) if share is not None and decode else None,
                      "engine": _engine_window(counters[w], b - a) if counters and w < len(counters) else None})
     pairs = []
-    for off, on in zip(rows[0::2], rows[1::2]):
+    for x, y in zip(rows[0::2], rows[1::2]):
+        off, on = (x, y) if x["shadow"] == "off" else (y, x)
         if off["shadow"] == "off" and on["shadow"] == "on" and off["tok_s"] and on["tok_s"]:
-            pairs.append({"tok_s_change_pct": _round(100 * (on["tok_s"] / off["tok_s"] - 1)),
+            pairs.append({"order": f"{x['shadow']}-{y['shadow']}",
+                          "tok_s_change_pct": _round(100 * (on["tok_s"] / off["tok_s"] - 1)),
                           "gap_p99_ms": (off["gap_ms"]["p99"], on["gap_ms"]["p99"]),
-                          "engine_tok_s": tuple((x["engine"] or {}).get("tok_s") for x in (off, on)),
+                          "engine_decodes_per_s": tuple((x["engine"] or {}).get("decodes_per_s") for x in (off, on)),
                           "share_charged_pct": on["share_charged_pct"]})
-    return {"windows": rows, "pairs": pairs}
+    return {"windows": rows, "pairs": pairs, "summary": _pairs_summary(pairs)}
+
+
+def _pairs_summary(pairs: list[dict]) -> dict | None:
+    """Over the pairs: the change of decode tokens/s with the shadow on (median, mean, range), the
+    share charged in the on windows (mean), and the decode lost beyond it (points, from the median)."""
+    changes = [p["tok_s_change_pct"] for p in pairs]
+    charged = [p["share_charged_pct"] for p in pairs if p["share_charged_pct"] is not None]
+    if not changes:
+        return None
+    median, share = statistics.median(changes), statistics.fmean(charged) if charged else None
+    return {"n": len(changes), "change_median_pct": _round(median), "change_mean_pct": _round(statistics.fmean(changes)),
+            "change_range_pct": (min(changes), max(changes)), "share_charged_pct": _round(share),
+            "beyond_share_pts": _round(-median - share) if share is not None else None}
 
 
 def _engine_window(ends: tuple[dict, dict], seconds: float) -> dict | None:
-    """llama-server's counters over one window: tokens predicted, decode calls, their ratio."""
+    """llama-server's counters over one window: decode calls (and a second: with every slot decoding,
+    its step rate), and the tokens predicted by the requests that ended in it (llama-server counts a
+    request's tokens when it ends) with their ratio to the calls (None where none ended)."""
     before, after = ends
     if "llamacpp:tokens_predicted_total" not in before or "llamacpp:tokens_predicted_total" not in after:
         return None
     tokens = after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"]
     decodes = after.get("llamacpp:n_decode_total", 0.0) - before.get("llamacpp:n_decode_total", 0.0)
-    return {"tokens_predicted": int(tokens), "decodes": int(decodes), "tok_s": _round(tokens / seconds) if seconds > 0 else None,
-            "tokens_per_decode": _round(tokens / decodes) if decodes else None}
+    return {"tokens_predicted": int(tokens), "decodes": int(decodes),
+            "decodes_per_s": _round(decodes / seconds) if seconds > 0 else None,
+            "tokens_per_decode": _round(tokens / decodes) if decodes and tokens else None}
 
 
 def table(doc: dict) -> str:
@@ -371,9 +409,14 @@ def table(doc: dict) -> str:
     for name, v in doc["side_by_side"].items():
         lines.append(f"{name:34} {_fmt(v['live']):>14} {_fmt(v['replay']):>14}")
     for i, p in enumerate(doc.get("engine", {}).get("pairs", [])):
-        lines.append(f"pair {i + 1}: decode tok/s {p['tok_s_change_pct']:+.2f} % with the shadow on, inter-token p99 "
-                     f"{_fmt(p['gap_p99_ms'][0])} -> {_fmt(p['gap_p99_ms'][1])} ms, engine's own tok/s "
-                     f"{_fmt(p['engine_tok_s'][0])} -> {_fmt(p['engine_tok_s'][1])}, share charged {_fmt(p['share_charged_pct'])} %")
+        lines.append(f"pair {i + 1} ({p.get('order', 'off-on')}): decode tok/s {p['tok_s_change_pct']:+.2f} % with the shadow on, inter-token p99 "
+                     f"{_fmt(p['gap_p99_ms'][0])} -> {_fmt(p['gap_p99_ms'][1])} ms, engine's decode calls/s "
+                     f"{_fmt(p['engine_decodes_per_s'][0])} -> {_fmt(p['engine_decodes_per_s'][1])}, share charged {_fmt(p['share_charged_pct'])} %")
+    s = doc.get("engine", {}).get("summary")
+    if s:
+        lines.append(f"pairs: decode tok/s median {s['change_median_pct']:+.2f} % (mean {s['change_mean_pct']:+.2f} %, "
+                     f"{s['n']} pairs), share charged {_fmt(s['share_charged_pct'])} %, lost beyond the share "
+                     f"{_fmt(s['beyond_share_pts'])} points")
     return "\n".join(lines)
 
 

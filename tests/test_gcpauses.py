@@ -45,7 +45,58 @@ def test_freeze_takes_what_exists_out_of_the_collectors_walks():
         assert frozen == gc.get_freeze_count() and frozen >= len(kept)
     finally:
         gc.unfreeze()  # the test process goes on collecting its own garbage
+        gcpauses._froze = False
     assert gc.get_freeze_count() == 0
+
+
+class Cycle:
+    """An object that holds itself: only the collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_a_load_after_the_freeze_is_frozen_and_an_unload_lets_its_cycles_be_collected(tiny):
+    """A server freezes once it listens; a shadow loaded later (in the background) is frozen at its
+    load too, and its unload thaws, so what the model held in cycles is freed, not kept forever."""
+    import weakref
+
+    from shadow.core.reader import open_reader
+    from shadow.core.store import SessionStore
+    from shadow.server.device import DeviceThread
+    from shadow.server.host import ModelHost, Shadow
+
+    made = []
+
+    def load() -> Shadow:
+        _, reader = open_reader("tiny", grid=128)
+        reader.held_in_a_cycle = Cycle()  # what a load may make: objects only the collector frees
+        made.append(weakref.ref(reader.held_in_a_cycle))
+        return Shadow(reader, SessionStore(reader, tiny.weights_hash, cap_gib=None), tiny.weights_label)
+
+    device = DeviceThread("test-gc-device")
+    try:
+        assert gcpauses.refreeze() is None  # a process that never froze: nothing
+        ModelHost(device, load).load_now()  # loads, freezes nothing
+        assert gc.get_freeze_count() == 0
+        gcpauses.freeze()  # the server listens
+        listened = gc.get_freeze_count()
+        host = ModelHost(device, load)
+        device.run(host.load_now)
+        assert host.ready.is_set() and gc.get_freeze_count() > listened  # the load's objects frozen too
+        cycle = made[-1]
+        gc.collect()
+        assert cycle() is not None
+        device.run(host.unload)
+        assert gc.get_freeze_count() == 0  # thawed at the unload
+        gc.collect()
+        assert cycle() is None  # the model's cycle freed
+        device.run(host.load_now)  # loaded again: frozen again
+        assert host.ready.is_set() and gc.get_freeze_count() > 0
+    finally:
+        device.close()
+        gc.unfreeze()
+        gcpauses._froze = False
 
 
 def test_status_never_breaks_when_a_collection_runs_while_it_is_built():

@@ -32,6 +32,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("density")
     doc = live_density.main(["--out", str(out), "--llama-server", str(exe), "--sessions", "3", "--duration", "45",
                              "--pairs", "1", "--window", "8", "--max-output", "16", "--threads", "2",
+                             "--steady-prompt", "1024", "--settle", "30",
                              "--template", str(shared_file("templates", "qwen3.5.jinja")),
                              "--cap-gib", "0.008", "--disk", str(out / "disk"), "--trajectories", *trajectories])
     return doc, out
@@ -50,7 +51,10 @@ def test_the_ledger_holds_the_driven_sessions_and_the_journal_every_request(run)
     # every request the driver sent is a turn in the service's journal, read and checked
     turns = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
     turns = [t for t in turns if t.get("kind") == "turn"]
-    assert len(turns) == len(sent) == doc["live"]["journal"]["turns"]
+    steady = [json.loads(line) for line in (out / "steady.jsonl").read_text().splitlines()]
+    assert len(turns) == len(sent) + len(steady) == doc["live"]["journal"]["turns"]
+    assert {t["session"] for t in turns if t["session"].startswith("steady.")} == {s["session"] for s in steady}
+    turns = [t for t in turns if not t["session"].startswith("steady.")]  # cut by the driver: no usage to hold to
     read = Counter(t["prompt_ids"] for t in turns if t["prompt_ids"] is not None)  # the shadow off: none
     assert read and not read - Counter(s["prompt_tokens"] for s in sent)
     assert doc["live"]["journal"]["prompt"]["verified"] > 0
@@ -136,16 +140,21 @@ def test_a_finished_run_is_replayed_again_against_its_own_live_figures(run):
     assert (out / "table-again.txt").read_text() == (out / "table.txt").read_text()
 
 
-def test_engine_cost_pairs_an_off_window_with_an_on_window(run):
-    doc, _ = run
+def test_engine_cost_pairs_an_off_window_with_an_on_window_at_a_steady_load(run):
+    doc, out = run
     windows = doc["engine"]["windows"]
     assert [w["shadow"] for w in windows] == ["off", "on"]
     assert windows[0]["end"] <= windows[1]["start"] + 1e-6
     for w in windows:
         assert w["tokens"] > 0 and w["tok_s"] > 0 and w["gaps"] > 0
-        assert w["engine"]["tokens_predicted"] > 0 and w["engine"]["decodes"] > 0  # llama-server's own counters
+        assert w["engine"]["decodes"] > 0 and w["engine"]["decodes_per_s"] > 0  # llama-server's own counters
     assert windows[0]["share_charged_pct"] == 0.0  # the shadow read nothing inside the engine's decode while off
-    assert len(doc["engine"]["pairs"]) == 1
+    assert len(doc["engine"]["pairs"]) == 1 and doc["engine"]["summary"]["n"] == 1
+    # the windows measured the steady streams, one a slot, each decoding in both windows, then cut
+    assert doc["engine"]["settled"]["steady_decoding"] == doc["sent"]["steady"] == 3
+    steady = [json.loads(line) for line in (out / "steady.jsonl").read_text().splitlines()]
+    assert {s["session"] for s in steady} == {"steady.s0", "steady.s1", "steady.s2"}
+    assert all(s["first_token"] < windows[0]["start"] and s["end"] >= windows[1]["end"] for s in steady)
 
 
 # the figures' own rules, on records made by hand (no servers)
@@ -223,3 +232,34 @@ def test_turn_starts_at_arrival_come_from_the_journal_and_refuse_a_field_the_ser
         assert f.service_turn_starts(sent, journal, 512) is None
     journal.write_text(json.dumps({"kind": "turn", "session": "s", "prediction": None}) + "\n")  # an earlier build
     assert f.service_turn_starts(sent, journal, 512) is None
+
+
+def test_an_asks_wait_for_the_device_is_told_apart_with_what_it_waited_behind():
+    f = figures()
+    asks = [f.Asked("turn", "s", 1.0, 200, 300.0, 0, 0, device_wait_ms=280.0, device_busy_with="end turn"),
+            f.Asked("turn", "s", 2.0, 200, 90.0, 0, 0, device_wait_ms=60.0, device_busy_with="reader"),
+            f.Asked("turn", "s", 3.0, 200, 70.0, 0, 0, device_wait_ms=55.0, device_busy_with="end turn"),
+            f.Asked("turn", "s", 4.0, 200, 20.0, 0, 0, device_wait_ms=1.0, device_busy_with=None)]
+    waits = f.device_waits(asks)
+    assert waits["device_wait_ms"]["max"] == 280.0
+    assert waits["waited_50ms_behind"] == {"end turn": 2, "reader": 1}
+    assert f.device_waits([f.Asked("turn", "s", 1.0, 200, 20.0)]) == {}  # a service without the field: nothing
+
+
+def test_engine_cost_pairs_windows_in_either_order_and_sums_the_pairs_up():
+    f = figures()
+    stream = f.Sent("steady.s0", -1, 0.0, [], first_token=0.5)
+    # 100 tokens a second, 98 while the shadow is on: windows off-on, then on-off
+    stream.token_times = [k / 100 for k in range(100, 200)] + [2 + k / 98 for k in range(98)] \
+        + [3 + k / 98 for k in range(98)] + [4 + k / 100 for k in range(100)]
+    stream.end = 5.0
+    polls = [f.Poll(t, {}, {"share_s": s, "decode_s": t}, {}) for t, s in ((1.0, 0.0), (2.0, 0.0), (3.0, 0.02),
+                                                                           (4.0, 0.04), (5.0, 0.04))]
+    stray = f.Sent("d.s1", 3, 0.0, [], first_token=0.1, end=2.5)
+    cost = f.engine_cost([stream], [("off", 1.0, 2.0), ("on", 2.0, 3.0), ("on", 3.0, 4.0), ("off", 4.0, 5.0)],
+                         polls, others=[stray])
+    assert [p["order"] for p in cost["pairs"]] == ["off-on", "on-off"]
+    assert [w["others_in_flight"] for w in cost["windows"]] == [1, 1, 0, 0]
+    s = cost["summary"]
+    assert s["n"] == 2 and abs(s["change_median_pct"] + 2.0) < 0.01 and abs(s["share_charged_pct"] - 2.0) < 0.01
+    assert abs(s["beyond_share_pts"]) < 0.01  # 2 % lost for 2 % charged: nothing beyond

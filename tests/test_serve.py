@@ -98,8 +98,22 @@ def test_two_streamed_turns_are_read_exactly_and_asked(server):
                                                   "choices": ["A", "B", "C"]}).json()
     assert abs(sum(answer["probs"]) - 1) < 1e-5 and answer["label"] in "ABC" and answer["weights"] == "random"
     assert answer["behind"] < GRID and answer["latency_ms"] > 0
+    assert 0 <= answer["device_wait_ms"] <= answer["latency_ms"]
     assert_exact(service, "s1")
     assert client.get("/v1/shadow/status").json()["last_answers"][-1]["label"] == answer["label"]
+
+    # an ask that comes while the device runs another job says what it waited behind, and how long
+    held_s = 0.3
+    with ThreadPoolExecutor(1) as pool, service.device.hold():
+        asked = pool.submit(client.post, "/v1/shadow/ask", json={"session": "s1", "question": "A or B?",
+                                                                 "choices": ["A", "B"]})
+        deadline = time.monotonic() + 30
+        while not service.device.queued() and time.monotonic() < deadline:  # the ask waits on the device
+            time.sleep(0.01)
+        time.sleep(held_s)
+    waited = asked.result().json()
+    assert waited["device_busy_with"] == "hold" and waited["device_wait_ms"] >= held_s * 1000
+    assert waited["latency_ms"] >= waited["device_wait_ms"]
 
 
 def test_non_streamed_chat_and_completions_return_token_ids(server):

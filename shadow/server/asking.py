@@ -23,7 +23,8 @@ class Asking:
     """`resolve(session, timeout_s)` waits for the shadow and returns the store name an ask about
     `session` reads and what its checks say of it (`ShadowService.resolve`), or raises. Each ask
     answered is timed into `latency` (its `latency_ms`, in seconds) and `wait` (of that, the wait
-    for the device), under the lock."""
+    for the device: its `device_wait_ms`, with `device_busy_with`, the kind of job the device ran
+    when the ask was handed in, or None), under the lock."""
 
     def __init__(self, shared: Shared, host: ModelHost, reading: Reading, questions: Questions, vocab_size: int,
                  resolve: Callable[[str, float], tuple[str, dict]]):
@@ -54,6 +55,7 @@ class Asking:
         question, choice_ids = self.check_ids(question), self.check_ids(choices)
         name, exact = self.resolve(session, timeout_s)
         started = self.clock()
+        busy_with = self.device.running  # what a long wait waited behind (read without the device's lock)
 
         def on_device():
             waited = self.clock() - started
@@ -72,7 +74,8 @@ class Asking:
         answer = {
             "session": session, "read": name, "choices": list(labels), "probs": probs, "label": labels[best],
             "behind": behind, "read_chunks": read, "pending_after": len(s.ids) - s.committed,
-            "latency_ms": round(latency * 1000, 3), "weights": shadow.weights,
+            "latency_ms": round(latency * 1000, 3), "device_wait_ms": round(waited * 1000, 3),
+            "device_busy_with": busy_with, "weights": shadow.weights,
             "weights_hash": shadow.weights_hash, "grid": shadow.grid, "arithmetic": shadow.store.identity.arithmetic,
             "insertion": len(s.ids), "prefix_crc": ids_crc(s.ids),
             "question_tokens": len(question), "question_ids": list(question), "reference": reference,

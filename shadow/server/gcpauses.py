@@ -76,9 +76,28 @@ def collected_s() -> float:
     return 0.0 if _pauses is None else _pauses.total_s
 
 
+_froze = False  # the process froze once (a server's choice): loads freeze again, unloads thaw
+
+
 def freeze() -> int:
     """Collect what is garbage now, then freeze every object left (never collected again, never
     walked by a collection); the objects frozen."""
+    global _froze
     gc.collect()
     gc.freeze()
+    _froze = True
     return gc.get_freeze_count()
+
+
+def refreeze() -> int | None:
+    """After a load that ran once the process froze (a model loaded in the background after the
+    server listened): freeze again, so the model's objects, its kernels' caches among them, leave
+    the collector's walks too; the objects frozen. None (nothing done) in a process that never froze."""
+    return freeze() if _froze else None
+
+
+def thaw() -> None:
+    """Before an unload in a process that froze: every frozen object back in the collector's reach,
+    so what the unload lets go is collected even where it holds cycles (freed device memory)."""
+    if _froze:
+        gc.unfreeze()

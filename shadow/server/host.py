@@ -21,6 +21,7 @@ import torch
 from shadow.core.reader import Reader
 from shadow.core.store import SessionStore
 from shadow.errors import ShadowUnavailable
+from shadow.server import gcpauses
 from shadow.server.device import DeviceThread
 
 log = logging.getLogger("shadow.serve")
@@ -83,6 +84,7 @@ class ModelHost:
 
     def _use(self, shadow: Shadow) -> None:
         self.on_load(shadow)
+        gcpauses.refreeze()  # a server froze what it loaded before listening: this load's objects too
         self._shadow, self.weights = shadow, shadow.weights
         self.ready.set()
         self.ended.set()
@@ -139,6 +141,7 @@ class ModelHost:
         self._shadow = None
         self.ready.clear()
         self.ended.clear()
+        gcpauses.thaw()  # the model's objects, frozen at its load, collectable again
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
