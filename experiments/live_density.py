@@ -250,10 +250,10 @@ class Run:
         if self.steady_over.is_set():
             return
         traj = self.trajectories[k % len(self.trajectories)]
-        turn = traj.turns[traj.turn_near(self.args.steady_prompt)]
-        first, *rest = turn.messages
+        at = traj.turn_near(self.args.steady_prompt)
+        first, *rest = traj.turns[at].messages
         messages = [{**first, "content": STEADY_LINE.format(k=k) + "\n" + first["content"]}, *rest]
-        room = max(t.longest for t in self.trajectories) - self.args.steady_prompt - 256
+        room = max(t.longest for t in self.trajectories) - traj.prompt_ids(at) - 256  # a slot's context holds it
         body = {"messages": messages, "max_tokens": max(256, min(16_384, room)), "ignore_eos": True,
                 "stream": True, "logprobs": True, "top_logprobs": 1, "temperature": 0}
         rec = fig.Sent(f"steady.s{k}", -1, self.now(), messages)
