@@ -2,7 +2,7 @@
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
 #     timeline abdefault abzero abbatch abdense abtiers abtierspinned proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch attnkernels verifybatch ratebatch
-#     density densitywait pinstall pincopies kernelsurvey
+#     density densitywait llamabin pinstall pincopies kernelsurvey
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -157,6 +157,14 @@ for step in "$@"; do
                setsid shadow serve --upstream http://127.0.0.1:9/v1 --model qwen3.5-0.8b --device cuda --port 18999 \
                  > /tmp/density-prewarm.log 2>&1 < /dev/null & warm_pid=$!
              fi
+             cached=$HOME/.cache/shadow/engines/llama-server-0.3.36-cuda/bin
+             if ls .carry/llama-bin/llama-server-cuda.xz.* >/dev/null 2>&1 && [ ! -x "$cached/llama-server" ]; then
+               # a binary an earlier lease built (`llamabin`): used when it runs here, else the build below
+               mkdir -p "$cached" && cat .carry/llama-bin/llama-server-cuda.xz.* | xz -dc > "$cached/llama-server.tmp" \
+                 && chmod +x "$cached/llama-server.tmp" && "$cached/llama-server.tmp" --version > /dev/null 2>&1 \
+                 && mv "$cached/llama-server.tmp" "$cached/llama-server" && echo "llama-server from .carry/llama-bin" \
+                 || { rm -f "$cached/llama-server.tmp"; echo "the carried llama-server does not run here: building"; }
+             fi
              llama=$(SHADOW_LLAMA_BUILD_TIMEOUT=${BUILD_TIMEOUT:-420} bash experiments/build_llama_server.sh cuda \
                        "${LLAMA_SRC:-.carry/llama-src/llama.cpp-0.3.36.tar.xz}" 2> "$OUT/density-build.txt" | tail -n 1)
              tail -n 3 "$OUT/density-build.txt"
@@ -188,6 +196,12 @@ sys.exit(not json.load(u.urlopen("http://127.0.0.1:18999/v1/shadow/status", time
              timeout $limit python3 "${args[@]}" > /tmp/density-stdout.json 2> /tmp/density-run/density.log
              echo $? > /tmp/density-run/exit
              density_collect ;;
+    llamabin) # the CUDA llama-server this machine built, xz-compressed in parts of 15 MiB ($OUT's files are
+              # at most 16 MiB): carried as .carry/llama-bin/, a later lease's `density` skips the build
+             bin=$HOME/.cache/shadow/engines/llama-server-0.3.36-cuda/bin/llama-server
+             [ -x "$bin" ] || { echo "no CUDA llama-server built on this machine"; continue; }
+             xz -T0 -6 -c "$bin" | split -b 15M -d -a 1 - "$OUT/llama-server-cuda.xz."
+             ls -l "$bin" "$OUT"/llama-server-cuda.xz.* ;;
     densitywait) # a DETACH=1 density run: waits for it at most WAIT_S (540) s, then writes density's files
              [ -d /tmp/density-run ] || { echo "no density run on this machine"; continue; }
              waited=0
