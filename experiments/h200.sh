@@ -127,13 +127,18 @@ for step in "$@"; do
              # Needs the wheels staged first (../shared/tools/device-stage.sh: flash-attn-4, flashinfer-python,
              # nvidia-cutlass-dsl and its libs, quack-kernels, apache-tvm-ffi, cuda-tile, torch-c-dlpack-ext),
              # `receive`d part by part, then `install`ed into /tmp/site2 in the same warm machine.
+             # SURVEY (gdn,fa4): which halves run (one call each where a call has little time left).
              [ -f /tmp/site2/.extra-path ] || { echo "no staged wheels in /tmp/site2"; continue; }
              ( export PYTHONPATH=/tmp/site2:$(cat /tmp/site2/.extra-path)$PYTHONPATH
-               timeout 240 python3 experiments/gdn_kernels.py --batches ${BATCHES:-1,8} > "$OUT/gdn-kernels.txt" 2>&1
-               tail -n 12 "$OUT/gdn-kernels.txt" | cut -c1-400
-               timeout 300 python3 experiments/attention_kernels.py --arms fa4 --depths ${DEPTHS:-16384,65536} \
-                 --batches ${BATCHES:-1,8} > "$OUT/attention-fa4.txt" 2>&1
-               tail -n 12 "$OUT/attention-fa4.txt" | cut -c1-400 ) ;;
+               if [[ ,${SURVEY:-gdn,fa4}, == *,gdn,* ]]; then
+                 timeout 240 python3 experiments/gdn_kernels.py --batches ${BATCHES:-1,8} > "$OUT/gdn-kernels.txt" 2>&1
+                 tail -n 12 "$OUT/gdn-kernels.txt" | cut -c1-400
+               fi
+               if [[ ,${SURVEY:-gdn,fa4}, == *,fa4,* ]]; then
+                 timeout 300 python3 experiments/attention_kernels.py --arms fa4 --depths ${DEPTHS:-16384,65536} \
+                   --batches ${BATCHES:-1,8} > "$OUT/attention-fa4.txt" 2>&1
+                 tail -n 12 "$OUT/attention-fa4.txt" | cut -c1-400
+               fi ) ;;
     density) # 24 agent sessions at once beside a CUDA llama-server, measured against the replay of the same run.
              # Needs .carry/llama-src (build_llama_server.sh pack), $D's trajectories, .carry/qwen3.5.jinja and the
              # gguf==0.19.0 wheel in .whl. The CUDA build took 310 s on a lent H100 (2026-12-06, -j16); cached, 0 s.
