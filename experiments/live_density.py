@@ -576,6 +576,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.sessions < 1 or a.duration <= 0 or a.pairs < 0 or a.window <= 0 or a.pace <= 0:
         p.error("--sessions, --duration, --window and --pace are positive, --pairs at least 0")
+    if a.steady_prompt < 1 or not 0 <= a.settle < float("inf"):
+        p.error("--steady-prompt is a positive number of ids, --settle a finite number of seconds, at least 0")
     return a
 
 

@@ -263,3 +263,14 @@ def test_engine_cost_pairs_windows_in_either_order_and_sums_the_pairs_up():
     s = cost["summary"]
     assert s["n"] == 2 and abs(s["change_median_pct"] + 2.0) < 0.01 and abs(s["share_charged_pct"] - 2.0) < 0.01
     assert abs(s["beyond_share_pts"]) < 0.01  # 2 % lost for 2 % charged: nothing beyond
+
+
+@pytest.mark.parametrize("bad", [["--steady-prompt", "0"], ["--settle", "-1"], ["--settle", "nan"], ["--pairs", "-1"]])
+def test_a_bad_option_is_refused_with_one_line_before_anything_is_written(bad, tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import live_density
+
+    with pytest.raises(SystemExit) as e:
+        live_density.main(["--out", str(tmp_path / "out"), *bad])
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
