@@ -164,11 +164,20 @@ for step in "$@"; do
              fi
              cached=$HOME/.cache/shadow/engines/llama-server-0.3.36-cuda/bin
              if ls .carry/llama-bin/llama-server-cuda.xz.* >/dev/null 2>&1 && [ ! -x "$cached/llama-server" ]; then
-               # a binary an earlier lease built (`llamabin`): used when it runs here, else the build below
-               mkdir -p "$cached" && cat .carry/llama-bin/llama-server-cuda.xz.* | xz -dc > "$cached/llama-server.tmp" \
-                 && chmod +x "$cached/llama-server.tmp" && "$cached/llama-server.tmp" --version > /dev/null 2>&1 \
-                 && mv "$cached/llama-server.tmp" "$cached/llama-server" && echo "llama-server from .carry/llama-bin" \
-                 || { rm -f "$cached/llama-server.tmp"; echo "the carried llama-server does not run here: building"; }
+               # a binary built elsewhere (`llamabin`, or a cross-build): used when it runs here, else the build below.
+               # A launcher puts this machine's CUDA libraries (the toolkit's, torch's nvidia wheels') on its
+               # LD_LIBRARY_PATH only, so the shadow's torch keeps its own.
+               libs=$( { ls -d /usr/local/cuda/lib64 2>/dev/null; find /tmp/site "$(python3 -c 'import os, torch
+print(os.path.dirname(os.path.dirname(torch.__file__)))')/nvidia" -name 'libcublas.so*' -printf '%h\n' 2>/dev/null; } \
+                 | sort -u | paste -sd: -)
+               mkdir -p "$cached" && cat .carry/llama-bin/llama-server-cuda.xz.* | xz -dc > "$cached/llama-server.bin" \
+                 && chmod +x "$cached/llama-server.bin" \
+                 && printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec "$(dirname "$0")/llama-server.bin" "$@"\n' \
+                      "$libs" > "$cached/llama-server.tmp" && chmod +x "$cached/llama-server.tmp" \
+                 && "$cached/llama-server.tmp" --version > /tmp/llama-carried-version.txt 2>&1 \
+                 && mv "$cached/llama-server.tmp" "$cached/llama-server" && echo "llama-server from .carry/llama-bin (libraries: $libs)" \
+                 || { tail -n 3 /tmp/llama-carried-version.txt; rm -f "$cached/llama-server.tmp" "$cached/llama-server.bin"
+                      echo "the carried llama-server does not run here: building"; }
              fi
              llama=$(SHADOW_LLAMA_BUILD_TIMEOUT=${BUILD_TIMEOUT:-420} bash experiments/build_llama_server.sh cuda \
                        "${LLAMA_SRC:-.carry/llama-src/llama.cpp-0.3.36.tar.xz}" 2> "$OUT/density-build.txt" | tail -n 1)
@@ -204,6 +213,7 @@ sys.exit(not json.load(u.urlopen("http://127.0.0.1:18999/v1/shadow/status", time
     llamabin) # the CUDA llama-server this machine built, xz-compressed in parts of 15 MiB ($OUT's files are
               # at most 16 MiB): carried as .carry/llama-bin/, a later lease's `density` skips the build
              bin=$HOME/.cache/shadow/engines/llama-server-0.3.36-cuda/bin/llama-server
+             [ -x "$bin.bin" ] && bin=$bin.bin  # a carried binary's launcher: the binary itself
              [ -x "$bin" ] || { echo "no CUDA llama-server built on this machine"; continue; }
              xz -T0 -6 -c "$bin" | split -b 15M -d -a 1 - "$OUT/llama-server-cuda.xz."
              ls -l "$bin" "$OUT"/llama-server-cuda.xz.* ;;
