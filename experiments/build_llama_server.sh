@@ -8,6 +8,10 @@
 #   bash experiments/build_llama_server.sh cuda [TAR] # CUDA (sm_90: H100, H200) from a pack (default
 #                                                     #   .carry/llama-src/llama.cpp-VERSION.tar.xz); prints the path
 #   bash experiments/build_llama_server.sh cpu-from-pack [TAR]   # the CPU build from a pack (checks a pack builds)
+#   bash experiments/build_llama_server.sh cuda-cross [TAR]      # the CUDA build (sm_90) on a machine with no GPU or
+#                                                     #   CUDA, from NVIDIA's PyPI wheels (cuda_toolkit_from_wheels.sh):
+#                                                     #   the runtime linked in, cuBLAS and the driver needed where
+#                                                     #   it runs (about 25 min on 2 cores)
 #
 # Idempotent: when $SHADOW_LLAMA_HOME/bin/llama-server already runs (`--version`), nothing is built.
 # SHADOW_LLAMA_HOME defaults to ~/.cache/shadow/engines/llama-server-VERSION (CPU) and
@@ -28,7 +32,8 @@ case $MODE in
   cpu|pack) SUFFIX= ;;
   cpu-from-pack) SUFFIX=-packed ;;
   cuda) SUFFIX=-cuda ;;
-  *) echo "usage: build_llama_server.sh [cpu | pack DIR | cuda [TAR] | cpu-from-pack [TAR]]" >&2; exit 2 ;;
+  cuda-cross) SUFFIX=-cuda-cross ;;
+  *) echo "usage: build_llama_server.sh [cpu | pack DIR | cuda [TAR] | cuda-cross [TAR] | cpu-from-pack [TAR]]" >&2; exit 2 ;;
 esac
 SDIST_HOME="$HOME/.cache/shadow/engines/llama-server-$VERSION"
 HOME_DIR="${SHADOW_LLAMA_HOME:-$HOME/.cache/shadow/engines/llama-server-$VERSION$SUFFIX}"
@@ -64,7 +69,7 @@ if [ "$MODE" = pack ]; then
   exit 0
 fi
 
-if [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; then
+if [ -x "$BIN" ] && { [ "$MODE" = cuda-cross ] || "$BIN" --version >/dev/null 2>&1; }; then
   echo "$BIN"
   exit 0
 fi
@@ -93,6 +98,13 @@ if [ "$MODE" = cuda ]; then
   LIMIT="${SHADOW_LLAMA_BUILD_TIMEOUT:-300}"
   command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ] || { echo "no nvcc: the CUDA build needs the CUDA toolkit" >&2; exit 1; }
   command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
+elif [ "$MODE" = cuda-cross ]; then
+  TOOLKIT=$(bash "$(dirname "$0")/cuda_toolkit_from_wheels.sh" | tail -n 1)
+  # no RPATH (the running machine's own libraries), the runtime static (no wheel's libcudart needed there)
+  GPU=(-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER="$TOOLKIT/bin/nvcc"
+       -DCMAKE_CUDA_HOST_COMPILER="$(command -v g++)" -DCUDAToolkit_ROOT="$TOOLKIT"
+       -DCUDA_cudart_LIBRARY="$TOOLKIT/lib/libcudart_static.a" -DCMAKE_CUDA_RUNTIME_LIBRARY=Static -DCMAKE_SKIP_RPATH=ON)
+  export PATH=$TOOLKIT/bin:$PATH
 fi
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
@@ -114,6 +126,12 @@ BUILD=(cmake --build "$WORK/build" --target llama-server -j "$JOBS")
 if [ "$LIMIT" -gt 0 ]; then BUILD=(timeout "$LIMIT" "${BUILD[@]}"); fi
 "${BUILD[@]}" >&2 || { echo "the build failed or passed ${LIMIT} s (exit $?)" >&2; exit 1; }
 install -m 0755 "$WORK/build/bin/llama-server" "$BIN.tmp"
+if [ "$MODE" = cuda-cross ]; then  # it cannot run here (no driver): stripped for the carry, not run
+  strip "$BIN.tmp"; mv "$BIN.tmp" "$BIN"
+  echo "built llama-server (cuda-cross) in $(( $(date +%s) - start )) s with -j$JOBS; it needs $(readelf -d "$BIN" \
+    | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p' | paste -sd' ' -) where it runs" >&2
+  echo "$BIN"; exit 0
+fi
 mv "$BIN.tmp" "$BIN"
 "$BIN" --version >&2
 echo "built llama-server ($MODE) in $(( $(date +%s) - start )) s with -j$JOBS" >&2
