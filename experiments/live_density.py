@@ -415,10 +415,14 @@ def replay_again(out: Path) -> dict:
     doc = json.loads((out / "live-density.json").read_text())
     status = json.loads((out / "status.json").read_text())
     settings = {**doc["settings"]["replay"], "ids": fig.replay_ids(out / "journal.jsonl"), "disk": fig.service_disk(status),
-                "voice_share": 0.0 if not status.get("counters", {}).get("voice_s") else None}
+                "voice_share": 0.0 if not status.get("counters", {}).get("voice_s") else None, "asks_at": None}
+    asks = [fig.Asked(**json.loads(line)) for line in (out / "asks.jsonl").read_text().splitlines() if line.strip()]
+    ledger = read_ledger(out / "ledger.jsonl")
+    if fig.asks_at(asks, {r.session for r in ledger}, doc["settings"]["duration"], out / "asks-at.jsonl"):
+        settings["asks_at"] = str(out / "asks-at.jsonl")
     replayed = fig.replay(out / "ledger.jsonl", out / "costs.json", settings, out, name="replay-again.txt")
     again = {**doc, "replay": replayed, "settings": {**doc["settings"], "replay": settings},
-             "side_by_side": fig.side_by_side(doc["live"], replayed, read_ledger(out / "ledger.jsonl"))}
+             "side_by_side": fig.side_by_side(doc["live"], replayed, ledger)}
     (out / "replay-again.json").write_text(json.dumps(again, indent=1))
     (out / "table-again.txt").write_text(fig.table(again) + "\n")
     return again
@@ -514,6 +518,8 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
                 "ask_ms": forwards[len(forwards) // 2] if forwards else None, "ids": fig.replay_ids(journal),
                 # the driver's streams open no status-line channel: a service that said no phrase is replayed without
                 "voice_share": 0.0 if not run.status.get("counters", {}).get("voice_s") else None}
+    if fig.asks_at(run.asks, {r.session for r in requests}, a.duration, out / "asks-at.jsonl"):
+        settings["asks_at"] = str(out / "asks-at.jsonl")  # the run's asks at their times, not a rate
     replayed = fig.replay(out / "ledger.jsonl", out / "costs.json", settings, out)
     doc = {"experiment": "live-density", "settings": {**{k: v for k, v in vars(a).items() if k != "trajectories"},
                                                       "trajectories": [t.name for t in run.trajectories],

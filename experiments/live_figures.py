@@ -278,16 +278,28 @@ def service_disk(status: dict) -> bool:
     return (status.get("store") or {}).get("disk_cap_bytes") is not None
 
 
+def asks_at(asks: list[Asked], sessions: set[str], until: float, path: Path) -> int:
+    """The asks sent before `until` about the ledger's `sessions`, as `shadow replay-ledger
+    --asks-at` takes them (JSON Lines: time, session, kind: 'turn', 'turn raced' or 'random');
+    written to `path`, their number returned."""
+    sent = [a for a in asks if a.time < until and a.session in sessions]
+    path.write_text("".join(json.dumps({"time": round(a.time, 6), "session": a.session,
+                                        "kind": "turn raced" if a.raced else a.kind}) + "\n" for a in sent))
+    return len(sent)
+
+
 def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, name: str = "replay.txt") -> dict:
     """`shadow replay-ledger` over the run's ledger with the run's settings (`settings`: share,
-    grid, cap_gib, batch, disk, model, asks_per_hour, ask_ms, seed, ids (`replay_ids`) and
-    voice_share (0 where the live service said no phrase; None: the replay's default)) and the
-    live costs; its `--json` document (the arm with the share). Its output goes to `out_dir / name`."""
+    grid, cap_gib, batch, disk, model, the asks (`asks_at`: a file of the asks as sent, else
+    `asks_per_hour`), ask_ms, seed, ids (`replay_ids`) and voice_share (0 where the live service
+    said no phrase; None: the replay's default)) and the live costs; its `--json` document (the arm
+    with the share). Its output goes to `out_dir / name`."""
+    asks = ["--asks-at", settings["asks_at"]] if settings.get("asks_at") else \
+        ["--asks-per-hour", str(settings["asks_per_hour"])]
     cmd = [sys.executable, "-c", "from shadow.cli.main import main; main()", "replay-ledger", str(ledger_path),
            "--format", "ledger", "--ids", settings.get("ids", "tokenizer"), "--read-rate-json", str(costs_path),
            "--share", str(settings["share"]), "--grid", str(settings["grid"]), "--model", settings["model"],
-           "--asks-per-hour", str(settings["asks_per_hour"]), "--seed", str(settings["seed"]),
-           "--disk" if settings.get("disk") else "--no-disk", "--json"]
+           *asks, "--seed", str(settings["seed"]), "--disk" if settings.get("disk") else "--no-disk", "--json"]
     if settings.get("cap_gib") is not None:
         cmd += ["--cap-gib", str(settings["cap_gib"])]
     if settings.get("batch", 1) > 1:
@@ -309,19 +321,32 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
 
 def side_by_side(live_: dict, replayed: dict, requests: list[Request]) -> dict:
     """The figures both give, live beside replayed: an ask live is its whole `latency_ms` (the wait
-    for the device and the reading, then its own forward), replayed the reading it would wait for
-    plus the forward the replay charges (`--ask-ms`: the median latency of the live asks that read
-    no chunk); the share charged live is the service's `share_s` over its `decode_s`, replayed its
-    share seconds over the ledger's decode time (a stream decoding)."""
+    for the device, the reading, its own forward). Replayed, where the replay had the run's asks at
+    their times (`asks_at`), the same asks answered on its device, queue included, and of them the
+    wait for the device beside the live `device_wait_ms`; otherwise the reading an ask would wait
+    for plus the forward the replay charges (`--ask-ms`: the median latency of the live asks that
+    read no chunk), with no queue. The share charged live is the service's `share_s` over its
+    `decode_s`, replayed its share seconds over the ledger's decode time (a stream decoding)."""
     s, store = replayed["summary"], live_["service"]["store"]
     union = decode_union_s(requests)
     forward = replayed["ask_ms"] or 0.0
+    by_kind = (s.get("asks") or {}).get("by_kind") or {}
+    where_ = (("turn starts", "turn_starts", "turn"), ("random times", "random", "random"))
+
+    def asked(key: str, kind: str, q: int) -> float | None:
+        if kind in by_kind:
+            return by_kind[kind]["wait_ms"][f"p{q}"]
+        return _plus(s[key]["ask_wait_ms"][f"p{q}"], forward)
+
     rows = {
         "turn starts fresh %": (live_["turn_starts"]["fresh_pct"], s["turn_starts"]["fresh_pct"]),
         "turn starts fresh at arrival %": ((live_["turn_starts"].get("at_arrival") or {}).get("fresh_pct"),
                                            s["turn_starts"]["fresh_pct"]),
-        **{f"ask at {where} p{q} ms": (live_[key]["ask_ms"][f"p{q}"], _plus(s[key]["ask_wait_ms"][f"p{q}"], forward))
-           for where, key in (("turn starts", "turn_starts"), ("random times", "random")) for q in (50, 99)},
+        **{f"ask at {where} p{q} ms": (live_[key]["ask_ms"][f"p{q}"], asked(key, kind, q))
+           for where, key, kind in where_ for q in (50, 99)},
+        **{f"ask's device wait at {where} p99 ms": ((live_[key].get("device_wait_ms") or {}).get("p99"),
+                                                   by_kind[kind]["queued_ms"]["p99"])
+           for where, key, kind in where_ if kind in by_kind},
         "time to fresh p50 s": (live_["to_fresh_s"]["p50"], s["to_fresh_s"]["p50"]),
         "time to fresh p90 s": (live_["to_fresh_s"]["p90"], s["to_fresh_s"]["p90"]),
         "share charged %": (live_["share"]["charged_pct"], _round(100 * replayed["share_s"] / union) if union else None),
@@ -405,13 +430,14 @@ def _engine_window(ends: tuple[dict, dict], seconds: float) -> dict | None:
 
 def table(doc: dict) -> str:
     """The short table: live beside replayed, then the engine's pairs."""
-    lines = [f"{'figure':34} {'live':>14} {'replay':>14}"]
+    lines = [f"{'figure':42} {'live':>14} {'replay':>14}"]
     for name, v in doc["side_by_side"].items():
-        lines.append(f"{name:34} {_fmt(v['live']):>14} {_fmt(v['replay']):>14}")
+        lines.append(f"{name:42} {_fmt(v['live']):>14} {_fmt(v['replay']):>14}")
     for i, p in enumerate(doc.get("engine", {}).get("pairs", [])):
+        calls = p.get("engine_decodes_per_s") or (None, None)  # absent from a run of an earlier driver
         lines.append(f"pair {i + 1} ({p.get('order', 'off-on')}): decode tok/s {p['tok_s_change_pct']:+.2f} % with the shadow on, inter-token p99 "
                      f"{_fmt(p['gap_p99_ms'][0])} -> {_fmt(p['gap_p99_ms'][1])} ms, engine's decode calls/s "
-                     f"{_fmt(p['engine_decodes_per_s'][0])} -> {_fmt(p['engine_decodes_per_s'][1])}, share charged {_fmt(p['share_charged_pct'])} %")
+                     f"{_fmt(calls[0])} -> {_fmt(calls[1])}, share charged {_fmt(p['share_charged_pct'])} %")
     s = doc.get("engine", {}).get("summary")
     if s:
         lines.append(f"pairs: decode tok/s median {s['change_median_pct']:+.2f} % (mean {s['change_mean_pct']:+.2f} %, "

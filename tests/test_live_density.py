@@ -124,6 +124,17 @@ def test_the_replay_runs_on_the_same_ledger_and_costs(run):
     turns = [r for r in map(json.loads, (out / "journal.jsonl").read_text().splitlines()) if r.get("kind") == "turn"]
     assert Counter((r.get("ids_source") or {}).get("output") for r in turns).most_common(1)[0][0] == "logprobs"
     assert "--ids end" in replay["command"] and "--voice-share 0.0" in replay["command"]
+    # the run's own asks at their times, answered on the replay's device, queue included, by kind
+    assert f"--asks-at {out / 'asks-at.jsonl'}" in replay["command"] and "--asks-per-hour" not in replay["command"]
+    given = [json.loads(line) for line in (out / "asks-at.jsonl").read_text().splitlines()]
+    sent = [a for a in map(json.loads, (out / "asks.jsonl").read_text().splitlines())
+            if a["time"] < doc["settings"]["duration"]]
+    assert len(given) == len(sent) > 0 and {g["kind"] for g in given} <= {"turn", "turn raced", "random"}
+    by_kind = summary["asks"]["by_kind"]
+    assert sum(v["n"] for v in by_kind.values()) == len(given)
+    assert rows["ask at turn starts p99 ms"]["replay"] == by_kind["turn"]["wait_ms"]["p99"]
+    assert rows["ask's device wait at random times p99 ms"] == {
+        "live": doc["live"]["random"]["device_wait_ms"]["p99"], "replay": by_kind["random"]["queued_ms"]["p99"]}
 
 
 def test_a_finished_run_is_replayed_again_against_its_own_live_figures(run):

@@ -173,7 +173,28 @@ def test_asks_are_load_and_their_wait_is_the_reading_they_wait_for():
     reqs = [Request("s", 0.0, 0.1, 500.0, 4096, 4096, 10)]
     arm = replay(reqs, costs=COSTS, limits=ReplayLimits(asks_per_hour=60, seed=3), use_share=False)
     assert arm.asks and arm.chunks_ask >= 8  # the first ask read the session (idle reads never: a turn runs)
-    assert max(w for _, w in arm.asks) == pytest.approx(8 * 0.1)
+    assert max(a.wait_s for a in arm.asks) == pytest.approx(8 * 0.1)
+
+
+def test_asks_at_given_times_wait_for_the_device_and_are_tallied_by_kind():
+    """Asks as a client sent them: the first (at 1.0 s) reads the session's 8 chunks (0.8 s), the
+    second (at 1.05 s, another kind) waits for the device until the first is answered at 1.8 s."""
+    reqs = [Request("s", 0.0, 0.1, 500.0, 4096, 4096, 10)]
+    costs = CostTable(FLAT, restore_gib_s=math.inf, spill_gib_s=math.inf, ask_s=0.01, tokenize_s_per_1k=0.0)
+    limits = ReplayLimits(asks_at=((1.05, "s", "random"), (1.0, "s", "turn")))
+    arm = replay(reqs, costs=costs, limits=limits, use_share=False)
+    first, second = arm.asks
+    assert (first.kind, first.arrival, first.queued_s) == ("turn", 1.0, 0.0)
+    assert first.wait_s == pytest.approx(0.8 + 0.01)
+    assert second.kind == "random" and second.queued_s == pytest.approx(0.81 - 0.05)
+    assert second.wait_s == pytest.approx(0.76 + 0.01)  # read to its end already: its own forward
+    asks = summary(arm, windows(reqs, [0], 1), 512)["asks"]
+    assert asks["n"] == 2 and set(asks["by_kind"]) == {"random", "turn"}
+    assert asks["by_kind"]["random"]["queued_ms"]["p50"] == pytest.approx(760.0)
+    with pytest.raises(ValueError, match="not both"):
+        ReplayLimits(asks_at=((1.0, "s", "turn"),), asks_per_hour=1)
+    with pytest.raises(ValueError, match="finite"):
+        ReplayLimits(asks_at=((math.nan, "s", "turn"),))
 
 
 def test_probes_see_the_lag_and_the_wait():
@@ -293,6 +314,38 @@ def test_a_malformed_target_exits_2_before_any_work(tmp_path):
     result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--solve-share", "p99 ask wait",
                                       "--write-ledger", str(out)])
     assert result.exit_code == 2 and "--solve-share a target reads like" in result.output
+    assert not out.exists()
+
+
+def test_replay_ledger_asks_at_a_clients_times_reports_them_by_kind(tmp_path):
+    asks = tmp_path / "asks.jsonl"
+    asks.write_text("".join(json.dumps({"time": 9.0 * k + 0.5, "session": f"s{k}", "kind": kind}) + "\n"
+                            for k in range(1, 4) for kind in ("turn", "random")) + "\n")
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--asks-at", str(asks), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output.strip().splitlines()[-1])
+    assert doc["limits"]["asks_at"] == 6 and doc["limits"]["asks_per_hour"] == 0
+    for arm in doc["arms"]:
+        by_kind = arm["summary"]["asks"]["by_kind"]
+        assert {k: v["n"] for k, v in by_kind.items()} == {"random": 3, "turn": 3}
+        assert all(v["queued_ms"]["max"] <= v["wait_ms"]["max"] for v in by_kind.values())
+
+
+@pytest.mark.parametrize("lines, extra, says", [
+    ([{"time": -1, "session": "s1"}], [], "asks.jsonl:1: time is a finite number"),
+    ([{"time": 1, "session": "s1"}, {"time": 2}], [], "asks.jsonl:2: session is a non-empty name"),
+    ([{"time": 1, "session": "s1", "kind": ""}], [], "kind is a name of 1 to 40"),
+    (["not json"], [], "asks.jsonl:1: not valid JSON"),
+    ([], [], "holds no asks"),
+    ([{"time": 1, "session": "nobody"}], [], "1 asked sessions are not in the trace, e.g. 'nobody'"),
+    ([{"time": 1, "session": "s1"}], ["--asks-per-hour", "10"], "not with --asks-per-hour or --pack"),
+])
+def test_replay_ledger_refuses_a_bad_asks_file_and_writes_nothing(tmp_path, lines, extra, says):
+    asks, out = tmp_path / "asks.jsonl", tmp_path / "out.ledger.jsonl"
+    asks.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--asks-at", str(asks),
+                                      "--write-ledger", str(out), *extra])
+    assert result.exit_code == 2 and says in " ".join(result.output.split()), result.output
     assert not out.exists()
 
 

@@ -104,6 +104,7 @@ def replay_ledger(
     model: Annotated[str, typer.Option(callback=_preset, help="The shadow's model, for its sessions' state sizes (bf16).")] = LIVE_MODEL,
     label_ms: Annotated[float, typer.Option(callback=bounds(ge=0), help="After each turn, a standing question's label asked of the engine for this long before the turn ends (`--label-from-upstream`; 0: none).")] = ReplayLimits.label_s * 1000,
     asks_per_hour: Annotated[float, typer.Option(callback=bounds(ge=0), help="Asks per active session per hour (Poisson), each reading its session to its end and one forward, as load.")] = ReplayLimits.asks_per_hour,
+    asks_at: Annotated[Path | None, typer.Option("--asks-at", callback=input_file, help="Asks at the times a client sent them instead of --asks-per-hour (JSON Lines: time on the ledger's clock, session, optional kind; a live run's asks), the answers' waits reported by kind. Not with --pack.")] = None,
     shared_prefix_tokens: Annotated[int, typer.Option(callback=bounds(ge=0), help="With --prefix-cache: the ids every session's first prompt shares with the others' (a system prompt and tool definitions; a ledger holds no ids, so this says what the sessions share).")] = ReplayLimits.shared_prefix_tokens,
     restore_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Restore speed, GiB/s of a session's file (default: measured on an H200, docs/STORE.md).")] = H200_RESTORE_GIB_S,
     spill_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Spill speed, GiB/s (default: measured on an H200).")] = H200_SPILL_GIB_S,
@@ -134,7 +135,7 @@ def replay_ledger(
     idle + share for each cost, share and priority set. The command checks that more share and
     faster reads are never less fresh, and exits 1 if they are."""
     from shadow.offline.costs import BatchTable, ChunkTable, CostTable
-    from shadow.offline.ledger import ROUTES, write_ledger
+    from shadow.offline.ledger import ROUTES, read_asks, write_ledger
     from shadow.offline.limits import for_model
     from shadow.offline.plan import run_plan
 
@@ -144,6 +145,9 @@ def replay_ledger(
         raise ShadowInputError("--token-counts is 'qwen' or 'usage'")
     if route not in ROUTES:
         raise ShadowInputError(f"--route is one of {', '.join(ROUTES)} (got {route!r})")
+    if asks_at is not None and (asks_per_hour or pack_to is not None):
+        raise ShadowInputError("--asks-at gives the asks' own times: not with --asks-per-hour or --pack")
+    given_asks = user_text_file(asks_at, read_asks) if asks_at is not None else ()
     shares, priorities = shared.pop("share"), shared.pop("priorities")
     settings = settings_from(shared)  # serve's: the grid, the rule (its share each arm's own), the cap, the voice
     prio_sets = [settings_from({"priorities": p}).priorities for p in priorities]
@@ -170,7 +174,8 @@ def replay_ledger(
                        shared_prefix_tokens=shared_prefix_tokens, predict=settings.engine.predict,
                        read_ahead=settings.engine.read_ahead,
                        hold_max=2 * grid if settings.voice.share > 0 else None,
-                       voice_share=settings.voice.share, label_s=label_ms / 1000, asks_per_hour=asks_per_hour, seed=seed)
+                       voice_share=settings.voice.share, label_s=label_ms / 1000, asks_per_hour=asks_per_hour,
+                       asks_at=given_asks, seed=seed)
     plan = Plan(costs, shares, prio_sets, rule, limits, grid=grid, engines=engines, route=route, pack_to=pack_to,
                 check_fleet=check_fleet, solve=solve_share, samples=samples, window_s=window_s,
                 service=ServiceModel(prefill_tok_s, decode_tok_s, slots))
@@ -179,6 +184,10 @@ def replay_ledger(
     kinds = {f: _detect(f) if fmt == "auto" else fmt for f in files}  # every file's format before any import
     with progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()) as bar:
         requests, arrivals = _import(files, kinds, token_counts, plan.service, bar, settings.engine.chat_template)
+        unknown = sorted({s for _, s, _ in given_asks} - {r.session for r in requests})
+        if unknown:
+            raise ShadowInputError(f"{asks_at}: {len(unknown)} asked sessions are not in the trace, "
+                                   f"e.g. {unknown[0]!r}")
         tasks: dict[str, int] = {}
 
         def step(stage: str, done: int, total: int) -> None:
@@ -277,7 +286,7 @@ def _document(plan: Plan, outcome, rows: list[dict], *, files: list[Path], model
         "priorities": [p.label for p in plan.priorities],
         "limits": {"ids": limits.ids, "cap_gib": limits.cap_gib, "disk": limits.disk, "model": model,
                    "voice_share": limits.voice_share, "label_ms": _ms(limits.label_s),
-                   "asks_per_hour": limits.asks_per_hour, "restore_gib_s": first.restore_gib_s,
+                   "asks_per_hour": limits.asks_per_hour, "asks_at": len(limits.asks_at), "restore_gib_s": first.restore_gib_s,
                    "spill_gib_s": first.spill_gib_s, "host_gib_s": first.host_gib_s,
                    "host_cap_gib": limits.host_cap_gib, "restore_ahead": limits.restore_ahead,
                    "prefix_cache_gib": limits.prefix_cache_gib, "shared_prefix_tokens": limits.shared_prefix_tokens,
@@ -427,8 +436,9 @@ def _limits_line(plan: Plan) -> str:
     batches = f"batches of up to {rule.batch}, {words} ({_batch_label(plan)})" if rule.batch > 1 else "no batches"
     prefix = f"; prefix cache {limits.prefix_cache_gib:g} GiB ({limits.shared_prefix_tokens:,} ids of every first prompt " \
         "shared)" if limits.prefix_cache_gib else "; no prefix cache"
+    asks = f"{len(limits.asks_at):,} as given" if limits.asks_at else f"{limits.asks_per_hour:g}/h a session"
     return (f"live limits: ids {limits.ids}; {cap}{prefix}; voice share {limits.voice_share:g}; label {_ms(limits.label_s):g} ms; "
-            f"asks {limits.asks_per_hour:g}/h a session; {batches}. costs: chunk {', '.join(c.chunk.label for c in plan.costs)}; "
+            f"asks {asks}; {batches}. costs: chunk {', '.join(c.chunk.label for c in plan.costs)}; "
             f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, host moves {first.host_gib_s:g} GiB/s, ask {_ms(first.ask_s):g} ms, "
             f"phrase {_ms(first.phrase_s):g} ms, tokenizer {_ms(first.tokenize_s_per_1k):g} ms/1k "
             "(defaults: measured, docs/FRESHNESS.md)")

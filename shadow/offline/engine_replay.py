@@ -21,6 +21,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from shadow.core.driving import batch_now, entry_depths, in_pieces, pieces_now, tell
 from shadow.core.schedule import WARM_DEPTHS, Read, ReadScheduler, Wait, batch_sizes
@@ -51,6 +52,16 @@ class TurnStart:
     engine: int = 0
     wait_s: float = 0.0
     to_prompt: int = 0
+
+
+class Answered(NamedTuple):
+    """An ask answered: its arrival, the seconds until its answer, of them the wait for the device
+    (`queued_s`: until its job began, as live's `device_wait_ms`), and its kind (None: a Poisson ask)."""
+
+    arrival: float
+    wait_s: float
+    queued_s: float
+    kind: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,7 @@ class Tally:
     longest_slice_s: float = 0.0
     voice_s: float = 0.0
     phrases: int = 0
-    asks: list[tuple[float, float]] = field(default_factory=list)  # (arrival, seconds until answered)
+    asks: list[Answered] = field(default_factory=list)
     left: list[tuple[float, str, bool]] = field(default_factory=list)  # (when, session, spilled: state kept) past the cap
     restores_ahead: int = 0  # restores started at a request's arrival, beside the reads
 
@@ -114,13 +125,13 @@ class EngineReplay:
     """One engine of the fleet. `requests`: (index, request) of this engine; `order[i]`: request i's
     rank by start (the live service's turn ids); `before[i]`, `next_start[i]`: the session's ids known
     at i's start from its previous request (None: its first), the start of its next request (inf).
-    `probes`: (time, session) to look at; `asks`: (time, session) of asks. The grid's rules, the
+    `probes`: (time, session) to look at; `asks`: (time, session[, kind]) of asks. The grid's rules, the
     entries of a batch and its pieces are `core.driving`'s, as live."""
 
     def __init__(self, engine: int, requests: list[tuple[int, Request]], order: Sequence[int],
                  before: Sequence[int | None], next_start: Sequence[float], sched: ReadScheduler, *,
                  costs: CostTable, limits: ReplayLimits, use_share: bool, probes: Sequence[tuple[float, str]] = (),
-                 asks: Sequence[tuple[float, str]] = ()):
+                 asks: Sequence[tuple] = ()):
         self.engine, self.sched, self.costs, self.limits, self.use_share = engine, sched, costs, limits, use_share
         self.grid = g = sched.grid
         self.order, self.before, self.next_start = order, before, next_start
@@ -142,8 +153,8 @@ class EngineReplay:
                 self._at(max(r.first_token, known), FEED, i)
         for t, s in probes:
             self._at(t, PROBE, s)
-        for t, s in asks:
-            self._at(t, ASK, s)
+        for t, s, *kind in asks:
+            self._at(t, ASK, (s, kind[0] if kind else None))
         self.jobs: deque[tuple] = deque()
         self.decoding: dict[int, Request] = {}  # requests whose response is streaming
         self.latest: dict[str, int] = {}  # session -> the rank of the newest turn that fed its prompt
@@ -247,7 +258,7 @@ class EngineReplay:
             self.probes.append(Probe(when, what, self._lag(what, when), self.wait_s(what), self.engine))
             return
         if kind == ASK:
-            self.jobs.append(("ask", what, t))
+            self.jobs.append(("ask", what[0], t, what[1]))
             return
         if kind == LABEL:
             self.jobs.append(("end", what))
@@ -308,7 +319,7 @@ class EngineReplay:
             return self._end_turn(i, t)
         if kind == "end":
             return self._end_turn(job[1], t)
-        return self._ask(job[1], job[2], t)
+        return self._ask(job[1], job[2], t, job[3])
 
     def _get(self, s: str, t: float, locked: bool = True, ahead: bool = False):
         """The session, restored if on disk: under the service's lock, or (`locked` False: a
@@ -521,9 +532,10 @@ class EngineReplay:
             t = self._settle(read.session, t)
         return t
 
-    def _ask(self, s: str, arrived: float, t: float, timeout_s: float = 10.0) -> float:
+    def _ask(self, s: str, arrived: float, t: float, kind: str | None = None, timeout_s: float = 10.0) -> float:
         """As `Asking.ask` on the device: the session first while it is read to its end (within the
         ask's timeout), one forward of its tail and the question in a fork, then a settle."""
+        began = t
         self.sched.question(s, t)
         h, t = self._get(s, t)
         self._tell(s, t)
@@ -537,7 +549,7 @@ class EngineReplay:
         self.store.fork(h, h.ids - h.committed + self.limits.ask_tokens)
         t = self._busy(t, self.costs.ask_s)
         self.sched.answered(s, t)
-        self.tally.asks.append((arrived, t - arrived))
+        self.tally.asks.append(Answered(arrived, t - arrived, began - arrived, kind))
         return self._settle(s, t)
 
     def _phrase(self, t: float) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -189,6 +190,37 @@ def read_ledger(path: str | Path) -> list[Request]:
     if not out:
         raise ShadowInputError(f"{path} holds no requests")
     return out
+
+
+def read_asks(path: str | Path) -> tuple[tuple[float, str, str], ...]:
+    """Asks as a client sent them, one JSON object a line: `time` (seconds on the ledger's clock,
+    finite, not negative), `session` (a name), `kind` (optional, at most 40 characters; "ask"
+    without one). A bad line gets a ShadowInputError naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ShadowInputError(f"no asks file {path}")
+    out = []
+    for n, line in enumerate(read_text(path, "asks").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ShadowInputError(f"{where}: not valid JSON: {e}") from None
+        if not isinstance(row, dict):
+            raise ShadowInputError(f"{where}: not an object with time and session")
+        t, session, kind = row.get("time"), row.get("session"), row.get("kind", "ask")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ShadowInputError(f"{where}: time is a finite number of seconds, not negative (got {t!r})")
+        if not isinstance(session, str) or not session:
+            raise ShadowInputError(f"{where}: session is a non-empty name")
+        if not isinstance(kind, str) or not 0 < len(kind) <= 40:
+            raise ShadowInputError(f"{where}: kind is a name of 1 to 40 characters")
+        out.append((float(t), session, kind))
+    if not out:
+        raise ShadowInputError(f"{path} holds no asks")
+    return tuple(out)
 
 
 def _count(value) -> int:

@@ -25,6 +25,7 @@ device is free too (the read in flight first).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from shadow.core.residency import StateSize
@@ -51,7 +52,8 @@ class ReplayLimits:
     `label_s`: after each turn, the
     engine asked a standing question's label; `asks_per_hour`: asks per active session (Poisson,
     seeded by `seed`), each reading its session to its end and one forward, its question
-    `ask_tokens` ids long. `pieces`: the pieces of the shadow's forward (`PiecewiseForward`), in
+    `ask_tokens` ids long; `asks_at`: instead, asks at these (time, session, kind) as a client sent
+    them (a live run's), each answer tallied under its kind. `pieces`: the pieces of the shadow's forward (`PiecewiseForward`), in
     which a share batch longer than `batch_s` is read between rounds. `prefix_cache_gib`: each
     shadow's prefix cache (`offline.prefixmodel`, needs `state`), every session's first prompt
     sharing its first `shared_prefix_tokens` ids with the others'. `predict` (proxy modes, as
@@ -71,6 +73,7 @@ class ReplayLimits:
     voice_share: float = 0.0
     label_s: float = 0.0
     asks_per_hour: float = 0.0
+    asks_at: tuple[tuple[float, str, str], ...] = ()  # (time, session, kind): asks as sent, not Poisson
     ask_tokens: int = 64
     seed: int = 0
     prefix_cache_gib: float | None = None  # the prefix cache's bound per shadow (None or 0: none)
@@ -87,6 +90,10 @@ class ReplayLimits:
             raise ValueError("a cap is positive and needs the sessions' state sizes")
         if min(self.voice_share, self.label_s, self.asks_per_hour) < 0 or self.ask_tokens < 1 or self.pieces < 1:
             raise ValueError("voice share, label seconds and asks per hour are not negative")
+        if self.asks_at and self.asks_per_hour:
+            raise ValueError("asks come at a rate or at given times, not both")
+        if any(not (math.isfinite(t) and t >= 0) for t, _, _ in self.asks_at):
+            raise ValueError("an ask's time is a finite number of seconds, not negative")
         if (self.prefix_cache_gib or 0) < 0 or self.shared_prefix_tokens < 0:
             raise ValueError("the prefix cache's bound and the shared prefix tokens are not negative")
 

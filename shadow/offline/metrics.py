@@ -112,9 +112,20 @@ def summary(arm, windows: Sequence[Window], grid: int) -> dict:
                   "restore_s": round(arm.restore_s, 3), "spill_s": round(arm.spill_s, 3),
                   "to_host": arm.to_host, "from_host": arm.from_host, "host_s": round(arm.host_s, 3),
                   "restores_ahead": arm.restores_ahead},
-        "asks": {"n": len(arm.asks), "wait_ms": spread([w for _, w in arm.asks], scale=1000)},
+        "asks": _asks(arm.asks),
         "voice_s": round(arm.voice_s, 3),
     }
+
+
+def _asks(asks: list) -> dict:
+    """The asks answered (`engine_replay.Answered`): the wait until each answer and, of it, the wait
+    for the device; by kind where the asks came with one (`ReplayLimits.asks_at`)."""
+    def of(some: list) -> dict:
+        return {"n": len(some), "wait_ms": spread([a.wait_s for a in some], scale=1000),
+                "queued_ms": spread([a.queued_s for a in some], scale=1000)}
+
+    kinds = sorted({a.kind for a in asks if a.kind is not None})
+    return {**of(asks), **({"by_kind": {k: of([a for a in asks if a.kind == k]) for k in kinds}} if kinds else {})}
 
 
 def _pct_of(items, test: Callable) -> float | None:

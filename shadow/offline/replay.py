@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from shadow.core.schedule import BandwidthRule, ChunkCosts, Priorities, ReadScheduler
 from shadow.offline.costs import ChunkTable, CostTable
-from shadow.offline.engine_replay import EngineReplay, Probe, Tally, ToFresh, TurnStart
+from shadow.offline.engine_replay import Answered, EngineReplay, Probe, Tally, ToFresh, TurnStart
 from shadow.offline.ledger import Request, route_requests
 from shadow.offline.limits import ReplayLimits
 from shadow.offline.timelines import Density, density, known_before, pack, readable, time_readable
@@ -46,7 +46,7 @@ class Arm:
     turns: list[TurnStart] = field(default_factory=list)
     probes: list[Probe] = field(default_factory=list)
     to_fresh: list[ToFresh] = field(default_factory=list)
-    asks: list[tuple[float, float]] = field(default_factory=list)
+    asks: list[Answered] = field(default_factory=list)
     left: list[tuple[float, str, bool]] = field(default_factory=list)  # sessions past the cap: (when, name, state kept)
     chunks_idle: int = 0
     chunks_share: int = 0
@@ -177,8 +177,11 @@ def _sample_times(requests: Sequence[Request], samples: int, seed: int) -> list[
     return [(rng.uniform(t0, t1), None) for _ in range(samples)]
 
 
-def _ask_times(requests: Sequence[Request], limits: ReplayLimits, seed: int) -> list[tuple[float, str]]:
-    """Asks at `limits.asks_per_hour` per session while it is active (Poisson arrivals)."""
+def _ask_times(requests: Sequence[Request], limits: ReplayLimits, seed: int) -> list[tuple]:
+    """Asks (time, session[, kind]): `limits.asks_at` as given, else `limits.asks_per_hour` per
+    session while it is active (Poisson arrivals)."""
+    if limits.asks_at:
+        return sorted(limits.asks_at)
     if limits.asks_per_hour <= 0:
         return []
     rng = random.Random(seed + 1)
@@ -200,9 +203,9 @@ def _spans(requests: Sequence[Request]) -> dict[str, tuple[float, float]]:
 
 
 def _placed(requests: Sequence[Request], engine_of: Sequence[int], engines: int,
-            times: list[tuple[float, str | None]], per_session: bool = False) -> list[list[tuple[float, str]]]:
-    """Each (time, session) on the engine of the session's latest request started by then; a time
-    without a session stands for every session active then."""
+            times: list[tuple], per_session: bool = False) -> list[list[tuple]]:
+    """Each (time, session, ...) on the engine of the session's latest request started by then; a
+    time without a session stands for every session active then."""
     out: list[list[tuple[float, str]]] = [[] for _ in range(engines)]
     if not times:
         return out
@@ -219,8 +222,8 @@ def _placed(requests: Sequence[Request], engine_of: Sequence[int], engines: int,
         return v[max(0, k)][1]
 
     if per_session:
-        for t, s in times:
-            out[engine(s, t)].append((t, s))
+        for item in times:  # (time, session, ...)
+            out[engine(item[1], item[0])].append(item)
         return out
     ordered = sorted(t for t, _ in times)
     for s, (a, b) in spans.items():
