@@ -162,18 +162,8 @@ def write_ledger(path: str | Path, requests: Iterable[Request]) -> None:
 
 def read_ledger(path: str | Path) -> list[Request]:
     """Read and check a ledger; a bad line gets a ShadowInputError naming the file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ShadowInputError(f"no ledger file {path}")
     out = []
-    for n, line in enumerate(read_text(path, "ledger").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ShadowInputError(f"{where}: not valid JSON: {e}") from None
+    for where, row in _json_lines(Path(path), "ledger"):
         if not isinstance(row, dict) or set(FIELDS) - set(row):
             missing = sorted(set(FIELDS) - set(row)) if isinstance(row, dict) else list(FIELDS)
             raise ShadowInputError(f"{where}: not a ledger line (missing {', '.join(missing)})")
@@ -196,18 +186,8 @@ def read_asks(path: str | Path) -> tuple[tuple[float, str, str], ...]:
     """Asks as a client sent them, one JSON object a line: `time` (seconds on the ledger's clock,
     finite, not negative), `session` (a name), `kind` (optional, at most 40 characters; "ask"
     without one). A bad line gets a ShadowInputError naming the file and line."""
-    path = Path(path)
-    if not path.is_file():
-        raise ShadowInputError(f"no asks file {path}")
     out = []
-    for n, line in enumerate(read_text(path, "asks").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ShadowInputError(f"{where}: not valid JSON: {e}") from None
+    for where, row in _json_lines(Path(path), "asks"):
         if not isinstance(row, dict):
             raise ShadowInputError(f"{where}: not an object with time and session")
         t, session, kind = row.get("time"), row.get("session"), row.get("kind", "ask")
@@ -221,6 +201,20 @@ def read_asks(path: str | Path) -> tuple[tuple[float, str, str], ...]:
     if not out:
         raise ShadowInputError(f"{path} holds no asks")
     return tuple(out)
+
+
+def _json_lines(path: Path, what: str) -> Iterable[tuple[str, object]]:
+    """(where, value) of each non-blank line of a JSON Lines file the user named: `where` its
+    file:line; a ShadowInputError for a missing file or a line that is not JSON."""
+    if not path.is_file():
+        raise ShadowInputError(f"no {what} file {path}")
+    for n, line in enumerate(read_text(path, what).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{n}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ShadowInputError(f"{path}:{n}: not valid JSON: {e}") from None
 
 
 def _count(value) -> int:
