@@ -53,8 +53,9 @@ class ReplayLimits:
     engine asked a standing question's label; `asks_per_hour`: asks per active session (Poisson,
     seeded by `seed`), each reading its session to its end and one forward, its question
     `ask_tokens` ids long; `asks_at`: instead, asks at these (time, session, kind) as a client sent
-    them (a live run's), each answer tallied under its kind. `pieces`: the pieces of the shadow's forward (`PiecewiseForward`), in
-    which a share batch longer than `batch_s` is read between rounds. `prefix_cache_gib`: each
+    them (a live run's), each answer tallied under its kind. `pieces`: the pieces of the shadow's
+    forward (`PiecewiseForward`), in which a share batch longer than `batch_s` is read between
+    rounds. `prefix_cache_gib`: each
     shadow's prefix cache (`offline.prefixmodel`, needs `state`), every session's first prompt
     sharing its first `shared_prefix_tokens` ids with the others'. `predict` (proxy modes, as
     `shadow serve --predict`): a turn's output is held out of reading and, at its end, the session

@@ -206,7 +206,7 @@ def _placed(requests: Sequence[Request], engine_of: Sequence[int], engines: int,
             times: list[tuple], per_session: bool = False) -> list[list[tuple]]:
     """Each (time, session, ...) on the engine of the session's latest request started by then; a
     time without a session stands for every session active then."""
-    out: list[list[tuple[float, str]]] = [[] for _ in range(engines)]
+    out: list[list[tuple]] = [[] for _ in range(engines)]
     if not times:
         return out
     starts: dict[str, list[tuple[float, int]]] = {}
