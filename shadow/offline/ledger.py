@@ -208,7 +208,7 @@ def _json_lines(path: Path, what: str) -> Iterable[tuple[str, object]]:
     file:line; a ShadowInputError for a missing file or a line that is not JSON."""
     if not path.is_file():
         raise ShadowInputError(f"no {what} file {path}")
-    for n, line in enumerate(read_text(path, what).splitlines(), start=1):
+    for n, line in enumerate(read_text(path, f"{what} file").splitlines(), start=1):
         if not line.strip():
             continue
         try:
