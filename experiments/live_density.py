@@ -52,6 +52,7 @@ import functools
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -165,6 +166,7 @@ class Run:
         self.engine_windows: list[tuple[dict, dict]] = []  # the engine's counters at each window's ends
         self.steady: list[fig.Sent] = []  # the cost phase's streams
         self.steady_over = asyncio.Event()  # set when the windows are over: the steady streams are cut
+        self.gpu: list[tuple[float, float]] = []  # (seconds, the GPU's busy %), where nvidia-smi is
         self.settled: dict = {}  # how the cost phase began: the wait for the steady streams, strays in flight
 
     def now(self) -> float:
@@ -177,7 +179,8 @@ class Run:
         async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(a.request_timeout), limits=limits) as c:
             self.client = c
             self.t0 = time.monotonic()
-            background = [asyncio.create_task(self.poll()), asyncio.create_task(self.random_asks())]
+            background = [asyncio.create_task(self.poll()), asyncio.create_task(self.random_asks()),
+                          asyncio.create_task(self.gpu_samples())]
             switching = asyncio.create_task(self.switches())
             await asyncio.gather(*(self.slot(k) for k in range(a.sessions)))
             await switching  # the slots' steady streams were cut when its last window ended
@@ -367,6 +370,24 @@ class Run:
             with contextlib.suppress(httpx.HTTPError):  # the shadow left on, as it ran
                 await self.client.post("/v1/shadow/switch", json={"on": True})
 
+    async def gpu_samples(self) -> None:
+        """The GPU's busy %, every 250 ms where `nvidia-smi` is (`utilization.gpu`: the share of its
+        last sample period in which a kernel ran), into `self.gpu` as (seconds, %)."""
+        exe = shutil.which("nvidia-smi")
+        if exe is None:
+            return
+        proc = await asyncio.create_subprocess_exec(
+            exe, "-i", "0", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "-lms", "250",
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        try:
+            async for line in proc.stdout:
+                with contextlib.suppress(ValueError):
+                    self.gpu.append((self.now(), float(line.strip())))
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
     async def engine_counters(self) -> dict[str, float]:
         """llama-server's own counters (`--metrics`), on a connection of their own."""
         try:
@@ -526,7 +547,9 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
                                                       "context": ctx, "wall_s": round(wall, 1), "replay": settings,
                                                       "request_hours": round(hours, 4)},
            "live": live, "replay": replayed, "side_by_side": fig.side_by_side(live, replayed, requests),
-           "engine": {**fig.engine_cost(run.steady, run.windows, run.polls, run.engine_windows, others=run.sent),
+           "engine": {**fig.engine_cost(run.steady, run.windows, run.polls, run.engine_windows, others=run.sent,
+                                        gpu=run.gpu),
+                      "gpu_busy_pct_density": fig.gpu_busy(run.gpu, 0.0, a.duration),
                       "settled": run.settled, "switch_error": run.switch_error},
            "sent": {"requests": len(run.sent), "asks": len(run.asks), "steady": len(run.steady),
                     "sessions": sorted({r.session for r in [*run.sent, *run.steady]})}}

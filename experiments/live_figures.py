@@ -361,14 +361,17 @@ def side_by_side(live_: dict, replayed: dict, requests: list[Request]) -> dict:
 
 
 def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], polls: list[Poll],
-                counters: list[tuple[dict, dict]] | None = None, others: list[Sent] = ()) -> dict:
+                counters: list[tuple[dict, dict]] | None = None, others: list[Sent] = (),
+                gpu: list[tuple[float, float]] = ()) -> dict:
     """The engine's decode in each window ('off' or 'on', start, end; seconds from the run's
     start) of `requests` (the streams measured): tokens streamed in it over the seconds in it with
     a stream decoding (aggregate decode tokens/s), the gaps between a stream's consecutive tokens
     within it (p50, p99 ms), the share charged in it (from the polls), `others` still in flight in
     it (load beside the streams measured), and where `counters` gives llama-server's own counters
     at the window's ends (`--metrics`), the tokens it predicted over the window's seconds and per
-    decode call (how many streams a batched step carried). Windows pair two by two (off-on or
+    decode call (how many streams a batched step carried), and where `gpu` holds samples of the GPU's
+    busy % (seconds, %), their mean in it (`gpu_busy_pct`: an engine that leaves the GPU idle between
+    its steps loses little to the shadow's kernels whatever the share). Windows pair two by two (off-on or
     on-off): each pair's change of decode tokens/s with the shadow on, and over the pairs their
     median and mean, the share charged in the on windows, and the cost beyond it (points: the
     decode lost less the share charged)."""
@@ -388,6 +391,7 @@ def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], p
                      "decode_busy_s": round(busy, 3), "tok_s": _round(times / busy) if busy else None,
                      "gap_ms": spread(gaps), "gaps": len(gaps),
                      "share_charged_pct": _round(100 * share / decode) if share is not None and decode else None,
+                     "gpu_busy_pct": gpu_busy(gpu, a, b),
                      "engine": _engine_window(counters[w], b - a) if counters and w < len(counters) else None})
     pairs = []
     for x, y in zip(rows[0::2], rows[1::2]):
@@ -397,8 +401,15 @@ def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], p
                           "tok_s_change_pct": _round(100 * (on["tok_s"] / off["tok_s"] - 1)),
                           "gap_p99_ms": (off["gap_ms"]["p99"], on["gap_ms"]["p99"]),
                           "engine_decodes_per_s": tuple((x["engine"] or {}).get("decodes_per_s") for x in (off, on)),
+                          "gpu_busy_pct": (off["gpu_busy_pct"], on["gpu_busy_pct"]),
                           "share_charged_pct": on["share_charged_pct"]})
     return {"windows": rows, "pairs": pairs, "summary": _pairs_summary(pairs)}
+
+
+def gpu_busy(samples, start: float, end: float) -> float | None:
+    """The mean of the GPU busy % samples (seconds, %) taken in [start, end); None where none was."""
+    inside = [pct for t, pct in samples if start <= t < end]
+    return _round(statistics.fmean(inside)) if inside else None
 
 
 def _pairs_summary(pairs: list[dict]) -> dict | None:
@@ -435,9 +446,11 @@ def table(doc: dict) -> str:
         lines.append(f"{name:42} {_fmt(v['live']):>14} {_fmt(v['replay']):>14}")
     for i, p in enumerate(doc.get("engine", {}).get("pairs", [])):
         calls = p.get("engine_decodes_per_s") or (None, None)  # absent from a run of an earlier driver
+        busy = p.get("gpu_busy_pct") or (None, None)
         lines.append(f"pair {i + 1} ({p.get('order', 'off-on')}): decode tok/s {p['tok_s_change_pct']:+.2f} % with the shadow on, inter-token p99 "
                      f"{_fmt(p['gap_p99_ms'][0])} -> {_fmt(p['gap_p99_ms'][1])} ms, engine's decode calls/s "
-                     f"{_fmt(calls[0])} -> {_fmt(calls[1])}, share charged {_fmt(p['share_charged_pct'])} %")
+                     f"{_fmt(calls[0])} -> {_fmt(calls[1])}, share charged {_fmt(p['share_charged_pct'])} %"
+                     + (f", GPU busy {_fmt(busy[0])} -> {_fmt(busy[1])} %" if busy != (None, None) else ""))
     s = doc.get("engine", {}).get("summary")
     if s:
         lines.append(f"pairs: decode tok/s median {s['change_median_pct']:+.2f} % (mean {s['change_mean_pct']:+.2f} %, "

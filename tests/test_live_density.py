@@ -267,10 +267,15 @@ def test_engine_cost_pairs_windows_in_either_order_and_sums_the_pairs_up():
     polls = [f.Poll(t, {}, {"share_s": s, "decode_s": t}, {}) for t, s in ((1.0, 0.0), (2.0, 0.0), (3.0, 0.02),
                                                                            (4.0, 0.04), (5.0, 0.04))]
     stray = f.Sent("d.s1", 3, 0.0, [], first_token=0.1, end=2.5)
+    gpu = [(t / 4, 30.0 if int(t / 4) % 2 == 0 else 40.0) for t in range(4, 20)]  # 4 samples a second
     cost = f.engine_cost([stream], [("off", 1.0, 2.0), ("on", 2.0, 3.0), ("on", 3.0, 4.0), ("off", 4.0, 5.0)],
-                         polls, others=[stray])
+                         polls, others=[stray], gpu=gpu)
     assert [p["order"] for p in cost["pairs"]] == ["off-on", "on-off"]
     assert [w["others_in_flight"] for w in cost["windows"]] == [1, 1, 0, 0]
+    assert [w["gpu_busy_pct"] for w in cost["windows"]] == [40.0, 30.0, 40.0, 30.0]
+    assert [p["gpu_busy_pct"] for p in cost["pairs"]] == [(40.0, 30.0), (30.0, 40.0)]
+    assert f.gpu_busy(gpu, 1.0, 1.5) == 40.0 and f.gpu_busy(gpu, 9.0, 10.0) is None
+    assert "GPU busy 40.00 -> 30.00 %" in f.table({"side_by_side": {}, "engine": cost})
     s = cost["summary"]
     assert s["n"] == 2 and abs(s["change_median_pct"] + 2.0) < 0.01 and abs(s["share_charged_pct"] - 2.0) < 0.01
     assert abs(s["beyond_share_pts"]) < 0.01  # 2 % lost for 2 % charged: nothing beyond
