@@ -306,7 +306,7 @@ class Run:
             d = r.json() if r.status_code == 200 else {}
             self.asks.append(fig.Asked(kind, session, t, r.status_code, d.get("latency_ms"), d.get("behind"),
                                        d.get("read_chunks"), d.get("insertion"), held, d.get("device_wait_ms"),
-                                       d.get("device_busy_with")))
+                                       d.get("device_busy_with"), d.get("parts_ms")))
         except (httpx.HTTPError, ValueError):
             self.asks.append(fig.Asked(kind, session, t, 0, held=held))
 

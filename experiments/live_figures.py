@@ -53,7 +53,8 @@ class Asked:
     """One ask: `kind` 'turn' (sent at a turn start of a session with earlier turns) or 'random';
     `held` the ids the session held before that turn (turn asks; the answer's `insertion` above it
     means the new prompt was fed first: `raced`); of its latency, the wait for the device thread and
-    the kind of job the device ran when it came (the answer's `device_wait_ms`, `device_busy_with`)."""
+    the kind of job the device ran when it came (the answer's `device_wait_ms`, `device_busy_with`)
+    and the whole split (`parts_ms`)."""
 
     kind: str
     session: str
@@ -66,6 +67,7 @@ class Asked:
     held: int | None = None
     device_wait_ms: float | None = None
     device_busy_with: str | None = None
+    parts_ms: dict | None = None  # the answer's split of its latency (device_wait, read, forward, settle, back)
 
     @property
     def raced(self) -> bool:
@@ -183,16 +185,22 @@ def live(requests: list[Sent], asks: list[Asked], polls: list[Poll], journal: Pa
     }
 
 
-def device_waits(asks: list[Asked], long_ms: float = 50.0) -> dict:
+def device_waits(asks: list[Asked], long_ms: float = 50.0, slow_ms: float = 100.0) -> dict:
     """Of the asks' latencies, the wait for the device thread (p50/p90/p99/max ms), and for the
     asks that waited `long_ms` or more, how many waited behind each kind of job (empty where the
-    service gave no such field: an earlier build)."""
+    service gave no such field: an earlier build); and for the asks of `slow_ms` or more whose
+    answers split their latency (`parts_ms`), how many and the mean ms of each part."""
     waits = [a for a in asks if a.device_wait_ms is not None]
     if not waits:
         return {}
     long = Counter(a.device_busy_with or "idle" for a in waits if a.device_wait_ms >= long_ms)
-    return {"device_wait_ms": spread([a.device_wait_ms for a in waits]),
-            f"waited_{long_ms:g}ms_behind": dict(long.most_common())}
+    out = {"device_wait_ms": spread([a.device_wait_ms for a in waits]),
+           f"waited_{long_ms:g}ms_behind": dict(long.most_common())}
+    slow = [a.parts_ms for a in waits if a.parts_ms and a.latency_ms is not None and a.latency_ms >= slow_ms]
+    if any(a.parts_ms for a in waits):
+        out[f"over_{slow_ms:g}ms"] = {"n": len(slow), "mean_parts_ms": {
+            k: _round(statistics.fmean(p.get(k, 0.0) for p in slow)) for k in slow[0]} if slow else {}}
+    return out
 
 
 def service_turn_starts(requests: list[Sent], journal: Path, grid: int) -> dict | None:
@@ -451,6 +459,11 @@ def table(doc: dict) -> str:
                      f"{_fmt(p['gap_p99_ms'][0])} -> {_fmt(p['gap_p99_ms'][1])} ms, engine's decode calls/s "
                      f"{_fmt(calls[0])} -> {_fmt(calls[1])}, share charged {_fmt(p['share_charged_pct'])} %"
                      + (f", GPU busy {_fmt(busy[0])} -> {_fmt(busy[1])} %" if busy != (None, None) else ""))
+    for kind in ("turn_starts", "random"):
+        slow = doc.get("live", {}).get(kind, {}).get("over_100ms")
+        if slow and slow["n"]:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in slow["mean_parts_ms"].items())
+            lines.append(f"asks over 100 ms ({kind.replace('_', ' ')}): {slow['n']}, mean ms {parts}")
     s = doc.get("engine", {}).get("summary")
     if s:
         lines.append(f"pairs: decode tok/s median {s['change_median_pct']:+.2f} % (mean {s['change_mean_pct']:+.2f} %, "

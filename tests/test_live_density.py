@@ -254,7 +254,19 @@ def test_an_asks_wait_for_the_device_is_told_apart_with_what_it_waited_behind():
     waits = f.device_waits(asks)
     assert waits["device_wait_ms"]["max"] == 280.0
     assert waits["waited_50ms_behind"] == {"end turn": 2, "reader": 1}
+    assert "over_100ms" not in waits  # answers without parts: no split
     assert f.device_waits([f.Asked("turn", "s", 1.0, 200, 20.0)]) == {}  # a service without the field: nothing
+    parted = [f.Asked("random", "s", 1.0, 200, 300.0, device_wait_ms=10.0,
+                      parts_ms={"device_wait": 10.0, "read": 20.0, "forward": 30.0, "settle": 200.0, "back": 40.0}),
+              f.Asked("random", "s", 2.0, 200, 100.0, device_wait_ms=0.0,
+                      parts_ms={"device_wait": 0.0, "read": 0.0, "forward": 30.0, "settle": 50.0, "back": 20.0}),
+              f.Asked("random", "s", 3.0, 200, 40.0, device_wait_ms=0.0,
+                      parts_ms={"device_wait": 0.0, "read": 0.0, "forward": 30.0, "settle": 5.0, "back": 5.0})]
+    assert f.device_waits(parted)["over_100ms"] == {"n": 2, "mean_parts_ms": {
+        "device_wait": 5.0, "read": 10.0, "forward": 30.0, "settle": 125.0, "back": 30.0}}
+    doc = {"side_by_side": {}, "live": {"random": f.device_waits(parted)}}
+    assert ("asks over 100 ms (random): 2, mean ms device_wait 5.0, read 10.0, forward 30.0, settle 125.0, "
+            "back 30.0") in f.table(doc)
 
 
 def test_engine_cost_pairs_windows_in_either_order_and_sums_the_pairs_up():

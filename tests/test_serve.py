@@ -99,6 +99,10 @@ def test_two_streamed_turns_are_read_exactly_and_asked(server):
     assert abs(sum(answer["probs"]) - 1) < 1e-5 and answer["label"] in "ABC" and answer["weights"] == "random"
     assert answer["behind"] < GRID and answer["latency_ms"] > 0
     assert 0 <= answer["device_wait_ms"] <= answer["latency_ms"]
+    parts = answer["parts_ms"]  # the latency split whole, each part rounded on its own
+    assert list(parts) == ["device_wait", "read", "forward", "settle", "back"] and min(parts.values()) >= 0
+    assert abs(sum(parts.values()) - answer["latency_ms"]) < 0.01 and parts["device_wait"] == answer["device_wait_ms"]
+    assert parts["forward"] > 0
     assert_exact(service, "s1")
     assert client.get("/v1/shadow/status").json()["last_answers"][-1]["label"] == answer["label"]
 
@@ -113,7 +117,7 @@ def test_two_streamed_turns_are_read_exactly_and_asked(server):
         time.sleep(held_s)
     waited = asked.result().json()
     assert waited["device_busy_with"] == "hold" and waited["device_wait_ms"] >= held_s * 1000
-    assert waited["latency_ms"] >= waited["device_wait_ms"]
+    assert waited["latency_ms"] >= waited["device_wait_ms"] == waited["parts_ms"]["device_wait"]
 
 
 def test_non_streamed_chat_and_completions_return_token_ids(server):

@@ -24,7 +24,9 @@ class Asking:
     `session` reads and what its checks say of it (`ShadowService.resolve`), or raises. Each ask
     answered is timed into `latency` (its `latency_ms`, in seconds) and `wait` (of that, the wait
     for the device: its `device_wait_ms`, with `device_busy_with`, the kind of job the device ran
-    when the ask was handed in, or None), under the lock."""
+    when the ask was handed in, or None), under the lock. Its `parts_ms` split the latency whole:
+    `device_wait`, `read` (reading the session to the insertion point), `forward` (the fork's),
+    `settle` (the lock, and the reader settled) and `back` (the device thread's hand-back)."""
 
     def __init__(self, shared: Shared, host: ModelHost, reading: Reading, questions: Questions, vocab_size: int,
                  resolve: Callable[[str, float], tuple[str, dict]]):
@@ -58,24 +60,31 @@ class Asking:
         busy_with = self.device.running  # what a long wait waited behind (read without the device's lock)
 
         def on_device():
-            waited = self.clock() - started
+            on = self.clock()
             shadow = self.host.ensure()  # an idle burst may have unloaded it since the wait
             with self.questions.asking(name):
                 s, behind, read = self.reading.read_to_end(shadow, name, timeout_s, started)
                 self._check_tail(s)
+                forward = self.clock()
                 probs = shadow.reader.ask(s, question, choice_ids).tolist()
+            settle = self.clock()
             with self.lock:
                 self.reading.settle(shadow, keep=name)
-            return shadow, s, behind, read, probs, waited
+            marks = (on, forward, settle, self.clock())
+            return shadow, s, behind, read, probs, marks
 
-        shadow, s, behind, read, probs, waited = self.device.run(on_device, "ask")
-        latency = self.clock() - started
+        shadow, s, behind, read, probs, (on, forward, settle, done) = self.device.run(on_device, "ask")
+        latency, waited = self.clock() - started, on - started
         best = max(range(len(probs)), key=probs.__getitem__)
         answer = {
             "session": session, "read": name, "choices": list(labels), "probs": probs, "label": labels[best],
             "behind": behind, "read_chunks": read, "pending_after": len(s.ids) - s.committed,
             "latency_ms": round(latency * 1000, 3), "device_wait_ms": round(waited * 1000, 3),
-            "device_busy_with": busy_with, "weights": shadow.weights,
+            "device_busy_with": busy_with,
+            "parts_ms": {k: round(v * 1000, 3) for k, v in (
+                ("device_wait", waited), ("read", forward - on), ("forward", settle - forward),
+                ("settle", done - settle), ("back", started + latency - done))},
+            "weights": shadow.weights,
             "weights_hash": shadow.weights_hash, "grid": shadow.grid, "arithmetic": shadow.store.identity.arithmetic,
             "insertion": len(s.ids), "prefix_crc": ids_crc(s.ids),
             "question_tokens": len(question), "question_ids": list(question), "reference": reference,
