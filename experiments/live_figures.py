@@ -208,7 +208,9 @@ def service_turn_starts(requests: list[Sent], journal: Path, grid: int) -> dict 
     `unread_at_start`: the ids the session held unread when the turn named it, the instant the replay
     takes too), for `requests` of sessions with an earlier turn. A session's journal lines are its
     turns in order, matched to its requests by start; None where the journal has no such field (an
-    earlier build) or a session's counts differ (a request the service never journaled)."""
+    earlier build) or a session's counts differ (a request the service never journaled). A count
+    below zero (the session had read rows past the ids it held: `read_past_ids`) is counted apart
+    and left out of the figure."""
     lines = [json.loads(x) for x in journal.read_text().splitlines() if x.strip()] if journal.exists() else []
     turns: dict[str, list[dict]] = {}
     for record in lines:
@@ -225,10 +227,13 @@ def service_turn_starts(requests: list[Sent], journal: Path, grid: int) -> dict 
         if len(records) < len(mine):
             return None
         found = [t["unread_at_start"] for t in records[1:len(mine)]]
-        if any(u is not None and (not isinstance(u, int) or isinstance(u, bool) or u < 0) for u in found):
+        if any(u is not None and (not isinstance(u, int) or isinstance(u, bool)) for u in found):
             return None  # not the service's field as it writes it: no figure rather than a wrong one
         unread += [u for u in found if u is not None]
-    return {"n": len(unread), "fresh_pct": _pct([u < grid for u in unread]), "behind": spread(unread, digits=0)}
+    past = [u for u in unread if u < 0]
+    unread = [u for u in unread if u >= 0]
+    return {"n": len(unread), "fresh_pct": _pct([u < grid for u in unread]), "behind": spread(unread, digits=0),
+            "read_past_ids": len(past)}
 
 
 STORE_MOVES = ("spills", "restores", "drops", "to_host", "from_host", "host_to_disk")
@@ -458,7 +463,7 @@ def table(doc: dict) -> str:
         lines.append(f"pair {i + 1} ({p.get('order', 'off-on')}): decode tok/s {p['tok_s_change_pct']:+.2f} % with the shadow on, inter-token p99 "
                      f"{_fmt(p['gap_p99_ms'][0])} -> {_fmt(p['gap_p99_ms'][1])} ms, engine's decode calls/s "
                      f"{_fmt(calls[0])} -> {_fmt(calls[1])}, share charged {_fmt(p['share_charged_pct'])} %"
-                     + (f", GPU busy {_fmt(busy[0])} -> {_fmt(busy[1])} %" if busy != (None, None) else ""))
+                     + (f", GPU busy {_fmt(busy[0])} -> {_fmt(busy[1])} %" if any(v is not None for v in busy) else ""))
     for kind in ("turn_starts", "random"):
         slow = doc.get("live", {}).get(kind, {}).get("over_100ms")
         if slow and slow["n"]:
