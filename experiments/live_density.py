@@ -74,6 +74,7 @@ QUESTION = {"question": "Is the agent about to finish the task? A: yes, B: no.",
 STEADY_LINE = "(steady stream {k}: a load for the engine's cost, not a recorded turn)"
 AFTER_RUN_S = 60.0  # --finish-by keeps this for the last responses, the engine's tokenization, the replay and the files
 MIN_DURATION_S = 20.0
+SENT_FIELDS = ("session", "turn", "start", "first_token", "end", "prompt_tokens", "output_tokens", "status", "error")
 DATA = Path(os.environ.get("SHADOW_SHARED_DATA") or ROOT.parent / "shared" / "data")
 CPU_BINARY = Path.home() / ".cache/shadow/engines/llama-server-0.3.36/bin/llama-server"
 
@@ -430,7 +431,9 @@ def replay_again(out: Path) -> dict:
     """The replay of a finished run in `out` again (nothing driven): its ledger, costs and journal
     with this build's replay settings (`live_figures.replay_ids`, the voice as live), the side by
     side and the table recomputed against the run's own live figures. Writes `replay-again.json`
-    and `table-again.txt` beside the run's files (which stay as they were) and returns the first."""
+    and `table-again.txt` beside the run's files (which stay as they were) and returns the first.
+    Of the live figures, only the turn starts at arrival are counted again (from `sent.jsonl` and the
+    journal, where the run wrote them)."""
     from shadow.offline.ledger import read_ledger
 
     doc = json.loads((out / "live-density.json").read_text())
@@ -441,6 +444,11 @@ def replay_again(out: Path) -> dict:
     ledger = read_ledger(out / "ledger.jsonl")
     if fig.asks_at(asks, {r.session for r in ledger}, doc["settings"]["duration"], out / "asks-at.jsonl"):
         settings["asks_at"] = str(out / "asks-at.jsonl")
+    if (out / "sent.jsonl").exists():  # the service's own turn starts at arrival, counted by this build's figures
+        sent = [fig.Sent(messages=[], **{k: v for k, v in json.loads(line).items() if k in SENT_FIELDS})
+                for line in (out / "sent.jsonl").read_text().splitlines() if line.strip()]
+        mine = [r for r in sent if r.start < doc["settings"]["duration"]]
+        doc["live"]["turn_starts"]["at_arrival"] = fig.service_turn_starts(mine, out / "journal.jsonl", settings["grid"])
     replayed = fig.replay(out / "ledger.jsonl", out / "costs.json", settings, out, name="replay-again.txt")
     again = {**doc, "replay": replayed, "settings": {**doc["settings"], "replay": settings},
              "side_by_side": fig.side_by_side(doc["live"], replayed, ledger)}
