@@ -142,8 +142,10 @@ for step in "$@"; do
                  tail -n 12 "$OUT/attention-fa4.txt" | cut -c1-400
                fi ) ;;
     density) # 24 agent sessions at once beside a CUDA llama-server, measured against the replay of the same run.
-             # Needs .carry/llama-src (build_llama_server.sh pack), $D's trajectories, .carry/qwen3.5.jinja and the
-             # gguf==0.19.0 wheel in .whl. The CUDA build took 310 s on a lent H100 (2026-12-06, -j16); cached, 0 s.
+             # Needs .carry/llama-bin (a binary cross-built without a GPU: build_llama_server.sh cuda-cross, xz parts)
+             # or .carry/llama-src (build_llama_server.sh pack; built here), $D's trajectories, .carry/qwen3.5.jinja
+             # and the gguf==0.19.0 wheel in .whl. The CUDA build took 310 s on a lent H100 (2026-12-06, -j16);
+             # carried and checked, 6 s (2026-12-07).
              # In one call (9 min): the GGUF, engine and shadow up in about 120 s, DENSITY_S (120) of density,
              # then the engine's cost at a steady load (a stream a slot of STEADY_PROMPT ids, 8192; up to SETTLE_S,
              # 60, for them all to decode; PAIRS x 2 x WINDOW_S, 2 x 2 x 15 s, off/on), the engine's tokenization
