@@ -209,8 +209,8 @@ def service_turn_starts(requests: list[Sent], journal: Path, grid: int) -> dict 
     takes too), for `requests` of sessions with an earlier turn. A session's journal lines are its
     turns in order, matched to its requests by start; None where the journal has no such field (an
     earlier build) or a session's counts differ (a request the service never journaled). A count
-    below zero (the session had read rows past the ids it held: `read_past_ids`) is counted apart
-    and left out of the figure."""
+    below zero (an ask's fork open on the session, its rows counted as read: `read_past_ids`) is
+    counted apart and left out of the figure."""
     lines = [json.loads(x) for x in journal.read_text().splitlines() if x.strip()] if journal.exists() else []
     turns: dict[str, list[dict]] = {}
     for record in lines:

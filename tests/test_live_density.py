@@ -238,7 +238,7 @@ def test_turn_starts_at_arrival_come_from_the_journal_and_refuse_a_field_the_ser
     write({"s": [None, 100, 900], "t": [None]})  # a session's first turn is new: left out
     assert f.service_turn_starts(sent, journal, 512) == {"n": 2, "fresh_pct": 50.0,
                                                          "behind": f.spread([100, 900], digits=0), "read_past_ids": 0}
-    write({"s": [None, -13, 900], "t": [None]})  # reads past the ids held: counted apart, out of the figure
+    write({"s": [None, -13, 900], "t": [None]})  # an open fork's rows counted as read: apart, out of the figure
     assert f.service_turn_starts(sent, journal, 512) == {"n": 1, "fresh_pct": 0.0,
                                                          "behind": f.spread([900], digits=0), "read_past_ids": 1}
     for bad in ("12", 1.5, True):  # not the service's field as it writes it: no figure
