@@ -229,7 +229,7 @@ class Run:
         a = self.args
         body = {"messages": turn.messages, "max_tokens": max(1, min(turn.output_tokens, a.max_output)),
                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                "logprobs": True, "top_logprobs": 1, "temperature": 0}
+                "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True, "temperature": 0}
         rec = fig.Sent(name, i, self.now(), turn.messages)
         self.sent.append(rec)
         self.active.add(name)
@@ -259,7 +259,7 @@ class Run:
         messages = [{**first, "content": STEADY_LINE.format(k=k) + "\n" + first["content"]}, *rest]
         room = max(t.longest for t in self.trajectories) - traj.prompt_ids(at) - 256  # a slot's context holds it
         body = {"messages": messages, "max_tokens": max(256, min(16_384, room)), "ignore_eos": True,
-                "stream": True, "logprobs": True, "top_logprobs": 1, "temperature": 0}
+                "stream": True, "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True, "temperature": 0}
         rec = fig.Sent(f"steady.s{k}", -1, self.now(), messages)
         self.steady.append(rec)
         try:

@@ -172,6 +172,9 @@ def test_llamacpp_output_ids_are_the_ids_beside_the_logprobs():
     asked = d.ask({"messages": [], "stream": False}, chat=True)
     assert asked.body["logprobs"] is True and "logprobs" in asked.added
     assert asked.body["top_logprobs"] == 1  # one alternative a token, not the engine's default 20
+    assert asked.body["post_sampling_probs"] is True  # the same ids, no pass over the vocabulary a token
+    assert "post_sampling_probs" not in d.ask({"messages": [], "logprobs": True}, chat=True).body  # the client's own
+    assert d.ask({"messages": [], "post_sampling_probs": False}, chat=True).body["post_sampling_probs"] is False
     assert d.ask({"messages": [], "top_logprobs": 3}, chat=True).body["top_logprobs"] == 3  # the client's stays
     assert "top_logprobs" not in d.ask({"prompt": "x"}, chat=False).body  # completions: logprobs is the count
     body = {"choices": [{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "Hi"},

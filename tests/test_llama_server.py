@@ -427,6 +427,10 @@ def test_chat_output_ids_only_in_verbose_and_logprobs(server, tokenizer):
                                               "logprobs": True, "top_logprobs": 1}).json()
     ids = r["__verbose"]["tokens"]
     assert [p["id"] for p in r["choices"][0]["logprobs"]["content"]] == ids
+    # asked after sampling (as the proxy asks): the same ids, each with the sampler's probability
+    after = post(server, "/v1/chat/completions", {**body, "logprobs": True, "top_logprobs": 1,
+                                                  "post_sampling_probs": True}).json()["choices"][0]["logprobs"]["content"]
+    assert [p["id"] for p in after] == ids and "prob" in after[0] and "logprob" not in after[0]
     assert r["__verbose"]["content"] == "Hm.\n</think>\n\nOk."
     assert tokenizer.decode(ids[:-1]) == r["__verbose"]["content"]
     assert r["__verbose"]["stop_type"] == "eos" and r["choices"][0]["finish_reason"] == "stop"

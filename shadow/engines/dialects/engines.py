@@ -107,7 +107,9 @@ class LlamaCpp(Dialect):
     output ids are the `id` beside each logprob (its OpenAI endpoints ignore `return_tokens`):
     complete, end token included, on a whole response; a streamed chat leaves out what its
     reasoning parser holds back (`</think>` and the end token), so such an output is read only
-    when its count is the engine's (else not read: the next prompt brings it)."""
+    when its count is the engine's (else not read: the next prompt brings it). Where the proxy asks
+    for the logprobs itself it asks for them after sampling (`post_sampling_probs`): the same ids,
+    without a pass over the whole vocabulary for every token of every slot."""
 
     name = "llamacpp"
     prompt_source = "engine-tokenize (/apply-template, /tokenize)"
@@ -124,6 +126,10 @@ class LlamaCpp(Dialect):
             sent["logprobs"] = True if chat else 1  # (refused with tools on a stream: no output ids then)
             if chat and "top_logprobs" not in body:
                 sent["top_logprobs"] = 1  # the ids sit beside the logprobs; the engine's default is 20 alternatives
+            if "post_sampling_probs" not in body:
+                # the same ids, each token's probability taken from the sampler's own candidates instead of
+                # a softmax over the whole vocabulary a token (host time on every slot; the values are stripped)
+                sent["post_sampling_probs"] = True
             added.add("logprobs")
         return Asked(sent, frozenset(added))
 
