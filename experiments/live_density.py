@@ -444,14 +444,17 @@ def replay_again(out: Path) -> dict:
     ledger = read_ledger(out / "ledger.jsonl")
     if fig.asks_at(asks, {r.session for r in ledger}, doc["settings"]["duration"], out / "asks-at.jsonl"):
         settings["asks_at"] = str(out / "asks-at.jsonl")
+    mine = None
     if (out / "sent.jsonl").exists():  # the service's own turn starts at arrival, counted by this build's figures
         sent = [fig.Sent(messages=[], **{k: v for k, v in json.loads(line).items() if k in SENT_FIELDS})
                 for line in (out / "sent.jsonl").read_text().splitlines() if line.strip()]
         mine = [r for r in sent if r.start < doc["settings"]["duration"]]
         doc["live"]["turn_starts"]["at_arrival"] = fig.service_turn_starts(mine, out / "journal.jsonl", settings["grid"])
     replayed = fig.replay(out / "ledger.jsonl", out / "costs.json", settings, out, name="replay-again.txt")
+    turns = replayed.pop("turns")
     again = {**doc, "replay": replayed, "settings": {**doc["settings"], "replay": settings},
-             "side_by_side": fig.side_by_side(doc["live"], replayed, ledger)}
+             "side_by_side": fig.side_by_side(doc["live"], replayed, ledger),
+             "turn_by_turn": fig.turn_by_turn(mine, out / "journal.jsonl", turns, settings["grid"]) if mine else None}
     (out / "replay-again.json").write_text(json.dumps(again, indent=1))
     (out / "table-again.txt").write_text(fig.table(again) + "\n")
     return again
@@ -550,11 +553,13 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
     if fig.asks_at(run.asks, {r.session for r in requests}, a.duration, out / "asks-at.jsonl"):
         settings["asks_at"] = str(out / "asks-at.jsonl")  # the run's asks at their times, not a rate
     replayed = fig.replay(out / "ledger.jsonl", out / "costs.json", settings, out)
+    turns = replayed.pop("turns")  # (session, behind) of each turn start replayed: set beside live's below
     doc = {"experiment": "live-density", "settings": {**{k: v for k, v in vars(a).items() if k != "trajectories"},
                                                       "trajectories": [t.name for t in run.trajectories],
                                                       "context": ctx, "wall_s": round(wall, 1), "replay": settings,
                                                       "request_hours": round(hours, 4)},
            "live": live, "replay": replayed, "side_by_side": fig.side_by_side(live, replayed, requests),
+           "turn_by_turn": fig.turn_by_turn([r for r in run.sent if r.start < a.duration], journal, turns, a.grid),
            "engine": {**fig.engine_cost(run.steady, run.windows, run.polls, run.engine_windows, others=run.sent,
                                         gpu=run.gpu),
                       "gpu_busy_pct_density": fig.gpu_busy(run.gpu, 0.0, a.duration),

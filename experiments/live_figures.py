@@ -312,7 +312,8 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
     cmd = [sys.executable, "-c", "from shadow.cli.main import main; main()", "replay-ledger", str(ledger_path),
            "--format", "ledger", "--ids", settings.get("ids", "tokenizer"), "--read-rate-json", str(costs_path),
            "--share", str(settings["share"]), "--grid", str(settings["grid"]), "--model", settings["model"],
-           *asks, "--seed", str(settings["seed"]), "--disk" if settings.get("disk") else "--no-disk", "--json"]
+           *asks, "--seed", str(settings["seed"]), "--disk" if settings.get("disk") else "--no-disk", "--json",
+           "--turns", str(out_dir / (Path(name).stem + "-turns.jsonl"))]
     if settings.get("cap_gib") is not None:
         cmd += ["--cap-gib", str(settings["cap_gib"])]
     if settings.get("batch", 1) > 1:
@@ -327,9 +328,46 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
         raise RuntimeError(f"replay-ledger exit {done.returncode}: {done.stderr[-2000:]}")
     doc = json.loads(done.stdout.strip().splitlines()[-1])
     arm = next(a for a in doc["arms"] if a["share"])
+    turns = [json.loads(x) for x in (out_dir / (Path(name).stem + "-turns.jsonl")).read_text().splitlines()]
     return {"command": " ".join(cmd[3:]), "density": doc["density"], "ask_ms": doc["limits"]["ask_ms"],
             "arm": arm["arm"], "summary": arm["summary"], "share_s": arm["share_s"],
-            "chunks": {k: arm[k] for k in CHUNKS}, "checks_ok": doc["checks"]["ok"]}
+            "chunks": {k: arm[k] for k in CHUNKS}, "checks_ok": doc["checks"]["ok"],
+            "turns": [(t["session"], t["behind"]) for t in turns if t["arm"] == arm["arm"] and t["share"] == arm["share"]]}
+
+
+def turn_by_turn(requests: list[Sent], journal: Path, replayed: list, grid: int) -> dict | None:
+    """The turn starts live (the journal's `unread_at_start`, as `service_turn_starts` reads them) and
+    replayed (the replay's `turns`: (session, behind) in start order) set side by side, session by
+    session in order: how many were fresh on both sides, live only (and of those, how many the replay
+    had within one chunk more), replayed only, neither; None where the journal has no such field.
+    A live count below zero (an open fork's) leaves that turn out."""
+    lines = [json.loads(x) for x in journal.read_text().splitlines() if x.strip()] if journal.exists() else []
+    live: dict[str, list] = {}
+    for record in lines:
+        if record.get("kind") == "turn":
+            live.setdefault(record.get("session"), []).append(record.get("unread_at_start"))
+    if not live or any("unread_at_start" not in r for r in lines if r.get("kind") == "turn"):
+        return None
+    sent = Counter(r.session for r in requests)
+    ours: dict[str, list[int]] = {}
+    for session, behind in replayed:
+        ours.setdefault(session, []).append(behind)
+    counts = Counter()
+    for session, behinds in ours.items():
+        for u, b in zip(live.get(session, [])[1:sent[session]], behinds):
+            if not isinstance(u, int) or isinstance(u, bool) or u < 0:
+                continue
+            if u < grid and b < grid:
+                counts["both"] += 1
+            elif u < grid:
+                counts["live_only"] += 1
+                counts["live_only_replay_within_a_chunk"] += b < 2 * grid
+            elif b < grid:
+                counts["replay_only"] += 1
+            else:
+                counts["neither"] += 1
+    keys = ("both", "live_only", "live_only_replay_within_a_chunk", "replay_only", "neither")
+    return {k: counts[k] for k in keys}
 
 
 def side_by_side(live_: dict, replayed: dict, requests: list[Request]) -> dict:
@@ -464,6 +502,11 @@ def table(doc: dict) -> str:
                      f"{_fmt(p['gap_p99_ms'][0])} -> {_fmt(p['gap_p99_ms'][1])} ms, engine's decode calls/s "
                      f"{_fmt(calls[0])} -> {_fmt(calls[1])}, share charged {_fmt(p['share_charged_pct'])} %"
                      + (f", GPU busy {_fmt(busy[0])} -> {_fmt(busy[1])} %" if any(v is not None for v in busy) else ""))
+    pairs = doc.get("turn_by_turn")
+    if pairs:
+        lines.append(f"turn starts fresh, turn by turn: both {pairs['both']}, live only {pairs['live_only']} "
+                     f"(the replay within a chunk more: {pairs['live_only_replay_within_a_chunk']}), replayed only "
+                     f"{pairs['replay_only']}, neither {pairs['neither']}")
     for kind in ("turn_starts", "random"):
         slow = doc.get("live", {}).get(kind, {}).get("over_100ms")
         if slow and slow["n"]:
@@ -509,4 +552,4 @@ def _poll_step(polls: list[Poll]) -> float | None:
 
 
 __all__ = ["Asked", "Poll", "Sent", "costs_document", "decode_union_s", "density", "engine_cost", "ledger", "live",
-           "new_prompt_tokens", "replay", "replay_ids", "scraped", "service_disk", "service_turn_starts", "side_by_side", "table", "to_fresh", "write_ledger"]
+           "new_prompt_tokens", "replay", "replay_ids", "scraped", "service_disk", "service_turn_starts", "side_by_side", "table", "to_fresh", "turn_by_turn", "write_ledger"]

@@ -146,8 +146,10 @@ def test_a_finished_run_is_replayed_again_against_its_own_live_figures(run):
     assert json.loads((out / "replay-again.json").read_text()) == again
     first = json.loads((out / "live-density.json").read_text())  # the run's document as written
     assert again["live"] == first["live"] and again["engine"] == first["engine"]
-    assert again["replay"]["command"] == first["replay"]["command"]
+    # the same command but the file its turn starts go to
+    assert again["replay"]["command"].replace("replay-again-turns", "replay-turns") == first["replay"]["command"]
     assert again["side_by_side"] == first["side_by_side"]  # the same ledger, costs and settings: the same replay
+    assert again["turn_by_turn"] == first["turn_by_turn"] and sum(first["turn_by_turn"].values()) > 0
     assert (out / "table-again.txt").read_text() == (out / "table.txt").read_text()
 
 
@@ -246,6 +248,21 @@ def test_turn_starts_at_arrival_come_from_the_journal_and_refuse_a_field_the_ser
         assert f.service_turn_starts(sent, journal, 512) is None
     journal.write_text(json.dumps({"kind": "turn", "session": "s", "prediction": None}) + "\n")  # an earlier build
     assert f.service_turn_starts(sent, journal, 512) is None
+
+
+def test_turn_starts_are_set_side_by_side_turn_by_turn(tmp_path):
+    f = figures()
+    sent = [f.Sent("s", k, float(k), []) for k in range(5)] + [f.Sent("t", k, 0.5 + k, []) for k in range(3)]
+    journal = tmp_path / "journal.jsonl"
+    live = {"s": [None, 100, 600, 700, -13], "t": [None, 10, 2000]}  # each session's first turn is new: left out
+    journal.write_text("".join(json.dumps({"kind": "turn", "session": name, "unread_at_start": u}) + "\n"
+                               for name, us in live.items() for u in us))
+    replayed = [("s", 600), ("s", 100), ("s", 1500), ("s", 0), ("t", 50), ("t", 3000)]  # in start order
+    assert f.turn_by_turn(sent, journal, replayed, 512) == {
+        "both": 1, "live_only": 1, "live_only_replay_within_a_chunk": 1, "replay_only": 1, "neither": 2}
+    # s: 100/600 live only (within a chunk), 600/100 replayed only, 700/1500 neither, -13 left out; t: both, neither
+    journal.write_text(json.dumps({"kind": "turn", "session": "s"}) + "\n")  # an earlier build: no figure
+    assert f.turn_by_turn(sent, journal, replayed, 512) is None
 
 
 def test_an_asks_wait_for_the_device_is_told_apart_with_what_it_waited_behind():

@@ -331,6 +331,20 @@ def test_replay_ledger_asks_at_a_clients_times_reports_them_by_kind(tmp_path):
         assert all(v["queued_ms"]["max"] <= v["wait_ms"]["max"] for v in by_kind.values())
 
 
+def test_replay_ledger_writes_every_arms_turn_starts_to_set_beside_a_live_run(tmp_path):
+    out = tmp_path / "turns.jsonl"
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--turns", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output.strip().splitlines()[-1])
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    for arm in doc["arms"]:  # each arm's lines: as many as its turn starts, as fresh as its summary says
+        mine = [x for x in lines if x["arm"] == arm["arm"] and x["share"] == arm["share"]]
+        assert len(mine) == arm["turns"] > 0 and sum(x["fresh"] for x in mine) == arm["fresh"]
+        assert all(x["fresh"] == (x["behind"] < doc["grid"]) for x in mine)
+        assert [x["start"] for x in mine] == sorted(x["start"] for x in mine)
+    assert {x["session"] for x in lines} <= {f"s{k}" for k in range(8)}  # the ledger's sessions
+
+
 @pytest.mark.parametrize("lines, extra, says", [
     ([{"time": -1, "session": "s1"}], [], "asks.jsonl:1: time is a finite number"),
     ([{"time": 1, "session": "s1"}, {"time": 2}], [], "asks.jsonl:2: session is a non-empty name"),

@@ -121,6 +121,7 @@ def replay_ledger(
     slots: Annotated[int, typer.Option(callback=bounds(ge=1), help="Service model (Mooncake): requests each engine serves at once, first come first served.")] = ServiceModel.slots,
     token_counts: Annotated[str, typer.Option(help="Trajectories: 'qwen' (re-render and re-tokenise with the Qwen3.5 vocabulary) or 'usage' (the provider's counts).")] = "qwen",
     write_ledger_to: Annotated[Path | None, typer.Option("--write-ledger", callback=output_path, help="Write the imported (and packed) requests as a ledger (JSONL).")] = None,
+    turns_to: Annotated[Path | None, typer.Option("--turns", callback=output_path, help="Write every arm's turn starts (JSONL: arm, cost, share, session, start, behind, fresh, engine), to set beside a live run's, turn by turn.")] = None,
     plot: PlotOpt = None,
     csv: CsvOpt = None,
     json_out: JsonOpt = False,
@@ -199,6 +200,9 @@ def replay_ledger(
     if write_ledger_to:
         write_ledger(write_ledger_to, outcome.requests)
         wrote(write_ledger_to)
+    if turns_to:
+        _write_turns(turns_to, outcome.arms)
+        wrote(turns_to)
     _show(plan, outcome, pack_to)
     rows = [_row(a, s) for a, s in zip(outcome.arms, outcome.summaries)]
     if csv:
@@ -380,6 +384,16 @@ def _load_table(load: dict, window_s: float) -> Table:
         if v:
             table.add_row(name, *(_fmt(v[k], digits) for k in ("p50", "p90", "peak")))
     return table
+
+
+def _write_turns(path: Path, arms) -> None:
+    """Every arm's turn starts, one JSON line each, in the arm's order (by start, then session)."""
+    with open(path, "w") as f:
+        for a in arms:
+            for t in a.turns:
+                f.write(json.dumps({"arm": a.name, "cost": a.cost, "share": a.share, "priorities": a.priorities,
+                                    "session": t.session, "start": round(t.start, 6), "behind": t.behind,
+                                    "fresh": t.fresh, "engine": t.engine}) + "\n")
 
 
 def _row(a, s: dict) -> dict:
