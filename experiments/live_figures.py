@@ -203,14 +203,13 @@ def device_waits(asks: list[Asked], long_ms: float = 50.0, slow_ms: float = 100.
     return out
 
 
-def service_turn_starts(requests: list[Sent], journal: Path, grid: int) -> dict | None:
-    """Turn starts fresh as the service saw them at each request's arrival (the journal's
-    `unread_at_start`: the ids the session held unread when the turn named it, the instant the replay
-    takes too), for `requests` of sessions with an earlier turn. A session's journal lines are its
-    turns in order, matched to its requests by start; None where the journal has no such field (an
-    earlier build) or a session's counts differ (a request the service never journaled). A count
-    below zero (an ask's fork open on the session, its rows counted as read: `read_past_ids`) is
-    counted apart and left out of the figure."""
+def arrival_unread(requests: list[Sent], journal: Path) -> dict[str, list[int | None]] | None:
+    """For each session of `requests`, the ids it held unread at each later turn's arrival, as the
+    service journaled them (`unread_at_start`; None where the service had no shadow then): a
+    session's journal lines are its turns in order, matched to its requests by start. None where the
+    journal has no such field (an earlier build), a session's counts differ (a request the service
+    never journaled), or a value is not the service's field as it writes it (no figure rather than
+    a wrong one)."""
     lines = [json.loads(x) for x in journal.read_text().splitlines() if x.strip()] if journal.exists() else []
     turns: dict[str, list[dict]] = {}
     for record in lines:
@@ -218,18 +217,28 @@ def service_turn_starts(requests: list[Sent], journal: Path, grid: int) -> dict 
             turns.setdefault(record.get("session"), []).append(record)
     if not turns or any("unread_at_start" not in t for ts in turns.values() for t in ts):
         return None
-    sent: dict[str, list[Sent]] = {}
-    for r in sorted(requests, key=lambda r: r.start):
-        sent.setdefault(r.session, []).append(r)
-    unread = []
-    for session, mine in sent.items():
+    sent = Counter(r.session for r in requests)
+    out = {}
+    for session, n in sent.items():
         records = turns.get(session, [])
-        if len(records) < len(mine):
+        if len(records) < n:
             return None
-        found = [t["unread_at_start"] for t in records[1:len(mine)]]
-        if any(u is not None and (not isinstance(u, int) or isinstance(u, bool)) for u in found):
-            return None  # not the service's field as it writes it: no figure rather than a wrong one
-        unread += [u for u in found if u is not None]
+        out[session] = [t["unread_at_start"] for t in records[1:n]]
+        if any(u is not None and (not isinstance(u, int) or isinstance(u, bool)) for u in out[session]):
+            return None
+    return out
+
+
+def service_turn_starts(requests: list[Sent], journal: Path, grid: int) -> dict | None:
+    """Turn starts fresh as the service saw them at each request's arrival (`arrival_unread`: the
+    ids the session held unread when the turn named it, the instant the replay takes too), for
+    `requests` of sessions with an earlier turn; None where `arrival_unread` gives none. A count
+    below zero (an ask's fork open on the session, its rows counted as read: `read_past_ids`) is
+    counted apart and left out of the figure."""
+    found = arrival_unread(requests, journal)
+    if found is None:
+        return None
+    unread = [u for us in found.values() for u in us if u is not None]
     past = [u for u in unread if u < 0]
     unread = [u for u in unread if u >= 0]
     return {"n": len(unread), "fresh_pct": _pct([u < grid for u in unread]), "behind": spread(unread, digits=0),
@@ -336,26 +345,21 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
 
 
 def turn_by_turn(requests: list[Sent], journal: Path, replayed: list, grid: int) -> dict | None:
-    """The turn starts live (the journal's `unread_at_start`, as `service_turn_starts` reads them) and
-    replayed (the replay's `turns`: (session, behind) in start order) set side by side, session by
-    session in order: how many were fresh on both sides, live only (and of those, how many the replay
-    had within one chunk more), replayed only, neither; None where the journal has no such field.
-    A live count below zero (an open fork's) leaves that turn out."""
-    lines = [json.loads(x) for x in journal.read_text().splitlines() if x.strip()] if journal.exists() else []
-    live: dict[str, list] = {}
-    for record in lines:
-        if record.get("kind") == "turn":
-            live.setdefault(record.get("session"), []).append(record.get("unread_at_start"))
-    if not live or any("unread_at_start" not in r for r in lines if r.get("kind") == "turn"):
+    """The turn starts live (`arrival_unread`) and replayed (the replay's `turns`: (session, behind)
+    in start order) set side by side, session by session in order: how many were fresh on both
+    sides, live only (and of those, how many the replay had within one chunk more), replayed only,
+    neither; None where `arrival_unread` gives none. A live count below zero (an open fork's) or
+    none (no shadow then) leaves that turn out."""
+    live = arrival_unread(requests, journal)
+    if live is None:
         return None
-    sent = Counter(r.session for r in requests)
     ours: dict[str, list[int]] = {}
     for session, behind in replayed:
         ours.setdefault(session, []).append(behind)
     counts = Counter()
     for session, behinds in ours.items():
-        for u, b in zip(live.get(session, [])[1:sent[session]], behinds):
-            if not isinstance(u, int) or isinstance(u, bool) or u < 0:
+        for u, b in zip(live.get(session, []), behinds):
+            if u is None or u < 0:
                 continue
             if u < grid and b < grid:
                 counts["both"] += 1
@@ -551,5 +555,5 @@ def _poll_step(polls: list[Poll]) -> float | None:
     return round(steps[len(steps) // 2], 3) if steps else None
 
 
-__all__ = ["Asked", "Poll", "Sent", "costs_document", "decode_union_s", "density", "engine_cost", "ledger", "live",
+__all__ = ["Asked", "Poll", "Sent", "arrival_unread", "costs_document", "decode_union_s", "density", "engine_cost", "ledger", "live",
            "new_prompt_tokens", "replay", "replay_ids", "scraped", "service_disk", "service_turn_starts", "side_by_side", "table", "to_fresh", "turn_by_turn", "write_ledger"]

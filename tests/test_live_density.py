@@ -261,6 +261,10 @@ def test_turn_starts_are_set_side_by_side_turn_by_turn(tmp_path):
     assert f.turn_by_turn(sent, journal, replayed, 512) == {
         "both": 1, "live_only": 1, "live_only_replay_within_a_chunk": 1, "replay_only": 1, "neither": 2}
     # s: 100/600 live only (within a chunk), 600/100 replayed only, 700/1500 neither, -13 left out; t: both, neither
+    for bad in ("12", 1.5, True):  # not the service's field: no figure, as at arrival
+        journal.write_text("".join(json.dumps({"kind": "turn", "session": name, "unread_at_start": u}) + "\n"
+                                   for name, us in {**live, "t": [None, bad, 2000]}.items() for u in us))
+        assert f.turn_by_turn(sent, journal, replayed, 512) is None
     journal.write_text(json.dumps({"kind": "turn", "session": "s"}) + "\n")  # an earlier build: no figure
     assert f.turn_by_turn(sent, journal, replayed, 512) is None
 
