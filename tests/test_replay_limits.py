@@ -331,6 +331,15 @@ def test_replay_ledger_asks_at_a_clients_times_reports_them_by_kind(tmp_path):
         assert all(v["queued_ms"]["max"] <= v["wait_ms"]["max"] for v in by_kind.values())
 
 
+@pytest.mark.parametrize("flag", ["--turns", "--write-ledger", "--csv"])
+def test_replay_ledger_never_writes_over_a_file_it_reads(tmp_path, flag):
+    ledger = ledger_file(tmp_path)
+    before = ledger.read_bytes()
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger), flag, str(tmp_path / "." / ledger.name)])
+    assert result.exit_code == 2 and "is a file this command reads" in result.output, result.output
+    assert ledger.read_bytes() == before
+
+
 def test_replay_ledger_writes_every_arms_turn_starts_to_set_beside_a_live_run(tmp_path):
     out = tmp_path / "turns.jsonl"
     result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--turns", str(out), "--json"])

@@ -182,6 +182,10 @@ def replay_ledger(
                 service=ServiceModel(prefill_tok_s, decode_tok_s, slots))
 
     files = _expand(inputs)
+    read = {p.resolve() for p in [*files, *(read_rate_json or []), *([asks_at] if asks_at else [])]}
+    for flag, out in (("--turns", turns_to), ("--write-ledger", write_ledger_to), ("--csv", csv), ("--plot", plot)):
+        if out is not None and out.resolve() in read:
+            raise ShadowInputError(f"{flag} {out} is a file this command reads: give another name")
     kinds = {f: _detect(f) if fmt == "auto" else fmt for f in files}  # every file's format before any import
     with progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn()) as bar:
         requests, arrivals = _import(files, kinds, token_counts, plan.service, bar, settings.engine.chat_template)
