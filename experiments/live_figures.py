@@ -347,18 +347,22 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
 def turn_by_turn(requests: list[Sent], journal: Path, replayed: list, grid: int) -> dict | None:
     """The turn starts live (`arrival_unread`) and replayed (the replay's `turns`: (session, behind)
     in start order) set side by side, session by session in order: how many were fresh on both
-    sides, live only (and of those, how many the replay had within one chunk more), replayed only,
-    neither; None where `arrival_unread` gives none. A live count below zero (an open fork's) or
-    none (no shadow then) leaves that turn out."""
+    sides, live only (and of those, how many the replay had within one chunk more, and how many
+    exactly the previous response's output more: `live_only_by_last_output`, the live count taken
+    before the shadow was fed that output), replayed only, neither; None where `arrival_unread`
+    gives none. A live count below zero (an open fork's) or none (no shadow then) leaves that turn out."""
     live = arrival_unread(requests, journal)
     if live is None:
         return None
     ours: dict[str, list[int]] = {}
     for session, behind in replayed:
         ours.setdefault(session, []).append(behind)
+    sent: dict[str, list[Sent]] = {}
+    for r in sorted(requests, key=lambda r: r.start):
+        sent.setdefault(r.session, []).append(r)
     counts = Counter()
     for session, behinds in ours.items():
-        for u, b in zip(live.get(session, []), behinds):
+        for k, (u, b) in enumerate(zip(live.get(session, []), behinds)):
             if u is None or u < 0:
                 continue
             if u < grid and b < grid:
@@ -366,11 +370,12 @@ def turn_by_turn(requests: list[Sent], journal: Path, replayed: list, grid: int)
             elif u < grid:
                 counts["live_only"] += 1
                 counts["live_only_replay_within_a_chunk"] += b < 2 * grid
+                counts["live_only_by_last_output"] += b - u == sent[session][k].output_tokens
             elif b < grid:
                 counts["replay_only"] += 1
             else:
                 counts["neither"] += 1
-    keys = ("both", "live_only", "live_only_replay_within_a_chunk", "replay_only", "neither")
+    keys = ("both", "live_only", "live_only_replay_within_a_chunk", "live_only_by_last_output", "replay_only", "neither")
     return {k: counts[k] for k in keys}
 
 
@@ -509,7 +514,8 @@ def table(doc: dict) -> str:
     pairs = doc.get("turn_by_turn")
     if pairs:
         lines.append(f"turn starts fresh, turn by turn: both {pairs['both']}, live only {pairs['live_only']} "
-                     f"(the replay within a chunk more: {pairs['live_only_replay_within_a_chunk']}), replayed only "
+                     f"(the replay within a chunk more: {pairs['live_only_replay_within_a_chunk']}; by exactly the "
+                     f"last response's output: {pairs.get('live_only_by_last_output', '-')}), replayed only "
                      f"{pairs['replay_only']}, neither {pairs['neither']}")
     for kind in ("turn_starts", "random"):
         slow = doc.get("live", {}).get(kind, {}).get("over_100ms")

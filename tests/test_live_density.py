@@ -252,15 +252,17 @@ def test_turn_starts_at_arrival_come_from_the_journal_and_refuse_a_field_the_ser
 
 def test_turn_starts_are_set_side_by_side_turn_by_turn(tmp_path):
     f = figures()
-    sent = [f.Sent("s", k, float(k), []) for k in range(5)] + [f.Sent("t", k, 0.5 + k, []) for k in range(3)]
+    sent = [f.Sent("s", k, float(k), [], output_tokens=500) for k in range(5)] + [f.Sent("t", k, 0.5 + k, []) for k in range(3)]
     journal = tmp_path / "journal.jsonl"
     live = {"s": [None, 100, 600, 700, -13], "t": [None, 10, 2000]}  # each session's first turn is new: left out
     journal.write_text("".join(json.dumps({"kind": "turn", "session": name, "unread_at_start": u}) + "\n"
                                for name, us in live.items() for u in us))
     replayed = [("s", 600), ("s", 100), ("s", 1500), ("s", 0), ("t", 50), ("t", 3000)]  # in start order
     assert f.turn_by_turn(sent, journal, replayed, 512) == {
-        "both": 1, "live_only": 1, "live_only_replay_within_a_chunk": 1, "replay_only": 1, "neither": 2}
-    # s: 100/600 live only (within a chunk), 600/100 replayed only, 700/1500 neither, -13 left out; t: both, neither
+        "both": 1, "live_only": 1, "live_only_replay_within_a_chunk": 1, "live_only_by_last_output": 1,
+        "replay_only": 1, "neither": 2}
+    # s: 100/600 live only (within a chunk, by the last output's 500), 600/100 replayed only, 700/1500 neither,
+    # -13 left out; t: both, neither
     for bad in ("12", 1.5, True):  # not the service's field: no figure, as at arrival
         journal.write_text("".join(json.dumps({"kind": "turn", "session": name, "unread_at_start": u}) + "\n"
                                    for name, us in {**live, "t": [None, bad, 2000]}.items() for u in us))

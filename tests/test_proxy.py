@@ -15,7 +15,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serving import assert_exact, running, serving, settled
+from serving import GRID, assert_exact, running, serving, settled
 from shadow.text.chat_template import ChatRenderer, Template, default_hf_tokenizer
 
 pytestmark = pytest.mark.slow  # real servers, engines or clients: `pytest -m 'not slow'` leaves them out
@@ -150,6 +150,30 @@ def test_require_exact_refuses_asks_on_unverified_sessions(tiny):
             settled(service)
             r = proxy.post("/v1/shadow/ask", json={"session": "v", "question": "A or B?", "choices": ["A", "B"]})
             assert r.status_code == 200 and r.json()["exact"] is True
+
+
+def test_a_turn_start_counts_unread_the_output_an_engine_never_showed_as_ids(tiny, tmp_path):
+    """An engine that shows no output ids (its usage counts them): the shadow is never fed the
+    output, the next prompt brings it. Until then the engine holds ids the shadow does not, so the
+    session's next turn start counts them unread; a turn start after that prompt does not."""
+    seen, mode = [], {"prompt_tokens": len(renderer().prompt_ids([{"role": "user", "content": "hi"}]))}
+    journal = tmp_path / "journal.jsonl"
+    with serving(scripted_engine(seen, mode)) as engine:
+        url = str(engine.base_url).rstrip("/") + "/v1"
+        with running(upstream=url, dialect="openai", renderer=renderer(), journal=journal) as (proxy, service):
+            messages = [{"role": "user", "content": "hi"}]
+            for _ in range(3):
+                r = proxy.post("/v1/chat/completions", json={"messages": messages, "stream": True},
+                               headers={"x-session-id": "n"})
+                assert r.status_code == 200
+                settled(service)
+                messages = messages + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "hi"}]
+                mode["prompt_tokens"] = len(renderer().prompt_ids(messages))
+    turns = [json.loads(x) for x in journal.read_text().splitlines() if '"kind": "turn"' in x]
+    assert [t["output_ids"] for t in turns] == [0, 0, 0]  # no output ids shown
+    prompts = [t["prompt_ids"] for t in turns]
+    assert prompts[2] < GRID  # nothing is read: what is unread is what the session holds
+    assert [t["unread_at_start"] for t in turns] == [None, prompts[0] + 2, prompts[1] + 2]
 
 
 def test_events_the_shadow_cannot_read_reach_the_client_untouched(scripted):
@@ -633,6 +657,48 @@ def test_the_stream_never_waits_for_a_hand_over_to_the_shadow(tiny):
             assert len(service.store.get("beside").ids) > 12
         assert_exact(service, "beside")
 
+
+
+def test_a_turn_start_counts_unread_the_output_of_a_response_whose_end_is_still_under_way(tiny, tmp_path):
+    """A session's next request can come before the shadow was fed the last response's output (its
+    end waits for the device). The engine holds that output, so the turn start counts it unread
+    (the replay's turn starts fresh): the journal's `unread_at_start` is the prompt unread plus
+    every output id the engine streamed."""
+    journal = tmp_path / "journal.jsonl"
+    with running() as (engine, _), \
+            running(upstream=str(engine.base_url).rstrip("/") + "/v1", journal=journal) as (proxy, service):
+        entered, release = threading.Event(), threading.Event()
+        feed_due = service.feed_due
+
+        def end_held(turn, *, wait, share):
+            if not wait and turn.shown.fed_prompt is not None and not entered.is_set():
+                return False  # as a busy device answers a hand-over between events: the output waits
+            if wait and not entered.is_set():  # the first turn's end: held until the next request came
+                entered.set()
+                release.wait(30)
+            return feed_due(turn, wait=wait, share=share)
+
+        service.feed_due = end_held
+        first = [{"role": "user", "content": "hello"}]
+        body = {"messages": first, "max_tokens": 12, "stream": True, "ignore_eos": True, "min_tokens": 12,
+                "return_token_ids": True}
+        with proxy.stream("POST", "/v1/chat/completions", json=body, headers={"x-session-id": "u"}) as r:
+            text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                           for line in r.iter_lines() if line.startswith("data: {") and '"choices": [{' in line)
+        assert entered.wait(30)
+        nxt = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "and?"}]
+        second = threading.Thread(target=lambda: proxy.post("/v1/chat/completions", json={
+            "messages": nxt, "max_tokens": 2}, headers={"x-session-id": "u"}))
+        second.start()
+        deadline = time.time() + 30
+        while len(service.turns) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        release.set()
+        second.join(60)
+        settled(service)
+    turns = [json.loads(x) for x in journal.read_text().splitlines() if '"kind": "turn"' in x]
+    assert len(turns) == 2 and turns[0]["output_ids"] == 12 and turns[0]["prompt_ids"] + 12 < GRID
+    assert turns[1]["unread_at_start"] == turns[0]["prompt_ids"] + 12  # nothing read: under a grid
 
 
 def test_a_turns_end_waits_for_its_latest_hand_over_not_an_earlier_ones_callback():

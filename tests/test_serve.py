@@ -100,7 +100,8 @@ def test_two_streamed_turns_are_read_exactly_and_asked(server):
     assert answer["behind"] < GRID and answer["latency_ms"] > 0
     assert 0 <= answer["device_wait_ms"] <= answer["latency_ms"]
     parts = answer["parts_ms"]  # the latency split whole, each part rounded on its own
-    assert list(parts) == ["device_wait", "read", "forward", "settle", "back"] and min(parts.values()) >= 0
+    assert list(parts) == ["device_wait", "in_flight", "restore", "read", "forward", "settle", "back"]
+    assert min(parts.values()) >= 0
     assert abs(sum(parts.values()) - answer["latency_ms"]) < 0.01 and parts["device_wait"] == answer["device_wait_ms"]
     assert parts["forward"] > 0
     assert_exact(service, "s1")

@@ -157,6 +157,12 @@ class Reply:
             return list(self.logprob_ids)
         return None
 
+    def output_count(self) -> int:
+        """How many output ids the engine has produced so far, as far as the reply shows: the most
+        of its shown ids, its logprob tokens and its usage's `completion_tokens`."""
+        shown = max(len(self.output_ids), len(self.ext_output or ()), len(self.logprob_tokens))
+        return max(shown, self.usage_count("completion_tokens") or 0)
+
     @property
     def text(self) -> str:
         return "".join(self.reasoning) + "".join(self.content)

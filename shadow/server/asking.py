@@ -25,8 +25,10 @@ class Asking:
     answered is timed into `latency` (its `latency_ms`, in seconds) and `wait` (of that, the wait
     for the device: its `device_wait_ms`, with `device_busy_with`, the kind of job the device ran
     when the ask was handed in, or None), under the lock. Its `parts_ms` split the latency whole:
-    `device_wait`, `read` (reading the session to the insertion point), `forward` (the fork's),
-    `settle` (the lock, and the reader settled) and `back` (the device thread's hand-back)."""
+    `device_wait`, `in_flight` (a batched read under way, read to its end first), `restore` (the
+    lock, and the session brought back from the host tier or disk), `read` (reading the session to
+    the insertion point), `forward` (the fork's), `settle` (the lock, and the reader settled) and
+    `back` (the device thread's hand-back)."""
 
     def __init__(self, shared: Shared, host: ModelHost, reading: Reading, questions: Questions, vocab_size: int,
                  resolve: Callable[[str, float], tuple[str, dict]]):
@@ -63,6 +65,11 @@ class Asking:
             on = self.clock()
             shadow = self.host.ensure()  # an idle burst may have unloaded it since the wait
             with self.questions.asking(name):
+                self.reading.finish_in_flight()
+                in_flight = self.clock()
+                with self.lock:
+                    self.reading.get(shadow, name)  # resident from here (read_to_end's own get finds it so)
+                restored = self.clock()
                 s, behind, read = self.reading.read_to_end(shadow, name, timeout_s, started)
                 self._check_tail(s)
                 forward = self.clock()
@@ -70,10 +77,11 @@ class Asking:
             settle = self.clock()
             with self.lock:
                 self.reading.settle(shadow, keep=name)
-            marks = (on, forward, settle, self.clock())
+            marks = (on, in_flight, restored, forward, settle, self.clock())
             return shadow, s, behind, read, probs, marks
 
-        shadow, s, behind, read, probs, (on, forward, settle, done) = self.device.run(on_device, "ask")
+        shadow, s, behind, read, probs, marks = self.device.run(on_device, "ask")
+        on, in_flight, restored, forward, settle, done = marks
         latency, waited = self.clock() - started, on - started
         best = max(range(len(probs)), key=probs.__getitem__)
         answer = {
@@ -82,7 +90,8 @@ class Asking:
             "latency_ms": round(latency * 1000, 3), "device_wait_ms": round(waited * 1000, 3),
             "device_busy_with": busy_with,
             "parts_ms": {k: round(v * 1000, 3) for k, v in (
-                ("device_wait", waited), ("read", forward - on), ("forward", settle - forward),
+                ("device_wait", waited), ("in_flight", in_flight - on), ("restore", restored - in_flight),
+                ("read", forward - restored), ("forward", settle - forward),
                 ("settle", done - settle), ("back", started + latency - done))},
             "weights": shadow.weights,
             "weights_hash": shadow.weights_hash, "grid": shadow.grid, "arithmetic": shadow.store.identity.arithmetic,

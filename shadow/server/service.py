@@ -85,6 +85,9 @@ class ShadowService:
         self.load = EngineLoad(shared.turns, settings.status.engine_slots)
         self.checks: dict[str, SessionChecks] = {}  # store name -> its turns' checks against the engine
         self._latest: dict[str, int] = {}  # store name -> the newest turn that fed its prompt
+        # store name -> output ids its latest turn's engine produced and the shadow was never fed (an
+        # engine that shows none: the next prompt brings them); a turn start counts them unread
+        self._never_fed: dict[str, int] = {}
         self._cached_start: dict[int, int] = {}  # turn -> the grid line its session started at from the prefix cache
         self._predicted: dict[str, int] = {}  # store name -> ids its prediction keeps from a second read
         self._prediction_of: dict[int, dict] = {}  # turn id -> what its prompt found of a prediction (journaled)
@@ -246,14 +249,26 @@ class ShadowService:
     def _note_start(self, turn: ServedTurn, name: str) -> None:
         """What the turn's session held unread when the turn named it (`turn.unread_at_start`), counted
         in `counters.turn_starts` (the replay's turn starts fresh, live): fresh under a chunk, a
-        held output counted. A turn names its session once; the caller holds the lock."""
+        held output and the engine's output not fed yet (`_output_not_fed`) counted. A turn names
+        its session once; the caller holds the lock."""
         shadow = self.host.shadow
         if shadow is None or not self.shared.switch.shadow:
             return
         unread = shadow.store.unread(name)
+        if unread is not None:
+            unread += self._output_not_fed(name, turn)
         turn.unread_at_start = unread
         state = "new" if unread is None else "fresh" if unread < shadow.grid else "behind"
         self.counters.turn_starts[state] += 1
+
+    def _output_not_fed(self, name: str, turn: ServedTurn) -> int:
+        """Output ids the engine has produced for session `name` that the shadow has not been fed: of
+        proxied turns other than `turn` still in the table (a response that is over but whose end
+        still waits for the device, which feeds its output; an engine that shows output ids only at
+        the end), and of its latest ended turn, those never fed (`_never_fed`). The engine holds
+        them, so a turn start counts them unread. The caller holds the lock."""
+        return self._never_fed.get(name, 0) + sum(_not_fed(t) for t in self.turns
+                                                  if t is not turn and t.shown is not None and (t.session or t.requested) == name)
 
     def name_turn(self, turn: ServedTurn, prompt: Sequence[int]) -> str:
         """The store name the turn's prompt is read into, chosen once (the first time its prompt
@@ -309,6 +324,7 @@ class ShadowService:
             if self._latest.get(name, 0) > turn.id:
                 return  # a newer turn of this session has fed already: this one came too late
             self._latest[name] = turn.id
+            self._never_fed.pop(name, None)  # this prompt holds them
             session = self.reading.get(shadow, name, ahead)
             if ahead is not None and turn.restoring is not None:
                 self.ahead.taken(ahead, session is ahead.session)
@@ -519,6 +535,8 @@ class ShadowService:
                 self._cached_start.pop(turn.id, None)
                 self._prediction_of.pop(turn.id, None)  # a turn ended without its journal line
                 self.sched.turn_ended(turn.id, self.clock())
+                if turn.shown is not None and turn.session is not None and self._latest.get(turn.session) == turn.id:
+                    self._never_fed[turn.session] = _not_fed(turn)
                 shadow = self.host.shadow
                 if turn.hold_output and shadow is not None:
                     self._release_hold(shadow, turn)
@@ -781,3 +799,8 @@ class ShadowService:
                 "gc": None if gcpauses.installed() is None else gcpauses.installed().status(),
                 "gaps": c.gaps.status(),
             }
+
+
+def _not_fed(turn: ServedTurn) -> int:
+    """Output ids the engine produced for a proxied turn that the shadow has not been fed."""
+    return max(0, turn.shown.reply.output_count() - turn.shown.fed_output)
