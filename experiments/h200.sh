@@ -2,7 +2,7 @@
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
 #     timeline abdefault abzero abbatch abdense abtiers abtierspinned proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch attnkernels verifybatch ratebatch
-#     density densitywait llamabin pinstall pincopies kernelsurvey
+#     density densitywait enginestep llamabin pinstall pincopies kernelsurvey
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json (or .carry/data.tar.xz) carried. TAR=1: one results file.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -33,6 +33,28 @@ density_collect() {  # a finished density run's files into $OUT
   for f in live-density.json table.txt ledger.jsonl; do cp "/tmp/density/$f" "$OUT/density-$f" 2>/dev/null; done
   tar -czf "$OUT/density-more.tgz" -C /tmp/density --exclude=engine.gguf --exclude=live-density.json \
     --exclude=table.txt --exclude=ledger.jsonl . 2>/dev/null
+}
+cuda_llama() {  # sets $llama: the CUDA llama-server, from .carry/llama-bin where it runs here, else built ($1-build.txt)
+  cached=$HOME/.cache/shadow/engines/llama-server-0.3.36-cuda/bin
+  if ls .carry/llama-bin/llama-server-cuda.xz.* >/dev/null 2>&1 && [ ! -x "$cached/llama-server" ]; then
+    # a binary built elsewhere (`llamabin`, or a cross-build): used when it runs here, else the build below.
+    # A launcher puts this machine's CUDA libraries (the toolkit's, torch's nvidia wheels') on its
+    # LD_LIBRARY_PATH only, so the shadow's torch keeps its own.
+    libs=$( { ls -d /usr/local/cuda/lib64 2>/dev/null; find /tmp/site "$(python3 -c 'import os, torch
+print(os.path.dirname(os.path.dirname(torch.__file__)))')/nvidia" -name 'libcublas.so*' -printf '%h\n' 2>/dev/null; } \
+      | sort -u | paste -sd: -)
+    mkdir -p "$cached" && cat .carry/llama-bin/llama-server-cuda.xz.* | xz -dc > "$cached/llama-server.bin" \
+      && chmod +x "$cached/llama-server.bin" \
+      && printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec "$(dirname "$0")/llama-server.bin" "$@"\n' \
+           "$libs" > "$cached/llama-server.tmp" && chmod +x "$cached/llama-server.tmp" \
+      && "$cached/llama-server.tmp" --version > /tmp/llama-carried-version.txt 2>&1 \
+      && mv "$cached/llama-server.tmp" "$cached/llama-server" && echo "llama-server from .carry/llama-bin (libraries: $libs)" \
+      || { tail -n 3 /tmp/llama-carried-version.txt; rm -f "$cached/llama-server.tmp" "$cached/llama-server.bin"
+           echo "the carried llama-server does not run here: building"; }
+  fi
+  llama=$(SHADOW_LLAMA_BUILD_TIMEOUT=${BUILD_TIMEOUT:-420} bash experiments/build_llama_server.sh cuda \
+            "${LLAMA_SRC:-.carry/llama-src/llama.cpp-0.3.36.tar.xz}" 2> "$OUT/$1-build.txt" | tail -n 1)
+  tail -n 3 "$OUT/$1-build.txt"
 }
 for step in "$@"; do
   echo "== $step"
@@ -166,26 +188,7 @@ for step in "$@"; do
                setsid shadow serve --upstream http://127.0.0.1:9/v1 --model qwen3.5-0.8b --device cuda --port 18999 \
                  > /tmp/density-prewarm.log 2>&1 < /dev/null & warm_pid=$!
              fi
-             cached=$HOME/.cache/shadow/engines/llama-server-0.3.36-cuda/bin
-             if ls .carry/llama-bin/llama-server-cuda.xz.* >/dev/null 2>&1 && [ ! -x "$cached/llama-server" ]; then
-               # a binary built elsewhere (`llamabin`, or a cross-build): used when it runs here, else the build below.
-               # A launcher puts this machine's CUDA libraries (the toolkit's, torch's nvidia wheels') on its
-               # LD_LIBRARY_PATH only, so the shadow's torch keeps its own.
-               libs=$( { ls -d /usr/local/cuda/lib64 2>/dev/null; find /tmp/site "$(python3 -c 'import os, torch
-print(os.path.dirname(os.path.dirname(torch.__file__)))')/nvidia" -name 'libcublas.so*' -printf '%h\n' 2>/dev/null; } \
-                 | sort -u | paste -sd: -)
-               mkdir -p "$cached" && cat .carry/llama-bin/llama-server-cuda.xz.* | xz -dc > "$cached/llama-server.bin" \
-                 && chmod +x "$cached/llama-server.bin" \
-                 && printf '#!/bin/sh\nLD_LIBRARY_PATH=%s${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec "$(dirname "$0")/llama-server.bin" "$@"\n' \
-                      "$libs" > "$cached/llama-server.tmp" && chmod +x "$cached/llama-server.tmp" \
-                 && "$cached/llama-server.tmp" --version > /tmp/llama-carried-version.txt 2>&1 \
-                 && mv "$cached/llama-server.tmp" "$cached/llama-server" && echo "llama-server from .carry/llama-bin (libraries: $libs)" \
-                 || { tail -n 3 /tmp/llama-carried-version.txt; rm -f "$cached/llama-server.tmp" "$cached/llama-server.bin"
-                      echo "the carried llama-server does not run here: building"; }
-             fi
-             llama=$(SHADOW_LLAMA_BUILD_TIMEOUT=${BUILD_TIMEOUT:-420} bash experiments/build_llama_server.sh cuda \
-                       "${LLAMA_SRC:-.carry/llama-src/llama.cpp-0.3.36.tar.xz}" 2> "$OUT/density-build.txt" | tail -n 1)
-             tail -n 3 "$OUT/density-build.txt"
+             cuda_llama density
              if [ -n "$warm_pid" ]; then
                for _ in $(seq 1 60); do kill -0 "$warm_pid" 2>/dev/null || break
                  python3 -c 'import json, sys, urllib.request as u
@@ -214,6 +217,17 @@ sys.exit(not json.load(u.urlopen("http://127.0.0.1:18999/v1/shadow/status", time
              timeout $limit python3 "${args[@]}" > /tmp/density-stdout.json 2> /tmp/density-run/density.log
              echo $? > /tmp/density-run/exit
              density_collect ;;
+    enginestep) # llama-server's decode step with SLOTS (28) streams at once, by how the ids are asked
+             # (experiments/engine_step.py: no logprobs, logprobs, after sampling, sampled on the backend): how
+             # much of a step the GPU bounds, on the density run's GGUF shape (4,096 wide, 16 layers, 32 heads,
+             # 1 KV head). Needs what `density` needs but the trajectories. Writes enginestep.json and enginestep.log.
+             cuda_llama enginestep
+             [ -x "$llama" ] || { echo "no CUDA llama-server"; continue; }
+             timeout ${STEP_TIMEOUT:-420} python3 experiments/engine_step.py --template "${TEMPLATE:-.carry/qwen3.5.jinja}" \
+               --llama-server "$llama" --slots ${SLOTS:-28} --prompt ${PROMPT_WORDS:-8192} --tokens ${TOKENS:-96} \
+               --repeats ${REPEATS:-1} --hidden ${HIDDEN:-4096} --layers ${LAYERS:-16} --heads ${HEADS:-32} \
+               --kv-heads ${KV_HEADS:-1} --threads 8 --engine-arg=-ngl --engine-arg=999 ${STEP_ARGS:-} \
+               --out "$OUT/enginestep.json" 2> "$OUT/enginestep.log" | tail -c 3000; echo; tail -n 3 "$OUT/enginestep.log" ;;
     llamabin) # the CUDA llama-server this machine built, xz-compressed in parts of 15 MiB ($OUT's files are
               # at most 16 MiB): carried as .carry/llama-bin/, a later lease's `density` skips the build
              bin=$HOME/.cache/shadow/engines/llama-server-0.3.36-cuda/bin/llama-server
