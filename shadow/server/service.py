@@ -267,8 +267,8 @@ class ShadowService:
         still waits for the device, which feeds its output; an engine that shows output ids only at
         the end), and of its latest ended turn, those never fed (`_never_fed`). The engine holds
         them, so a turn start counts them unread. The caller holds the lock."""
-        return self._never_fed.get(name, 0) + sum(_not_fed(t) for t in self.turns
-                                                  if t is not turn and t.shown is not None and (t.session or t.requested) == name)
+        ending = (t for t in self.turns if t is not turn and t.shown is not None and (t.session or t.requested) == name)
+        return self._never_fed.get(name, 0) + sum(map(_not_fed, ending))
 
     def name_turn(self, turn: ServedTurn, prompt: Sequence[int]) -> str:
         """The store name the turn's prompt is read into, chosen once (the first time its prompt
@@ -536,7 +536,10 @@ class ShadowService:
                 self._prediction_of.pop(turn.id, None)  # a turn ended without its journal line
                 self.sched.turn_ended(turn.id, self.clock())
                 if turn.shown is not None and turn.session is not None and self._latest.get(turn.session) == turn.id:
-                    self._never_fed[turn.session] = _not_fed(turn)
+                    if _not_fed(turn):
+                        self._never_fed[turn.session] = _not_fed(turn)
+                    else:
+                        self._never_fed.pop(turn.session, None)
                 shadow = self.host.shadow
                 if turn.hold_output and shadow is not None:
                     self._release_hold(shadow, turn)
