@@ -12,7 +12,8 @@ Each arm streams N greedy requests at once (distinct prompts of `--prompt` words
 each, the end token ignored); its figures are taken over the window in which all N decode: the
 streamed tokens a second, llama-server's decode calls a second and ids a call (its `--metrics`), and
 the GPU's busy % (`nvidia-smi`, every 250 ms, where it is). Arms are interleaved `--repeats` times
-(medians). The server runs as the density driver runs it (`--reasoning-format none`: no token held
+(medians), each repeat's prompts read once before its arms (so no arm's window holds a prefill).
+The server runs as the density driver runs it (`--reasoning-format none`: no token held
 back by a reasoning parser). Ids are compared between the logprob arms, and each stream's logprob entries against its
 `usage.completion_tokens` (`short`: streams whose logprobs held fewer ids than the engine counted).
 
@@ -137,9 +138,11 @@ async def measure(url: str, a) -> dict:
     try:
         async with httpx.AsyncClient(base_url=url, timeout=600,
                                      limits=httpx.Limits(max_connections=a.slots + 4, max_keepalive_connections=0)) as client:
-            await run_arm(client, a, {}, gpu, salt=-1)  # warm-up: the slots' first prompts and graphs
             runs: dict[str, list[dict]] = {arm: [] for arm in a.arms}
             for r in range(a.repeats):
+                # the repeat's prompts read once first (the engine's prefix cache holds them after): no arm's
+                # window holds another slot's prefill; the first also warms the graphs
+                await run_arm(client, a, {}, gpu, salt=r)
                 for arm in a.arms:  # interleaved: a drift of the machine falls on every arm
                     runs[arm].append(await run_arm(client, a, ARMS[arm], gpu, salt=r))
     finally:
