@@ -163,7 +163,8 @@ for step in "$@"; do
                    --batches ${BATCHES:-1,8} > "$OUT/attention-fa4.txt" 2>&1
                  tail -n 12 "$OUT/attention-fa4.txt" | cut -c1-400
                fi ) ;;
-    density) # 24 agent sessions at once beside a CUDA llama-server, measured against the replay of the same run.
+    density) # SESSIONS (30) agent sessions at once beside a CUDA llama-server, measured against the replay of the same
+             # run (28 held 23.6 to 24.7 active over the ledger's span).
              # Needs .carry/llama-bin (a binary cross-built without a GPU: build_llama_server.sh cuda-cross, xz parts)
              # or .carry/llama-src (build_llama_server.sh pack; built here), $D's trajectories, .carry/qwen3.5.jinja
              # and the gguf==0.19.0 wheel in .whl. The CUDA build took 310 s on a lent H100 (2026-12-06, -j16);
@@ -200,7 +201,7 @@ sys.exit(not json.load(u.urlopen("http://127.0.0.1:18999/v1/shadow/status", time
              echo "llama-server ready after $(( $(date +%s) - start )) s"
              finish=${FINISH_BY:-525}
              args=(experiments/live_density.py --out /tmp/density \
-               --llama-server "$llama" --sessions ${SESSIONS:-24} --duration ${DENSITY_S:-120} --pairs ${PAIRS:-2} \
+               --llama-server "$llama" --sessions ${SESSIONS:-30} --duration ${DENSITY_S:-120} --pairs ${PAIRS:-2} \
                --window ${WINDOW_S:-15} --steady-prompt ${STEADY_PROMPT:-8192} --settle ${SETTLE_S:-60} --model qwen3.5-0.8b --device cuda --trajectories "${TRAJ:-$D}" \
                --template "${TEMPLATE:-.carry/qwen3.5.jinja}" --hidden ${HIDDEN:-1024} --layers ${LAYERS:-8} --heads 8 \
                --kv-heads 2 --engine-arg=-ngl --engine-arg=999 --request-timeout 120 \
