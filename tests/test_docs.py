@@ -48,7 +48,7 @@ def test_every_option_the_docs_name_exists():
     # with their program; what is left must be this CLI's
     allowed = {"--index-url", "--local-dir", "--jinja", "--model-path", "--help", "--ctx-size", "--served-model-name",
                "--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser", "--parallel", "--metrics",
-               "--models-dir", "--gpu-memory-utilization", "--backend-sampling",
+               "--models-dir", "--gpu-memory-utilization", "--backend-sampling", "--reasoning-format",
                # retired experiments' own, quoted as the record of their runs: attention_variants.py's, and
                # restore_speed.py's before its format-2 arm was dropped
                "--variants", "--compare-whole-read"}
