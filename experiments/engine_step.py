@@ -191,6 +191,10 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--slots, --prompt and --repeats at least 1, --tokens at least 4")
     if not a.template.is_file() or not a.llama_server.is_file():
         p.error("--template and --llama-server must be existing files")
+    if min(a.hidden, a.layers, a.heads, a.kv_heads) < 1 or a.hidden % a.heads or a.heads % a.kv_heads:
+        p.error("--hidden, --layers, --heads, --kv-heads at least 1; --hidden a multiple of --heads, --heads of --kv-heads")
+    if a.out is not None and not a.out.parent.is_dir():
+        p.error(f"--out: no folder {a.out.parent}")
     url = f"http://127.0.0.1:{a.port}"
     ctx = a.slots * (2 * a.prompt + a.tokens + 256)
     with tempfile.TemporaryDirectory() as tmp:
