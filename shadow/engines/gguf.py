@@ -49,14 +49,26 @@ def vocabulary_lists(vocab: Vocabulary, rows: int = VOCAB_ROWS) -> tuple[list[st
     return tokens, types
 
 
+def random_weights(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """f16 weights of random sign and mantissa, magnitude in [1/64, 1/32) (RMS about 0.024), drawn as
+    random bits: 20x or more faster than a normal draw, so that a GGUF of tens of GB is written in
+    about as long as the disk takes."""
+    count = int(np.prod(shape))
+    bits = rng.bit_generator.random_raw((count + 3) // 4).view(np.uint16)[:count].reshape(shape)
+    bits &= 0x83FF  # the sign and the mantissa
+    bits |= 0x2400  # exponent 9: 2**-6
+    return bits.view(np.float16)
+
+
 def write_gguf(path: Path | str, chat_template: str, *, seed: int = 0, hidden: int = 128, layers: int = 2,
                heads: int = 4, kv_heads: int = 2, intermediate: int = 256, rows: int = VOCAB_ROWS,
                context: int = 262_144, rope_theta: float = 1e7, add_bos: bool = False) -> Path:
     """Write a random-weight `qwen2` GGUF with the Qwen3.5 vocabulary and `chat_template` embedded
     (`tokenizer.chat_template`); eos `<|im_end|>`, pad and bos `<|endoftext|>`, no BOS added
     (`add_bos`: a vocabulary that adds it, as Llama's and Gemma's do).
-    Weights are f16 (norms f32), seeded: the same arguments give the same bytes. Embeddings are tied
-    (no `output.weight`). Returns the path (about 70 MB at the defaults, mostly the embedding)."""
+    Weights are f16 (`random_weights`; norms f32), seeded: the same arguments give the same bytes.
+    Embeddings are tied (no `output.weight`). Tensors are written one at a time, so memory stays
+    at the largest one. Returns the path (about 70 MB at the defaults, mostly the embedding)."""
     import gguf
 
     if hidden % heads or heads % kv_heads:
@@ -91,27 +103,28 @@ def write_gguf(path: Path | str, chat_template: str, *, seed: int = 0, hidden: i
     w.add_chat_template(chat_template)
 
     rng = np.random.default_rng(seed)
-
-    def dense(rows_: int, cols: int) -> np.ndarray:  # numpy (out, in) is ggml's {in, out}
-        return (rng.standard_normal((rows_, cols), dtype=np.float32) * 0.02).astype(np.float16)
-
-    w.add_tensor("token_embd.weight", dense(rows, hidden))
-    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    tensors = [("token_embd.weight", (rows, hidden), np.float16), ("output_norm.weight", (hidden,), np.float32)]
     for i in range(layers):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.attn_q.weight", dense(hidden, hidden))
-        w.add_tensor(f"blk.{i}.attn_k.weight", dense(kv_heads * head_dim, hidden))
-        w.add_tensor(f"blk.{i}.attn_v.weight", dense(kv_heads * head_dim, hidden))
-        w.add_tensor(f"blk.{i}.attn_q.bias", np.zeros(hidden, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.attn_k.bias", np.zeros(kv_heads * head_dim, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.attn_v.bias", np.zeros(kv_heads * head_dim, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.attn_output.weight", dense(hidden, hidden))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", dense(intermediate, hidden))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", dense(intermediate, hidden))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", dense(hidden, intermediate))
+        kv = kv_heads * head_dim
+        tensors += [(f"blk.{i}.attn_norm.weight", (hidden,), np.float32), (f"blk.{i}.attn_q.weight", (hidden, hidden), np.float16),
+                    (f"blk.{i}.attn_k.weight", (kv, hidden), np.float16), (f"blk.{i}.attn_v.weight", (kv, hidden), np.float16),
+                    (f"blk.{i}.attn_q.bias", (hidden,), np.float32), (f"blk.{i}.attn_k.bias", (kv,), np.float32),
+                    (f"blk.{i}.attn_v.bias", (kv,), np.float32), (f"blk.{i}.attn_output.weight", (hidden, hidden), np.float16),
+                    (f"blk.{i}.ffn_norm.weight", (hidden,), np.float32),
+                    (f"blk.{i}.ffn_gate.weight", (intermediate, hidden), np.float16),
+                    (f"blk.{i}.ffn_up.weight", (intermediate, hidden), np.float16),
+                    (f"blk.{i}.ffn_down.weight", (hidden, intermediate), np.float16)]
+    for name, shape, dtype in tensors:  # numpy (out, in) is ggml's {in, out}
+        w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
-    w.write_tensors_to_file()
+    w.write_ti_data_to_file()
+    for name, shape, dtype in tensors:  # one tensor in memory at a time
+        if dtype is np.float16:
+            w.write_tensor_data(random_weights(rng, shape))
+        elif name.endswith(".bias"):
+            w.write_tensor_data(np.zeros(shape, dtype=np.float32))
+        else:
+            w.write_tensor_data(np.ones(shape, dtype=np.float32))
     w.close()
     return path
