@@ -430,7 +430,8 @@ def trajectory_paths(items: list[str]) -> list[Path]:
 def replay_again(out: Path) -> dict:
     """The replay of a finished run in `out` again (nothing driven): its ledger, costs and journal
     with this build's replay settings (`live_figures.replay_ids`, the voice as live), the side by
-    side and the table recomputed against the run's own live figures. Writes `replay-again.json`
+    side and the table recomputed against the run's own live figures; the ledger's outputs the
+    engine never gave as ids marked from the journal (`ledger-again.jsonl`). Writes `replay-again.json`
     and `table-again.txt` beside the run's files (which stay as they were) and returns the first.
     Of the live figures, only the turn starts at arrival are counted again (from `sent.jsonl` and the
     journal, where the run wrote them)."""
@@ -441,7 +442,12 @@ def replay_again(out: Path) -> dict:
     settings = {**doc["settings"]["replay"], "ids": fig.replay_ids(out / "journal.jsonl"), "disk": fig.service_disk(status),
                 "voice_share": 0.0 if not status.get("counters", {}).get("voice_s") else None, "asks_at": None}
     asks = [fig.Asked(**json.loads(line)) for line in (out / "asks.jsonl").read_text().splitlines() if line.strip()]
-    ledger = read_ledger(out / "ledger.jsonl")
+    # the outputs the engine never gave as ids, marked from the journal (a run's ledger written before the mark)
+    ledger, settings["outputs_unseen"] = fig.outputs_unseen(read_ledger(out / "ledger.jsonl"), out / "journal.jsonl")
+    if (out / "metrics-density.txt").exists():  # the host tier's and the asks' live rates, charged as live
+        settings.update(fig.live_rates((out / "metrics-density.txt").read_text()))
+    fig.write_ledger(out / "ledger-again.jsonl", ledger)
+    doc["live"].setdefault("density", {})["active_in_phase"] = round(fig.active_until(ledger, doc["settings"]["duration"]), 3)
     if fig.asks_at(asks, {r.session for r in ledger}, doc["settings"]["duration"], out / "asks-at.jsonl"):
         settings["asks_at"] = str(out / "asks-at.jsonl")
     mine = None
@@ -450,7 +456,7 @@ def replay_again(out: Path) -> dict:
                 for line in (out / "sent.jsonl").read_text().splitlines() if line.strip()]
         mine = [r for r in sent if r.start < doc["settings"]["duration"]]
         doc["live"]["turn_starts"]["at_arrival"] = fig.service_turn_starts(mine, out / "journal.jsonl", settings["grid"])
-    replayed = fig.replay(out / "ledger.jsonl", out / "costs.json", settings, out, name="replay-again.txt")
+    replayed = fig.replay(out / "ledger-again.jsonl", out / "costs.json", settings, out, name="replay-again.txt")
     turns = replayed.pop("turns")
     again = {**doc, "replay": replayed, "settings": {**doc["settings"], "replay": settings},
              "side_by_side": fig.side_by_side(doc["live"], replayed, ledger),
@@ -531,7 +537,7 @@ def start(stack: contextlib.ExitStack, cmd: list[str], log: Path, env: dict) -> 
 
 def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict:
     """Figures, ledger, replay, side by side and engine cost into `out`; the document."""
-    requests = fig.ledger([r for r in run.sent if r.start < a.duration])
+    requests, unseen = fig.outputs_unseen(fig.ledger([r for r in run.sent if r.start < a.duration]), journal)
     fig.write_ledger(out / "ledger.jsonl", requests)
     (out / "costs.json").write_text(json.dumps(fig.costs_document(run.status)))
     (out / "metrics.txt").write_text(run.metrics)
@@ -539,7 +545,8 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
     live = fig.live(run.sent, run.asks, run.polls, journal, a.grid, a.duration)
     live["service"] = fig.scraped(run.metrics_density)
     dens = fig.density(requests)
-    live["density"] = {"active": round(dens.active, 3), "new_tok_s": round(dens.new_tok_s, 1), "span_s": round(dens.span_s, 3)}
+    live["density"] = {"active": round(dens.active, 3), "new_tok_s": round(dens.new_tok_s, 1), "span_s": round(dens.span_s, 3),
+                       "active_in_phase": round(fig.active_until(requests, a.duration), 3)}
     hours = sum(max(0.0, min(a.duration, r.end) - r.start) for r in requests) / 3600  # session-hours in a request
     span_hours = dens.active * dens.span_s / 3600
     asked = sum(1 for x in run.asks if x.time < a.duration)
@@ -549,7 +556,8 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
                 "seed": a.seed, "asks_per_hour": round(asked / span_hours, 3) if span_hours else 0.0,
                 "ask_ms": forwards[len(forwards) // 2] if forwards else None, "ids": fig.replay_ids(journal),
                 # the driver's streams open no status-line channel: a service that said no phrase is replayed without
-                "voice_share": 0.0 if not run.status.get("counters", {}).get("voice_s") else None}
+                "voice_share": 0.0 if not run.status.get("counters", {}).get("voice_s") else None,
+                "outputs_unseen": unseen, **fig.live_rates(run.metrics_density)}
     if fig.asks_at(run.asks, {r.session for r in requests}, a.duration, out / "asks-at.jsonl"):
         settings["asks_at"] = str(out / "asks-at.jsonl")  # the run's asks at their times, not a rate
     replayed = fig.replay(out / "ledger.jsonl", out / "costs.json", settings, out)

@@ -15,7 +15,7 @@ import statistics
 import subprocess
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from shadow.offline.ledger import Request, write_ledger
@@ -107,6 +107,30 @@ def ledger(requests: list[Sent]) -> list[Request]:
                     min(r.prompt_tokens, max(0, new[id(r)])), r.output_tokens) for r in sorted(done, key=lambda r: r.start)]
 
 
+def outputs_unseen(requests: list[Request], journal: Path) -> tuple[list[Request], int | None]:
+    """`requests` (a ledger's) with `output_seen` false where the service journaled the turn's
+    output as not read (the engine gave no ids it could check; the next prompt brought them), and
+    how many; a session's journal turns are matched to its requests in start order. Unchanged, with
+    None, where the journal holds fewer turns of a session than the ledger (no mark rather than a
+    wrong one)."""
+    lines = [json.loads(x) for x in journal.read_text().splitlines() if x.strip()] if journal.exists() else []
+    turns: dict[str, list[dict]] = {}
+    for record in lines:
+        if record.get("kind") == "turn":
+            turns.setdefault(record.get("session"), []).append(record)
+    out, seen, unseen = [], Counter(), 0
+    for r in sorted(requests, key=lambda r: r.start):
+        records = turns.get(r.session, [])
+        if seen[r.session] >= len(records):
+            return requests, None
+        record = records[seen[r.session]]
+        seen[r.session] += 1
+        shown = record.get("output_check") != "not_read"
+        unseen += not shown
+        out.append(r if shown else replace(r, output_seen=False))
+    return out, unseen
+
+
 def to_fresh(requests: list[Sent], polls: list[Poll], grid: int, until: float) -> list[tuple[float, bool]]:
     """Each request's (seconds until a poll saw its session read to its prompt's last grid line,
     censored): censored where no poll did before the session's next request or `until`."""
@@ -124,6 +148,23 @@ def to_fresh(requests: list[Sent], polls: list[Poll], grid: int, until: float) -
         seen = next((p.time for p in polls if r.start <= p.time <= stop and p.committed.get(r.session, -1) >= line), None)
         out.append((stop - r.start, True) if seen is None else (seen - r.start, False))
     return out
+
+
+def active_until(requests: list[Request], until: float) -> float:
+    """Sessions active at once, time-averaged from the first request's start to `until` (the density
+    phase's end): a session is active from its first request's start to its last request's end, as
+    `timelines.density` counts it over the whole span (which the phase's last, longest responses
+    stretch past `until`)."""
+    if not requests:
+        return 0.0
+    spans: dict[str, list[float]] = {}
+    for r in requests:
+        a = spans.setdefault(r.session, [r.start, r.end])
+        a[0], a[1] = min(a[0], r.start), max(a[1], r.end)
+    t0 = min(a for a, _ in spans.values())
+    if until <= t0:
+        return 0.0
+    return sum(max(0.0, min(b, until) - a) for a, b in spans.values()) / (until - t0)
 
 
 def decode_union_s(requests: list[Request]) -> float:
@@ -280,6 +321,28 @@ def costs_document(status: dict) -> dict:
     return {"source": "live status reading.chunk_ms_by_depth", "rows": sorted(rows, key=lambda r: r["context"])}
 
 
+def live_rates(metrics: str) -> dict:
+    """From the service's `/metrics` at the density phase's end, what the replay charges as live:
+    `host_gib_s`, the host tier's moves (bytes to and from the host over their seconds), and
+    `ask_chunk_scale`, an ask's seconds per chunk over the share's (the two read against different
+    parts of the engine's step); each None where the run made none."""
+    value: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("shadow_") and " " in line:
+            name, _, number = line.rpartition(" ")
+            key = name.split("{")[0] + ("".join(f"/{w}" for w in ("share", "ask") if f'window="{w}"' in name))
+            try:
+                value[key] = value.get(key, 0.0) + float(number)
+            except ValueError:
+                continue
+    moved = value.get("shadow_bytes_to_host_total", 0.0) + value.get("shadow_bytes_from_host_total", 0.0)
+    seconds = value.get("shadow_to_host_seconds_total", 0.0) + value.get("shadow_from_host_seconds_total", 0.0)
+    per = {w: value.get(f"shadow_read_seconds_total/{w}", 0.0) / value[f"shadow_chunks_read_total/{w}"]
+           for w in ("share", "ask") if value.get(f"shadow_chunks_read_total/{w}")}
+    return {"host_gib_s": round(moved / 2**30 / seconds, 3) if moved and seconds else None,
+            "ask_chunk_scale": round(per["ask"] / per["share"], 4) if per.get("ask") and per.get("share") else None}
+
+
 def replay_ids(journal: Path) -> str:
     """The replay's `--ids` for the way the live proxy took the run's ids: `end` where most turns'
     output ids came beside the engine's logprobs (llama-server: the proxy has them, and feeds them,
@@ -313,8 +376,9 @@ def asks_at(asks: list[Asked], sessions: set[str], until: float, path: Path) -> 
 def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, name: str = "replay.txt") -> dict:
     """`shadow replay-ledger` over the run's ledger with the run's settings (`settings`: share,
     grid, cap_gib, batch, disk, model, the asks (`asks_at`: a file of the asks as sent, else
-    `asks_per_hour`), ask_ms, seed, ids (`replay_ids`) and voice_share (0 where the live service
-    said no phrase; None: the replay's default)) and the live costs; its `--json` document (the arm
+    `asks_per_hour`), ask_ms, seed, ids (`replay_ids`), voice_share (0 where the live service
+    said no phrase; None: the replay's default), host_gib_s and ask_chunk_scale (`live_rates`;
+    None: the replay's defaults)) and the live chunk costs; its `--json` document (the arm
     with the share). Its output goes to `out_dir / name`."""
     asks = ["--asks-at", settings["asks_at"]] if settings.get("asks_at") else \
         ["--asks-per-hour", str(settings["asks_per_hour"])]
@@ -329,6 +393,9 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
         cmd += ["--batch", str(settings["batch"])]
     if settings.get("ask_ms") is not None:
         cmd += ["--ask-ms", str(settings["ask_ms"])]
+    for key in ("host_gib_s", "ask_chunk_scale"):  # the live run's (`live_rates`), where it measured them
+        if settings.get(key) is not None:
+            cmd += ["--" + key.replace("_", "-"), str(settings[key])]
     if settings.get("voice_share") is not None:
         cmd += ["--voice-share", str(settings["voice_share"])]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -504,6 +571,13 @@ def table(doc: dict) -> str:
     lines = [f"{'figure':42} {'live':>14} {'replay':>14}"]
     for name, v in doc["side_by_side"].items():
         lines.append(f"{name:42} {_fmt(v['live']):>14} {_fmt(v['replay']):>14}")
+    dens = doc.get("live", {}).get("density") or {}
+    if dens.get("active_in_phase") is not None:
+        lines.append(f"sessions active: {dens['active_in_phase']:.2f} over the density phase, {dens['active']:.2f} over "
+                     f"the ledger's span ({dens['span_s']:.0f} s, to the last response's end)")
+    unseen = (doc.get("settings", {}).get("replay") or {}).get("outputs_unseen")
+    if unseen is not None:
+        lines.append(f"outputs the engine gave no ids for: {unseen} (both sides read them with the next prompt)")
     for i, p in enumerate(doc.get("engine", {}).get("pairs", [])):
         calls = p.get("engine_decodes_per_s") or (None, None)  # absent from a run of an earlier driver
         busy = p.get("gpu_busy_pct") or (None, None)
@@ -562,4 +636,4 @@ def _poll_step(polls: list[Poll]) -> float | None:
 
 
 __all__ = ["Asked", "Poll", "Sent", "arrival_unread", "costs_document", "decode_union_s", "density", "engine_cost", "ledger", "live",
-           "new_prompt_tokens", "replay", "replay_ids", "scraped", "service_disk", "service_turn_starts", "side_by_side", "table", "to_fresh", "turn_by_turn", "write_ledger"]
+           "live_rates", "new_prompt_tokens", "outputs_unseen", "active_until", "replay", "replay_ids", "scraped", "service_disk", "service_turn_starts", "side_by_side", "table", "to_fresh", "turn_by_turn", "write_ledger"]

@@ -328,3 +328,49 @@ def test_a_bad_option_is_refused_with_one_line_before_anything_is_written(bad, t
         live_density.main(["--out", str(tmp_path / "out"), *bad])
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_outputs_the_engine_gave_no_ids_for_are_marked_from_the_journal(tmp_path):
+    f = figures()
+    from shadow.offline.ledger import Request
+
+    requests = [Request("s", float(k), k + 0.1, k + 0.5, 100 * (k + 1), 100, 10) for k in range(3)]
+    requests.append(Request("t", 0.5, 0.6, 0.9, 50, 50, 5))
+    journal = tmp_path / "journal.jsonl"
+    checks = {"s": ["verified", "not_read", "unverified"], "t": ["not_read"]}
+    journal.write_text("".join(json.dumps({"kind": "turn", "session": name, "output_check": c}) + "\n"
+                               for name, cs in checks.items() for c in cs))
+    marked, unseen = f.outputs_unseen(requests, journal)
+    assert unseen == 2
+    assert [(r.session, r.start, r.output_seen) for r in marked] == [
+        ("s", 0.0, True), ("t", 0.5, False), ("s", 1.0, False), ("s", 2.0, True)]
+    journal.write_text(json.dumps({"kind": "turn", "session": "s", "output_check": "verified"}) + "\n")  # fewer turns
+    assert f.outputs_unseen(requests, journal) == (requests, None)
+
+
+def test_the_live_rates_the_replay_charges_come_from_the_services_counters():
+    f = figures()
+    metrics = "\n".join([
+        '# HELP shadow_bytes_to_host_total Bytes moved to the host tier',
+        'shadow_bytes_to_host_total{engine="llamacpp",model="m"} 3221225472.0',
+        'shadow_bytes_from_host_total{engine="llamacpp",model="m"} 1073741824.0',
+        'shadow_to_host_seconds_total{engine="llamacpp",model="m"} 0.25',
+        'shadow_from_host_seconds_total{engine="llamacpp",model="m"} 0.25',
+        'shadow_chunks_read_total{engine="llamacpp",model="m",window="share"} 100.0',
+        'shadow_read_seconds_total{engine="llamacpp",model="m",window="share"} 2.0',
+        'shadow_chunks_read_total{engine="llamacpp",model="m",window="ask"} 50.0',
+        'shadow_read_seconds_total{engine="llamacpp",model="m",window="ask"} 0.5'])
+    assert f.live_rates(metrics) == {"host_gib_s": 8.0, "ask_chunk_scale": 0.5}  # 4 GiB in 0.5 s; 10 ms over 20 ms
+    assert f.live_rates("shadow_chunks_read_total{window=\"ask\"} 0.0\n") == {"host_gib_s": None, "ask_chunk_scale": None}
+
+
+def test_sessions_active_over_the_density_phase_leave_out_the_last_responses_tail():
+    f = figures()
+    from shadow.offline.ledger import Request
+
+    requests = [Request("a", 0.0, 1.0, 10.0, 10, 10, 1), Request("a", 20.0, 21.0, 100.0, 10, 10, 1),
+                Request("b", 50.0, 51.0, 60.0, 10, 10, 1)]
+    # a: 0 .. 100 s, b: 50 .. 60 s; over 0 .. 60 s: (60 + 10) / 60; over the whole span: 110 / 100
+    assert f.active_until(requests, 60.0) == pytest.approx(70 / 60)
+    assert f.density(requests).active == pytest.approx(1.1)
+    assert f.active_until([], 60.0) == 0.0

@@ -3,6 +3,7 @@ importers and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -296,6 +297,15 @@ def test_ledger_round_trip(tmp_path):
     assert read_ledger(tmp_path / "l.jsonl") == ledger
 
 
+def test_an_output_not_seen_is_written_only_where_it_is_false_and_read_back(tmp_path):
+    ledger = random_ledger(1, sessions=1, turns=3)
+    ledger[1] = dataclasses.replace(ledger[1], output_seen=False)
+    write_ledger(tmp_path / "l.jsonl", ledger)
+    rows = [json.loads(x) for x in (tmp_path / "l.jsonl").read_text().splitlines()]
+    assert [r.get("output_seen") for r in rows] == [None, False, None]
+    assert read_ledger(tmp_path / "l.jsonl") == ledger
+
+
 GOOD = {"session": "a", "start": 1.0, "first_token": 1.5, "end": 2.0, "prompt_tokens": 100,
         "new_prompt_tokens": 100, "output_tokens": 5}
 
@@ -311,9 +321,10 @@ GOOD = {"session": "a", "start": 1.0, "first_token": 1.5, "end": 2.0, "prompt_to
         (json.dumps(GOOD | {"output_tokens": -3}), "l.jsonl:2: negative token count"),
         (json.dumps(GOOD | {"new_prompt_tokens": 101}), "l.jsonl:2: new_prompt_tokens exceeds"),
         (json.dumps(GOOD | {"start": "soon"}), "l.jsonl:2: could not convert"),
+        (json.dumps(GOOD | {"output_seen": "no"}), "l.jsonl:2: output_seen is true or false"),
     ],
     ids=["malformed", "missing-fields", "negative-time", "first-token-before-start", "end-before-first-token",
-         "negative-count", "new-exceeds-prompt", "not-a-number"],
+         "negative-count", "new-exceeds-prompt", "not-a-number", "output-seen-not-a-flag"],
 )
 def test_bad_ledger_lines_are_named(tmp_path, line, message):
     path = tmp_path / "l.jsonl"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -73,6 +74,19 @@ def test_when_the_output_reaches_the_shadow():
     behind = {ids: replay(reqs, costs=COSTS, limits=ReplayLimits(ids=ids), use_share=False).turns[0].behind
               for ids in ("embedded", "engine", "end", "none")}
     assert behind == {"embedded": 1624 - 1536, "engine": 1624 - 1536, "end": 1624 - 1536, "none": 600}
+
+
+def test_an_output_the_engine_never_showed_as_ids_comes_with_the_next_prompt():
+    """The timeline above, its ids at the response's end, but the engine gave no ids for the first
+    output (`output_seen` false, as a live ledger marks it): the 600 ids stay unread until the
+    next prompt brings them, so the next turn starts 600 behind; a third turn of the session finds
+    that prompt read (the second request's output was shown)."""
+    reqs = [Request("s", 0.0, 3.0, 5.0, 1024, 1024, 600, output_seen=False), Request("s", 10.0, 10.1, 11.0, 1724, 100, 10),
+            Request("s", 20.0, 20.1, 21.0, 1834, 100, 10)]
+    arm = replay(reqs, costs=COSTS, limits=ReplayLimits(ids="end"), use_share=False)
+    assert [t.behind for t in arm.turns] == [600, 1734 - 1536]
+    shown = replay([replace(r, output_seen=True) for r in reqs], costs=COSTS, limits=ReplayLimits(ids="end"), use_share=False)
+    assert shown.turns[0].behind == 1624 - 1536
 
 
 def test_a_prompt_known_only_at_its_first_chunk_waits_for_it():
@@ -195,6 +209,28 @@ def test_asks_at_given_times_wait_for_the_device_and_are_tallied_by_kind():
         ReplayLimits(asks_at=((1.0, "s", "turn"),), asks_per_hour=1)
     with pytest.raises(ValueError, match="finite"):
         ReplayLimits(asks_at=((math.nan, "s", "turn"),))
+
+
+def test_an_asks_chunks_cost_their_scale_and_a_move_back_from_the_host_is_in_its_wait():
+    """The first ask above with its chunks at half the table's cost (`ask_chunk_scale`, a live run's
+    measured ratio): 8 chunks in 0.4 s. Three sessions under a cap that holds two, a host tier
+    below it with moves of 0.1 s a session (`host_gib_s`, a live run's measured rate): c's turn
+    sends a to the host, and an ask about a waits for its move back before its forward."""
+    reqs = [Request("s", 0.0, 0.1, 500.0, 4096, 4096, 10)]
+    half = CostTable(FLAT, restore_gib_s=math.inf, spill_gib_s=math.inf, ask_s=0.01, tokenize_s_per_1k=0.0,
+                     ask_chunk_scale=0.5)
+    arm = replay(reqs, costs=half, limits=ReplayLimits(asks_at=((1.0, "s", "turn"),)), use_share=False)
+    assert arm.asks[0].wait_s == pytest.approx(8 * 0.05 + 0.01)
+
+    size = StateSize.of(PRESETS["tiny"], 4)
+    one = size.resident(2048, 1)
+    three = [Request(name, 5.0 * k, 5.0 * k + 0.1, 5.0 * k + 0.2, 2048, 2048, 0) for k, name in enumerate("abc")]
+    costs = CostTable(FLAT, restore_gib_s=math.inf, spill_gib_s=math.inf, host_gib_s=one / 2**30 / 0.1, ask_s=0.01,
+                      tokenize_s_per_1k=0.0)
+    limits = ReplayLimits(cap_gib=(2 * one + size.delta) / 2**30, state=size, host_cap_gib=1.0,
+                          asks_at=((30.0, "a", "random"),))
+    arm = replay(three, costs=costs, limits=limits, use_share=False)
+    assert arm.from_host == 1 and arm.asks[0].wait_s == pytest.approx(0.1 + 0.01, rel=0.05)
 
 
 def test_probes_see_the_lag_and_the_wait():

@@ -110,6 +110,7 @@ def replay_ledger(
     spill_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Spill speed, GiB/s (default: measured on an H200).")] = H200_SPILL_GIB_S,
     host_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Speed of a move to or from the host tier, GiB/s (default: the host tier's measured moves, docs/STORE.md).")] = GPU_HOST_GIB_S,
     ask_ms: Annotated[float, typer.Option(callback=bounds(ge=0), help="One ask's forward, ms (default: measured on an H200 at depth).")] = H200_ASK_MS,
+    ask_chunk_scale: Annotated[float, typer.Option(callback=bounds(gt=0, le=100), help="An ask's chunks cost this times the table's (a live run's asks' seconds per chunk over its share's: their reads meet another share of the engine's work).")] = 1.0,
     phrase_ms: Annotated[float, typer.Option(callback=bounds(gt=0), help="One voice phrase, ms (default: the median measured on an H200).")] = H200_PHRASE_MS,
     tokenize_ms_per_1k: Annotated[float, typer.Option(callback=bounds(ge=0), help="The proxy's template and tokenizer, ms per 1,000 prompt ids (--ids tokenizer, end, none; default: measured on a 2-core CPU).")] = CPU_TOKENIZE_MS_PER_1K,
     samples: Annotated[int, typer.Option(callback=bounds(ge=0, le=MAX_SAMPLES), help="Random times at which every active session is looked at (lag, ask wait).")] = Plan.samples,
@@ -164,7 +165,7 @@ def replay_ledger(
     pairs += [(table, batches or BatchTable.h200()) for table, batches in measured]
     pairs = pairs or [(ChunkTable.h200(grid), BatchTable.h200())]
     costs = [CostTable(table, restore_gib_s=restore_gib_s, spill_gib_s=spill_gib_s, host_gib_s=host_gib_s,
-                       ask_s=ask_ms / 1000,
+                       ask_s=ask_ms / 1000, ask_chunk_scale=ask_chunk_scale,
                        phrase_s=phrase_ms / 1000, tokenize_s_per_1k=tokenize_ms_per_1k / 1000, batch=batches)
              for table, batches in pairs]
     cap_gib = settings.store.cap_for("cuda", proxy=True) or None  # serve's default beside an engine; 0: no cap
@@ -298,7 +299,7 @@ def _document(plan: Plan, outcome, rows: list[dict], *, files: list[Path], model
                    "spill_gib_s": first.spill_gib_s, "host_gib_s": first.host_gib_s,
                    "host_cap_gib": limits.host_cap_gib, "restore_ahead": limits.restore_ahead,
                    "prefix_cache_gib": limits.prefix_cache_gib, "shared_prefix_tokens": limits.shared_prefix_tokens,
-                   "ask_ms": _ms(first.ask_s), "phrase_ms": _ms(first.phrase_s),
+                   "ask_ms": _ms(first.ask_s), "ask_chunk_scale": first.ask_chunk_scale, "phrase_ms": _ms(first.phrase_s),
                    "tokenize_ms_per_1k": _ms(first.tokenize_s_per_1k), "samples": plan.samples, "seed": limits.seed},
         "density": {"active_per_engine": round(dens.active, 3), "new_tok_s_per_engine": round(dens.new_tok_s, 1),
                     "span_s": round(dens.span_s, 3)},
@@ -457,7 +458,8 @@ def _limits_line(plan: Plan) -> str:
     asks = f"{len(limits.asks_at):,} as given" if limits.asks_at else f"{limits.asks_per_hour:g}/h a session"
     return (f"live limits: ids {limits.ids}; {cap}{prefix}; voice share {limits.voice_share:g}; label {_ms(limits.label_s):g} ms; "
             f"asks {asks}; {batches}. costs: chunk {', '.join(c.chunk.label for c in plan.costs)}; "
-            f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, host moves {first.host_gib_s:g} GiB/s, ask {_ms(first.ask_s):g} ms, "
+            f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, host moves {first.host_gib_s:g} GiB/s, ask {_ms(first.ask_s):g} ms "
+            f"(its chunks x{first.ask_chunk_scale:g}), "
             f"phrase {_ms(first.phrase_s):g} ms, tokenizer {_ms(first.tokenize_s_per_1k):g} ms/1k "
             "(defaults: measured, docs/FRESHNESS.md)")
 

@@ -248,7 +248,9 @@ class CostTable:
     """The device's costs the replay charges: `chunk` by depth; restores and spills at `restore_gib_s`
     and `spill_gib_s` of their file's bytes; moves to and from the host tier at `host_gib_s`; an ask's forward `ask_s`; one voice phrase `phrase_s`;
     the proxy's tokenisation of a prompt, `tokenize_s_per_1k` seconds per 1,000 ids; a batched
-    read, `batch_s`. The defaults are the H200's and this CPU's measurements above."""
+    read, `batch_s`; an ask's chunks at `ask_chunk_scale` times `chunk` (1: the same; a live run's
+    measured ratio where its asks' reads met another share of the engine's work than the share's
+    did). The defaults are the H200's and this CPU's measurements above."""
 
     chunk: ChunkTable
     restore_gib_s: float = H200_RESTORE_GIB_S
@@ -258,6 +260,7 @@ class CostTable:
     phrase_s: float = H200_PHRASE_MS / 1000
     tokenize_s_per_1k: float = CPU_TOKENIZE_MS_PER_1K / 1000
     batch: BatchTable = field(default_factory=BatchTable.h200)  # what a chunk costs in a batched read
+    ask_chunk_scale: float = 1.0
 
     def batch_s(self, depths: list[int], runs: list[bool] | None = None) -> float:
         """Seconds of one batched read of one chunk at each of `depths` (`runs`: whether each is

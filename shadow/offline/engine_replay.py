@@ -372,7 +372,7 @@ class EngineReplay:
 
     def _output_seen(self, i: int, t: float, at_end: bool) -> int:
         r = self.req[i]
-        if self.limits.ids == "none":
+        if self.limits.ids == "none" or not r.output_seen:  # the next prompt brings it
             return 0
         if at_end:
             return r.output_tokens
@@ -443,14 +443,15 @@ class EngineReplay:
             self._tell(s, t)
         return t
 
-    def _chunks(self, read: Read, t: float) -> tuple[int, float]:
-        """Read `read.chunks` chunks of its session, one after another: (chunks read, end)."""
+    def _chunks(self, read: Read, t: float, scale: float = 1.0) -> tuple[int, float]:
+        """Read `read.chunks` chunks of its session, one after another, each at `scale` times its
+        cost: (chunks read, end)."""
         h = self.store.peek(read.session)
         done = 0
         for k in range(read.chunks):
             if h is None or h.committed != read.depth + k * self.grid or h.committed + self.grid > h.readable:
                 break
-            t = self._busy(t, self.costs.chunk(h.committed))
+            t = self._busy(t, self.costs.chunk(h.committed) * scale)
             self.store.advance(h)
             done += 1
         return done, t
@@ -534,7 +535,8 @@ class EngineReplay:
 
     def _ask(self, s: str, arrived: float, t: float, kind: str | None = None, timeout_s: float = 10.0) -> float:
         """As `Asking.ask` on the device: the session first while it is read to its end (within the
-        ask's timeout), one forward of its tail and the question in a fork, then a settle."""
+        ask's timeout), one forward of its tail and the question in a fork, then a settle; the
+        answer's wait ends after the settle, as live."""
         began = t
         self.sched.question(s, t)
         h, t = self._get(s, t)
@@ -542,15 +544,16 @@ class EngineReplay:
         while t - arrived < timeout_s and h.committed + self.grid <= h.readable:
             read = Read(s, 1, "ask", h.committed, self.sched.costs.estimate(h.committed))
             start = t
-            done, t = self._chunks(read, t)
+            done, t = self._chunks(read, t, self.costs.ask_chunk_scale)
             self.tally.chunks_ask += done
             self.sched.read_done(read, done, t - start, t)
             self._tell(s, t)
         self.store.fork(h, h.ids - h.committed + self.limits.ask_tokens)
         t = self._busy(t, self.costs.ask_s)
         self.sched.answered(s, t)
+        t = self._settle(s, t)  # live, the answer goes back once the store has settled
         self.tally.asks.append(Answered(arrived, t - arrived, began - arrived, kind))
-        return self._settle(s, t)
+        return t
 
     def _phrase(self, t: float) -> float:
         """The voice at a decoding turn's status line that is due: a phrase where the turn's budget

@@ -16,6 +16,10 @@ renderer): `predicted_tokens`, the length of the next prompt's start the proxy p
 request's end (`ChatRenderer.next_prompt_ids`; 0: none), `predicted_kept`, the ids of this
 request's prompt and output the prediction keeps, and `predicted_confirmed`, the ids of the
 prediction the next prompt holds. Rules: kept <= prompt + output, confirmed <= predicted.
+
+Optional, from a live run: `output_seen` (true when absent), false where the engine never gave
+the proxy this response's output as ids it could check (llama-server's streamed logprobs short of
+its own count); the shadow then gets that output with the session's next prompt.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Request:
     predicted_tokens: int = 0
     predicted_kept: int = 0
     predicted_confirmed: int = 0
+    output_seen: bool = True
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,8 @@ def write_ledger(path: str | Path, requests: Iterable[Request]) -> None:
             row = asdict(r)
             if not r.predicted_tokens:
                 row = {k: v for k, v in row.items() if k not in PREDICTED}
+            if r.output_seen:
+                del row["output_seen"]
             f.write(json.dumps(row) + "\n")
 
 
@@ -171,7 +178,7 @@ def read_ledger(path: str | Path) -> list[Request]:
             r = Request(
                 str(row["session"]), float(row["start"]), float(row["first_token"]), float(row["end"]),
                 int(row["prompt_tokens"]), int(row["new_prompt_tokens"]), int(row["output_tokens"]),
-                *(_count(row.get(k, 0)) for k in PREDICTED),
+                *(_count(row.get(k, 0)) for k in PREDICTED), _flag(row.get("output_seen", True), "output_seen"),
             )
         except (TypeError, ValueError) as e:
             raise ShadowInputError(f"{where}: {e}") from None
@@ -220,6 +227,12 @@ def _json_lines(path: Path, what: str) -> Iterable[tuple[str, object]]:
 def _count(value) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"a predicted count must be a whole number, got {value!r}")
+    return value
+
+
+def _flag(value, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} is true or false, got {value!r}")
     return value
 
 
