@@ -168,10 +168,25 @@ def test_decode_in_steps_is_decode_and_a_fork_closed_early_is_undone(reader):
     assert yielded == 6 and out == reader.decode(s, prompt, max_new_tokens=6)  # the prefill, then a token a step
     assert_unchanged(before, s)
     early = reader.decode_steps(s, prompt, max_new_tokens=6)
-    next(early), next(early)  # the fork is open on the session's state here
-    assert s.committed != before["length"]
+    next(early), next(early)  # the fork is open on the session's state here: its rows are not read
+    assert s.state.length > before["length"] == s.committed == s.state.fork_base
+    assert s.pending == len(s.ids) - before["length"]
     early.close()
     assert_unchanged(before, s)
+    assert s.state.fork_base is None
+
+
+def test_a_fork_inside_a_fork_keeps_the_outer_base(reader):
+    s = reader.new_session("a")
+    reader.feed_prompt(s, ids(150, 0))
+    reader.advance(s)
+    base = s.committed
+    with reader.fork(s.state) as state:
+        reader._fork_read(ids(7, 3), state)  # the outer fork's own rows
+        grown = state.length
+        reader.next_logits(s, ids(5, 2))  # a fork of its own, opened and closed inside
+        assert state.length == grown > base and state.fork_base == s.committed == base
+    assert s.state.fork_base is None and s.committed == s.state.length == base
 
 
 def test_kv_capacity_grows_in_steps_and_never_changes_a_result(reader):

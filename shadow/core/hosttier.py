@@ -33,6 +33,7 @@ class HostState:
 
     tensors_by_name: dict[str, torch.Tensor]
     length: int
+    fork_base = None  # never forked: a state in host memory is not read (`ModelState.fork_base`)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return self.tensors_by_name

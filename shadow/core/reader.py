@@ -48,8 +48,10 @@ class Session:
 
     @property
     def committed(self) -> int:
-        """C: rows read into the state, always a multiple of the grid."""
-        return self.state.length
+        """C: rows read into the state, always a multiple of the grid; while a fork is open on the
+        state, the length it began at (its rows are not read)."""
+        base = self.state.fork_base
+        return self.state.length if base is None else base
 
     @property
     def pending(self) -> int:
@@ -271,13 +273,19 @@ class Reader:
 
     @contextmanager
     def fork(self, state: ModelState):
-        """Run anything on top of `state`; afterwards its GDN state and length are as before, bit for bit."""
+        """Run anything on top of `state`; afterwards its GDN state and length are as before, bit for bit.
+        Meanwhile `state.fork_base` holds the length it began at (the outermost fork's), so that
+        `Session.committed`, read by other threads, never counts the fork's rows."""
         self.settle()
         snap = state.snapshot()
+        outer = state.fork_base
+        if outer is None:
+            state.fork_base = state.length
         try:
             yield state
         finally:
-            state.restore(snap)
+            state.restore(snap)  # the length back to the base before the base is let go
+            state.fork_base = outer
 
     def next_logits(self, session: Session, question: Sequence[int], end: int | None = None) -> torch.Tensor:
         """Float32 logits [vocab] after the pending tail (up to `end`, default all ids) and

@@ -93,13 +93,16 @@ class DeltaSnapshot:
 
 
 class ModelState:
-    """The whole state of one session: `layers[i]` matches layer i's kind; `length` rows are valid."""
+    """The whole state of one session: `layers[i]` matches layer i's kind; `length` rows are valid.
+    While a fork is open (`Reader.fork`), `length` counts the fork's rows too and `fork_base` holds
+    the length it began at: what the session has read, for every other thread."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str = "cpu"):
         device = torch.device(device)
         self.config = config
         self.device = device
         self.length = 0
+        self.fork_base: int | None = None  # while a fork is open on this state: its length when it began
         self.arena = DeltaArena(config, dtype, device)
         delta = iter(self.arena.layers)
         self.layers: list[AttentionState | DeltaState] = [
