@@ -110,22 +110,23 @@ def ledger(requests: list[Sent]) -> list[Request]:
 def outputs_unseen(requests: list[Request], journal: Path) -> tuple[list[Request], int | None]:
     """`requests` (a ledger's) with `output_seen` false where the service journaled the turn's
     output as not read (the engine gave no ids it could check; the next prompt brought them), and
-    how many; a session's journal turns are matched to its requests in start order. Unchanged, with
-    None, where the journal holds fewer turns of a session than the ledger (no mark rather than a
+    how many. A session's journal turns are matched to its requests in start order by their prompt's
+    length (`prompt_ids`, the engine's count), passing over turns the ledger left out (no first token
+    or no end). Unchanged, with None, where a request finds no such turn (no mark rather than a
     wrong one)."""
     lines = [json.loads(x) for x in journal.read_text().splitlines() if x.strip()] if journal.exists() else []
     turns: dict[str, list[dict]] = {}
     for record in lines:
         if record.get("kind") == "turn":
             turns.setdefault(record.get("session"), []).append(record)
-    out, seen, unseen = [], Counter(), 0
+    out, at, unseen = [], Counter(), 0
     for r in sorted(requests, key=lambda r: r.start):
         records = turns.get(r.session, [])
-        if seen[r.session] >= len(records):
+        k = next((k for k in range(at[r.session], len(records)) if records[k].get("prompt_ids") == r.prompt_tokens), None)
+        if k is None:
             return requests, None
-        record = records[seen[r.session]]
-        seen[r.session] += 1
-        shown = record.get("output_check") != "not_read"
+        at[r.session] = k + 1
+        shown = records[k].get("output_check") != "not_read"
         unseen += not shown
         out.append(r if shown else replace(r, output_seen=False))
     return out, unseen
@@ -324,23 +325,26 @@ def costs_document(status: dict) -> dict:
 def live_rates(metrics: str) -> dict:
     """From the service's `/metrics` at the density phase's end, what the replay charges as live:
     `host_gib_s`, the host tier's moves (bytes to and from the host over their seconds), and
-    `ask_chunk_scale`, an ask's seconds per chunk over the share's (the two read against different
-    parts of the engine's step); each None where the run made none."""
-    value: dict[str, float] = {}
-    for line in metrics.splitlines():
-        if line.startswith("shadow_") and " " in line:
-            name, _, number = line.rpartition(" ")
-            key = name.split("{")[0] + ("".join(f"/{w}" for w in ("share", "ask") if f'window="{w}"' in name))
-            try:
-                value[key] = value.get(key, 0.0) + float(number)
-            except ValueError:
-                continue
-    moved = value.get("shadow_bytes_to_host_total", 0.0) + value.get("shadow_bytes_from_host_total", 0.0)
-    seconds = value.get("shadow_to_host_seconds_total", 0.0) + value.get("shadow_from_host_seconds_total", 0.0)
-    per = {w: value.get(f"shadow_read_seconds_total/{w}", 0.0) / value[f"shadow_chunks_read_total/{w}"]
-           for w in ("share", "ask") if value.get(f"shadow_chunks_read_total/{w}")}
-    return {"host_gib_s": round(moved / 2**30 / seconds, 3) if moved and seconds else None,
-            "ask_chunk_scale": round(per["ask"] / per["share"], 4) if per.get("ask") and per.get("share") else None}
+    `ask_chunk_scale`, an ask's seconds per chunk over the share's. The replay applies the scale to
+    the service's learned cost table, an average of its recent reads of either kind, which beside a
+    busy engine sits near the share's (the fourth live run: 13 to 21 ms a chunk at the phase's end,
+    the share's mean 13.4, the asks' 7.9). Each None where the run made none, or where the value is
+    not a finite number `replay-ledger` takes (a rate above 0, a scale in (0, 100])."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total: Counter = Counter()
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            window = sample.labels.get("window")
+            total[sample.name + (f"/{window}" if window else "")] += sample.value
+    moved = total["shadow_bytes_to_host_total"] + total["shadow_bytes_from_host_total"]
+    seconds = total["shadow_to_host_seconds_total"] + total["shadow_from_host_seconds_total"]
+    per = {w: total[f"shadow_read_seconds_total/{w}"] / total[f"shadow_chunks_read_total/{w}"]
+           for w in ("share", "ask") if total[f"shadow_chunks_read_total/{w}"] > 0}
+    host = moved / 2**30 / seconds if moved > 0 and seconds > 0 else None
+    scale = per["ask"] / per["share"] if per.get("ask", 0) > 0 and per.get("share", 0) > 0 else None
+    return {"host_gib_s": host if host is not None and math.isfinite(host) and host > 0 else None,
+            "ask_chunk_scale": scale if scale is not None and math.isfinite(scale) and 0 < scale <= 100 else None}
 
 
 def replay_ids(journal: Path) -> str:

@@ -146,8 +146,10 @@ def test_a_finished_run_is_replayed_again_against_its_own_live_figures(run):
     assert json.loads((out / "replay-again.json").read_text()) == again
     first = json.loads((out / "live-density.json").read_text())  # the run's document as written
     assert again["live"] == first["live"] and again["engine"] == first["engine"]
-    # the same command but the file its turn starts go to
-    assert again["replay"]["command"].replace("replay-again-turns", "replay-turns") == first["replay"]["command"]
+    # the same command but the ledger (marked again from the journal) and the file its turn starts go to
+    command = again["replay"]["command"].replace("replay-again-turns", "replay-turns").replace("ledger-again", "ledger")
+    assert command == first["replay"]["command"]
+    assert (out / "ledger-again.jsonl").read_text() == (out / "ledger.jsonl").read_text()
     assert again["side_by_side"] == first["side_by_side"]  # the same ledger, costs and settings: the same replay
     assert again["turn_by_turn"] == first["turn_by_turn"] and sum(first["turn_by_turn"].values()) > 0
     assert (out / "table-again.txt").read_text() == (out / "table.txt").read_text()
@@ -337,14 +339,18 @@ def test_outputs_the_engine_gave_no_ids_for_are_marked_from_the_journal(tmp_path
     requests = [Request("s", float(k), k + 0.1, k + 0.5, 100 * (k + 1), 100, 10) for k in range(3)]
     requests.append(Request("t", 0.5, 0.6, 0.9, 50, 50, 5))
     journal = tmp_path / "journal.jsonl"
-    checks = {"s": ["verified", "not_read", "unverified"], "t": ["not_read"]}
-    journal.write_text("".join(json.dumps({"kind": "turn", "session": name, "output_check": c}) + "\n"
-                               for name, cs in checks.items() for c in cs))
+
+    def write(turns: dict) -> None:
+        journal.write_text("".join(json.dumps({"kind": "turn", "session": name, "prompt_ids": n, "output_check": c}) + "\n"
+                                   for name, ts in turns.items() for n, c in ts))
+
+    # s's turn of 150 ids never got a first token: journaled, left out of the ledger, passed over
+    write({"s": [(100, "verified"), (150, "not_read"), (200, "not_read"), (300, "unverified")], "t": [(50, "not_read")]})
     marked, unseen = f.outputs_unseen(requests, journal)
     assert unseen == 2
     assert [(r.session, r.start, r.output_seen) for r in marked] == [
         ("s", 0.0, True), ("t", 0.5, False), ("s", 1.0, False), ("s", 2.0, True)]
-    journal.write_text(json.dumps({"kind": "turn", "session": "s", "output_check": "verified"}) + "\n")  # fewer turns
+    write({"s": [(100, "verified"), (200, "verified")], "t": [(50, "verified")]})  # s's third turn not journaled
     assert f.outputs_unseen(requests, journal) == (requests, None)
 
 
@@ -359,9 +365,19 @@ def test_the_live_rates_the_replay_charges_come_from_the_services_counters():
         'shadow_chunks_read_total{engine="llamacpp",model="m",window="share"} 100.0',
         'shadow_read_seconds_total{engine="llamacpp",model="m",window="share"} 2.0',
         'shadow_chunks_read_total{engine="llamacpp",model="m",window="ask"} 50.0',
-        'shadow_read_seconds_total{engine="llamacpp",model="m",window="ask"} 0.5'])
+        'shadow_read_seconds_total{engine="llamacpp",model="m",window="ask"} 0.5',
+        '# TYPE shadow_chunk_read_seconds histogram',
+        'shadow_chunk_read_seconds_bucket{engine="llamacpp",le="0.01",model="m",window="ask"} 40.0',
+        'shadow_chunk_read_seconds_bucket{engine="llamacpp",le="+Inf",model="m",window="ask"} 50.0',
+        'shadow_chunk_read_seconds_count{engine="llamacpp",model="m",window="ask"} 50.0',
+        'shadow_chunk_read_seconds_sum{engine="llamacpp",model="m",window="ask"} 0.5', ""])
     assert f.live_rates(metrics) == {"host_gib_s": 8.0, "ask_chunk_scale": 0.5}  # 4 GiB in 0.5 s; 10 ms over 20 ms
-    assert f.live_rates("shadow_chunks_read_total{window=\"ask\"} 0.0\n") == {"host_gib_s": None, "ask_chunk_scale": None}
+    none = {"host_gib_s": None, "ask_chunk_scale": None}
+    assert f.live_rates('shadow_chunks_read_total{window="ask"} 0.0\n') == none
+    for bad in ("NaN", "+Inf"):  # not a rate replay-ledger takes: none rather than a refused replay
+        assert f.live_rates(f'shadow_bytes_to_host_total 5.0\nshadow_to_host_seconds_total {bad}\n'
+                            f'shadow_chunks_read_total{{window="share"}} 1.0\nshadow_read_seconds_total{{window="share"}} {bad}\n'
+                            'shadow_chunks_read_total{window="ask"} 1.0\nshadow_read_seconds_total{window="ask"} 1.0\n') == none
 
 
 def test_sessions_active_over_the_density_phase_leave_out_the_last_responses_tail():

@@ -171,6 +171,10 @@ def test_decode_in_steps_is_decode_and_a_fork_closed_early_is_undone(reader):
     next(early), next(early)  # the fork is open on the session's state here: its rows are not read
     assert s.state.length > before["length"] == s.committed == s.state.fork_base
     assert s.pending == len(s.ids) - before["length"]
+    with pytest.raises(ValueError, match="fork open"):  # no read of the session meanwhile
+        reader.advance(s)
+    with pytest.raises(ValueError, match="fork open"):
+        reader.advance_batch([s, reader.new_session("b")])
     early.close()
     assert_unchanged(before, s)
     assert s.state.fork_base is None
@@ -184,7 +188,9 @@ def test_a_fork_inside_a_fork_keeps_the_outer_base(reader):
     with reader.fork(s.state) as state:
         reader._fork_read(ids(7, 3), state)  # the outer fork's own rows
         grown = state.length
-        reader.next_logits(s, ids(5, 2))  # a fork of its own, opened and closed inside
+        with reader.fork(state) as inner:
+            reader._fork_read(ids(5, 2), inner)
+            assert inner.length == grown + 5 and inner.fork_base == s.committed == base
         assert state.length == grown > base and state.fork_base == s.committed == base
     assert s.state.fork_base is None and s.committed == s.state.length == base
 

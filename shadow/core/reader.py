@@ -73,6 +73,11 @@ class Session:
         return [c.position for c in self.checkpoints]
 
 
+def _not_forked(session: Session) -> None:
+    if session.state.fork_base is not None:
+        raise ValueError(f"session {session.name!r} has a fork open on its state: it cannot be read until the fork closes")
+
+
 class Reader:
     """Reads sessions on a fixed grid with one model. Holds no session state of its own."""
 
@@ -160,8 +165,10 @@ class Reader:
         should_stop: Callable[[], bool] | None = None,
     ) -> int:
         """Read whole grid chunks from C while ids allow; stop early at max_chunks or when
-        should_stop() says so (it is asked before every chunk). Returns the chunks read."""
+        should_stop() says so (it is asked before every chunk). Returns the chunks read. A session
+        with a fork open on its state is refused (ValueError): nothing else reads it meanwhile."""
         self.settle()
+        _not_forked(session)
         done = 0
         while session.committed + self.grid <= session.readable:
             if (max_chunks is not None and done >= max_chunks) or (should_stop and should_stop()):
@@ -239,6 +246,7 @@ class Reader:
             raise ValueError("a session's entries in a batch must be consecutive") from None
         for first, n in layout.firsts_and_runs:
             s = sessions[first]
+            _not_forked(s)
             if s.committed + self.grid > s.readable:
                 raise ValueError(f"session {s.name!r} in the batch has no whole chunk to read")
             if n > self.run_limit(s):

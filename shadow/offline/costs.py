@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from shadow.core.schedule import KnownCosts
@@ -284,9 +285,10 @@ class CostTable:
 
 class ReadTime:
     """Seconds to read chunks k .. m of a session (chunk j's first row at depth j * grid), from a
-    chunk table: prefix sums, grown as deeper chunks are asked for (O(1) a question)."""
+    chunk table (or any function of a chunk's depth): prefix sums, grown as deeper chunks are asked
+    for (O(1) a question)."""
 
-    def __init__(self, chunk: ChunkTable, grid: int):
+    def __init__(self, chunk: Callable[[int], float], grid: int):
         self.chunk, self.grid = chunk, grid
         self._sum = [0.0]
 

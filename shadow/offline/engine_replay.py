@@ -135,7 +135,8 @@ class EngineReplay:
         self.engine, self.sched, self.costs, self.limits, self.use_share = engine, sched, costs, limits, use_share
         self.grid = g = sched.grid
         self.order, self.before, self.next_start = order, before, next_start
-        self.read_time = ReadTime(costs.chunk, g)
+        scale = costs.ask_chunk_scale  # what an ask would wait for: its chunks at the asks' cost
+        self.read_time = ReadTime(costs.chunk if scale == 1 else (lambda depth: costs.chunk(depth) * scale), g)
         for depth in WARM_DEPTHS:  # as live: measured at load
             sched.costs.warm(depth, costs.chunk(depth))
             for size in batch_sizes(sched.rule.batch):
@@ -535,8 +536,8 @@ class EngineReplay:
 
     def _ask(self, s: str, arrived: float, t: float, kind: str | None = None, timeout_s: float = 10.0) -> float:
         """As `Asking.ask` on the device: the session first while it is read to its end (within the
-        ask's timeout), one forward of its tail and the question in a fork, then a settle; the
-        answer's wait ends after the settle, as live."""
+        ask's timeout), one forward of its tail and the question in a fork, then a settle (which
+        the modelled store charges nothing: live, the answer waits for it)."""
         began = t
         self.sched.question(s, t)
         h, t = self._get(s, t)
@@ -551,9 +552,8 @@ class EngineReplay:
         self.store.fork(h, h.ids - h.committed + self.limits.ask_tokens)
         t = self._busy(t, self.costs.ask_s)
         self.sched.answered(s, t)
-        t = self._settle(s, t)  # live, the answer goes back once the store has settled
         self.tally.asks.append(Answered(arrived, t - arrived, began - arrived, kind))
-        return t
+        return self._settle(s, t)
 
     def _phrase(self, t: float) -> float:
         """The voice at a decoding turn's status line that is due: a phrase where the turn's budget
