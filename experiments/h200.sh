@@ -164,7 +164,7 @@ for step in "$@"; do
                  tail -n 12 "$OUT/attention-fa4.txt" | cut -c1-400
                fi ) ;;
     density) # SESSIONS (30) agent sessions at once beside a CUDA llama-server, measured against the replay of the same
-             # run (28 held 23.6 to 24.7 active over the ledger's span).
+             # run (each slot holds a session for the whole density phase: 28 or 30 active over it).
              # Needs .carry/llama-bin (a binary cross-built without a GPU: build_llama_server.sh cuda-cross, xz parts)
              # or .carry/llama-src (build_llama_server.sh pack; built here), $D's trajectories, .carry/qwen3.5.jinja
              # and the gguf==0.19.0 wheel in .whl. The CUDA build took 310 s on a lent H100 (2026-12-06, -j16);

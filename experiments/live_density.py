@@ -35,6 +35,11 @@ its streams deepen cancels); then the steady streams are cut. Each window's deco
 inter-token gaps (the steady streams'), the share charged in it, and llama-server's own counters
 (`--metrics`) at its ends (`live_figures.engine_cost`); each pair's change with the shadow on.
 
+The replay charges what the run measured: the chunk costs the service learned, its moves to and
+from host memory and its asks' cost a chunk against the share's (`live_figures.live_rates`, from
+`/metrics` at the density phase's end), and a ledger that marks the outputs the engine never gave
+as ids (`output_seen`, from the journal: `live_figures.outputs_unseen`).
+
 Writes in `--out`: `live-density.json` (its last line too on stdout: settings, live figures,
 replay, side by side, engine cost), `ledger.jsonl` (the density phase's requests), `costs.json`
 (the chunk costs the live service learned, charged by the replay), `sent.jsonl` and `asks.jsonl`
