@@ -67,7 +67,7 @@ class Asked:
     held: int | None = None
     device_wait_ms: float | None = None
     device_busy_with: str | None = None
-    parts_ms: dict | None = None  # the answer's split of its latency (device_wait, read, forward, settle, back)
+    parts_ms: dict | None = None  # the answer's split of its latency (`Asking.ask`: device_wait, ..., forward, back)
 
     @property
     def raced(self) -> bool:

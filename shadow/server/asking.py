@@ -7,6 +7,7 @@ above the read position and puts the state back: the session is left bit for bit
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -18,6 +19,8 @@ from shadow.server.reading import Questions, Reading
 from shadow.server.shared import Shared
 from shadow.server.timings import Histogram
 
+log = logging.getLogger("shadow.serve")
+
 
 class Asking:
     """`resolve(session, timeout_s)` waits for the shadow and returns the store name an ask about
@@ -27,8 +30,9 @@ class Asking:
     when the ask was handed in, or None), under the lock. Its `parts_ms` split the latency whole:
     `device_wait`, `in_flight` (a batched read under way, read to its end first), `restore` (the
     lock, and the session brought back from the host tier or disk), `read` (reading the session to
-    the insertion point), `forward` (the fork's), `settle` (the lock, and the reader settled) and
-    `back` (the device thread's hand-back)."""
+    the insertion point), `forward` (the fork's) and `back` (the device thread's hand-back). The
+    store settles back within its cap after the answer, as the device thread's next job
+    (`settle_after`)."""
 
     def __init__(self, shared: Shared, host: ModelHost, reading: Reading, questions: Questions, vocab_size: int,
                  resolve: Callable[[str, float], tuple[str, dict]]):
@@ -74,14 +78,12 @@ class Asking:
                 self._check_tail(s)
                 forward = self.clock()
                 probs = shadow.reader.ask(s, question, choice_ids).tolist()
-            settle = self.clock()
-            with self.lock:
-                self.reading.settle(shadow, keep=name)
-            marks = (on, in_flight, restored, forward, settle, self.clock())
+            marks = (on, in_flight, restored, forward, self.clock())
             return shadow, s, behind, read, probs, marks
 
         shadow, s, behind, read, probs, marks = self.device.run(on_device, "ask")
-        on, in_flight, restored, forward, settle, done = marks
+        self.settle_after(shadow, name)
+        on, in_flight, restored, forward, done = marks
         latency, waited = self.clock() - started, on - started
         best = max(range(len(probs)), key=probs.__getitem__)
         answer = {
@@ -91,8 +93,8 @@ class Asking:
             "device_busy_with": busy_with,
             "parts_ms": {k: round(v * 1000, 3) for k, v in (
                 ("device_wait", waited), ("in_flight", in_flight - on), ("restore", restored - in_flight),
-                ("read", forward - restored), ("forward", settle - forward),
-                ("settle", done - settle), ("back", started + latency - done))},
+                ("read", forward - restored), ("forward", done - forward),
+                ("back", started + latency - done))},
             "weights": shadow.weights,
             "weights_hash": shadow.weights_hash, "grid": shadow.grid, "arithmetic": shadow.store.identity.arithmetic,
             "insertion": len(s.ids), "prefix_crc": ids_crc(s.ids),
@@ -105,6 +107,27 @@ class Asking:
             self.wait.observe(waited)
             self.journal.answer(answer)
         return answer
+
+    def settle_after(self, shadow, name: str) -> None:
+        """The store back within its cap after an answer (`Reading.settle`, `name` kept), as the
+        device thread's next job: the answer does not wait for it. A settle that fails is logged and
+        counted with the idle reader's errors (status `idle_reader.errors`), never lost."""
+        def settle() -> None:
+            with self.lock:
+                self.reading.settle(shadow, keep=name)
+
+        def done(future) -> None:
+            error = future.exception()
+            if error is not None:
+                with self.lock:
+                    self.counters.idle_errors += 1
+                    self.counters.idle_last_error = f"a settle after an ask: {type(error).__name__}: {error}"
+                log.error("the settle after an ask about %r failed: %s", name, error, exc_info=error)
+
+        try:
+            self.device.submit(settle, "settle").add_done_callback(done)
+        except RuntimeError:  # the device thread has stopped (the service is closing): nothing to keep within
+            pass
 
     def summarize(self, session: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 10.0) -> dict:
         """Read the session to its end (within timeout_s), then decode greedily from a fork over the

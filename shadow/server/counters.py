@@ -52,7 +52,7 @@ class Counters:
     standing_answered: int = 0
     standing_replaced: int = 0  # a newer turn came before the reader reached the older point
     unloads: int = 0  # times the model was unloaded after an idle burst (sessions parked on disk)
-    idle_errors: int = 0  # idle rounds that failed (the reader went on)
+    idle_errors: int = 0  # the reader's work that failed, an idle round or a settle after an ask (it went on)
     idle_last_error: str | None = None
     last_answers: deque = field(default_factory=lambda: deque(maxlen=20))
     rounds: "RoundTimes" = field(default_factory=lambda: RoundTimes())
