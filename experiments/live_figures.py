@@ -107,6 +107,18 @@ def ledger(requests: list[Sent]) -> list[Request]:
                     min(r.prompt_tokens, max(0, new[id(r)])), r.output_tokens) for r in sorted(done, key=lambda r: r.start)]
 
 
+def journal_turns(journal: Path) -> dict[str, list[dict]]:
+    """The service journal's turn records, session by session in the order written (none where
+    the file is missing)."""
+    turns: dict[str, list[dict]] = {}
+    if journal.exists():
+        for line in journal.read_text().splitlines():
+            record = json.loads(line) if line.strip() else None
+            if isinstance(record, dict) and record.get("kind") == "turn":
+                turns.setdefault(record.get("session"), []).append(record)
+    return turns
+
+
 def outputs_unseen(requests: list[Request], journal: Path) -> tuple[list[Request], int | None]:
     """`requests` (a ledger's) with `output_seen` false where the service journaled the turn's
     output as not read (the engine gave no ids it could check; the next prompt brought them), and
@@ -114,11 +126,7 @@ def outputs_unseen(requests: list[Request], journal: Path) -> tuple[list[Request
     length (`prompt_ids`, the engine's count), passing over turns the ledger left out (no first token
     or no end). Unchanged, with None, where a request finds no such turn (no mark rather than a
     wrong one)."""
-    lines = [json.loads(x) for x in journal.read_text().splitlines() if x.strip()] if journal.exists() else []
-    turns: dict[str, list[dict]] = {}
-    for record in lines:
-        if record.get("kind") == "turn":
-            turns.setdefault(record.get("session"), []).append(record)
+    turns = journal_turns(journal)
     out, at, unseen = [], Counter(), 0
     for r in sorted(requests, key=lambda r: r.start):
         records = turns.get(r.session, [])
@@ -252,11 +260,7 @@ def arrival_unread(requests: list[Sent], journal: Path) -> dict[str, list[int | 
     journal has no such field (an earlier build), a session's counts differ (a request the service
     never journaled), or a value is not the service's field as it writes it (no figure rather than
     a wrong one)."""
-    lines = [json.loads(x) for x in journal.read_text().splitlines() if x.strip()] if journal.exists() else []
-    turns: dict[str, list[dict]] = {}
-    for record in lines:
-        if record.get("kind") == "turn":
-            turns.setdefault(record.get("session"), []).append(record)
+    turns = journal_turns(journal)
     if not turns or any("unread_at_start" not in t for ts in turns.values() for t in ts):
         return None
     sent = Counter(r.session for r in requests)
@@ -640,4 +644,4 @@ def _poll_step(polls: list[Poll]) -> float | None:
 
 
 __all__ = ["Asked", "Poll", "Sent", "arrival_unread", "costs_document", "decode_union_s", "density", "engine_cost", "ledger", "live",
-           "live_rates", "new_prompt_tokens", "outputs_unseen", "active_until", "replay", "replay_ids", "scraped", "service_disk", "service_turn_starts", "side_by_side", "table", "to_fresh", "turn_by_turn", "write_ledger"]
+           "journal_turns", "live_rates", "new_prompt_tokens", "outputs_unseen", "active_until", "replay", "replay_ids", "scraped", "service_disk", "service_turn_starts", "side_by_side", "table", "to_fresh", "turn_by_turn", "write_ledger"]

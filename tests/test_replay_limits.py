@@ -353,6 +353,15 @@ def test_a_malformed_target_exits_2_before_any_work(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("scale", ["0", "-1", "nan", "inf", "101"])
+def test_a_bad_ask_chunk_scale_exits_2_before_any_work(tmp_path, scale):
+    out = tmp_path / "out.ledger.jsonl"
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--ask-chunk-scale", scale,
+                                      "--write-ledger", str(out)])
+    assert result.exit_code == 2 and "--ask-chunk-scale must be > 0 and <= 100" in result.output
+    assert "Traceback" not in result.output and not out.exists()
+
+
 def test_replay_ledger_asks_at_a_clients_times_reports_them_by_kind(tmp_path):
     asks = tmp_path / "asks.jsonl"
     asks.write_text("".join(json.dumps({"time": 9.0 * k + 0.5, "session": f"s{k}", "kind": kind}) + "\n"
