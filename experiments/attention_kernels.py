@@ -14,8 +14,10 @@ cached rows in 4 slices as a batch, the rows left over, the chunk's causal squar
 log-sum-exp; with its float32 difference and the time of a first call at shapes no call met,
 which builds cuDNN graphs), and its calls alone; FlexAttention (compiled, lower-right causal
 block mask, GQA); and FlashAttention-4's CuTe forward where `flash_attn.cute` is installed
-(varlen, the cached rows packed and in 512-row pages; its first call's compile time, and its
-difference from the library's kernel). 20 back-to-back calls between CUDA events after warm-up, median of 5 rounds.
+(varlen, the cached rows packed and in 512-row pages, copied to its layout or read in place as
+strided views of one head-major pool; for one session also its cached rows cut into 4 or 8 slices
+by its own depth and merged by log-sum-exp; its first call's compile time, and its difference from
+the library's kernel). 20 back-to-back calls between CUDA events after warm-up, median of 5 rounds.
 Each row also says whether the kernel gave a session the same bits alone and in the batch, and
 twice.
 
@@ -26,6 +28,7 @@ twice.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -195,9 +198,33 @@ def flash_attn_4(q, ks, vs, mine, depth: int, batch: int, flops: float) -> list[
         return flash_attn_varlen_func(qf[: n * T], kp, vp, cu_seqlens_q=cu_q[: n + 1], seqused_k=used[:n],
                                       page_table=table[:n], max_seqlen_q=T, max_seqlen_k=length,
                                       softmax_scale=SCALE, causal=True)[0]
+    # the rows where the library keeps them, head-major ([Hkv, rows, D]), in one pool for the sessions:
+    # FA4 reads strided views of it (its layout asks only unit stride in D and aligned strides), no copy
+    kpool = torch.stack(ks, dim=1).view(HKV, batch * length, D)
+    vpool = torch.stack(vs, dim=1).view(HKV, batch * length, D)
+    kpages = kpool.view(HKV, batch * pages, T, D).permute(1, 2, 0, 3)  # [pages, T, Hkv, D]
+    vpages = vpool.view(HKV, batch * pages, T, D).permute(1, 2, 0, 3)
+
+    def strided(n=batch):
+        return flash_attn_varlen_func(qf[: n * T], kpool.transpose(0, 1)[: n * length], vpool.transpose(0, 1)[: n * length],
+                                      cu_seqlens_q=cu_q[: n + 1], cu_seqlens_k=cu_k[: n + 1], max_seqlen_q=T,
+                                      max_seqlen_k=length, softmax_scale=SCALE, causal=True)[0]
+
+    def strided_pages(n=batch):
+        return flash_attn_varlen_func(qf[: n * T], kpages, vpages, cu_seqlens_q=cu_q[: n + 1], seqused_k=used[:n],
+                                      page_table=table[:n], max_seqlen_q=T, max_seqlen_k=length,
+                                      softmax_scale=SCALE, causal=True)[0]
+    arms = [("flash-attn-4 varlen (causal bottom-right, GQA)", packed),
+            ("flash-attn-4 varlen, 512-row pages", paged),
+            ("flash-attn-4 varlen over the head-major pool (strided, no copy)", strided),
+            ("flash-attn-4 512-row pages over the head-major pool (strided, no copy)", strided_pages)]
+    if batch == 1:
+        for slices in (4, 8):
+            arms.append((f"flash-attn-4 one session split in {slices} (cached slices + causal tail, merged by lse)",
+                         functools.partial(fa4_split, qf[:T], ks[0], vs[0], slices)))
     rows = []
-    for name, fn in (("flash-attn-4 varlen (causal bottom-right, GQA)", packed),
-                     ("flash-attn-4 varlen, 512-row pages", paged)):
+    first_bits = None
+    for name, fn in arms:
         t0 = time.perf_counter()
         try:
             fn()
@@ -209,9 +236,42 @@ def flash_attn_4(q, ks, vs, mine, depth: int, batch: int, flops: float) -> list[
         row = measure(name, fn, flops, (lambda fn=fn: fn(1)) if batch > 1 else None)
         row["first call (compiles), s"] = first
         if "error" not in row:
-            row["max |diff| from shadow triton"] = float((fn().float() - mine.float()).abs().max())
+            got = fn()
+            row["max |diff| from shadow triton"] = float((got.float() - mine.float()).abs().max())
+            first_bits = got if first_bits is None else first_bits
+            row["same bits as the first FA4 arm"] = torch.equal(got, first_bits)
         rows.append(row)
     return rows
+
+
+def fa4_split(q1: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: int, n: int = 1) -> torch.Tensor:
+    """One session's chunk through FA4 with its cached rows cut into `slices` slices (a function of
+    its own depth alone), so that one chunk fills the GPU: q1 [T, Hq, D]; k, v the session's
+    head-major buffers [Hkv, L, D], read in place. The slices, as a batch of the same queries, without
+    a mask; the rest and the chunk's own rows with the causal mask aligned bottom-right; the parts
+    merged by their log-sum-exp in float32. Returns [T, Hq, D]. (`n` is a batch of one: the survey's
+    call shape.)"""
+    from flash_attn.cute import flash_attn_func
+
+    length = k.shape[1]
+    start = length - T
+    per = max(T, start // slices // T * T)
+    count = start // per
+    parts, lses = [], []
+    if count:
+        kk = k[:, : count * per].view(HKV, count, per, D).permute(1, 2, 0, 3)
+        vv = v[:, : count * per].view(HKV, count, per, D).permute(1, 2, 0, 3)
+        o, lse = flash_attn_func(q1.expand(count, -1, -1, -1), kk, vv, softmax_scale=SCALE, causal=False,
+                                 return_lse=True)[:2]
+        parts.append(o)
+        lses.append(lse)
+    o, lse = flash_attn_func(q1[None], k[:, count * per : length].transpose(0, 1)[None],
+                             v[:, count * per : length].transpose(0, 1)[None], softmax_scale=SCALE, causal=True,
+                             return_lse=True)[:2]
+    parts.append(o)
+    lses.append(lse)
+    weight = torch.softmax(torch.cat(lses).transpose(1, 2), dim=0)  # [parts, T, Hq]
+    return (weight[..., None] * torch.cat(parts).float()).sum(0).to(q1.dtype)
 
 
 def main() -> None:
