@@ -218,6 +218,10 @@ def flash_attn_4(q, ks, vs, mine, depth: int, batch: int, flops: float) -> list[
             ("flash-attn-4 varlen, 512-row pages", paged),
             ("flash-attn-4 varlen over the head-major pool (strided, no copy)", strided),
             ("flash-attn-4 512-row pages over the head-major pool (strided, no copy)", strided_pages)]
+    starts = [j * length for j in range(batch)]
+    split = fa4_split_sessions(qf, kpool, vpool, starts, [length] * batch)
+    arms += [("flash-attn-4 split by depth, the batch in 2 varlen calls + merge (strided, no copy)", split),
+             ("the same, one CUDA graph", graphed(split))]
     if batch == 1:
         for slices in (4, 8):
             arms.append((f"flash-attn-4 one session split in {slices} (cached slices + causal tail, merged by lse)",
@@ -242,6 +246,102 @@ def flash_attn_4(q, ks, vs, mine, depth: int, batch: int, flops: float) -> list[
             row["same bits as the first FA4 arm"] = torch.equal(got, first_bits)
         rows.append(row)
     return rows
+
+
+SPLIT_MIN_ROWS = 4096  # fa4_split_sessions: a slice of cached rows holds at least this many
+
+
+def split_rows(cached: int) -> tuple[int, int]:
+    """(slice rows, slice count) for a session with `cached` rows before its chunk: 4 slices of whole
+    chunks, at least SPLIT_MIN_ROWS rows each, the rows left to the causal tail; a function of the
+    session's own depth alone."""
+    per = max(SPLIT_MIN_ROWS, cached // 4 // T * T)
+    return per, cached // per
+
+
+def fa4_split_sessions(qf: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, starts: list[int],
+                       lengths: list[int]):
+    """B sessions' chunks through FA4, each session's cached rows cut by its own depth
+    (`split_rows`): every session's slices in one varlen call without a mask (the queries repeated a
+    slice), every session's tail (the rows left and the chunk's own) in one varlen call with the
+    causal mask aligned bottom-right, the parts merged by their log-sum-exp in float32, a session at
+    a time in part order. qf [B*T, Hq, D]; session b's rows at starts[b] .. starts[b] + lengths[b] of
+    the head-major pools [Hkv, rows, D], read in place (`seqused_k`: sessions need not touch).
+    Returns a call giving [B*T, Hq, D] (`call(n)`: the first n sessions alone); the index tables are
+    built here, once, so that the call can be captured in a CUDA graph."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    k_rows, v_rows = kpool.transpose(0, 1), vpool.transpose(0, 1)
+    dev = qf.device
+    ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)
+
+    def plan(b: int) -> dict:
+        plans = [split_rows(lengths[j] - T) for j in range(b)]
+        picks, cu_k, used = [], [], []
+        for j, (per, count) in enumerate(plans):
+            for i in range(count):
+                picks.append(j)
+                cu_k.append(starts[j] + i * per)
+                used.append(per)
+        tail_k = [starts[j] + per * count for j, (per, count) in enumerate(plans)]
+        tail_used = [lengths[j] - (tail_k[j] - starts[j]) for j in range(b)]
+        return {"plans": plans, "picks": torch.tensor(picks, dtype=torch.int64, device=dev), "slices": len(picks),
+                "cu_q": ints(list(range(0, (len(picks) + 1) * T, T))), "cu_k": ints(cu_k + [cu_k[-1] + used[-1]] if cu_k else [0]),
+                "used": ints(used), "max_used": max(used, default=0),
+                "tail_cu_q": ints(list(range(0, (b + 1) * T, T))), "tail_cu_k": ints(tail_k + [tail_k[-1] + tail_used[-1]]),
+                "tail_used": ints(tail_used), "max_tail": max(tail_used)}
+    plans = {}
+
+    def call(n: int | None = None) -> torch.Tensor:
+        b = len(lengths) if n is None else n
+        if b not in plans:
+            plans[b] = plan(b)
+        p = plans[b]
+        q = qf[: b * T]
+        if p["slices"]:
+            q_rep = q.view(b, T, HQ, D).index_select(0, p["picks"]).view(-1, HQ, D)
+            o1, lse1 = flash_attn_varlen_func(q_rep, k_rows, v_rows, cu_seqlens_q=p["cu_q"], cu_seqlens_k=p["cu_k"],
+                                              seqused_k=p["used"], max_seqlen_q=T, max_seqlen_k=p["max_used"],
+                                              softmax_scale=SCALE, causal=False, return_lse=True)[:2]
+        o2, lse2 = flash_attn_varlen_func(q, k_rows, v_rows, cu_seqlens_q=p["tail_cu_q"], cu_seqlens_k=p["tail_cu_k"],
+                                          seqused_k=p["tail_used"], max_seqlen_q=T, max_seqlen_k=p["max_tail"],
+                                          softmax_scale=SCALE, causal=True, return_lse=True)[:2]
+        out = torch.empty(b * T, HQ, D, dtype=qf.dtype, device=dev)
+        first = 0
+        for j, (per, count) in enumerate(p["plans"]):  # a session's parts: its slices in order, then its tail
+            tail_o, tail_lse = o2[j * T : (j + 1) * T][None], lse2[:, j * T : (j + 1) * T][:, None]
+            if count:
+                rows = slice(first * T, (first + count) * T)
+                o = torch.cat([o1[rows].view(count, T, HQ, D), tail_o])
+                lse = torch.cat([lse1[:, rows].view(HQ, count, T), tail_lse], 1)
+            else:
+                o, lse = tail_o, tail_lse
+            weight = torch.softmax(lse.permute(1, 2, 0), dim=0)  # [parts, T, Hq]
+            out[j * T : (j + 1) * T] = (weight[..., None] * o.float()).sum(0)
+            first += count
+        return out
+    return call
+
+
+def graphed(fn):
+    """`fn` captured in one CUDA graph after warm-up (its host work, tables included, done once at
+    capture); the replay returns the captured output. Accepts `n` as `fn` does (then runs `fn` eager)."""
+    state = {}
+
+    def call(n=None):
+        if n is not None:
+            return fn(n)
+        if "graph" not in state:
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                state["out"] = fn()
+            state["graph"] = graph
+        state["graph"].replay()
+        return state["out"]
+    return call
 
 
 def fa4_split(q1: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: int, n: int = 1) -> torch.Tensor:
