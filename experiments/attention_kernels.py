@@ -38,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shadow.model.kernels import reference
 from shadow.model.kernels import triton_attention as ta
+from shadow.model.kernels.lse_merge import merge_parts, merge_table, split_rows
 
 from attention_batch import gpu_ms  # run as a script: experiments/ is on the path
 
@@ -220,8 +221,11 @@ def flash_attn_4(q, ks, vs, mine, depth: int, batch: int, flops: float) -> list[
             ("flash-attn-4 512-row pages over the head-major pool (strided, no copy)", strided_pages)]
     starts = [j * length for j in range(batch)]
     split = fa4_split_sessions(qf, kpool, vpool, starts, [length] * batch)
+    fused = fa4_split_sessions(qf, kpool, vpool, starts, [length] * batch, merge="triton")
     arms += [("flash-attn-4 split by depth, the batch in 2 varlen calls + merge (strided, no copy)", split),
-             ("the same, one CUDA graph", graphed(split))]
+             ("the same, one CUDA graph", graphed(split)),
+             ("flash-attn-4 split by depth, merged in one Triton launch (lse_merge)", fused),
+             ("the same (Triton merge), one CUDA graph", graphed(fused))]
     if batch == 1:
         for slices in (4, 8):
             arms.append((f"flash-attn-4 one session split in {slices} (cached slices + causal tail, merged by lse)",
@@ -248,24 +252,14 @@ def flash_attn_4(q, ks, vs, mine, depth: int, batch: int, flops: float) -> list[
     return rows
 
 
-SPLIT_MIN_ROWS = 4096  # fa4_split_sessions: a slice of cached rows holds at least this many
-
-
-def split_rows(cached: int) -> tuple[int, int]:
-    """(slice rows, slice count) for a session with `cached` rows before its chunk: 4 slices of whole
-    chunks, at least SPLIT_MIN_ROWS rows each, the rows left to the causal tail; a function of the
-    session's own depth alone."""
-    per = max(SPLIT_MIN_ROWS, cached // 4 // T * T)
-    return per, cached // per
-
-
 def fa4_split_sessions(qf: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, starts: list[int],
-                       lengths: list[int]):
+                       lengths: list[int], merge: str = "torch"):
     """B sessions' chunks through FA4, each session's cached rows cut by its own depth
-    (`split_rows`): every session's slices in one varlen call without a mask (the queries repeated a
-    slice), every session's tail (the rows left and the chunk's own) in one varlen call with the
-    causal mask aligned bottom-right, the parts merged by their log-sum-exp in float32, a session at
-    a time in part order. qf [B*T, Hq, D]; session b's rows at starts[b] .. starts[b] + lengths[b] of
+    (`lse_merge.split_rows`): every session's slices in one varlen call without a mask (the queries
+    repeated a slice), every session's tail (the rows left and the chunk's own) in one varlen call
+    with the causal mask aligned bottom-right, the parts merged by their log-sum-exp in float32 in
+    part order: a session at a time in torch ops (`merge="torch"`), or all in the library's one
+    Triton launch (`"triton"`: `lse_merge.merge_parts`). qf [B*T, Hq, D]; session b's rows at starts[b] .. starts[b] + lengths[b] of
     the head-major pools [Hkv, rows, D], read in place (`seqused_k`: sessions need not touch).
     Returns a call giving [B*T, Hq, D] (`call(n)`: the first n sessions alone); the index tables are
     built here, once, so that the call can be captured in a CUDA graph."""
@@ -276,7 +270,7 @@ def fa4_split_sessions(qf: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tenso
     ints = lambda xs: torch.tensor(xs, dtype=torch.int32, device=dev)
 
     def plan(b: int) -> dict:
-        plans = [split_rows(lengths[j] - T) for j in range(b)]
+        plans = [split_rows(lengths[j] - T, T) for j in range(b)]
         picks, cu_k, used = [], [], []
         for j, (per, count) in enumerate(plans):
             for i in range(count):
@@ -289,7 +283,8 @@ def fa4_split_sessions(qf: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tenso
                 "cu_q": ints(list(range(0, (len(picks) + 1) * T, T))), "cu_k": ints(cu_k + [cu_k[-1] + used[-1]] if cu_k else [0]),
                 "used": ints(used), "max_used": max(used, default=0),
                 "tail_cu_q": ints(list(range(0, (b + 1) * T, T))), "tail_cu_k": ints(tail_k + [tail_k[-1] + tail_used[-1]]),
-                "tail_used": ints(tail_used), "max_tail": max(tail_used)}
+                "tail_used": ints(tail_used), "max_tail": max(tail_used),
+                "table": merge_table([count for _, count in plans], dev)}
     plans = {}
 
     def call(n: int | None = None) -> torch.Tensor:
@@ -306,6 +301,11 @@ def fa4_split_sessions(qf: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tenso
         o2, lse2 = flash_attn_varlen_func(q, k_rows, v_rows, cu_seqlens_q=p["tail_cu_q"], cu_seqlens_k=p["tail_cu_k"],
                                           seqused_k=p["tail_used"], max_seqlen_q=T, max_seqlen_k=p["max_tail"],
                                           softmax_scale=SCALE, causal=True, return_lse=True)[:2]
+        if merge == "triton":
+            counts = [count for _, count in p["plans"]]
+            if not p["slices"]:
+                o1, lse1 = o2[:0], lse2[:, :0]
+            return merge_parts(o1, lse1, o2, lse2, counts, T, table=p["table"])
         out = torch.empty(b * T, HQ, D, dtype=qf.dtype, device=dev)
         first = 0
         for j, (per, count) in enumerate(p["plans"]):  # a session's parts: its slices in order, then its tail
