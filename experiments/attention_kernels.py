@@ -345,8 +345,8 @@ def graphed(fn):
 
 
 def fa4_split(q1: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: int, n: int = 1) -> torch.Tensor:
-    """One session's chunk through FA4 with its cached rows cut into `slices` slices (a function of
-    its own depth alone), so that one chunk fills the GPU: q1 [T, Hq, D]; k, v the session's
+    """One session's chunk through FA4 with its cached rows cut into at most `slices` slices of whole
+    chunks (`split_rows`, a function of its own depth alone), so that one chunk fills the GPU: q1 [T, Hq, D]; k, v the session's
     head-major buffers [Hkv, L, D], read in place. The slices, as a batch of the same queries, without
     a mask; the rest and the chunk's own rows with the causal mask aligned bottom-right; the parts
     merged by their log-sum-exp in float32. Returns [T, Hq, D]. (`n` is a batch of one: the survey's
@@ -354,9 +354,7 @@ def fa4_split(q1: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: int, n
     from flash_attn.cute import flash_attn_func
 
     length = k.shape[1]
-    start = length - T
-    per = max(T, start // slices // T * T)
-    count = start // per
+    per, count = split_rows(length - T, T, slices, least=T)
     parts, lses = [], []
     if count:
         kk = k[:, : count * per].view(HKV, count, per, D).permute(1, 2, 0, 3)
@@ -374,12 +372,78 @@ def fa4_split(q1: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slices: int, n
     return (weight[..., None] * torch.cat(parts).float()).sum(0).to(q1.dtype)
 
 
+def fa4_in_place(qf: torch.Tensor, kpool: torch.Tensor, vpool: torch.Tensor, starts: list[int], lengths: list[int]):
+    """B sessions' chunks through one FA4 varlen call over the head-major pools in place (no split),
+    each session's rows at starts[b] .. starts[b] + lengths[b]; returns a call giving [B*T, Hq, D]."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    b, dev = len(lengths), qf.device
+    cu_q = torch.arange(0, (b + 1) * T, T, dtype=torch.int32, device=dev)
+    cu_k = torch.tensor(starts + [starts[-1] + lengths[-1]], dtype=torch.int32, device=dev)
+    used = torch.tensor(lengths, dtype=torch.int32, device=dev)
+    return lambda: flash_attn_varlen_func(qf, kpool.transpose(0, 1), vpool.transpose(0, 1), cu_seqlens_q=cu_q,
+                                          cu_seqlens_k=cu_k, seqused_k=used, max_seqlen_q=T, max_seqlen_k=max(lengths),
+                                          softmax_scale=SCALE, causal=True)[0]
+
+
+def survey_mixed(depths: list[int]) -> list[dict]:
+    """One batch of sessions at the given depths (a chunk of T rows each), their rows in one
+    head-major pool: the library's kernel, FA4 in place unsplit, and FA4 split by each session's
+    depth and merged by `lse_merge` (eager and graphed); each row says whether every session alone
+    (its own call, its own sizes) has the bits of its rows in the batch."""
+    g = torch.Generator(device="cuda").manual_seed(len(depths))
+    lengths = [d + T for d in depths]
+    starts = [sum(lengths[:j]) for j in range(len(lengths))]
+    kpool = torch.randn(HKV, sum(lengths), D, device="cuda", generator=g).bfloat16()
+    vpool = torch.randn(HKV, sum(lengths), D, device="cuda", generator=g).bfloat16()
+    qf = torch.randn(len(depths) * T, HQ, D, device="cuda", generator=g).bfloat16()
+    q = qf.transpose(0, 1).contiguous()  # the library's layout, [Hq, B*T, D]
+    ks = [kpool[:, a : a + n] for a, n in zip(starts, lengths)]
+    vs = [vpool[:, a : a + n] for a, n in zip(starts, lengths)]
+    flops = sum(4 * T * (d + T / 2) * D * HQ for d in depths)
+
+    def library(js):
+        return ta.attend_sessions(q[:, [i for j in js for i in range(j * T, (j + 1) * T)]].contiguous() if js != all_
+                                  else q, [ks[j] for j in js], [vs[j] for j in js], [lengths[j] for j in js], SCALE)
+    all_ = list(range(len(depths)))
+    arms = [("shadow triton (causal, GQA-packed, split)", lambda js: library(js))]
+    for label, make in (("flash-attn-4 in place, unsplit", fa4_in_place),
+                        ("flash-attn-4 split by depth, lse_merge", functools.partial(fa4_split_sessions, merge="triton"))):
+        def arm(js, make=make):
+            rows = torch.cat([qf[j * T : (j + 1) * T] for j in js]) if js != all_ else qf
+            return make(rows, kpool, vpool, [starts[j] for j in js], [lengths[j] for j in js])()
+        arms.append((label, arm))
+    batched_split = fa4_split_sessions(qf, kpool, vpool, starts, lengths, merge="triton")
+    arms.append(("flash-attn-4 split by depth, lse_merge, one CUDA graph", lambda js, fn=graphed(batched_split):
+                 fn() if js == all_ else arms[2][1](js)))
+    rows = []
+    for name, fn in arms:
+        try:
+            whole = lambda fn=fn: fn(all_)
+            ms = gpu_ms(whole)
+            out = whole().clone()
+            row = {"kernel": name, "ms": round(ms, 4), "TFLOP/s": tflops(flops, ms), "same bits twice": torch.equal(out, whole()),
+                   "every session alone == in batch": all(torch.equal(fn([j]), out[j * T : (j + 1) * T]) for j in all_)}
+            if rows:
+                row["max |diff| from shadow triton"] = float((out.float() - rows[0]["_out"].float()).abs().max())
+            row["_out"] = out
+        except Exception as e:  # noqa: BLE001 - a refused shape is a finding
+            row = {"kernel": name, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+        rows.append(row)
+    for row in rows:
+        row.pop("_out", None)
+        row.update(depths=depths, batch=len(depths))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depths", default="16384,65536")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--arms", choices=("all", "fa4"), default="all",
                         help="fa4: the library's kernel and FlashAttention-4 only")
+    parser.add_argument("--mixed", default="",
+                        help="depths of one batch of sessions at mixed depths (FA4 arms), e.g. 0,4096,...,65536")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), flush=True)
     every = []
@@ -388,6 +452,10 @@ def main() -> None:
             for row in survey(depth, batch, args.arms):
                 every.append(row)
                 print(json.dumps(row), flush=True)
+    if args.mixed:
+        for row in survey_mixed([int(x) for x in args.mixed.split(",")]):
+            every.append(row)
+            print(json.dumps(row), flush=True)
     print(json.dumps({"rows": every}))
 
 

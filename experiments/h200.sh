@@ -151,7 +151,8 @@ for step in "$@"; do
              # Needs the wheels staged first (../shared/tools/device-stage.sh: flash-attn-4, flashinfer-python,
              # nvidia-cutlass-dsl and its libs, quack-kernels, apache-tvm-ffi, cuda-tile, torch-c-dlpack-ext),
              # `receive`d part by part, then `install`ed into /tmp/site2 in the same warm machine.
-             # SURVEY (gdn,fa4): which halves run (one call each where a call has little time left).
+             # SURVEY (gdn,fa4): which halves run (one call each where a call has little time left);
+             # MIXED (e.g. 0,4096,8192,16384,24576,32768,49152,65536): one batch at mixed depths, FA4's arms.
              [ -f /tmp/site2/.extra-path ] || { echo "no staged wheels in /tmp/site2"; continue; }
              ( export PYTHONPATH=/tmp/site2:$(cat /tmp/site2/.extra-path)$PYTHONPATH
                if [[ ,${SURVEY:-gdn,fa4}, == *,gdn,* ]]; then
@@ -160,7 +161,7 @@ for step in "$@"; do
                fi
                if [[ ,${SURVEY:-gdn,fa4}, == *,fa4,* ]]; then
                  timeout 300 python3 experiments/attention_kernels.py --arms fa4 --depths ${DEPTHS:-16384,65536} \
-                   --batches ${BATCHES:-1,8} > "$OUT/attention-fa4.txt" 2>&1
+                   --batches ${BATCHES:-1,8} --mixed "${MIXED:-}" > "$OUT/attention-fa4.txt" 2>&1
                  tail -n 12 "$OUT/attention-fa4.txt" | cut -c1-400
                fi ) ;;
     density) # SESSIONS (30) agent sessions at once beside a CUDA llama-server, measured against the replay of the same

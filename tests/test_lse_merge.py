@@ -48,7 +48,7 @@ def test_the_merge_matches_its_torch_form_keeps_a_sessions_bits_and_recomposes_a
         interp._patch_lang_tensor = patched
 
         from shadow.model.kernels import reference
-        from shadow.model.kernels.lse_merge import merge_parts, merge_parts_reference, split_rows
+        from shadow.model.kernels.lse_merge import merge_parts, merge_parts_reference, merge_table, split_rows
 
         torch.manual_seed(0)
         T, HQ, HKV, D, SCALE = 8, 4, 2, 32, 32 ** -0.5
@@ -83,28 +83,61 @@ def test_the_merge_matches_its_torch_form_keeps_a_sessions_bits_and_recomposes_a
         for b, (q, (k, v)) in enumerate(zip(qs, kvs)):  # the parts recompose the session's attention
             whole = reference.attention(q, k, v, SCALE)
             worst = max(worst, (got[b * T : (b + 1) * T] - whole).abs().max().item())
-        # a session alone: its rows' bits in the batch
-        first = counts[0] * T
-        alone = merge_parts(o_sl[first : first + counts[1] * T].contiguous(), l_sl[:, first : first + counts[1] * T].contiguous(),
-                            o_tail[T : 2 * T].contiguous(), l_tail[:, T : 2 * T].contiguous(), [counts[1]], T)
-        assert torch.equal(alone, got[T : 2 * T])
+        # each session alone: its rows' bits in the batch
+        firsts = [sum(counts[:b]) * T for b in range(3)]
+        def alone(b, o_sl=o_sl, l_sl=l_sl):
+            a, n = firsts[b], counts[b] * T
+            return merge_parts(o_sl[a : a + n].contiguous(), l_sl[:, a : a + n].contiguous(),
+                               o_tail[b * T : (b + 1) * T].contiguous(), l_tail[:, b * T : (b + 1) * T].contiguous(), [counts[b]], T)
+        for b in range(3):
+            assert torch.equal(alone(b), got[b * T : (b + 1) * T]), b
+        # the other sessions' parts changed: session 1's rows keep their bits
+        o2, l2 = o_sl.clone(), l_sl.clone()
+        o2[firsts[2] :] += 1.0
+        l2[:, firsts[2] :] -= 3.0
+        t2 = o_tail.clone(); t2[: T] *= 2.0; t2[2 * T :] -= 1.0
+        moved = merge_parts(o2, l2, t2, l_tail, counts, T)
+        assert torch.equal(moved[T : 2 * T], got[T : 2 * T]) and not torch.equal(moved[2 * T :], got[2 * T :])
+        # every log-sum-exp 100 higher (the weights the same: exp(lse) alone would overflow), and parts far apart
+        for shift in (100.0, 300.0):
+            high = merge_parts(o_sl, l_sl + shift, o_tail, l_tail + shift, counts, T)
+            assert torch.isfinite(high).all()  # (max() below would pass a NaN over)
+            worst = max(worst, (high - want).abs().max().item())
+        apart = l_sl.clone(); apart[:, ::2] -= 40.0
+        far = merge_parts(o_sl, apart, o_tail, l_tail, counts, T)
+        assert torch.isfinite(far).all()
+        worst = max(worst, (far - merge_parts_reference(o_sl, apart, o_tail, l_tail, counts, T)).abs().max().item())
         # bf16 parts, as a kernel returns them, into a given out; no slice anywhere
         out = torch.empty(T, HQ, D, dtype=torch.bfloat16)
         tail_only = merge_parts(o_sl[:0].bfloat16(), l_sl[:, :0].contiguous(), o_tail[:T].bfloat16(), l_tail[:, :T].contiguous(), [0], T, out=out)
         assert tail_only is out and torch.equal(out, o_tail[:T].bfloat16())  # one part: weight 1, its own bits
-        for bad in ([1, 3, 4], [0, 3], [-1, 4, 4]):
+        # refused, and `out` left as it was: bad counts, a table of other counts, dtypes, an out of another shape
+        out = torch.full_like(o_tail, 7.0)
+        cases = [dict(counts=bad) for bad in ([1, 3, 4], [0, 3], [-1, 4, 4], [0.0, 3, 4], [], [True, 3, 3])]
+        cases += [dict(table=merge_table([1, 3, 3], "cpu")), dict(table=merge_table([0, 4, 3], "cpu")),
+                  dict(l_sl=l_sl.double()), dict(l_tail=l_tail.bfloat16()), dict(o_sl=o_sl.bfloat16()),
+                  dict(o_sl=o_sl.int()), dict(o_tail=o_tail.int()), dict(out=out[:T]), dict(out=out.bfloat16()),
+                  dict(o_sl=o_sl.transpose(1, 2).contiguous().transpose(1, 2)), dict(t=0)]
+        for case in cases:
+            args = dict(o_sl=o_sl, l_sl=l_sl, o_tail=o_tail, l_tail=l_tail, counts=counts, t=T, out=out, table=None)
+            args.update(case)
             try:
-                merge_parts(o_sl, l_sl, o_tail, l_tail, bad, T)
+                merge_parts(args["o_sl"], args["l_sl"], args["o_tail"], args["l_tail"], args["counts"], args["t"],
+                            out=args["out"], table=args["table"])
             except ValueError:
                 pass
             else:
-                raise AssertionError(f"counts {bad} taken")
+                raise AssertionError(f"taken: {sorted(case)}")
+            assert torch.equal(out, torch.full_like(o_tail, 7.0))
+        assert merge_parts(o_sl, l_sl, o_tail, l_tail, counts, T, out=out, table=merge_table(counts, "cpu")) is out
+        assert torch.equal(out, got)
         print(worst)
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert float(out.stdout.split()[-1]) < 1e-5
+    worst = float(out.stdout.split()[-1])
+    assert 0 <= worst < 1e-5  # (a NaN fails both)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")

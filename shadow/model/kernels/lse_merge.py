@@ -16,6 +16,8 @@ torch form, tested against the Triton one.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -53,50 +55,73 @@ def _merge(o_sl, lse_sl, o_tail, lse_tail, out, sessions, T, sl_rows, tail_rows,
         r = (first + j) * T + t
         w = tl.exp(tl.load(lse_sl + h * sl_rows + r) - top)
         total += w
-        acc += w * tl.load(o_sl + (r * heads + h) * D + d).to(tl.float32)
+        acc += w * tl.load(o_sl + (r.to(tl.int64) * heads + h) * D + d).to(tl.float32)  # int64: rows x heads x D may pass 2^31
     w = tl.exp(tail_lse - top)
     total += w
-    acc += w * tl.load(o_tail + (row * heads + h) * D + d).to(tl.float32)
-    tl.store(out + (row * heads + h) * D + d, (acc / total).to(out.dtype.element_ty))
+    at = (row.to(tl.int64) * heads + h) * D + d
+    acc += w * tl.load(o_tail + at).to(tl.float32)
+    tl.store(out + at, (acc / total).to(out.dtype.element_ty))
+
+
+@dataclasses.dataclass(frozen=True)
+class MergeTable:
+    """The sessions' table `merge_parts` reads, for these slice counts: [B, 2] int32 (first slice,
+    slice count) on one device. Made once beforehand where the merge is captured in a CUDA graph
+    (a copy from host memory cannot be captured)."""
+
+    counts: tuple[int, ...]
+    tensor: torch.Tensor
+
+
+def merge_table(counts: list[int], device: torch.device | str) -> MergeTable:
+    """The `MergeTable` of `counts` (each a whole number >= 0) on `device`."""
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts) or not counts:
+        raise ValueError(f"slice counts are whole numbers >= 0, one a session, not {counts!r}")
+    firsts = [sum(counts[:b]) for b in range(len(counts))]
+    tensor = torch.tensor([[f, c] for f, c in zip(firsts, counts)], dtype=torch.int32).to(device)
+    return MergeTable(tuple(counts), tensor)
 
 
 def _check(o_slices, lse_slices, o_tail, lse_tail, counts, t):
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts) or not counts:
+        raise ValueError(f"slice counts are whole numbers >= 0, one a session, not {counts!r}")
+    if o_tail.dim() != 3 or not o_tail.is_floating_point():
+        raise ValueError("the tails must be [B*T, H, D] of a floating type")
     rows, heads, d = o_tail.shape
-    if rows != t * len(counts) or lse_tail.shape != (heads, rows):
+    if t < 1 or rows != t * len(counts) or lse_tail.shape != (heads, rows):
         raise ValueError("the tails must be [B*T, H, D] with their log-sum-exp [H, B*T]")
     if o_slices.shape != (t * sum(counts), heads, d) or lse_slices.shape != (heads, o_slices.shape[0]):
         raise ValueError("the slices must be [T * slices, H, D] with their log-sum-exp [H, T * slices]")
-    if any(c < 0 for c in counts) or d & (d - 1):
-        raise ValueError("slice counts must be >= 0 and the head width a power of two")
+    if d < 1 or d & (d - 1):
+        raise ValueError("the head width must be a power of two")
+    if o_slices.dtype != o_tail.dtype or lse_slices.dtype != torch.float32 or lse_tail.dtype != torch.float32:
+        raise ValueError("the slices must have the tails' dtype, and every log-sum-exp float32")
     for x in (o_slices, lse_slices, o_tail, lse_tail):
-        if not x.is_contiguous():
-            raise ValueError("the parts and their log-sum-exp must be contiguous")
-
-
-def merge_table(counts: list[int], device: torch.device) -> torch.Tensor:
-    """The sessions' table `merge_parts` reads ([B, 2] int32: first slice, slice count) on `device`."""
-    firsts = [sum(counts[:b]) for b in range(len(counts))]
-    return torch.tensor([[f, c] for f, c in zip(firsts, counts)], dtype=torch.int32).to(device)
+        if not x.is_contiguous() or x.device != o_tail.device:
+            raise ValueError("the parts and their log-sum-exp must be contiguous, on one device")
 
 
 def merge_parts(o_slices: torch.Tensor, lse_slices: torch.Tensor, o_tail: torch.Tensor, lse_tail: torch.Tensor,
-                counts: list[int], t: int, out: torch.Tensor | None = None, table: torch.Tensor | None = None) -> torch.Tensor:
+                counts: list[int], t: int, out: torch.Tensor | None = None, table: MergeTable | None = None) -> torch.Tensor:
     """B sessions' chunks of `t` rows from their parts: session b's `counts[b]` slices, stacked in
     session order in `o_slices` [T * sum(counts), H, D] (slice after slice, T rows each) with their
     log-sum-exp `lse_slices` [H, T * sum(counts)] (natural log, float32), and its tail, rows b*T ..
     of `o_tail` [B*T, H, D] with `lse_tail` [H, B*T]. Returns [B*T, H, D] in o_tail's dtype (into
-    `out` where given, contiguous). `table`: `merge_table(counts)`, made once beforehand where the
-    call is captured in a CUDA graph (a copy from host memory cannot be)."""
+    `out` where given, contiguous). `table`: `merge_table(counts)` made beforehand (for a CUDA
+    graph); else made here. Bad input raises ValueError before anything is written."""
     _check(o_slices, lse_slices, o_tail, lse_tail, counts, t)
-    table = merge_table(counts, o_tail.device) if table is None else table
+    if table is None:
+        table = merge_table(counts, o_tail.device)
+    elif table.counts != tuple(counts) or table.tensor.device != o_tail.device:
+        raise ValueError("the merge table was made for other slice counts or another device")
     rows, heads, d = o_tail.shape
-    if not sum(counts):  # no slice anywhere: the tails stand in for them (never read)
-        o_slices, lse_slices = o_tail, lse_tail
     if out is None:
         out = torch.empty_like(o_tail)
-    elif out.shape != o_tail.shape or not out.is_contiguous() or out.dtype != o_tail.dtype:
-        raise ValueError("out must be [B*T, H, D] contiguous in the tails' dtype")
-    _merge[(rows, heads)](o_slices, lse_slices, o_tail, lse_tail, out, table, t, lse_slices.shape[1], rows, D=d)
+    elif out.shape != o_tail.shape or not out.is_contiguous() or out.dtype != o_tail.dtype or out.device != o_tail.device:
+        raise ValueError("out must be [B*T, H, D] contiguous in the tails' dtype, on their device")
+    if not sum(counts):  # no slice anywhere: the tails stand in for them (never read)
+        o_slices, lse_slices = o_tail, lse_tail
+    _merge[(rows, heads)](o_slices, lse_slices, o_tail, lse_tail, out, table.tensor, t, lse_slices.shape[1], rows, D=d)
     return out
 
 
