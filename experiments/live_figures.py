@@ -508,8 +508,9 @@ def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], p
     busy % (seconds, %), their mean in it (`gpu_busy_pct`: an engine that leaves the GPU idle between
     its steps loses little to the shadow's kernels whatever the share). Windows pair two by two (off-on or
     on-off): each pair's change of decode tokens/s with the shadow on, and over the pairs their
-    median and mean, the share charged in the on windows, and the cost beyond it (points: the
-    decode lost less the share charged)."""
+    median and mean, the share charged in the on windows (and, where the service reports them, its
+    reads' own seconds: `share_read_pct`, apart from the charge under `--share-charge alone`), and the
+    cost beyond it (points: the decode lost less the share charged)."""
     rows = []
     for w, (kind, a, b) in enumerate(windows):
         times, gaps, spans = 0, [], []
@@ -521,11 +522,14 @@ def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], p
                 spans.append(Request(r.session, a, max(a, r.first_token or a), min(b, r.end or b), 0, 0, 0))
         busy = decode_union_s(spans)
         share, decode = _delta(polls, "share_s", a, b), _delta(polls, "decode_s", a, b)
+        # the share's reads' own seconds, where the service reports them apart from what they charged
+        read = _delta(polls, "share_read_s", a, b) if polls and "share_read_s" in polls[-1].counters else None
         rows.append({"shadow": kind, "start": round(a, 3), "end": round(b, 3), "tokens": times,
                      "others_in_flight": sum(r.start < b and (r.end is None or r.end > a) for r in others),
                      "decode_busy_s": round(busy, 3), "tok_s": _round(times / busy) if busy else None,
                      "gap_ms": spread(gaps), "gaps": len(gaps),
                      "share_charged_pct": _round(100 * share / decode) if share is not None and decode else None,
+                     "share_read_pct": _round(100 * read / decode) if read is not None and decode else None,
                      "gpu_busy_pct": gpu_busy(gpu, a, b),
                      "engine": _engine_window(counters[w], b - a) if counters and w < len(counters) else None})
     pairs = []
@@ -537,7 +541,7 @@ def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], p
                           "gap_p99_ms": (off["gap_ms"]["p99"], on["gap_ms"]["p99"]),
                           "engine_decodes_per_s": tuple((x["engine"] or {}).get("decodes_per_s") for x in (off, on)),
                           "gpu_busy_pct": (off["gpu_busy_pct"], on["gpu_busy_pct"]),
-                          "share_charged_pct": on["share_charged_pct"]})
+                          "share_charged_pct": on["share_charged_pct"], "share_read_pct": on["share_read_pct"]})
     return {"windows": rows, "pairs": pairs, "summary": _pairs_summary(pairs)}
 
 
@@ -552,11 +556,13 @@ def _pairs_summary(pairs: list[dict]) -> dict | None:
     share charged in the on windows (mean), and the decode lost beyond it (points, from the median)."""
     changes = [p["tok_s_change_pct"] for p in pairs]
     charged = [p["share_charged_pct"] for p in pairs if p["share_charged_pct"] is not None]
+    read = [p["share_read_pct"] for p in pairs if p.get("share_read_pct") is not None]
     if not changes:
         return None
     median, share = statistics.median(changes), statistics.fmean(charged) if charged else None
     return {"n": len(changes), "change_median_pct": _round(median), "change_mean_pct": _round(statistics.fmean(changes)),
             "change_range_pct": (min(changes), max(changes)), "share_charged_pct": _round(share),
+            "share_read_pct": _round(statistics.fmean(read)) if read else None,
             "beyond_share_pts": _round(-median - share) if share is not None else None}
 
 
@@ -607,8 +613,9 @@ def table(doc: dict) -> str:
     s = doc.get("engine", {}).get("summary")
     if s:
         lines.append(f"pairs: decode tok/s median {s['change_median_pct']:+.2f} % (mean {s['change_mean_pct']:+.2f} %, "
-                     f"{s['n']} pairs), share charged {_fmt(s['share_charged_pct'])} %, lost beyond the share "
-                     f"{_fmt(s['beyond_share_pts'])} points")
+                     f"{s['n']} pairs), share charged {_fmt(s['share_charged_pct'])} %"
+                     + (f" (its reads' own seconds {_fmt(s['share_read_pct'])} %)" if s.get("share_read_pct") is not None else "")
+                     + f", lost beyond the share {_fmt(s['beyond_share_pts'])} points")
     return "\n".join(lines)
 
 

@@ -319,6 +319,13 @@ def test_engine_cost_pairs_windows_in_either_order_and_sums_the_pairs_up():
     s = cost["summary"]
     assert s["n"] == 2 and abs(s["change_median_pct"] + 2.0) < 0.01 and abs(s["share_charged_pct"] - 2.0) < 0.01
     assert abs(s["beyond_share_pts"]) < 0.01  # 2 % lost for 2 % charged: nothing beyond
+    assert s["share_read_pct"] is None and cost["windows"][1]["share_read_pct"] is None  # not reported apart
+    # a service that charges its share reads less than their own seconds (`--share-charge alone`)
+    apart = [f.Poll(p.time, {}, {**p.counters, "share_read_s": 3 * p.counters["share_s"]}, {}) for p in polls]
+    s = f.engine_cost([stream], [("off", 1.0, 2.0), ("on", 2.0, 3.0), ("on", 3.0, 4.0), ("off", 4.0, 5.0)],
+                      apart)["summary"]
+    assert abs(s["share_charged_pct"] - 2.0) < 0.01 and abs(s["share_read_pct"] - 6.0) < 0.01
+    assert "its reads' own seconds 6.00 %" in f.table({"side_by_side": {}, "engine": {"pairs": [], "summary": s}})
 
 
 @pytest.mark.parametrize("bad", [["--steady-prompt", "0"], ["--settle", "-1"], ["--settle", "nan"], ["--pairs", "-1"]])

@@ -48,7 +48,7 @@ class ReadLog:
         def traced(sched, read, chunks, seconds, now):
             if chunks:  # (seconds compared exactly: both sides add the same binary fractions)
                 self.reads.append((read.session, read.window, read.depth, chunks, now, seconds))
-            done(sched, read, chunks, seconds, now)
+            return done(sched, read, chunks, seconds, now)
 
         monkeypatch.setattr(ReadScheduler, "read_done", traced)
 
@@ -269,6 +269,37 @@ def test_live_and_replayed_read_the_same_chunks_of_the_same_sessions_at_the_same
         counters = service.status()["counters"]
         assert (counters["chunks_idle"], counters["chunks_share"]) == (arm.chunks_idle, arm.chunks_share)
         assert_exact(service, "a")
+    finally:
+        service.stop()
+
+
+def test_a_live_share_read_twice_as_slow_as_at_load_charges_its_cost_at_load_under_the_alone_charge(
+        tiny, read_log, monkeypatch):
+    """`--share-charge alone`: chunks that take twice the cost measured at load (an engine in another
+    process beside them) charge the decode stretches that cost; status and /metrics keep the
+    reads' own seconds apart (`share_read_s`, `read_seconds{window="share"}`)."""
+    import sys
+
+    module, base = sys.modules[__name__], CHUNK_S
+    monkeypatch.setattr(module, "RULE", replace(RULE, charge="alone"))
+    slow = lambda driver: monkeypatch.setattr(module, "CHUNK_S", 2 * base)  # after the load's measurements
+    live, service, _ = live_reads(timeline(4), lambda reader, loaded, clock: SessionStore(
+        reader, loaded.weights_hash, cap_gib=None), read_log, on_driver=slow)
+    try:
+        share = [r for r in live if r[1] == "share"]
+        assert share and all(seconds == 2 * base * chunks for *_, chunks, _, seconds in share)
+        counters = service.status()["counters"]
+        assert counters["share_read_s"] == pytest.approx(2 * base * counters["chunks_share"])
+        assert counters["share_s"] == pytest.approx(base * counters["chunks_share"])  # the load's cost a chunk
+        from prometheus_client.parser import text_string_to_metric_families
+
+        from shadow.server.metrics import Metrics
+        from shadow.server.timings import Histogram
+
+        text = Metrics(service, Histogram((0.1,))).render()[0].decode()
+        samples = {(m.name, m.labels.get("window")): m.value for f in text_string_to_metric_families(text) for m in f.samples}
+        assert samples[("shadow_share_charged_seconds_total", None)] == pytest.approx(counters["share_s"])
+        assert samples[("shadow_read_seconds_total", "share")] == pytest.approx(counters["share_read_s"])
     finally:
         service.stop()
 

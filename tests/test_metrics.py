@@ -132,7 +132,8 @@ def wanted(status: dict, store_counters: dict, journal: Path) -> dict[tuple, flo
         ("shadow_idle_reader_up",): 1.0,
         ("shadow_idle_reader_state", ("state", status["idle_reader"]["state"].replace(" ", "_"))): 1.0,
         ("shadow_idle_reader_errors_total",): status["idle_reader"]["errors"],
-        ("shadow_read_seconds_total", ("window", "share")): c["share_s"],
+        ("shadow_read_seconds_total", ("window", "share")): c["share_read_s"],
+        ("shadow_share_charged_seconds_total",): c["share_s"],
     }
     for window in ("idle", "share", "ask"):
         out[("shadow_chunks_read_total", ("window", window))] = c[f"chunks_{window}"]

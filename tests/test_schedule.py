@@ -485,3 +485,38 @@ def test_a_batch_waits_only_where_a_turn_in_flight_may_bring_chunks():
     unnamed = busy_stretch(rule, {"x": True})
     unnamed.turn_started("found later", None, 100.1)  # a proxy still finding its session from the prompt
     assert unnamed.chunks_may_come()
+
+
+def test_a_share_read_charges_at_most_its_cost_at_load_under_the_alone_charge():
+    """Beside an engine in another process, a read's own seconds hold the engine's work on the GPU
+    too: `charge="alone"` charges the stretch the lesser of them and the cost kept at load."""
+    for charge, want in (("wall", [0.03, 0.006, 0.02]), ("alone", [0.01, 0.006, 0.012])):
+        s = scheduler(chunk_s=None, charge=charge)
+        s.costs.warm(0, 0.01)
+        s.costs.warm(8192, 0.02)
+        s.warm_batch(2, 8192, 0.012)
+        s.keep_alone()
+        s.costs.warm(0, 0.5)  # a later measurement moves the estimate, not the cost kept at load
+        s.update("a", 0, 100 * G, now=0.0)
+        s.turn_started("t", "a", 0.0)
+        s.first_token("t", 1.0)
+        got = [s.read_done(Read("a", 1, "share", 0, 0.01), 1, 0.03, 2.0),  # contended: 3x its cost at load
+               s.read_done(Read("a", 1, "share", G, 0.01), 1, 0.006, 2.1),  # faster than at load: its own seconds
+               s.read_done(Read("a", 1, "share", 8192, 0.012, others=(("b", 8192),)), 2, 0.02, 2.2)]  # a batch of 2
+        assert got == pytest.approx(want), charge
+        assert s.share_used == pytest.approx(sum(want))
+        assert s.read_done(Read("a", 1, "ask", 0, 0.01), 1, 0.03, 2.3) == 0.0  # an ask's read charges no share
+        assert s.read_done(Read("a", 1, "idle", 0, 0.01), 1, 0.03, 2.4) == 0.0
+
+
+def test_the_alone_charge_without_a_cost_at_load_charges_a_reads_own_seconds():
+    s = scheduler(chunk_s=None, charge="alone")
+    assert s.read_done(Read("a", 2, "share", 0, None), 2, 0.05, 1.0) == 0.05  # nothing kept at load
+    s.costs.warm(0, 0.01)
+    s.keep_alone()
+    assert s.read_done(Read("a", 2, "share", 0, 0.02), 2, 0.05, 1.1) == pytest.approx(0.02)  # two chunks' costs
+    # a batch of a size with no cost at load: its entries' chunk costs
+    assert s.read_done(Read("a", 1, "share", 0, 0.02, others=(("b", G),)), 2, 0.05, 1.2) == pytest.approx(0.02)
+    empty = scheduler(chunk_s=None, charge="alone")
+    empty.keep_alone()  # kept with no estimate at all
+    assert empty.read_done(Read("a", 1, "share", 0, None), 1, 0.05, 1.0) == 0.05

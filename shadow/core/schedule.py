@@ -126,6 +126,10 @@ class BandwidthRule:
     batch_busy: float = 0.4  # the share's use over the last busy_window_s, of its income there, that makes it busy
     busy_window_s: float = 10.0
     batch_bank_s: float = 4.0  # ... with less than this left in the stretch's budget (more: it can afford to read at once)
+    # what a share read charges its stretch: "wall", its device-synchronised seconds; "alone", the lesser of
+    # those and its cost as measured at load (`ReadScheduler.keep_alone`): beside an engine in another process,
+    # a read's seconds hold the engine's own work on the GPU too
+    charge: str = "wall"
 
     @property
     def share_batch_s(self) -> float:
@@ -233,6 +237,12 @@ class ChunkCosts:
         """Set a bucket's estimate outright (a scratch read at load, or a replay's known rate)."""
         self._set(depth // self.bucket_tokens, max(0.0, seconds))
 
+    def copy(self) -> ChunkCosts:
+        """These estimates as they stand, in a table of their own."""
+        out = ChunkCosts(self.bucket_tokens, self.alpha, self.outlier)
+        out._est, out._keys = dict(self._est), list(self._keys)
+        return out
+
     @property
     def known(self) -> bool:
         return bool(self._keys)
@@ -335,8 +345,9 @@ class ReadScheduler:
         self.changes = 0  # bumped by every change that can move a decision
         self.decode_s = 0.0  # seconds of decode stretches ended so far
         self._between: tuple[int, float] | None = None  # (changes, until) of the last between-rounds Wait
-        self._share_reads: deque[tuple[float, float]] = deque()  # (end, seconds) of recent share reads
+        self._share_reads: deque[tuple[float, float]] = deque()  # (end, seconds charged) of recent share reads
         self._share_used_recently = 0.0
+        self.alone: tuple[ChunkCosts, dict[int, ChunkCosts]] | None = None  # costs kept at load (`keep_alone`)
 
     # the sessions ----------------------------------------------------------------------------
 
@@ -718,10 +729,35 @@ class ReadScheduler:
         return self._share_used_recently >= self.rule.batch_busy * self.rule.share * window - 1e-12 \
             and self.share_left(now) < self.rule.batch_bank_s
 
-    def read_done(self, read: Read, chunks: int, seconds: float, now: float) -> None:
+    def keep_alone(self) -> None:
+        """Keep the chunk and batch costs as they stand (at load: measured with the device to the
+        shadow, before any turn) as the costs a share read is charged at most under `charge="alone"`."""
+        self.alone = (self.costs.copy(), {size: c.copy() for size, c in self.batch_costs.items()})
+
+    def charged(self, read: Read, chunks: int, seconds: float) -> float:
+        """What a share read of `chunks` chunks that took `seconds` charges its stretch: `seconds`;
+        under `charge="alone"` the lesser of them and its cost kept at load (a batch: its size's cost
+        at its deepest entry, else its entries' chunk costs), where that cost is known."""
+        if self.rule.charge != "alone" or self.alone is None or chunks <= 0:
+            return seconds
+        costs, batches = self.alone
+        if read.others:
+            depths = [read.depth, *(d for _, d in read.others)]
+            own = batches.get(read.batch)
+            estimate = own.estimate(max(depths)) if own is not None else None
+            parts = [costs.estimate(d) for d in depths] if estimate is None else [estimate]
+        else:
+            parts = [costs.estimate(read.depth + k * self.grid) for k in range(chunks)]
+        if any(p is None for p in parts):
+            return seconds
+        return min(seconds, sum(parts))
+
+    def read_done(self, read: Read, chunks: int, seconds: float, now: float) -> float:
         """`chunks` of `read` were read in `seconds` (device synchronised), ending at `now`. Moves the
         session's read position (unless an `update` moved it meanwhile), refreshes the cost
-        estimate at that depth, and charges a share read to the stretch's budget."""
+        estimate at that depth, and charges a share read to the stretch's budget (`charged`).
+        Returns the seconds charged (0 for a read outside the share)."""
+        charge = self.charged(read, chunks, seconds) if read.window == "share" else 0.0
         s = self.sessions.get(read.session)
         self.changes += 1
         if chunks > 0 and read.others:  # a batch: its entries' chunks, read together, in order
@@ -738,11 +774,12 @@ class ReadScheduler:
             if s is not None and s.committed == read.depth:
                 s.committed += chunks * self.grid
         if read.window == "share" and self.stretch_start is not None:
-            self.share_used += seconds
+            self.share_used += charge
         if read.window == "share":
-            self._share_reads.append((now, seconds))
-            self._share_used_recently += seconds
+            self._share_reads.append((now, charge))
+            self._share_used_recently += charge
         if read.window == "idle" and self._burst_start is not None:
             self._burst_chunks += 1
         if s is not None:
             self._refresh(s, now)
+        return charge

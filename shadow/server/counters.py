@@ -20,7 +20,8 @@ class Counters:
     requests: int = 0
     chunks_idle: int = 0
     chunks_share: int = 0
-    share_s: float = 0.0  # seconds of reading charged to shares (inside the engine's decodes)
+    share_s: float = 0.0  # seconds of reading charged to shares (inside the engine's decodes; `--share-charge`)
+    share_read_s: float = 0.0  # the share's reads' own device-synchronised seconds
     voice_s: float = 0.0  # seconds of voice phrases charged to turns' voice budgets
     idle_s: float = 0.0  # seconds read in the idle window
     ask_s: float = 0.0  # seconds read for asks

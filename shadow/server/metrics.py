@@ -199,13 +199,16 @@ class ShadowCollector:
     def _reading(out: "Families", status: dict, share: float) -> None:
         c, r = status["counters"], status["reading"]
         chunks = out.family("chunks_read", "Chunks the shadow read, by window", ["window"], CounterMetricFamily)
-        seconds = out.family("read_seconds", "Device-synchronised seconds of those chunks, by window (share: the "
-                             "seconds charged to the engine's decodes)", ["window"], CounterMetricFamily)
+        seconds = out.family("read_seconds", "Device-synchronised seconds of those chunks, by window",
+                             ["window"], CounterMetricFamily)
         for window in WINDOWS:
             chunks.add(window, value=c[f"chunks_{window}"])
-            value = c.get(f"{window}_s")
+            value = c.get("share_read_s" if window == "share" else f"{window}_s")
             if value is not None:
                 seconds.add(window, value=value)
+        if c.get("share_s") is not None:
+            out.counter("share_charged_seconds", "Seconds the share's reads charged the engine's decodes "
+                        "(--share-charge: their own seconds, or at most their cost at load)", c["share_s"])
         if c.get("decode_s") is not None:
             out.counter("decode_seconds", "Seconds of the engine's decode stretches (the share's base)", c["decode_s"])
         out.gauge("share_fraction", "The in-turn share the rule grants (--share)", share)

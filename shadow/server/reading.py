@@ -205,6 +205,7 @@ class Reading:
                 self.sched.costs.warm(depth, seconds)
             for size, depth, seconds in batched:
                 self.sched.warm_batch(size, depth, seconds)
+            self.sched.keep_alone()  # what `--share-charge alone` charges a share read at most
             self.sched.changes += 1
 
     # sessions (the caller holds the lock) ----------------------------------------------------
@@ -281,7 +282,7 @@ class Reading:
         a question a read reached answered."""
         end = self.clock()
         with self.lock:
-            self.sched.read_done(read, done, seconds, end)
+            charged = self.sched.read_done(read, done, seconds, end)
             for name in lines:
                 self.sync(shadow, name)
             c = self.counters
@@ -296,7 +297,8 @@ class Reading:
                 c.idle_s += seconds
             elif read.window == "share":
                 c.chunks_share += done
-                c.share_s += seconds
+                c.share_s += charged
+                c.share_read_s += seconds
             else:
                 c.chunks_ask += done
                 c.ask_s += seconds

@@ -782,7 +782,7 @@ class ShadowService:
                 "overdue_turns": self._overdue(),
                 "counters": {
                     "requests": c.requests, "chunks_idle": c.chunks_idle, "chunks_share": c.chunks_share,
-                    "share_s": round(c.share_s, 6), "voice_s": round(c.voice_s, 6),
+                    "share_s": round(c.share_s, 6), "share_read_s": round(c.share_read_s, 6), "voice_s": round(c.voice_s, 6),
                     "decode_s": round(self.sched.decoded_s(self.clock()), 6),
                     "chunks_ask": c.chunks_ask, "batched_reads": dict(c.batched_reads), "read_pieces": c.read_pieces, "asks": c.asks, "last_chunk_ms": round(c.last_chunk_ms, 3),
                     "idle_s": round(c.idle_s, 6), "ask_s": round(c.ask_s, 6),
