@@ -492,10 +492,7 @@ def test_a_share_read_charges_at_most_its_cost_at_load_under_the_alone_charge():
     too: `charge="alone"` charges the stretch the lesser of them and the cost kept at load."""
     for charge, want in (("wall", [0.03, 0.006, 0.02]), ("alone", [0.01, 0.006, 0.012])):
         s = scheduler(chunk_s=None, charge=charge)
-        s.costs.warm(0, 0.01)
-        s.costs.warm(8192, 0.02)
-        s.warm_batch(2, 8192, 0.012)
-        s.keep_alone()
+        s.keep_alone([(0, 0.01), (8192, 0.02)], [(2, 8192, 0.012)])
         s.costs.warm(0, 0.5)  # a later measurement moves the estimate, not the cost kept at load
         s.update("a", 0, 100 * G, now=0.0)
         s.turn_started("t", "a", 0.0)
@@ -512,11 +509,20 @@ def test_a_share_read_charges_at_most_its_cost_at_load_under_the_alone_charge():
 def test_the_alone_charge_without_a_cost_at_load_charges_a_reads_own_seconds():
     s = scheduler(chunk_s=None, charge="alone")
     assert s.read_done(Read("a", 2, "share", 0, None), 2, 0.05, 1.0) == 0.05  # nothing kept at load
-    s.costs.warm(0, 0.01)
-    s.keep_alone()
+    s.costs.warm(0, 0.3)  # learned from reads: never kept
+    s.keep_alone([(0, 0.01)])
     assert s.read_done(Read("a", 2, "share", 0, 0.02), 2, 0.05, 1.1) == pytest.approx(0.02)  # two chunks' costs
     # a batch of a size with no cost at load: its entries' chunk costs
     assert s.read_done(Read("a", 1, "share", 0, 0.02, others=(("b", G),)), 2, 0.05, 1.2) == pytest.approx(0.02)
     empty = scheduler(chunk_s=None, charge="alone")
-    empty.keep_alone()  # kept with no estimate at all
+    empty.keep_alone([])  # kept with no estimate at all
     assert empty.read_done(Read("a", 1, "share", 0, None), 1, 0.05, 1.0) == 0.05
+
+
+def test_the_alone_charge_keeps_the_known_costs_where_the_load_measured_none():
+    s = scheduler(chunk_s=None, charge="alone", batch=2)
+    s.warm_known(KnownCosts(chunks=((0, 0.01), (65536, 0.04)), batches=((2, 65536, 0.05),)))
+    s.keep_alone([(0, 0.008)])  # the load measured depth 0 again, nothing deeper
+    assert s.read_done(Read("a", 1, "share", 0, 0.01), 1, 0.05, 1.0) == pytest.approx(0.008)
+    assert s.read_done(Read("a", 1, "share", 65536, 0.04), 1, 0.05, 1.1) == pytest.approx(0.04)
+    assert s.read_done(Read("a", 1, "share", 65536, 0.05, others=(("b", 65536),)), 2, 0.07, 1.2) == pytest.approx(0.05)

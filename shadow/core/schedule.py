@@ -237,12 +237,6 @@ class ChunkCosts:
         """Set a bucket's estimate outright (a scratch read at load, or a replay's known rate)."""
         self._set(depth // self.bucket_tokens, max(0.0, seconds))
 
-    def copy(self) -> ChunkCosts:
-        """These estimates as they stand, in a table of their own."""
-        out = ChunkCosts(self.bucket_tokens, self.alpha, self.outlier)
-        out._est, out._keys = dict(self._est), list(self._keys)
-        return out
-
     @property
     def known(self) -> bool:
         return bool(self._keys)
@@ -348,6 +342,7 @@ class ReadScheduler:
         self._share_reads: deque[tuple[float, float]] = deque()  # (end, seconds charged) of recent share reads
         self._share_used_recently = 0.0
         self.alone: tuple[ChunkCosts, dict[int, ChunkCosts]] | None = None  # costs kept at load (`keep_alone`)
+        self._known: KnownCosts | None = None  # the costs `warm_known` started from
 
     # the sessions ----------------------------------------------------------------------------
 
@@ -569,6 +564,7 @@ class ReadScheduler:
     def warm_known(self, known: KnownCosts) -> None:
         """Start from `known`: each chunk cost at its depth, and each batched read's of a size this
         rule may read (`batch_sizes`); later warms and reads replace them bucket by bucket."""
+        self._known = known
         for depth, seconds in known.chunks:
             self.costs.warm(depth, seconds)
         sizes = set(batch_sizes(self.rule.batch))
@@ -729,10 +725,18 @@ class ReadScheduler:
         return self._share_used_recently >= self.rule.batch_busy * self.rule.share * window - 1e-12 \
             and self.share_left(now) < self.rule.batch_bank_s
 
-    def keep_alone(self) -> None:
-        """Keep the chunk and batch costs as they stand (at load: measured with the device to the
-        shadow, before any turn) as the costs a share read is charged at most under `charge="alone"`."""
-        self.alone = (self.costs.copy(), {size: c.copy() for size, c in self.batch_costs.items()})
+    def keep_alone(self, chunks: list[tuple[int, float]], batches: list[tuple[int, int, float]] = ()) -> None:
+        """Keep, as the costs a share read is charged at most under `charge="alone"`, the costs
+        measured at load (`chunks`: (depth, seconds) of one chunk; `batches`: (size, depth, seconds)
+        of a batched read) over the known costs the scheduler started from (`warm_known`); never the
+        estimates its reads taught it."""
+        costs, by_size = ChunkCosts(self.costs.bucket_tokens), {}
+        known = self._known if self._known is not None else KnownCosts((), ())
+        for depth, seconds in (*known.chunks, *chunks):
+            costs.warm(depth, seconds)
+        for size, depth, seconds in (*known.batches, *batches):
+            by_size.setdefault(size, ChunkCosts(self.costs.bucket_tokens)).warm(depth, seconds)
+        self.alone = (costs, by_size)
 
     def charged(self, read: Read, chunks: int, seconds: float) -> float:
         """What a share read of `chunks` chunks that took `seconds` charges its stretch: `seconds`;

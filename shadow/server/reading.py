@@ -205,7 +205,7 @@ class Reading:
                 self.sched.costs.warm(depth, seconds)
             for size, depth, seconds in batched:
                 self.sched.warm_batch(size, depth, seconds)
-            self.sched.keep_alone()  # what `--share-charge alone` charges a share read at most
+            self.sched.keep_alone(measured, batched)  # what `--share-charge alone` charges a share read at most
             self.sched.changes += 1
 
     # sessions (the caller holds the lock) ----------------------------------------------------
