@@ -526,3 +526,29 @@ def test_the_alone_charge_keeps_the_known_costs_where_the_load_measured_none():
     assert s.read_done(Read("a", 1, "share", 0, 0.01), 1, 0.05, 1.0) == pytest.approx(0.008)
     assert s.read_done(Read("a", 1, "share", 65536, 0.04), 1, 0.05, 1.1) == pytest.approx(0.04)
     assert s.read_done(Read("a", 1, "share", 65536, 0.05, others=(("b", 65536),)), 2, 0.07, 1.2) == pytest.approx(0.05)
+
+
+def test_the_alone_charge_sums_a_runs_chunks_by_depth_and_draws_a_line_past_the_deepest_kept():
+    s = scheduler(chunk_s=None, charge="alone")
+    s.keep_alone([(0, 0.01), (8192, 0.02), (32768, 0.03)])
+    # two chunks from 7680: one in bucket 0, one in bucket 1 (8192 and up)
+    assert s.read_done(Read("a", 2, "share", 7680, 0.03), 2, 0.5, 1.0) == pytest.approx(0.01 + 0.02)
+    # past 32768 + 8192: the line through the two deepest kept (0.02 at bucket 1, 0.03 at bucket 4)
+    assert s.read_done(Read("a", 1, "share", 131072, 0.05), 1, 0.5, 1.1) == pytest.approx(0.03 + (0.01 / 3) * 12)
+    one = scheduler(chunk_s=None, charge="alone")
+    one.keep_alone([(0, 0.01)])  # one depth kept: nothing known past it
+    assert one.read_done(Read("a", 1, "share", 65536, 0.01), 1, 0.5, 1.0) == 0.5
+    zero = scheduler(chunk_s=None, charge="alone")
+    zero.keep_alone([(0, 0.0), (8192, 0.0)])  # a cost of 0 kept: unknown, not free
+    assert zero.read_done(Read("a", 1, "share", 0, 0.0), 1, 0.5, 1.0) == 0.5
+
+
+def test_a_second_load_keeps_its_own_costs_and_the_charge_is_what_the_busy_window_counts():
+    s = scheduler(chunk_s=None, charge="alone")
+    s.keep_alone([(0, 0.01)])
+    s.keep_alone([(0, 0.02)])  # the model loaded again: the new load's costs
+    s.update("a", 0, 100 * G, now=0.0)
+    s.turn_started("t", "a", 0.0)
+    s.first_token("t", 1.0)
+    assert s.read_done(Read("a", 1, "share", 0, 0.02), 1, 0.5, 2.0) == pytest.approx(0.02)
+    assert s._share_used_recently == pytest.approx(0.02) and s.share_used == pytest.approx(0.02)

@@ -237,6 +237,21 @@ class ChunkCosts:
         """Set a bucket's estimate outright (a scratch read at load, or a replay's known rate)."""
         self._set(depth // self.bucket_tokens, max(0.0, seconds))
 
+    def bounded(self, depth: int) -> float | None:
+        """`estimate`, except past the deepest measured bucket: there the line through the two
+        deepest (never below the deepest's own cost), and None with fewer than two measured; None
+        for an estimate that is not above 0."""
+        b = depth // self.bucket_tokens
+        if not self._keys or (b > self._keys[-1] and len(self._keys) < 2):
+            return None
+        if b > self._keys[-1]:
+            lo, hi = self._keys[-2], self._keys[-1]
+            slope = (self._est[hi] - self._est[lo]) / (hi - lo)
+            value = self._est[hi] + max(0.0, slope) * (b - hi)
+        else:
+            value = self.estimate(depth)
+        return value if value is not None and value > 0 else None
+
     @property
     def known(self) -> bool:
         return bool(self._keys)
@@ -741,17 +756,18 @@ class ReadScheduler:
     def charged(self, read: Read, chunks: int, seconds: float) -> float:
         """What a share read of `chunks` chunks that took `seconds` charges its stretch: `seconds`;
         under `charge="alone"` the lesser of them and its cost kept at load (a batch: its size's cost
-        at its deepest entry, else its entries' chunk costs), where that cost is known."""
+        at its deepest entry, else its entries' chunk costs; past the deepest depth kept, the line
+        through the two deepest: `ChunkCosts.bounded`), where that cost is known."""
         if self.rule.charge != "alone" or self.alone is None or chunks <= 0:
             return seconds
         costs, batches = self.alone
         if read.others:
             depths = [read.depth, *(d for _, d in read.others)]
             own = batches.get(read.batch)
-            estimate = own.estimate(max(depths)) if own is not None else None
-            parts = [costs.estimate(d) for d in depths] if estimate is None else [estimate]
+            estimate = own.bounded(max(depths)) if own is not None else None
+            parts = [costs.bounded(d) for d in depths] if estimate is None else [estimate]
         else:
-            parts = [costs.estimate(read.depth + k * self.grid) for k in range(chunks)]
+            parts = [costs.bounded(read.depth + k * self.grid) for k in range(chunks)]
         if any(p is None for p in parts):
             return seconds
         return min(seconds, sum(parts))

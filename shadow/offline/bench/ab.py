@@ -169,7 +169,7 @@ def _refusal(status: int, body: bytes) -> Exception:
 
 
 def server_counts(client: httpx.Client, base: str) -> tuple[float | None, float | None, list[dict]]:
-    """The server's `share_s` and `voice_s` counters (seconds read inside turns' shares, seconds of
+    """The server's `share_s` and `voice_s` counters (seconds the reads inside turns' shares charged, seconds of
     voice phrases), where it reports them, and the long gaps it kept (each with its place)."""
     r = client.get(base + "/shadow/status")
     if r.status_code != 200:
