@@ -436,24 +436,37 @@ def survey_mixed(depths: list[int]) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def whole_numbers(least: int):
+    """An argparse type: whole numbers >= `least`, comma-separated (a refusal is one line, exit 2)."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",")]
+        except ValueError:
+            values = []
+        if not values or min(values) < least:
+            raise argparse.ArgumentTypeError(f"whole numbers >= {least}, comma-separated, not {text!r}")
+        return values
+    return parse
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--depths", default="16384,65536")
-    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--depths", default=[16384, 65536], type=whole_numbers(0), help="cached rows a session")
+    parser.add_argument("--batches", default=[1, 8], type=whole_numbers(1), help="sessions a call")
     parser.add_argument("--arms", choices=("all", "fa4"), default="all",
                         help="fa4: the library's kernel and FlashAttention-4 only")
-    parser.add_argument("--mixed", default="",
+    parser.add_argument("--mixed", default=[], type=lambda t: whole_numbers(0)(t) if t else [],
                         help="depths of one batch of sessions at mixed depths (FA4 arms), e.g. 0,4096,...,65536")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "cudnn", torch.backends.cudnn.version(), flush=True)
     every = []
-    for depth in (int(x) for x in args.depths.split(",")):
-        for batch in (int(x) for x in args.batches.split(",")):
+    for depth in args.depths:
+        for batch in args.batches:
             for row in survey(depth, batch, args.arms):
                 every.append(row)
                 print(json.dumps(row), flush=True)
     if args.mixed:
-        for row in survey_mixed([int(x) for x in args.mixed.split(",")]):
+        for row in survey_mixed(args.mixed):
             every.append(row)
             print(json.dumps(row), flush=True)
     print(json.dumps({"rows": every}))

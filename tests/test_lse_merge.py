@@ -155,3 +155,13 @@ def test_the_merge_compiles_for_the_h200():
     source = ASTSource(fn=lse_merge._merge, signature=signature, constexprs={"D": 256}, attrs=aligned)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     assert ".entry" in compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize("bad", [["--mixed", "abc"], ["--mixed", "-5"], ["--depths", "x"], ["--batches", "0"],
+                                 ["--mixed", "1,,2"]])
+def test_the_kernel_survey_refuses_bad_sizes_with_one_line(bad):
+    """experiments/attention_kernels.py parses its sizes before it touches a GPU: exit 2, one line."""
+    out = subprocess.run([sys.executable, "experiments/attention_kernels.py", *bad], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("attention_kernels.py: error: argument")
