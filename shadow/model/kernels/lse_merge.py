@@ -75,16 +75,19 @@ class MergeTable:
 
 def merge_table(counts: list[int], device: torch.device | str) -> MergeTable:
     """The `MergeTable` of `counts` (each a whole number >= 0) on `device`."""
-    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts) or not counts:
-        raise ValueError(f"slice counts are whole numbers >= 0, one a session, not {counts!r}")
+    _check_counts(counts)
     firsts = [sum(counts[:b]) for b in range(len(counts))]
     tensor = torch.tensor([[f, c] for f, c in zip(firsts, counts)], dtype=torch.int32).to(device)
     return MergeTable(tuple(counts), tensor)
 
 
-def _check(o_slices, lse_slices, o_tail, lse_tail, counts, t):
-    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts) or not counts:
+def _check_counts(counts) -> None:
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
         raise ValueError(f"slice counts are whole numbers >= 0, one a session, not {counts!r}")
+
+
+def _check(o_slices, lse_slices, o_tail, lse_tail, counts, t):
+    _check_counts(counts)
     if o_tail.dim() != 3 or not o_tail.is_floating_point():
         raise ValueError("the tails must be [B*T, H, D] of a floating type")
     rows, heads, d = o_tail.shape
