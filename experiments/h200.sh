@@ -172,7 +172,7 @@ for step in "$@"; do
              # carried and checked, 6 s (2026-12-07).
              # In one call (9 min): the GGUF, engine and shadow up in about 120 s, DENSITY_S (120) of density,
              # then the engine's cost at a steady load (a stream a slot of STEADY_PROMPT ids, 8192; up to SETTLE_S,
-             # 60, for them all to decode; PAIRS x 2 x WINDOW_S, 2 x 2 x 15 s, off/on), the engine's tokenization
+             # 60, for them all to decode; PAIRS x 2 + 1 windows of WINDOW_S, 5 x 15 s, off, on, ..., off), the engine's tokenization
              # and the replay in about 30 s;
              # the driver shortens the density phase to be done FINISH_BY (525) s after the step began (--finish-by)
              # and is stopped 45 s later.

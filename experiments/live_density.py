@@ -30,8 +30,9 @@ of its own (`steady.sK`: a trajectory's prompt nearest `--steady-prompt` ids, ma
 line of its own, `max_tokens` as many as its slot holds, `ignore_eos`), so the N streams decode
 together and the shadow has their new prompts to read in its share. Once every steady stream
 decodes (at most `--settle` s), `--pairs` K pairs of windows of `--window` s switch the shadow off
-and on (`/v1/shadow/switch`), in the order off-on, on-off, ... (a drift in the engine's speed as
-its streams deepen cancels); then the steady streams are cut. Each window's decode tokens/s and
+and on (`/v1/shadow/switch`), in the order off, on, off, ..., on, off (`--order alternate`, 2K + 1
+windows) or off-on, on-off, ... (`--order abba`); then the steady streams are cut. The engine's speed
+drifts as its streams deepen: `live_figures.drift_fit` takes the drift out. Each window's decode tokens/s and
 inter-token gaps (the steady streams'), the share charged in it, and llama-server's own counters
 (`--metrics`) at its ends (`live_figures.engine_cost`); each pair's change with the shadow on.
 
@@ -359,18 +360,17 @@ class Run:
             self.settled = {"waited_s": round(self.now() - began, 3),
                             "steady_decoding": sum(r.first_token is not None and r.end is None for r in self.steady),
                             "density_in_flight": sum(r.end is None for r in self.sent)}
-            for p in range(a.pairs):
-                for on in ((False, True) if p % 2 == 0 else (True, False)):
-                    start = self.now()
-                    try:
-                        (await self.client.post("/v1/shadow/switch", json={"on": on})).raise_for_status()
-                    except httpx.HTTPError as e:  # no window then: the pairs stop, the density figures stay
-                        self.switch_error = f"{type(e).__name__}: {e}"
-                        return
-                    before = await self.engine_counters()
-                    await asyncio.sleep(max(0.0, start + a.window - self.now()))
-                    self.windows.append(("on" if on else "off", start, self.now()))
-                    self.engine_windows.append((before, await self.engine_counters()))
+            for on in window_order(a.pairs, a.order):
+                start = self.now()
+                try:
+                    (await self.client.post("/v1/shadow/switch", json={"on": on})).raise_for_status()
+                except httpx.HTTPError as e:  # no window then: the pairs stop, the density figures stay
+                    self.switch_error = f"{type(e).__name__}: {e}"
+                    return
+                before = await self.engine_counters()
+                await asyncio.sleep(max(0.0, start + a.window - self.now()))
+                self.windows.append(("on" if on else "off", start, self.now()))
+                self.engine_windows.append((before, await self.engine_counters()))
         finally:
             self.steady_over.set()
             with contextlib.suppress(httpx.HTTPError):  # the shadow left on, as it ran
@@ -403,6 +403,15 @@ class Run:
             return {}
         return {k: float(v) for k, v in (line.split()[:2] for line in text.splitlines()
                                          if line.startswith("llamacpp:") and len(line.split()) >= 2)}
+
+
+def window_order(pairs: int, order: str) -> list[bool]:
+    """Whether the shadow is on in each window of the engine's cost: `abba`, off-on then on-off, ...
+    (2 x pairs windows); `alternate`, off, on, off, ..., on, off (2 x pairs + 1, so that each on
+    window lies between two off windows)."""
+    if order == "abba":
+        return [on for p in range(pairs) for on in ((False, True) if p % 2 == 0 else (True, False))]
+    return [i % 2 == 1 for i in range(2 * pairs + 1)] if pairs else []
 
 
 def tokenize_prompts(engine: str, sent: list[fig.Sent], workers: int = 8) -> None:
@@ -511,7 +520,7 @@ def main(argv: list[str] | None = None) -> dict:
         serve = start(stack, serve_cmd, out / "serve.log", env)
         wait_up(f"{url}/v1/shadow/status", serve, 900, ready=lambda r: r.status_code == 200 and r.json()["ready"])
         if a.finish_by:  # what is left after the setup, less the windows and the work after the run
-            cost = (a.settle + 2 * a.pairs * a.window) if a.pairs else 0.0
+            cost = (a.settle + len(window_order(a.pairs, a.order)) * a.window) if a.pairs else 0.0
             left = a.finish_by - (time.monotonic() - began) - cost - AFTER_RUN_S
             if left < a.duration:
                 a.asked_duration, a.duration = a.duration, max(MIN_DURATION_S, round(left, 1))
@@ -599,6 +608,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=90.0, help="seconds of the density phase")
     p.add_argument("--pairs", type=int, default=0, help="then this many off/on pairs of windows at a steady load (engine cost)")
     p.add_argument("--window", type=float, default=30.0, help="seconds of each off or on window")
+    p.add_argument("--order", choices=("alternate", "abba"), default="alternate",
+                   help="the windows' order: off, on, off, ..., off (2 x pairs + 1 windows), or off-on, on-off, ...")
     p.add_argument("--steady-prompt", type=int, default=8192, help="the steady streams' prompts, about this many ids")
     p.add_argument("--settle", type=float, default=60.0, help="the longest wait for every steady stream to decode")
     p.add_argument("--pace", type=float, default=1.0, help="recorded gaps between a session's requests times this")

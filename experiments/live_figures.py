@@ -542,7 +542,51 @@ def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], p
                           "engine_decodes_per_s": tuple((x["engine"] or {}).get("decodes_per_s") for x in (off, on)),
                           "gpu_busy_pct": (off["gpu_busy_pct"], on["gpu_busy_pct"]),
                           "share_charged_pct": on["share_charged_pct"], "share_read_pct": on["share_read_pct"]})
-    return {"windows": rows, "pairs": pairs, "summary": _pairs_summary(pairs)}
+    return {"windows": rows, "pairs": pairs, "summary": _pairs_summary(pairs), "drift": drift_fit(rows)}
+
+
+def drift_fit(rows: list[dict]) -> dict | None:
+    """The decode lost with the shadow on, the engine's drift taken out (its streams deepen, so its
+    tokens/s falls as the windows go on): a least-squares fit of each window's tokens/s to a quadratic
+    in the window's middle time plus a step while the shadow is on. `lost_pct`, the step as a % of the
+    fitted rate with the shadow off at the windows' mean time, and `lost_se_pts`, its standard error
+    (from the fit's residuals; the windows taken as independent). `neighbours_median_pct`, the median
+    of the loss each window gives against the mean of its two neighbours where both are of the other
+    kind (a linear drift cancels), a check that needs no model of the drift. `share_charged_pct` and
+    `share_read_pct`, their means over the on windows; `beyond_share_pts`, lost less charged. None
+    with fewer than six windows that have a rate, or with no window of either kind."""
+    import numpy as np
+
+    used = [w for w in rows if w["tok_s"]]
+    ons = [w["shadow"] == "on" for w in used]
+    if len(used) < 6 or all(ons) or not any(ons):
+        return None
+    mid = np.array([(w["start"] + w["end"]) / 2 for w in used])
+    tau = (mid - mid.mean()) / max(float(np.ptp(mid)), 1e-9)
+    x = np.column_stack([np.ones_like(tau), tau, tau ** 2, np.array(ons, dtype=float)])
+    y = np.array([w["tok_s"] for w in used], dtype=float)
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    dof = len(y) - x.shape[1]
+    se = None
+    if dof > 0:
+        rss = float(np.sum((y - x @ coef) ** 2))
+        se = math.sqrt(rss / dof * float(np.linalg.inv(x.T @ x)[3, 3]))
+    base = float(coef[0] + coef[2] * np.mean(tau ** 2))  # the fitted off rate at the windows' mean time
+    lost = -100 * float(coef[3]) / base
+    near = []
+    for i in range(1, len(rows) - 1):
+        w, a, b = rows[i], rows[i - 1], rows[i + 1]
+        if w["tok_s"] and a["tok_s"] and b["tok_s"] and a["shadow"] == b["shadow"] != w["shadow"]:
+            ratio = w["tok_s"] / ((a["tok_s"] + b["tok_s"]) / 2)
+            near.append(100 * (1 - ratio) if w["shadow"] == "on" else 100 * (ratio - 1))
+    on = [w for w in rows if w["shadow"] == "on"]
+    charged = [w["share_charged_pct"] for w in on if w["share_charged_pct"] is not None]
+    read = [w["share_read_pct"] for w in on if w.get("share_read_pct") is not None]
+    share = statistics.fmean(charged) if charged else None
+    return {"windows": len(used), "lost_pct": _round(lost), "lost_se_pts": _round(100 * se / base) if se is not None else None,
+            "neighbours": len(near), "neighbours_median_pct": _round(statistics.median(near)) if near else None,
+            "share_charged_pct": _round(share), "share_read_pct": _round(statistics.fmean(read)) if read else None,
+            "beyond_share_pts": _round(lost - share) if share is not None else None}
 
 
 def gpu_busy(samples, start: float, end: float) -> float | None:
@@ -610,6 +654,13 @@ def table(doc: dict) -> str:
         if slow and slow["n"]:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in slow["mean_parts_ms"].items())
             lines.append(f"asks over 100 ms ({kind.replace('_', ' ')}): {slow['n']}, mean ms {parts}")
+    d = doc.get("engine", {}).get("drift")
+    if d:
+        lines.append(f"drift fit over {d['windows']} windows: decode lost with the shadow on {d['lost_pct']:+.2f} % "
+                     f"(se {_fmt(d['lost_se_pts'])} points; against neighbours, median {_fmt(d['neighbours_median_pct'])} % "
+                     f"of {d['neighbours']}), share charged {_fmt(d['share_charged_pct'])} %"
+                     + (f" (its reads' own seconds {_fmt(d['share_read_pct'])} %)" if d.get("share_read_pct") is not None else "")
+                     + f", lost beyond the share {_fmt(d['beyond_share_pts'])} points")
     s = doc.get("engine", {}).get("summary")
     if s:
         lines.append(f"pairs: decode tok/s median {s['change_median_pct']:+.2f} % (mean {s['change_mean_pct']:+.2f} %, "

@@ -1,7 +1,7 @@
 """`experiments/live_density.py` on the CPU: a real llama-server (the CPU build of
 `experiments/build_llama_server.sh`, skipped when absent) with three slots, `shadow serve --upstream`
 in front of it, three shared trajectories driven at once at their recorded pacing for a short
-while, then one off/on pair of windows. Checks that the live figures, the ledger and its replay
+while, then off, on and off windows of the engine's cost. Checks that the live figures, the ledger and its replay
 come from the run's own records."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def run(tmp_path_factory):
     trajectories = [str(shared_file("trajectories", "mini-swe-agent", f"{name}.traj.json")) for name in SHORT]
     out = tmp_path_factory.mktemp("density")
     doc = live_density.main(["--out", str(out), "--llama-server", str(exe), "--sessions", "3", "--duration", "45",
-                             "--pairs", "1", "--window", "8", "--max-output", "16", "--threads", "2",
+                             "--pairs", "1", "--window", "6", "--max-output", "16", "--threads", "2",
                              "--steady-prompt", "1024", "--settle", "30",
                              "--template", str(shared_file("templates", "qwen3.5.jinja")),
                              "--cap-gib", "0.008", "--disk", str(out / "disk"), "--trajectories", *trajectories])
@@ -158,18 +158,19 @@ def test_a_finished_run_is_replayed_again_against_its_own_live_figures(run):
 def test_engine_cost_pairs_an_off_window_with_an_on_window_at_a_steady_load(run):
     doc, out = run
     windows = doc["engine"]["windows"]
-    assert [w["shadow"] for w in windows] == ["off", "on"]
-    assert windows[0]["end"] <= windows[1]["start"] + 1e-6
+    assert [w["shadow"] for w in windows] == ["off", "on", "off"]  # --order alternate: each on between two offs
+    assert all(a["end"] <= b["start"] + 1e-6 for a, b in zip(windows, windows[1:]))
     for w in windows:
         assert w["tokens"] > 0 and w["tok_s"] > 0 and w["gaps"] > 0
         assert w["engine"]["decodes"] > 0 and w["engine"]["decodes_per_s"] > 0  # llama-server's own counters
     assert windows[0]["share_charged_pct"] == 0.0  # the shadow read nothing inside the engine's decode while off
     assert len(doc["engine"]["pairs"]) == 1 and doc["engine"]["summary"]["n"] == 1
+    assert doc["engine"]["drift"] is None  # three windows are too few to fit the drift
     # the windows measured the steady streams, one a slot, each decoding in both windows, then cut
     assert doc["engine"]["settled"]["steady_decoding"] == doc["sent"]["steady"] == 3
     steady = [json.loads(line) for line in (out / "steady.jsonl").read_text().splitlines()]
     assert {s["session"] for s in steady} == {"steady.s0", "steady.s1", "steady.s2"}
-    assert all(s["first_token"] < windows[0]["start"] and s["end"] >= windows[1]["end"] for s in steady)
+    assert all(s["first_token"] < windows[0]["start"] and s["end"] >= windows[-1]["end"] for s in steady)
 
 
 # the figures' own rules, on records made by hand (no servers)
@@ -180,6 +181,13 @@ def figures():
     import live_figures
 
     return live_figures
+
+
+def driver():
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import live_density
+
+    return live_density
 
 
 def test_new_prompt_ids_are_past_the_prefix_shared_with_the_previous_prompt_and_output():
@@ -326,6 +334,42 @@ def test_engine_cost_pairs_windows_in_either_order_and_sums_the_pairs_up():
                       apart)["summary"]
     assert abs(s["share_charged_pct"] - 2.0) < 0.01 and abs(s["share_read_pct"] - 6.0) < 0.01
     assert "its reads' own seconds 6.00 %" in f.table({"side_by_side": {}, "engine": {"pairs": [], "summary": s}})
+
+
+def test_the_windows_alternate_with_each_on_window_between_two_off_windows():
+    d = driver()
+    assert d.window_order(3, "alternate") == [False, True, False, True, False, True, False]
+    assert d.window_order(2, "abba") == [False, True, True, False]
+    assert d.window_order(0, "alternate") == [] == d.window_order(0, "abba")
+
+
+def test_the_drift_fit_takes_a_deepening_engines_slowdown_out_of_the_shadows_cost():
+    f = figures()
+    # a rate that falls as a quadratic in time, 14 tokens/s less in each on window; windows of 5 s
+    def rate(t, on):
+        return 720 - 1.2 * t - 0.004 * t * t - (14 if on else 0)
+    windows = [("on" if i % 2 else "off", 5.0 * i, 5.0 * i + 5) for i in range(21)]
+    rows = [{"shadow": k, "start": a, "end": b, "tok_s": rate((a + b) / 2, k == "on"),
+             "share_charged_pct": 1.5 if k == "on" else 0.0, "share_read_pct": 4.0 if k == "on" else 0.0}
+            for k, a, b in windows]
+    d = f.drift_fit(rows)
+    mids = [(a + b) / 2 for _, a, b in windows]
+    mean = sum(mids) / len(mids)
+    base = 720 - 1.2 * mean - 0.004 * sum(m * m for m in mids) / len(mids)  # the off rate's mean over the windows
+    assert d["windows"] == 21 and abs(d["lost_pct"] - 100 * 14 / base) < 1e-3 and d["lost_se_pts"] < 1e-6
+    assert d["neighbours"] == 19 and abs(d["neighbours_median_pct"] - 100 * 14 / base) < 0.1
+    assert abs(d["share_charged_pct"] - 1.5) < 1e-9 and abs(d["share_read_pct"] - 4.0) < 1e-9
+    assert abs(d["beyond_share_pts"] - (d["lost_pct"] - 1.5)) < 1e-9
+    # the plain pairs of the same windows read the drift as cost; the fit does not
+    pairs = [100 * (1 - rate(m + 5, True) / rate(m, False)) for m in mids[0:-1:2]]
+    assert min(pairs) > d["lost_pct"] + 0.5
+    # noise: the fit's error grows with it and stays honest about it
+    noisy = [{**r, "tok_s": r["tok_s"] * (1 + (0.01 if i % 3 == 0 else -0.005))} for i, r in enumerate(rows)]
+    assert f.drift_fit(noisy)["lost_se_pts"] > 0.1
+    # too few windows, or none of one kind: no fit
+    assert f.drift_fit(rows[:5]) is None
+    assert f.drift_fit([r for r in rows if r["shadow"] == "off"]) is None
+    assert "drift fit over 21 windows" in f.table({"side_by_side": {}, "engine": {"pairs": [], "drift": d}})
 
 
 @pytest.mark.parametrize("bad", [["--steady-prompt", "0"], ["--settle", "-1"], ["--settle", "nan"], ["--pairs", "-1"]])

@@ -113,7 +113,7 @@ def read_seconds(service: ShadowService) -> tuple[float, int]:
     """The shadow's seconds of reads and of the prefix cache's copies so far, and the chunks read."""
     c = service.status()["counters"]
     cache = service.status()["prefix_cache"]
-    return c["idle_s"] + c["share_s"] + c["ask_s"] + (cache["start_s"] if cache else 0.0), \
+    return c["idle_s"] + c["share_read_s"] + c["ask_s"] + (cache["start_s"] if cache else 0.0), \
         c["chunks_idle"] + c["chunks_share"] + c["chunks_ask"]
 
 
