@@ -172,7 +172,7 @@ for step in "$@"; do
              # carried and checked, 6 s (2026-12-07).
              # In one call (9 min): the GGUF, engine and shadow up in about 120 s, DENSITY_S (120) of density,
              # then the engine's cost at a steady load (a stream a slot of STEADY_PROMPT ids, 8192; up to SETTLE_S,
-             # 60, for them all to decode; PAIRS x 2 + 1 windows of WINDOW_S, 5 x 15 s, off, on, ..., off), the engine's tokenization
+             # 60, for them all to decode; PAIRS x 2 + 1 windows of WINDOW_S, 7 x 15 s, off, on, ..., off), the engine's tokenization
              # and the replay in about 30 s;
              # the driver shortens the density phase to be done FINISH_BY (525) s after the step began (--finish-by)
              # and is stopped 45 s later.
@@ -202,7 +202,7 @@ sys.exit(not json.load(u.urlopen("http://127.0.0.1:18999/v1/shadow/status", time
              echo "llama-server ready after $(( $(date +%s) - start )) s"
              finish=${FINISH_BY:-525}
              args=(experiments/live_density.py --out /tmp/density \
-               --llama-server "$llama" --sessions ${SESSIONS:-30} --duration ${DENSITY_S:-120} --pairs ${PAIRS:-2} \
+               --llama-server "$llama" --sessions ${SESSIONS:-30} --duration ${DENSITY_S:-120} --pairs ${PAIRS:-3} \
                --window ${WINDOW_S:-15} --steady-prompt ${STEADY_PROMPT:-8192} --settle ${SETTLE_S:-60} --model qwen3.5-0.8b --device cuda --trajectories "${TRAJ:-$D}" \
                --template "${TEMPLATE:-.carry/qwen3.5.jinja}" --hidden ${HIDDEN:-1024} --layers ${LAYERS:-8} --heads 8 \
                --kv-heads 2 --engine-arg=-ngl --engine-arg=999 --request-timeout 120 \

@@ -506,8 +506,8 @@ def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], p
     at the window's ends (`--metrics`), the tokens it predicted over the window's seconds and per
     decode call (how many streams a batched step carried), and where `gpu` holds samples of the GPU's
     busy % (seconds, %), their mean in it (`gpu_busy_pct`: an engine that leaves the GPU idle between
-    its steps loses little to the shadow's kernels whatever the share). Windows pair two by two (off-on or
-    on-off): each pair's change of decode tokens/s with the shadow on, and over the pairs their
+    its steps loses little to the shadow's kernels whatever the share). Windows pair as `_pairs` says
+    (off-on or on-off): each pair's change of decode tokens/s with the shadow on, and over the pairs their
     median and mean, the share charged in the on windows (and, where the service reports them, its
     reads' own seconds: `share_read_pct`, apart from the charge under `--share-charge alone`), and the
     cost beyond it (points: the decode lost less the share charged)."""
@@ -533,7 +533,7 @@ def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], p
                      "gpu_busy_pct": gpu_busy(gpu, a, b),
                      "engine": _engine_window(counters[w], b - a) if counters and w < len(counters) else None})
     pairs = []
-    for x, y in zip(rows[0::2], rows[1::2]):
+    for x, y in _pairs(rows):
         off, on = (x, y) if x["shadow"] == "off" else (y, x)
         if off["shadow"] == "off" and on["shadow"] == "on" and off["tok_s"] and on["tok_s"]:
             pairs.append({"order": f"{x['shadow']}-{y['shadow']}",
@@ -545,12 +545,23 @@ def engine_cost(requests: list[Sent], windows: list[tuple[str, float, float]], p
     return {"windows": rows, "pairs": pairs, "summary": _pairs_summary(pairs), "drift": drift_fit(rows)}
 
 
+def _pairs(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """The windows two by two: in the order off-on, on-off, ... (`--order abba`), each two in turn;
+    in the order off, on, off, ... (`alternate`), each window with the next, so the pairs go
+    off-on, on-off, ... and a steady drift counts one way in half of them and the other way in the
+    rest (every window but the ends sits in two pairs)."""
+    if len(rows) > 2 and all(a["shadow"] != b["shadow"] for a, b in zip(rows, rows[1:])):
+        return list(zip(rows, rows[1:]))
+    return list(zip(rows[0::2], rows[1::2]))
+
+
 def drift_fit(rows: list[dict]) -> dict | None:
     """The decode lost with the shadow on, the engine's drift taken out (its streams deepen, so its
     tokens/s falls as the windows go on): a least-squares fit of each window's tokens/s to a quadratic
     in the window's middle time plus a step while the shadow is on. `lost_pct`, the step as a % of the
-    fitted rate with the shadow off at the windows' mean time, and `lost_se_pts`, its standard error
-    (from the fit's residuals; the windows taken as independent). `neighbours_median_pct`, the median
+    fitted rate with the shadow off averaged over the windows' times, and `lost_se_pts`, its standard
+    error (from the fit's residuals over `dof` degrees of freedom; the windows taken as independent
+    and the drift as quadratic, the base's own error left out). `neighbours_median_pct`, the median
     of the loss each window gives against the mean of its two neighbours where both are of the other
     kind (a linear drift cancels), a check that needs no model of the drift. `share_charged_pct` and
     `share_read_pct`, their means over the on windows; `beyond_share_pts`, lost less charged. None
@@ -570,8 +581,8 @@ def drift_fit(rows: list[dict]) -> dict | None:
     se = None
     if dof > 0:
         rss = float(np.sum((y - x @ coef) ** 2))
-        se = math.sqrt(rss / dof * float(np.linalg.inv(x.T @ x)[3, 3]))
-    base = float(coef[0] + coef[2] * np.mean(tau ** 2))  # the fitted off rate at the windows' mean time
+        se = math.sqrt(rss / dof * float(np.linalg.pinv(x.T @ x)[3, 3]))
+    base = float(coef[0] + coef[2] * np.mean(tau ** 2))  # the fitted off rate, averaged over the windows' times
     lost = -100 * float(coef[3]) / base
     near = []
     for i in range(1, len(rows) - 1):
@@ -579,11 +590,11 @@ def drift_fit(rows: list[dict]) -> dict | None:
         if w["tok_s"] and a["tok_s"] and b["tok_s"] and a["shadow"] == b["shadow"] != w["shadow"]:
             ratio = w["tok_s"] / ((a["tok_s"] + b["tok_s"]) / 2)
             near.append(100 * (1 - ratio) if w["shadow"] == "on" else 100 * (ratio - 1))
-    on = [w for w in rows if w["shadow"] == "on"]
+    on = [w for w in used if w["shadow"] == "on"]
     charged = [w["share_charged_pct"] for w in on if w["share_charged_pct"] is not None]
     read = [w["share_read_pct"] for w in on if w.get("share_read_pct") is not None]
     share = statistics.fmean(charged) if charged else None
-    return {"windows": len(used), "lost_pct": _round(lost), "lost_se_pts": _round(100 * se / base) if se is not None else None,
+    return {"windows": len(used), "dof": dof, "lost_pct": _round(lost), "lost_se_pts": _round(100 * se / base) if se is not None else None,
             "neighbours": len(near), "neighbours_median_pct": _round(statistics.median(near)) if near else None,
             "share_charged_pct": _round(share), "share_read_pct": _round(statistics.fmean(read)) if read else None,
             "beyond_share_pts": _round(lost - share) if share is not None else None}

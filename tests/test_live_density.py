@@ -164,7 +164,8 @@ def test_engine_cost_pairs_an_off_window_with_an_on_window_at_a_steady_load(run)
         assert w["tokens"] > 0 and w["tok_s"] > 0 and w["gaps"] > 0
         assert w["engine"]["decodes"] > 0 and w["engine"]["decodes_per_s"] > 0  # llama-server's own counters
     assert windows[0]["share_charged_pct"] == 0.0  # the shadow read nothing inside the engine's decode while off
-    assert len(doc["engine"]["pairs"]) == 1 and doc["engine"]["summary"]["n"] == 1
+    # each window with the next: off-on, then on-off, so a steady drift counts once each way
+    assert [p["order"] for p in doc["engine"]["pairs"]] == ["off-on", "on-off"] and doc["engine"]["summary"]["n"] == 2
     assert doc["engine"]["drift"] is None  # three windows are too few to fit the drift
     # the windows measured the steady streams, one a slot, each decoding in both windows, then cut
     assert doc["engine"]["settled"]["steady_decoding"] == doc["sent"]["steady"] == 3
@@ -356,7 +357,7 @@ def test_the_drift_fit_takes_a_deepening_engines_slowdown_out_of_the_shadows_cos
     mids = [(a + b) / 2 for _, a, b in windows]
     mean = sum(mids) / len(mids)
     base = 720 - 1.2 * mean - 0.004 * sum(m * m for m in mids) / len(mids)  # the off rate's mean over the windows
-    assert d["windows"] == 21 and abs(d["lost_pct"] - 100 * 14 / base) < 1e-3 and d["lost_se_pts"] < 1e-6
+    assert d["windows"] == 21 and d["dof"] == 17 and abs(d["lost_pct"] - 100 * 14 / base) < 1e-3 and d["lost_se_pts"] < 1e-6
     assert d["neighbours"] == 19 and abs(d["neighbours_median_pct"] - 100 * 14 / base) < 0.1
     assert abs(d["share_charged_pct"] - 1.5) < 1e-9 and abs(d["share_read_pct"] - 4.0) < 1e-9
     assert abs(d["beyond_share_pts"] - (d["lost_pct"] - 1.5)) < 1e-9

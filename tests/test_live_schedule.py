@@ -291,6 +291,10 @@ def test_a_live_share_read_twice_as_slow_as_at_load_charges_its_cost_at_load_und
         counters = service.status()["counters"]
         assert counters["share_read_s"] == pytest.approx(2 * base * counters["chunks_share"])
         assert counters["share_s"] == pytest.approx(base * counters["chunks_share"])  # the load's cost a chunk
+        reading = service.status()["reading"]  # the costs kept at load, apart from those the reads taught
+        kept = [ms for ms in reading["charge_ms_by_depth"].values()]
+        assert kept and all(ms == pytest.approx(base * 1000) for ms in kept)
+        assert any(ms > 1.2 * base * 1000 for ms in reading["chunk_ms_by_depth"].values())  # the reads taught more
         from prometheus_client.parser import text_string_to_metric_families
 
         from shadow.server.metrics import Metrics

@@ -517,6 +517,11 @@ class Reading:
             "chunk_ms_by_depth": {str(d): round(s * 1000, 3) for d, s in sched.costs.table().items()},
             "batch_ms_by_depth": {str(b): {str(d): round(s * 1000, 3) for d, s in costs.table().items()}
                                   for b, costs in sorted(sched.batch_costs.items())},
+            # what a share read is charged at most under `--share-charge alone` (the costs kept at load)
+            "charge_ms_by_depth": None if sched.alone is None else
+            {str(d): round(s * 1000, 3) for d, s in sched.alone[0].table().items()},
+            "charge_batch_ms_by_depth": None if sched.alone is None else
+            {str(b): {str(d): round(s * 1000, 3) for d, s in costs.table().items()} for b, costs in sorted(sched.alone[1].items())},
             "share_left_s": round(sched.share_left(now), 6), "share_used_s": round(sched.share_used, 6),
             "decoding": sched.decoding, "busy": sched.busy, "backlog": sched.has_backlog(),
             "questions": self.questions.names(),
