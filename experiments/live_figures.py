@@ -326,6 +326,21 @@ def costs_document(status: dict) -> dict:
     return {"source": "live status reading.chunk_ms_by_depth", "rows": sorted(rows, key=lambda r: r["context"])}
 
 
+def charge_document(status: dict) -> dict | None:
+    """A `read-rate --json`-shaped document of what the live service charged a share read at most
+    (`reading.charge_ms_by_depth` and `charge_batch_ms_by_depth`: the costs it kept at load under
+    `--share-charge alone`), for the replay to charge the same (`replay-ledger --charge-json`); None
+    where the service charged its reads' own seconds (`wall`, or a status from before the option)."""
+    reading = status.get("reading") or {}
+    if reading.get("charge") != "alone" or not reading.get("charge_ms_by_depth"):
+        return None
+    rows = [{"context": int(d), "ms_per_chunk": float(ms)} for d, ms in reading["charge_ms_by_depth"].items()]
+    batches = [{"batch": int(b), "context": int(d), "ms_per_read": float(ms)}
+               for b, by_depth in (reading.get("charge_batch_ms_by_depth") or {}).items() for d, ms in by_depth.items()]
+    return {"source": "live status reading.charge_ms_by_depth", "rows": sorted(rows, key=lambda r: r["context"]),
+            "batch_rows": sorted(batches, key=lambda r: (r["batch"], r["context"]))}
+
+
 def live_rates(metrics: str) -> dict:
     """From the service's `/metrics` at the density phase's end, what the replay charges as live:
     `host_gib_s`, the host tier's moves (bytes to and from the host over their seconds), and
@@ -386,7 +401,8 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
     grid, cap_gib, batch, disk, model, the asks (`asks_at`: a file of the asks as sent, else
     `asks_per_hour`), ask_ms, seed, ids (`replay_ids`), voice_share (0 where the live service
     said no phrase; None: the replay's default), host_gib_s and ask_chunk_scale (`live_rates`;
-    None: the replay's defaults)) and the live chunk costs; its `--json` document (the arm
+    None: the replay's defaults), charge_json (`charge_document`'s file; None: a share read charged
+    its seconds)) and the live chunk costs; its `--json` document (the arm
     with the share). Its output goes to `out_dir / name`."""
     asks = ["--asks-at", settings["asks_at"]] if settings.get("asks_at") else \
         ["--asks-per-hour", str(settings["asks_per_hour"])]
@@ -406,6 +422,8 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
             cmd += ["--" + key.replace("_", "-"), str(settings[key])]
     if settings.get("voice_share") is not None:
         cmd += ["--voice-share", str(settings["voice_share"])]
+    if settings.get("charge_json"):  # what the live service charged a share read at most (`charge_document`)
+        cmd += ["--charge-json", settings["charge_json"]]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     (out_dir / name).write_text(done.stdout + done.stderr)
     if done.returncode not in (0, 1):  # 1: its monotone checks failed; the figures are still there

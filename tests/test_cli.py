@@ -105,6 +105,41 @@ def test_verify_exact_on_a_real_trajectory_rolls_back():
     assert doc["same_grid_bit_equal"] is True and doc["rollbacks"] > 0 and doc["ids_reread"] > 0
 
 
+def test_replay_ledger_charges_a_share_read_at_most_the_costs_given_as_live_kept_them(tmp_path):
+    """--charge-json: reads take the chunk table's time but a share read is charged at most the
+    given costs (as `serve --share-charge alone` charges them), so the share reads more; a file
+    that is not a read-rate document is refused with one line."""
+    ledger = tmp_path / "dense.ledger.jsonl"
+    with ledger.open("w") as f:  # 8 sessions decoding all the time, 8,000 new ids a turn each
+        for s in range(8):
+            prompt = 0
+            for k in range(4):
+                start = 20.0 * k + 0.7 * s
+                prompt += 8000 + (300 if k else 0)
+                f.write(json.dumps({"session": f"s{s}", "start": start, "first_token": start + 0.5, "end": start + 19.0,
+                                    "prompt_tokens": prompt, "new_prompt_tokens": 8000, "output_tokens": 300}) + "\n")
+    slow, charge = tmp_path / "slow.json", tmp_path / "charge.json"
+    slow.write_text(json.dumps(_rate_doc(3.0)) + "\n")
+    charge.write_text(json.dumps(_rate_doc(1.0)) + "\n")
+    base = ["replay-ledger", str(ledger), "--read-rate-json", str(slow), "--samples", "10", "--json"]
+
+    def share_arm(*more):
+        result = runner.invoke(app, [*base, *more])
+        assert result.exit_code in (0, 1), result.output
+        return last_json(result.output), next(a for a in last_json(result.output)["arms"] if a["share"])
+
+    plain_doc, plain = share_arm()
+    doc, charged = share_arm("--charge-json", str(charge))
+    assert plain_doc["limits"]["charge"] is None and doc["limits"]["charge"] == "charge.json"
+    # each share chunk took the slow table's time but was charged a third of it: about three times the chunks
+    assert charged["chunks_share"] > 2 * plain["chunks_share"] > 0
+    assert charged["share_s"] > 2 * plain["share_s"]  # the seconds the share's reads took, not what they were charged
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2]\n")
+    refused = runner.invoke(app, [*base, "--charge-json", str(bad)])
+    assert refused.exit_code == 2 and "bad.json: not a read-rate --json output" in refused.output
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

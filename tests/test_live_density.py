@@ -337,6 +337,23 @@ def test_engine_cost_pairs_windows_in_either_order_and_sums_the_pairs_up():
     assert "its reads' own seconds 6.00 %" in f.table({"side_by_side": {}, "engine": {"pairs": [], "summary": s}})
 
 
+def test_the_replay_is_charged_what_the_live_service_charged_a_share_read_at_most():
+    f = figures()
+    reading = {"charge": "alone", "charge_ms_by_depth": {"8192": 4.5, "0": 3.0},
+               "charge_batch_ms_by_depth": {"4": {"0": 8.0, "8192": 12.0}}, "chunk_ms_by_depth": {"0": 9.0}}
+    doc = f.charge_document({"reading": reading})
+    assert doc["rows"] == [{"context": 0, "ms_per_chunk": 3.0}, {"context": 8192, "ms_per_chunk": 4.5}]
+    assert doc["batch_rows"] == [{"batch": 4, "context": 0, "ms_per_read": 8.0}, {"batch": 4, "context": 8192, "ms_per_read": 12.0}]
+    from shadow.offline.costs import known_costs
+
+    known = known_costs(doc, 512, "charge.json")  # as `replay-ledger --charge-json` reads it
+    assert known.chunks == ((0, 0.003), (8192, 0.0045)) and known.batches == ((4, 0, 0.008), (4, 8192, 0.012))
+    # a service that charged its reads' own seconds, or one from before the option: no charge file
+    assert f.charge_document({"reading": {**reading, "charge": "wall"}}) is None
+    assert f.charge_document({"reading": {"chunk_ms_by_depth": {"0": 9.0}}}) is None
+    assert f.charge_document({"reading": {**reading, "charge_ms_by_depth": None}}) is None
+
+
 def test_the_windows_alternate_with_each_on_window_between_two_off_windows():
     d = driver()
     assert d.window_order(3, "alternate") == [False, True, False, True, False, True, False]

@@ -95,6 +95,7 @@ def replay_ledger(
     fmt: Annotated[str, typer.Option("--format", help="auto, mooncake, trajectory or ledger.")] = "auto",
     read_ms_per_1k: Annotated[list[float] | None, typer.Option("--read-ms-per-1k", callback=bounds(gt=0), help="A chunk cost of this many ms per 1,000 tokens at every depth (repeatable: a sweep).")] = None,
     read_rate_json: Annotated[list[Path] | None, typer.Option(callback=input_file, help="Chunk cost by depth from `shadow read-rate --json` (its last line: rows with context and ms_per_chunk at --grid, linear between depths; one ms_per_1k_tokens if it has no rows), and a batched read's by its batch rows. Repeatable: one arm for each file, each charged its own file's chunk and batch costs (several device calls side by side). Default, with no --read-ms-per-1k: the built-in table, measured on an H200 (0.8B, grid 512).")] = None,
+    charge_json: Annotated[Path | None, typer.Option(callback=input_file, help="What a share read is charged at most, by depth (and a batched read's by its batch rows), in `read-rate --json`'s shape: the costs `serve --share-charge alone` kept at load (a live run's `reading.charge_ms_by_depth`). Default: a share read is charged its modelled seconds.")] = None,
     engines: Annotated[int, typer.Option(callback=bounds(ge=1, says="is at least 1"), help="Engines in the fleet, each with its own idle time, share and shadow.")] = Plan.engines,
     route: Annotated[str, typer.Option(help="How requests reach engines: affinity (a session stays where its first request went, the engine with the fewest requests in flight), hash or rendezvous (of the session name; stays) or round-robin (request by request).")] = Plan.route,
     pack_to: Annotated[float | None, typer.Option("--pack", callback=bounds(gt=0, le=MAX_PACK, says=f"needs a positive number of active sessions, at most {MAX_PACK:,}"), help="Shift sessions' start times so that this many are active at once on average (repeating the set where shifting alone cannot; at most 10,000). Not for Mooncake traces (their times come from the service model).")] = None,
@@ -164,9 +165,11 @@ def replay_ledger(
     pairs = [(ChunkTable.flat(r, grid), first_batches) for r in read_ms_per_1k or []]
     pairs += [(table, batches or BatchTable.h200()) for table, batches in measured]
     pairs = pairs or [(ChunkTable.h200(grid), BatchTable.h200())]
+    charge = _charge_from(charge_json, grid) if charge_json is not None else None
     costs = [CostTable(table, restore_gib_s=restore_gib_s, spill_gib_s=spill_gib_s, host_gib_s=host_gib_s,
                        ask_s=ask_ms / 1000, ask_chunk_scale=ask_chunk_scale,
-                       phrase_s=phrase_ms / 1000, tokenize_s_per_1k=tokenize_ms_per_1k / 1000, batch=batches)
+                       phrase_s=phrase_ms / 1000, tokenize_s_per_1k=tokenize_ms_per_1k / 1000, batch=batches,
+                       charge=charge)
              for table, batches in pairs]
     cap_gib = settings.store.cap_for("cuda", proxy=True) or None  # serve's default beside an engine; 0: no cap
     limits = for_model(model, ids=ids, cap_gib=cap_gib, disk=disk,
@@ -183,7 +186,8 @@ def replay_ledger(
                 service=ServiceModel(prefill_tok_s, decode_tok_s, slots))
 
     files = _expand(inputs)
-    read = {p.resolve() for p in [*files, *(read_rate_json or []), *([asks_at] if asks_at else [])]}
+    read = {p.resolve() for p in [*files, *(read_rate_json or []), *([asks_at] if asks_at else []),
+                                  *([charge_json] if charge_json else [])]}
     for flag, out in (("--turns", turns_to), ("--write-ledger", write_ledger_to), ("--csv", csv), ("--plot", plot)):
         if out is not None and out.resolve() in read:
             raise ShadowInputError(f"{flag} {out} is a file this command reads: give another name")
@@ -300,6 +304,7 @@ def _document(plan: Plan, outcome, rows: list[dict], *, files: list[Path], model
                    "host_cap_gib": limits.host_cap_gib, "restore_ahead": limits.restore_ahead,
                    "prefix_cache_gib": limits.prefix_cache_gib, "shared_prefix_tokens": limits.shared_prefix_tokens,
                    "ask_ms": _ms(first.ask_s), "ask_chunk_scale": first.ask_chunk_scale, "phrase_ms": _ms(first.phrase_s),
+                   "charge": first.charge.label if first.charge is not None else None,
                    "tokenize_ms_per_1k": _ms(first.tokenize_s_per_1k), "samples": plan.samples, "seed": limits.seed},
         "density": {"active_per_engine": round(dens.active, 3), "new_tok_s_per_engine": round(dens.new_tok_s, 1),
                     "span_s": round(dens.span_s, 3)},
@@ -460,7 +465,8 @@ def _limits_line(plan: Plan) -> str:
             f"asks {asks}; {batches}. costs: chunk {', '.join(c.chunk.label for c in plan.costs)}; "
             f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, host moves {first.host_gib_s:g} GiB/s, ask {_ms(first.ask_s):g} ms "
             f"(its chunks x{first.ask_chunk_scale:g}), "
-            f"phrase {_ms(first.phrase_s):g} ms, tokenizer {_ms(first.tokenize_s_per_1k):g} ms/1k "
+            + (f"a share read charged at most {first.charge.label}'s costs, " if first.charge is not None else "")
+            + f"phrase {_ms(first.phrase_s):g} ms, tokenizer {_ms(first.tokenize_s_per_1k):g} ms/1k "
             "(defaults: measured, docs/FRESHNESS.md)")
 
 
@@ -505,6 +511,17 @@ def _table_from(path: Path, grid: int, label: str):
         with collection_paused():
             doc = read_rate_document(path.read_text())
         return ChunkTable.from_read_rate(doc, grid, label), BatchTable.from_read_rate(doc, grid, label)
+    except (OSError, IndexError, KeyError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
+        raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__}: {e})") from None
+
+
+def _charge_from(path: Path, grid: int):
+    """The costs a share read is charged at most, from a `read-rate --json`-shaped file."""
+    from shadow.offline.costs import known_costs, read_rate_document
+
+    try:
+        with collection_paused():
+            return known_costs(read_rate_document(path.read_text()), grid, path.name)
     except (OSError, IndexError, KeyError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
         raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__}: {e})") from None
 

@@ -251,7 +251,9 @@ class CostTable:
     the proxy's tokenisation of a prompt, `tokenize_s_per_1k` seconds per 1,000 ids; a batched
     read, `batch_s`; an ask's chunks at `ask_chunk_scale` times `chunk` (1: the same; a live run's
     measured ratio where its asks' reads met another share of the engine's work than the share's
-    did). The defaults are the H200's and this CPU's measurements above."""
+    did); `charge`, where given, the costs a share read is charged at most (as `serve --share-charge
+    alone` keeps them at load: a live run's, beside its learned `chunk`), else its modelled seconds.
+    The defaults are the H200's and this CPU's measurements above."""
 
     chunk: ChunkTable
     restore_gib_s: float = H200_RESTORE_GIB_S
@@ -262,6 +264,7 @@ class CostTable:
     tokenize_s_per_1k: float = CPU_TOKENIZE_MS_PER_1K / 1000
     batch: BatchTable = field(default_factory=BatchTable.h200)  # what a chunk costs in a batched read
     ask_chunk_scale: float = 1.0
+    charge: KnownCosts | None = None
 
     def batch_s(self, depths: list[int], runs: list[bool] | None = None) -> float:
         """Seconds of one batched read of one chunk at each of `depths` (`runs`: whether each is

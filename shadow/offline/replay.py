@@ -141,6 +141,8 @@ def replay(
         by_engine[e].append((i, r))
     for e, reqs in enumerate(by_engine):
         sched = ReadScheduler(rule if use_share else _no_share(rule), grid, ChunkCosts(), priorities)
+        if costs.charge is not None:  # what a share read is charged at most, as a live load kept it
+            sched.keep_alone(list(costs.charge.chunks), list(costs.charge.batches))
         one = EngineReplay(e, reqs, order, before, next_start, sched, costs=costs, limits=limits,
                            use_share=use_share, probes=probes[e], asks=asks[e])
         one.run()

@@ -517,7 +517,8 @@ class Reading:
             "chunk_ms_by_depth": {str(d): round(s * 1000, 3) for d, s in sched.costs.table().items()},
             "batch_ms_by_depth": {str(b): {str(d): round(s * 1000, 3) for d, s in costs.table().items()}
                                   for b, costs in sorted(sched.batch_costs.items())},
-            # what a share read is charged at most under `--share-charge alone` (the costs kept at load)
+            # what a share read is charged (`--share-charge`), and at most under alone (the costs kept at load)
+            "charge": sched.rule.charge,
             "charge_ms_by_depth": None if sched.alone is None else
             {str(d): round(s * 1000, 3) for d, s in sched.alone[0].table().items()},
             "charge_batch_ms_by_depth": None if sched.alone is None else
