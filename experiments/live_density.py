@@ -32,7 +32,9 @@ together and the shadow has their new prompts to read in its share. Once every s
 decodes (at most `--settle` s), `--pairs` K pairs of windows of `--window` s switch the shadow off
 and on (`/v1/shadow/switch`), in the order off, on, off, ..., on, off (`--order alternate`, 2K + 1
 windows) or off-on, on-off, ... (`--order abba`); then the steady streams are cut. The engine's speed
-drifts as its streams deepen: `live_figures.drift_fit` takes the drift out. Each window's decode tokens/s and
+drifts as its streams deepen: `live_figures.drift_fit` takes the drift out. The shadow is off from
+the density phase's end to the first window, so the steady prompts wait as a backlog that keeps the
+share busy in the on windows. Each window's decode tokens/s and
 inter-token gaps (the steady streams'), the share charged in it, and llama-server's own counters
 (`--metrics`) at its ends (`live_figures.engine_cost`); each pair's change with the shadow on.
 
@@ -355,6 +357,12 @@ class Run:
             return
         try:
             began = self.now()
+            # off while the steady streams start: their prompts wait unread, a backlog for the on windows
+            try:
+                (await self.client.post("/v1/shadow/switch", json={"on": False})).raise_for_status()
+            except httpx.HTTPError as e:  # no windows then, as below
+                self.switch_error = f"{type(e).__name__}: {e}"
+                return
             while self.now() < began + a.settle and not (
                     len(self.steady) == a.sessions and all(r.first_token is not None for r in self.steady)):
                 await asyncio.sleep(0.25)
