@@ -46,7 +46,8 @@ as ids (`output_seen`, from the journal: `live_figures.outputs_unseen`).
 Writes in `--out`: `live-density.json` (its last line too on stdout: settings, live figures,
 replay, side by side, engine cost), `ledger.jsonl` (the density phase's requests), `costs.json`
 (the chunk costs the live service learned, charged by the replay), `charge.json` (what it charged a
-share read at most under `--share-charge alone`, charged so by the replay), `sent.jsonl` and `asks.jsonl`
+share read at most under `--share-charge alone`, charged so by the replay), `ask-forwards.json` (the
+asks' forwards, ms, each replayed ask drawing one), `sent.jsonl` and `asks.jsonl`
 (every request and ask as the driver saw it), `journal.jsonl`, `status.json` (the last status),
 `metrics-density.txt` and `metrics.txt` (`/metrics` at the density phase's end and at the run's),
 `steady.jsonl` (the cost phase's streams), `replay.txt`, `engine.log`, `serve.log`, `table.txt`.
@@ -470,6 +471,7 @@ def replay_again(out: Path) -> dict:
     if (out / "metrics-density.txt").exists():  # the host tier's and the asks' live rates, charged as live
         settings.update(fig.live_rates((out / "metrics-density.txt").read_text()))
     settings["charge_json"] = write_charge(out, status)
+    settings["ask_forwards_json"] = write_ask_forwards(out, asks, doc["settings"]["duration"])
     fig.write_ledger(out / "ledger-again.jsonl", ledger)
     doc["live"].setdefault("density", {})["active_in_phase"] = round(fig.active_until(ledger, doc["settings"]["duration"]), 3)
     if fig.asks_at(asks, {r.session for r in ledger}, doc["settings"]["duration"], out / "asks-at.jsonl"):
@@ -569,12 +571,23 @@ def write_charge(out: Path, status: dict) -> str | None:
     return str(out / "charge.json")
 
 
+def write_ask_forwards(out: Path, asks: list, until: float) -> str | None:
+    """`ask-forwards.json` in `out`, the forwards of the asks answered before `until` (ms,
+    `live_figures.ask_forwards`); its path, or None (and no file) where none was answered."""
+    forwards = fig.ask_forwards(asks, until)
+    if not forwards:
+        return None
+    (out / "ask-forwards.json").write_text(json.dumps(forwards))
+    return str(out / "ask-forwards.json")
+
+
 def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict:
     """Figures, ledger, replay, side by side and engine cost into `out`; the document."""
     requests, unseen = fig.outputs_unseen(fig.ledger([r for r in run.sent if r.start < a.duration]), journal)
     fig.write_ledger(out / "ledger.jsonl", requests)
     (out / "costs.json").write_text(json.dumps(fig.costs_document(run.status)))
     charge = write_charge(out, run.status)
+    forwards = write_ask_forwards(out, run.asks, a.duration)
     (out / "metrics.txt").write_text(run.metrics)
     (out / "metrics-density.txt").write_text(run.metrics_density)
     live = fig.live(run.sent, run.asks, run.polls, journal, a.grid, a.duration)
@@ -592,7 +605,8 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
                 "ask_ms": forwards[len(forwards) // 2] if forwards else None, "ids": fig.replay_ids(journal),
                 # the driver's streams open no status-line channel: a service that said no phrase is replayed without
                 "voice_share": 0.0 if not run.status.get("counters", {}).get("voice_s") else None,
-                "outputs_unseen": unseen, "charge_json": charge, **fig.live_rates(run.metrics_density)}
+                "outputs_unseen": unseen, "charge_json": charge, "ask_forwards_json": forwards,
+                **fig.live_rates(run.metrics_density)}
     if fig.asks_at(run.asks, {r.session for r in requests}, a.duration, out / "asks-at.jsonl"):
         settings["asks_at"] = str(out / "asks-at.jsonl")  # the run's asks at their times, not a rate
     replayed = fig.replay(out / "ledger.jsonl", out / "costs.json", settings, out)

@@ -326,6 +326,14 @@ def costs_document(status: dict) -> dict:
     return {"source": "live status reading.chunk_ms_by_depth", "rows": sorted(rows, key=lambda r: r["context"])}
 
 
+def ask_forwards(asks: list[Asked], until: float) -> list[float]:
+    """The forward (ms, `parts_ms.forward`) of every ask answered before `until`: what the replay
+    draws an ask's forward from (`replay-ledger --ask-forwards-json`), the engine's work beside it
+    and all."""
+    return [a.parts_ms["forward"] for a in asks if a.time < until and a.status == 200 and a.parts_ms
+            and isinstance(a.parts_ms.get("forward"), (int, float)) and a.parts_ms["forward"] > 0]
+
+
 def charge_document(status: dict) -> dict | None:
     """A `read-rate --json`-shaped document of what the live service charged a share read at most
     (`reading.charge_ms_by_depth` and `charge_batch_ms_by_depth`: the costs it kept at load under
@@ -402,7 +410,8 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
     `asks_per_hour`), ask_ms, seed, ids (`replay_ids`), voice_share (0 where the live service
     said no phrase; None: the replay's default), host_gib_s and ask_chunk_scale (`live_rates`;
     None: the replay's defaults), charge_json (`charge_document`'s file; None: a share read charged
-    its seconds)) and the live chunk costs; its `--json` document (the arm
+    its seconds), ask_forwards_json (`ask_forwards` as a file; None: every ask's forward `ask_ms`))
+    and the live chunk costs; its `--json` document (the arm
     with the share). Its output goes to `out_dir / name`."""
     asks = ["--asks-at", settings["asks_at"]] if settings.get("asks_at") else \
         ["--asks-per-hour", str(settings["asks_per_hour"])]
@@ -424,6 +433,8 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
         cmd += ["--voice-share", str(settings["voice_share"])]
     if settings.get("charge_json"):  # what the live service charged a share read at most (`charge_document`)
         cmd += ["--charge-json", settings["charge_json"]]
+    if settings.get("ask_forwards_json"):  # the live asks' forwards (`ask_forwards`), one drawn an ask
+        cmd += ["--ask-forwards-json", settings["ask_forwards_json"]]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     (out_dir / name).write_text(done.stdout + done.stderr)
     if done.returncode not in (0, 1):  # 1: its monotone checks failed; the figures are still there

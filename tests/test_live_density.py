@@ -354,6 +354,17 @@ def test_the_replay_is_charged_what_the_live_service_charged_a_share_read_at_mos
     assert f.charge_document({"reading": {**reading, "charge_ms_by_depth": None}}) is None
 
 
+def test_the_replay_draws_an_asks_forward_from_the_live_asks_forwards():
+    f = figures()
+    asks = [f.Asked("random", "s", 1.0, 200, parts_ms={"forward": 12.5}),
+            f.Asked("turn", "s", 2.0, 200, parts_ms={"forward": 80.0}),
+            f.Asked("random", "s", 3.0, 503, parts_ms={"forward": 5.0}),  # not answered
+            f.Asked("random", "s", 4.0, 200),  # no split
+            f.Asked("random", "s", 5.0, 200, parts_ms={"forward": 0.0}),
+            f.Asked("random", "s", 99.0, 200, parts_ms={"forward": 7.0})]  # after the density phase
+    assert f.ask_forwards(asks, 10.0) == [12.5, 80.0]
+
+
 def test_the_windows_alternate_with_each_on_window_between_two_off_windows():
     d = driver()
     assert d.window_order(3, "alternate") == [False, True, False, True, False, True, False]

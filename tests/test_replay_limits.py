@@ -190,6 +190,48 @@ def test_asks_are_load_and_their_wait_is_the_reading_they_wait_for():
     assert max(a.wait_s for a in arm.asks) == pytest.approx(8 * 0.1)
 
 
+def test_an_asks_forward_is_drawn_from_the_measured_forwards_seeded():
+    """`ask_samples`: each ask's forward is one of a live run's forwards (seeded by the limits'
+    seed), not the one `ask_s`; the same seed draws the same, and every draw is a sample."""
+    reqs = [Request("s", 0.0, 0.1, 500.0, 4096, 4096, 10)]
+    times = tuple((1.0 + 2.0 * k, "s", "random") for k in range(40))
+    base = CostTable(FLAT, restore_gib_s=math.inf, spill_gib_s=math.inf, ask_s=0.01, tokenize_s_per_1k=0.0)
+    drawn = replace(base, ask_samples=(0.005, 0.006, 0.2))
+    waits = lambda costs, seed: [a.wait_s for a in replay(reqs, costs=costs, limits=ReplayLimits(asks_at=times, seed=seed),
+                                                          use_share=False).asks][1:]  # past the first: forwards only
+    plain, one, again, other = waits(base, 0), waits(drawn, 0), waits(drawn, 0), waits(drawn, 1)
+    assert all(w == pytest.approx(0.01) for w in plain)
+    assert one == again and one != other  # seeded
+    assert all(any(w == pytest.approx(x) for x in (0.005, 0.006, 0.2)) for w in one)
+    assert {round(w, 3) for w in one} == {0.005, 0.006, 0.2}  # 39 draws of three: each came up
+
+
+@pytest.mark.parametrize("content, says", [("[]", "non-empty JSON list"), ("[1, -2]", "each a number above 0"),
+                                           ('{"ms": [1]}', "non-empty JSON list"), ("[1, true]", "each a number above 0"),
+                                           ("[1, 2", "not a JSON list of ms")])
+def test_replay_ledger_refuses_bad_ask_forwards_before_any_work(tmp_path, content, says):
+    bad, out = tmp_path / "forwards.json", tmp_path / "out.ledger.jsonl"
+    bad.write_text(content)
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--ask-forwards-json", str(bad),
+                                      "--write-ledger", str(out)])
+    assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output
+    assert not out.exists()
+
+
+def test_replay_ledger_draws_asks_forwards_from_a_file(tmp_path):
+    forwards = tmp_path / "forwards.json"
+    forwards.write_text(json.dumps([8.0] * 98 + [300.0, 400.0]))
+    asks = tmp_path / "asks.jsonl"
+    asks.write_text("".join(json.dumps({"time": 9.0 * k + 0.5, "session": f"s{k}", "kind": "random"}) + "\n"
+                            for k in range(1, 4)))
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--asks-at", str(asks),
+                                      "--ask-forwards-json", str(forwards), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output.strip().splitlines()[-1])
+    assert doc["limits"]["ask_forwards"] == {"n": 100, "p50": 8.0, "p90": 8.0, "p99": 300.0, "max": 400.0}
+    assert "an ask's forward drawn from 100 measured (p50 8, p99 300 ms)" in result.output
+
+
 def test_asks_at_given_times_wait_for_the_device_and_are_tallied_by_kind():
     """Asks as a client sent them: the first (at 1.0 s) reads the session's 8 chunks (0.8 s), the
     second (at 1.05 s, another kind) waits for the device until the first is answered at 1.8 s."""

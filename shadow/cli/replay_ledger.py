@@ -7,6 +7,7 @@ defaults included; the replay's own take theirs from the library's defaults."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -25,6 +26,7 @@ from shadow.offline.costs import (
 )
 from shadow.offline.ledger import ServiceModel
 from shadow.offline.limits import LIVE_IDS, LIVE_MODEL, ReplayLimits
+from shadow.offline.metrics import spread
 from shadow.offline.plan import Plan, flat_ms_per_1k
 from shadow.server.settings import StoreSettings, options, settings_from
 
@@ -111,6 +113,7 @@ def replay_ledger(
     spill_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Spill speed, GiB/s (default: measured on an H200).")] = H200_SPILL_GIB_S,
     host_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Speed of a move to or from the host tier, GiB/s (default: the host tier's measured moves, docs/STORE.md).")] = GPU_HOST_GIB_S,
     ask_ms: Annotated[float, typer.Option(callback=bounds(ge=0), help="One ask's forward, ms (default: measured on an H200 at depth).")] = H200_ASK_MS,
+    ask_samples_json: Annotated[Path | None, typer.Option("--ask-forwards-json", callback=input_file, help="An ask's forward as a live run measured them: a JSON list of ms (a live density run's `ask-forwards.json`); each replayed ask draws one (seeded by --seed) instead of --ask-ms.")] = None,
     ask_chunk_scale: Annotated[float, typer.Option(callback=bounds(gt=0, le=100), help="An ask's chunks cost this times the table's (a live run's asks' seconds per chunk over its share's: their reads meet another share of the engine's work).")] = 1.0,
     phrase_ms: Annotated[float, typer.Option(callback=bounds(gt=0), help="One voice phrase, ms (default: the median measured on an H200).")] = H200_PHRASE_MS,
     tokenize_ms_per_1k: Annotated[float, typer.Option(callback=bounds(ge=0), help="The proxy's template and tokenizer, ms per 1,000 prompt ids (--ids tokenizer, end, none; default: measured on a 2-core CPU).")] = CPU_TOKENIZE_MS_PER_1K,
@@ -166,10 +169,11 @@ def replay_ledger(
     pairs += [(table, batches or BatchTable.h200()) for table, batches in measured]
     pairs = pairs or [(ChunkTable.h200(grid), BatchTable.h200())]
     charge = _charge_from(charge_json, grid) if charge_json is not None else None
+    ask_samples = _ask_samples_from(ask_samples_json) if ask_samples_json is not None else ()
     costs = [CostTable(table, restore_gib_s=restore_gib_s, spill_gib_s=spill_gib_s, host_gib_s=host_gib_s,
                        ask_s=ask_ms / 1000, ask_chunk_scale=ask_chunk_scale,
                        phrase_s=phrase_ms / 1000, tokenize_s_per_1k=tokenize_ms_per_1k / 1000, batch=batches,
-                       charge=charge)
+                       charge=charge, ask_samples=ask_samples)
              for table, batches in pairs]
     cap_gib = settings.store.cap_for("cuda", proxy=True) or None  # serve's default beside an engine; 0: no cap
     limits = for_model(model, ids=ids, cap_gib=cap_gib, disk=disk,
@@ -187,7 +191,7 @@ def replay_ledger(
 
     files = _expand(inputs)
     read = {p.resolve() for p in [*files, *(read_rate_json or []), *([asks_at] if asks_at else []),
-                                  *([charge_json] if charge_json else [])]}
+                                  *([charge_json] if charge_json else []), *([ask_samples_json] if ask_samples_json else [])]}
     for flag, out in (("--turns", turns_to), ("--write-ledger", write_ledger_to), ("--csv", csv), ("--plot", plot)):
         if out is not None and out.resolve() in read:
             raise ShadowInputError(f"{flag} {out} is a file this command reads: give another name")
@@ -305,6 +309,8 @@ def _document(plan: Plan, outcome, rows: list[dict], *, files: list[Path], model
                    "prefix_cache_gib": limits.prefix_cache_gib, "shared_prefix_tokens": limits.shared_prefix_tokens,
                    "ask_ms": _ms(first.ask_s), "ask_chunk_scale": first.ask_chunk_scale, "phrase_ms": _ms(first.phrase_s),
                    "charge": first.charge.label if first.charge is not None else None,
+                   "ask_forwards": {"n": len(first.ask_samples), **spread(first.ask_samples, scale=1000)}
+                   if first.ask_samples else None,
                    "tokenize_ms_per_1k": _ms(first.tokenize_s_per_1k), "samples": plan.samples, "seed": limits.seed},
         "density": {"active_per_engine": round(dens.active, 3), "new_tok_s_per_engine": round(dens.new_tok_s, 1),
                     "span_s": round(dens.span_s, 3)},
@@ -466,6 +472,8 @@ def _limits_line(plan: Plan) -> str:
             f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, host moves {first.host_gib_s:g} GiB/s, ask {_ms(first.ask_s):g} ms "
             f"(its chunks x{first.ask_chunk_scale:g}), "
             + (f"a share read charged at most {first.charge.label}'s costs, " if first.charge is not None else "")
+            + (f"an ask's forward drawn from {len(first.ask_samples):,} measured (p50 {spread(first.ask_samples, scale=1000)['p50']:g}, "
+               f"p99 {spread(first.ask_samples, scale=1000)['p99']:g} ms), " if first.ask_samples else "")
             + f"phrase {_ms(first.phrase_s):g} ms, tokenizer {_ms(first.tokenize_s_per_1k):g} ms/1k "
             "(defaults: measured, docs/FRESHNESS.md)")
 
@@ -524,6 +532,21 @@ def _charge_from(path: Path, grid: int):
             return known_costs(read_rate_document(path.read_text()), grid, path.name)
     except (OSError, IndexError, KeyError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
         raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__}: {e})") from None
+
+
+def _ask_samples_from(path: Path) -> tuple[float, ...]:
+    """An ask's forwards in seconds, from a JSON list of ms, each a finite number above 0."""
+    def read(p: Path):
+        try:
+            return json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ShadowInputError(f"{p}: not a JSON list of ms ({e})") from None
+
+    values = user_text_file(path, read)
+    if not isinstance(values, list) or not values or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values):
+        raise ShadowInputError(f"{path}: an ask's forwards are a non-empty JSON list of ms, each a number above 0")
+    return tuple(v / 1000 for v in values)
 
 
 def _plot(path: Path, arms) -> None:

@@ -252,8 +252,10 @@ class CostTable:
     read, `batch_s`; an ask's chunks at `ask_chunk_scale` times `chunk` (1: the same; a live run's
     measured ratio where its asks' reads met another share of the engine's work than the share's
     did); `charge`, where given, the costs a share read is charged at most (as `serve --share-charge
-    alone` keeps them at load: a live run's, beside its learned `chunk`), else its modelled seconds.
-    The defaults are the H200's and this CPU's measurements above."""
+    alone` keeps them at load: a live run's, beside its learned `chunk`), else its modelled seconds;
+    `ask_samples`, where given, an ask's forward as a live run measured them (seconds), each ask
+    drawing one (seeded), else `ask_s` for every ask. The defaults are the H200's and this CPU's
+    measurements above."""
 
     chunk: ChunkTable
     restore_gib_s: float = H200_RESTORE_GIB_S
@@ -265,6 +267,7 @@ class CostTable:
     batch: BatchTable = field(default_factory=BatchTable.h200)  # what a chunk costs in a batched read
     ask_chunk_scale: float = 1.0
     charge: KnownCosts | None = None
+    ask_samples: tuple[float, ...] = ()
 
     def batch_s(self, depths: list[int], runs: list[bool] | None = None) -> float:
         """Seconds of one batched read of one chunk at each of `depths` (`runs`: whether each is

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -172,6 +173,7 @@ class EngineReplay:
         self.next_round = -math.inf
         self.flight: Flight | None = None  # a share batch read in pieces between rounds
         self.tally = Tally()
+        self.ask_draws = random.Random(f"asks {limits.seed} {engine}")  # the forwards drawn from `costs.ask_samples`
         if limits.prefix_cache_gib and limits.state is not None:  # the prefix cache, as live (`core.prefixcache`)
             self.store.prefix = PrefixModel(g, int(limits.prefix_cache_gib * 2**30), limits.state,
                                             limits.shared_prefix_tokens)
@@ -550,7 +552,8 @@ class EngineReplay:
             self.sched.read_done(read, done, t - start, t)
             self._tell(s, t)
         self.store.fork(h, h.ids - h.committed + self.limits.ask_tokens)
-        t = self._busy(t, self.costs.ask_s)
+        samples = self.costs.ask_samples  # a live run's forwards, one drawn an ask; else the one cost
+        t = self._busy(t, self.ask_draws.choice(samples) if samples else self.costs.ask_s)
         self.sched.answered(s, t)
         self.tally.asks.append(Answered(arrived, t - arrived, began - arrived, kind))
         return self._settle(s, t)
