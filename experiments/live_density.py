@@ -32,9 +32,7 @@ together and the shadow has their new prompts to read in its share. Once every s
 decodes (at most `--settle` s), `--pairs` K pairs of windows of `--window` s switch the shadow off
 and on (`/v1/shadow/switch`), in the order off, on, off, ..., on, off (`--order alternate`, 2K + 1
 windows) or off-on, on-off, ... (`--order abba`); then the steady streams are cut. The engine's speed
-drifts as its streams deepen: `live_figures.drift_fit` takes the drift out. The shadow is off from
-the density phase's end to the first window, so the steady prompts wait as a backlog that keeps the
-share busy in the on windows. Each window's decode tokens/s and
+drifts as its streams deepen: `live_figures.drift_fit` takes the drift out. Each window's decode tokens/s and
 inter-token gaps (the steady streams'), the share charged in it, and llama-server's own counters
 (`--metrics`) at its ends (`live_figures.engine_cost`); each pair's change with the shadow on.
 
@@ -358,12 +356,6 @@ class Run:
             return
         try:
             began = self.now()
-            # off while the steady streams start: their prompts wait unread, a backlog for the on windows
-            try:
-                (await self.client.post("/v1/shadow/switch", json={"on": False})).raise_for_status()
-            except httpx.HTTPError as e:  # no windows then, as below
-                self.switch_error = f"{type(e).__name__}: {e}"
-                return
             while self.now() < began + a.settle and not (
                     len(self.steady) == a.sessions and all(r.first_token is not None for r in self.steady)):
                 await asyncio.sleep(0.25)
@@ -587,7 +579,7 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
     fig.write_ledger(out / "ledger.jsonl", requests)
     (out / "costs.json").write_text(json.dumps(fig.costs_document(run.status)))
     charge = write_charge(out, run.status)
-    forwards = write_ask_forwards(out, run.asks, a.duration)
+    forwards_json = write_ask_forwards(out, run.asks, a.duration)
     (out / "metrics.txt").write_text(run.metrics)
     (out / "metrics-density.txt").write_text(run.metrics_density)
     live = fig.live(run.sent, run.asks, run.polls, journal, a.grid, a.duration)
@@ -605,7 +597,7 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
                 "ask_ms": forwards[len(forwards) // 2] if forwards else None, "ids": fig.replay_ids(journal),
                 # the driver's streams open no status-line channel: a service that said no phrase is replayed without
                 "voice_share": 0.0 if not run.status.get("counters", {}).get("voice_s") else None,
-                "outputs_unseen": unseen, "charge_json": charge, "ask_forwards_json": forwards,
+                "outputs_unseen": unseen, "charge_json": charge, "ask_forwards_json": forwards_json,
                 **fig.live_rates(run.metrics_density)}
     if fig.asks_at(run.asks, {r.session for r in requests}, a.duration, out / "asks-at.jsonl"):
         settings["asks_at"] = str(out / "asks-at.jsonl")  # the run's asks at their times, not a rate

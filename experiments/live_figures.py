@@ -444,6 +444,7 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
     turns = [json.loads(x) for x in (out_dir / (Path(name).stem + "-turns.jsonl")).read_text().splitlines()]
     return {"command": " ".join(cmd[3:]), "density": doc["density"], "ask_ms": doc["limits"]["ask_ms"],
             "arm": arm["arm"], "summary": arm["summary"], "share_s": arm["share_s"],
+            "share_charged_s": arm.get("share_charged_s", arm["share_s"]),
             "chunks": {k: arm[k] for k in CHUNKS}, "checks_ok": doc["checks"]["ok"],
             "turns": [(t["session"], t["behind"]) for t in turns if t["arm"] == arm["arm"] and t["share"] == arm["share"]]}
 
@@ -513,7 +514,8 @@ def side_by_side(live_: dict, replayed: dict, requests: list[Request]) -> dict:
            for where, key, kind in where_ if kind in by_kind},
         "time to fresh p50 s": (live_["to_fresh_s"]["p50"], s["to_fresh_s"]["p50"]),
         "time to fresh p90 s": (live_["to_fresh_s"]["p90"], s["to_fresh_s"]["p90"]),
-        "share charged %": (live_["share"]["charged_pct"], _round(100 * replayed["share_s"] / union) if union else None),
+        "share charged %": (live_["share"]["charged_pct"],
+                            _round(100 * replayed.get("share_charged_s", replayed["share_s"]) / union) if union else None),
         "spills": (store.get("spills"), s["store"]["spills"]),
         "restores": (store.get("restores"), s["store"]["restores"]),
         "drops": (store.get("drops"), s["store"]["drops"]),

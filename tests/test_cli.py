@@ -134,6 +134,12 @@ def test_replay_ledger_charges_a_share_read_at_most_the_costs_given_as_live_kept
     # each share chunk took the slow table's time but was charged a third of it: about three times the chunks
     assert charged["chunks_share"] > 2 * plain["chunks_share"] > 0
     assert charged["share_s"] > 2 * plain["share_s"]  # the seconds the share's reads took, not what they were charged
+    assert plain["share_charged_s"] == plain["share_s"]  # without the file: charged their seconds
+    assert 0 < charged["share_charged_s"] < 0.5 * charged["share_s"]  # charged a third of a slow chunk's seconds
+    one_row = tmp_path / "one.json"
+    one_row.write_text(json.dumps({**_rate_doc(1.0), "rows": _rate_doc(1.0)["rows"][:1]}) + "\n")
+    refused = runner.invoke(app, [*base, "--charge-json", str(one_row)])
+    assert refused.exit_code == 2 and "needs chunk costs at two depths at least" in refused.output
     bad = tmp_path / "bad.json"
     bad.write_text("[1, 2]\n")
     refused = runner.invoke(app, [*base, "--charge-json", str(bad)])

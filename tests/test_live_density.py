@@ -34,7 +34,8 @@ def run(tmp_path_factory):
                              "--pairs", "1", "--window", "6", "--max-output", "16", "--threads", "2",
                              "--steady-prompt", "1024", "--settle", "30",
                              "--template", str(shared_file("templates", "qwen3.5.jinja")),
-                             "--cap-gib", "0.008", "--disk", str(out / "disk"), "--trajectories", *trajectories])
+                             "--cap-gib", "0.008", "--disk", str(out / "disk"), "--serve-arg=--share-charge=alone",
+                             "--trajectories", *trajectories])
     return doc, out
 
 
@@ -153,6 +154,19 @@ def test_a_finished_run_is_replayed_again_against_its_own_live_figures(run):
     assert again["side_by_side"] == first["side_by_side"]  # the same ledger, costs and settings: the same replay
     assert again["turn_by_turn"] == first["turn_by_turn"] and sum(first["turn_by_turn"].values()) > 0
     assert (out / "table-again.txt").read_text() == (out / "table.txt").read_text()
+
+
+def test_the_replay_is_charged_as_the_live_service_charged_and_draws_its_asks_forwards(run):
+    doc, out = run
+    replay = doc["settings"]["replay"]
+    assert replay["charge_json"] == str(out / "charge.json") and replay["ask_forwards_json"] == str(out / "ask-forwards.json")
+    charge = json.loads((out / "charge.json").read_text())
+    assert len(charge["rows"]) >= 2 and all(r["ms_per_chunk"] > 0 for r in charge["rows"])
+    forwards = json.loads((out / "ask-forwards.json").read_text())
+    assert forwards and all(ms > 0 for ms in forwards)
+    command = doc["replay"]["command"]
+    assert f"--charge-json {out / 'charge.json'}" in command and f"--ask-forwards-json {out / 'ask-forwards.json'}" in command
+    assert "a share read charged at most charge.json's costs" in (out / "replay.txt").read_text()
 
 
 def test_engine_cost_pairs_an_off_window_with_an_on_window_at_a_steady_load(run):

@@ -208,7 +208,8 @@ def test_an_asks_forward_is_drawn_from_the_measured_forwards_seeded():
 
 @pytest.mark.parametrize("content, says", [("[]", "non-empty JSON list"), ("[1, -2]", "each a number above 0"),
                                            ('{"ms": [1]}', "non-empty JSON list"), ("[1, true]", "each a number above 0"),
-                                           ("[1, 2", "not a JSON list of ms")])
+                                           ("[1, 2", "not a JSON list of ms"), ("[1e400]", "at most 3,600,000"),
+                                           ("[" + "9" * 400 + "]", "at most 3,600,000"), ("[NaN]", "each a number above 0")])
 def test_replay_ledger_refuses_bad_ask_forwards_before_any_work(tmp_path, content, says):
     bad, out = tmp_path / "forwards.json", tmp_path / "out.ledger.jsonl"
     bad.write_text(content)

@@ -7,7 +7,6 @@ defaults included; the replay's own take theirs from the library's defaults."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Annotated
 
@@ -97,7 +96,7 @@ def replay_ledger(
     fmt: Annotated[str, typer.Option("--format", help="auto, mooncake, trajectory or ledger.")] = "auto",
     read_ms_per_1k: Annotated[list[float] | None, typer.Option("--read-ms-per-1k", callback=bounds(gt=0), help="A chunk cost of this many ms per 1,000 tokens at every depth (repeatable: a sweep).")] = None,
     read_rate_json: Annotated[list[Path] | None, typer.Option(callback=input_file, help="Chunk cost by depth from `shadow read-rate --json` (its last line: rows with context and ms_per_chunk at --grid, linear between depths; one ms_per_1k_tokens if it has no rows), and a batched read's by its batch rows. Repeatable: one arm for each file, each charged its own file's chunk and batch costs (several device calls side by side). Default, with no --read-ms-per-1k: the built-in table, measured on an H200 (0.8B, grid 512).")] = None,
-    charge_json: Annotated[Path | None, typer.Option(callback=input_file, help="What a share read is charged at most, by depth (and a batched read's by its batch rows), in `read-rate --json`'s shape: the costs `serve --share-charge alone` kept at load (a live run's `reading.charge_ms_by_depth`). Default: a share read is charged its modelled seconds.")] = None,
+    charge_json: Annotated[Path | None, typer.Option(callback=input_file, help="What a share read is charged at most, by depth (at two depths at least) and a batched read's by its batch rows, in `read-rate --json`'s shape: the costs a live `serve --share-charge alone` kept at load (its status `reading.charge_ms_by_depth`, as the density driver writes it to `charge.json`). Default: a share read is charged its modelled seconds.")] = None,
     engines: Annotated[int, typer.Option(callback=bounds(ge=1, says="is at least 1"), help="Engines in the fleet, each with its own idle time, share and shadow.")] = Plan.engines,
     route: Annotated[str, typer.Option(help="How requests reach engines: affinity (a session stays where its first request went, the engine with the fewest requests in flight), hash or rendezvous (of the session name; stays) or round-robin (request by request).")] = Plan.route,
     pack_to: Annotated[float | None, typer.Option("--pack", callback=bounds(gt=0, le=MAX_PACK, says=f"needs a positive number of active sessions, at most {MAX_PACK:,}"), help="Shift sessions' start times so that this many are active at once on average (repeating the set where shifting alone cannot; at most 10,000). Not for Mooncake traces (their times come from the service model).")] = None,
@@ -419,7 +418,7 @@ def _row(a, s: dict) -> dict:
             "p90_behind": a.behind_pct(90), "chunks_idle": a.chunks_idle, "chunks_share": a.chunks_share,
             "chunks_ask": a.chunks_ask, "chunks_wasted": a.chunks_wasted, "rollbacks": a.rollbacks,
             "predictions": a.predictions, "predictions_missed": a.predictions_missed,
-            "share_s": round(a.share_s, 3), "longest_slice_ms": round(a.longest_slice_s * 1000, 3), "summary": s}
+            "share_s": round(a.share_s, 3), "share_charged_s": round(a.share_charged_s, 3), "longest_slice_ms": round(a.longest_slice_s * 1000, 3), "summary": s}
 
 
 def _print_solved(solved, multi_prio: bool) -> None:
@@ -469,8 +468,9 @@ def _limits_line(plan: Plan) -> str:
     asks = f"{len(limits.asks_at):,} as given" if limits.asks_at else f"{limits.asks_per_hour:g}/h a session"
     return (f"live limits: ids {limits.ids}; {cap}{prefix}; voice share {limits.voice_share:g}; label {_ms(limits.label_s):g} ms; "
             f"asks {asks}; {batches}. costs: chunk {', '.join(c.chunk.label for c in plan.costs)}; "
-            f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, host moves {first.host_gib_s:g} GiB/s, ask {_ms(first.ask_s):g} ms "
-            f"(its chunks x{first.ask_chunk_scale:g}), "
+            f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, host moves {first.host_gib_s:g} GiB/s, "
+            + (f"ask {_ms(first.ask_s):g} ms " if not first.ask_samples else "ask ")
+            + f"(its chunks x{first.ask_chunk_scale:g}), "
             + (f"a share read charged at most {first.charge.label}'s costs, " if first.charge is not None else "")
             + (f"an ask's forward drawn from {len(first.ask_samples):,} measured (p50 {spread(first.ask_samples, scale=1000)['p50']:g}, "
                f"p99 {spread(first.ask_samples, scale=1000)['p99']:g} ms), " if first.ask_samples else "")
@@ -519,7 +519,7 @@ def _table_from(path: Path, grid: int, label: str):
         with collection_paused():
             doc = read_rate_document(path.read_text())
         return ChunkTable.from_read_rate(doc, grid, label), BatchTable.from_read_rate(doc, grid, label)
-    except (OSError, IndexError, KeyError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
+    except (OSError, IndexError, KeyError, ValueError, TypeError, OverflowError, RecursionError, UnicodeDecodeError) as e:
         raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__}: {e})") from None
 
 
@@ -529,9 +529,15 @@ def _charge_from(path: Path, grid: int):
 
     try:
         with collection_paused():
-            return known_costs(read_rate_document(path.read_text()), grid, path.name)
-    except (OSError, IndexError, KeyError, ValueError, TypeError, RecursionError, UnicodeDecodeError) as e:
+            known = known_costs(read_rate_document(path.read_text()), grid, path.name)
+    except (OSError, IndexError, KeyError, ValueError, TypeError, OverflowError, RecursionError, UnicodeDecodeError) as e:
         raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__}: {e})") from None
+    if len(known.chunks) < 2:  # past the deepest depth the charge follows the line through the two deepest
+        raise ShadowInputError(f"{path}: --charge-json needs chunk costs at two depths at least")
+    return known
+
+
+MAX_FORWARD_MS = 3_600_000
 
 
 def _ask_samples_from(path: Path) -> tuple[float, ...]:
@@ -544,8 +550,9 @@ def _ask_samples_from(path: Path) -> tuple[float, ...]:
 
     values = user_text_file(path, read)
     if not isinstance(values, list) or not values or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in values):
-        raise ShadowInputError(f"{path}: an ask's forwards are a non-empty JSON list of ms, each a number above 0")
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_FORWARD_MS for v in values):
+        raise ShadowInputError(f"{path}: an ask's forwards are a non-empty JSON list of ms, each a number above 0 "
+                               f"and at most {MAX_FORWARD_MS:,} (an hour)")
     return tuple(v / 1000 for v in values)
 
 

@@ -114,6 +114,7 @@ class Tally:
     predictions: int = 0  # next prompts predicted at a turn's end (`ReplayLimits.predict`)
     predictions_missed: int = 0  # of those, the ones the next prompt sent back
     share_s: float = 0.0
+    share_charged_s: float = 0.0  # what the share's reads charged (`ReadScheduler.charged`: at most share_s)
     longest_slice_s: float = 0.0
     voice_s: float = 0.0
     phrases: int = 0
@@ -494,7 +495,7 @@ class EngineReplay:
         for h in f.batch:
             self.store.advance(h)
         self.tally.chunks_share += len(f.batch)
-        self.sched.read_done(f.read, len(f.batch), f.cost, t)
+        self.tally.share_charged_s += self.sched.read_done(f.read, len(f.batch), f.cost, t)
         for name in dict.fromkeys(h.name for h in f.batch):
             self._tell(name, t)
         return t
@@ -529,7 +530,9 @@ class EngineReplay:
             self.tally.longest_slice_s = max(self.tally.longest_slice_s, t - start)
         else:
             self.tally.chunks_idle += done
-        self.sched.read_done(read, done, t - start, t)
+        charged = self.sched.read_done(read, done, t - start, t)
+        if read.window == "share":
+            self.tally.share_charged_s += charged
         for name in dict.fromkeys((read.session, *(name for name, _ in read.others))):
             self._tell(name, t)
         if read.window == "idle":

@@ -56,6 +56,7 @@ class Arm:
     predictions: int = 0  # next prompts predicted at turns' ends
     predictions_missed: int = 0  # of those, the ones the next prompt sent back
     share_s: float = 0.0  # seconds read inside decode stretches
+    share_charged_s: float = 0.0  # what those reads charged the stretches (at most share_s: `--charge-json`)
     longest_slice_s: float = 0.0
     voice_s: float = 0.0
     spills: int = 0
@@ -92,6 +93,7 @@ class Arm:
         self.predictions += tally.predictions
         self.predictions_missed += tally.predictions_missed
         self.share_s += tally.share_s
+        self.share_charged_s += tally.share_charged_s
         self.longest_slice_s = max(self.longest_slice_s, tally.longest_slice_s)
         self.voice_s += tally.voice_s
         self.asks += tally.asks
@@ -139,9 +141,12 @@ def replay(
     by_engine: list[list[tuple[int, Request]]] = [[] for _ in range(engines)]
     for i, (r, e) in enumerate(zip(requests, engine_of)):
         by_engine[e].append((i, r))
+    engine_rule = rule if use_share else _no_share(rule)
+    if costs.charge is not None:  # a share read charged at most what a live load kept (`--share-charge alone`)
+        engine_rule = replace(engine_rule, charge="alone")
     for e, reqs in enumerate(by_engine):
-        sched = ReadScheduler(rule if use_share else _no_share(rule), grid, ChunkCosts(), priorities)
-        if costs.charge is not None:  # what a share read is charged at most, as a live load kept it
+        sched = ReadScheduler(engine_rule, grid, ChunkCosts(), priorities)
+        if costs.charge is not None:
             sched.keep_alone(list(costs.charge.chunks), list(costs.charge.batches))
         one = EngineReplay(e, reqs, order, before, next_start, sched, costs=costs, limits=limits,
                            use_share=use_share, probes=probes[e], asks=asks[e])
