@@ -179,6 +179,9 @@ for step in "$@"; do
              # DETACH=1: the driver runs in a process session of its own, which outlives the call while the machine
              # stays warm (a later call within its idle window), from a copy of the tree in /tmp/density-tree; the
              # step returns at once and `densitywait` collects it (FINISH_BY bounds it then, from the step's start).
+             # The machine goes back 30 s after a call ends, or when the session's device time runs out, and the
+             # run's files with it: a run that must end in this call (`density densitywait` as the session's last)
+             # needs FINISH_BY + 45 under the call's limit (600 s) less the machine's start.
              # PREWARM=1: while llama-server builds, a `shadow serve` with no engine behind it compiles the shadow's
              # kernels into the Triton cache (stopped after the build), so the driver's own serve comes up sooner.
              # Writes 6 files: density-build.txt, density.log, density-{live-density.json,table.txt,ledger.jsonl}, and
