@@ -105,19 +105,25 @@ def test_verify_exact_on_a_real_trajectory_rolls_back():
     assert doc["same_grid_bit_equal"] is True and doc["rollbacks"] > 0 and doc["ids_reread"] > 0
 
 
-def test_replay_ledger_charges_a_share_read_at_most_the_costs_given_as_live_kept_them(tmp_path):
-    """--charge-json: reads take the chunk table's time but a share read is charged at most the
-    given costs (as `serve --share-charge alone` charges them), so the share reads more; a file
-    that is not a read-rate document is refused with one line."""
-    ledger = tmp_path / "dense.ledger.jsonl"
-    with ledger.open("w") as f:  # 8 sessions decoding all the time, 8,000 new ids a turn each
-        for s in range(8):
+def dense_ledger(path, sessions: int, turns: int):
+    """A ledger of `sessions` sessions decoding all the time, `turns` turns each of 8,000 new ids
+    and 300 output ids, 20 s apart; its path."""
+    with path.open("w") as f:
+        for s in range(sessions):
             prompt = 0
-            for k in range(4):
+            for k in range(turns):
                 start = 20.0 * k + 0.7 * s
                 prompt += 8000 + (300 if k else 0)
                 f.write(json.dumps({"session": f"s{s}", "start": start, "first_token": start + 0.5, "end": start + 19.0,
                                     "prompt_tokens": prompt, "new_prompt_tokens": 8000, "output_tokens": 300}) + "\n")
+    return path
+
+
+def test_replay_ledger_charges_a_share_read_at_most_the_costs_given_as_live_kept_them(tmp_path):
+    """--charge-json: reads take the chunk table's time but a share read is charged at most the
+    given costs (as `serve --share-charge alone` charges them), so the share reads more; a file
+    that is not a read-rate document is refused with one line."""
+    ledger = dense_ledger(tmp_path / "dense.ledger.jsonl", sessions=8, turns=4)
     slow, charge = tmp_path / "slow.json", tmp_path / "charge.json"
     slow.write_text(json.dumps(_rate_doc(3.0)) + "\n")
     charge.write_text(json.dumps(_rate_doc(1.0)) + "\n")
@@ -346,16 +352,7 @@ def _rate_doc(scale: float) -> dict:
 def test_replay_ledger_charges_each_read_rate_file_its_own_costs(tmp_path):
     """--read-rate-json repeated: an arm for each file, each charged that file's chunk and batch
     rows (several device calls' costs side by side); two files of one name are told apart by path."""
-    ledger = tmp_path / "dense.ledger.jsonl"
-    with ledger.open("w") as f:  # 16 sessions decoding all the time, 8,000 new ids a turn each
-        for s in range(16):
-            prompt = 0
-            for k in range(6):
-                start = 20.0 * k + 0.7 * s
-                new = 8000
-                prompt += new + (300 if k else 0)
-                f.write(json.dumps({"session": f"s{s}", "start": start, "first_token": start + 0.5, "end": start + 19.0,
-                                    "prompt_tokens": prompt, "new_prompt_tokens": new, "output_tokens": 300}) + "\n")
+    ledger = dense_ledger(tmp_path / "dense.ledger.jsonl", sessions=16, turns=6)
     fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
     fast.write_text("a table\n" + json.dumps(_rate_doc(1.0)) + "\n")
     slow.write_text(json.dumps(_rate_doc(3.0)) + "\n")
