@@ -208,19 +208,22 @@ def test_read_rate_on_cpu_with_tiny(tmp_path):
 
 @pytest.mark.slow
 def test_read_rate_times_batches_and_the_replay_charges_by_them(tmp_path):
-    result = runner.invoke(app, ["read-rate", "--contexts", "0,512", "--batches", "2,4", "--repeats", "1",
-                                 "--full-read-tokens", "0", "--ask-tokens", "0", "--reference-tokens", "0", "--json"])
-    assert result.exit_code == 0, result.output
-    doc = last_json(result.output)
-    assert [(r["context"], r["batch"], r["run"]) for r in doc["batch_rows"]] == \
-        [(c, b, run) for c in (0, 512) for b, run in ((1, False), (2, False), (4, False), (2, True), (4, True))]
-    assert all(r["ms_per_chunk"] == pytest.approx(r["ms_per_read"] / r["batch"]) for r in doc["batch_rows"])
-    assert "batched reads" in result.output and "one session" in result.output
     rate = tmp_path / "rate.json"
-    rate.write_text(json.dumps(doc) + "\n")
     folder = shared_file("trajectories", "mini-swe-agent", "pydata__xarray-4629.traj.json")
-    replayed = runner.invoke(app, ["replay-ledger", str(folder), "--read-rate-json", str(rate), "--batch", "4",
-                                   "--samples", "10", "--json"])
+    for _ in range(3):  # a loaded CPU can time a batch over 1.5x its chunks alone, which the replay refuses: time again
+        result = runner.invoke(app, ["read-rate", "--contexts", "0,512", "--batches", "2,4", "--repeats", "1",
+                                     "--full-read-tokens", "0", "--ask-tokens", "0", "--reference-tokens", "0", "--json"])
+        assert result.exit_code == 0, result.output
+        doc = last_json(result.output)
+        assert [(r["context"], r["batch"], r["run"]) for r in doc["batch_rows"]] == \
+            [(c, b, run) for c in (0, 512) for b, run in ((1, False), (2, False), (4, False), (2, True), (4, True))]
+        assert all(r["ms_per_chunk"] == pytest.approx(r["ms_per_read"] / r["batch"]) for r in doc["batch_rows"])
+        assert "batched reads" in result.output and "one session" in result.output
+        rate.write_text(json.dumps(doc) + "\n")
+        replayed = runner.invoke(app, ["replay-ledger", str(folder), "--read-rate-json", str(rate), "--batch", "4",
+                                       "--samples", "10", "--json"])
+        if not (replayed.exit_code == 2 and "slower than its chunks alone" in replayed.output):
+            break
     assert replayed.exit_code == 0, replayed.output
     out = last_json(replayed.output)
     assert out["batch"] == 4 and out["batch_costs"] == "rate.json" and out["batch_ms"] == 10
