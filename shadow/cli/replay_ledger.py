@@ -466,14 +466,15 @@ def _limits_line(plan: Plan) -> str:
     prefix = f"; prefix cache {limits.prefix_cache_gib:g} GiB ({limits.shared_prefix_tokens:,} ids of every first prompt " \
         "shared)" if limits.prefix_cache_gib else "; no prefix cache"
     asks = f"{len(limits.asks_at):,} as given" if limits.asks_at else f"{limits.asks_per_hour:g}/h a session"
+    forwards = spread(first.ask_samples, scale=1000)
     return (f"live limits: ids {limits.ids}; {cap}{prefix}; voice share {limits.voice_share:g}; label {_ms(limits.label_s):g} ms; "
             f"asks {asks}; {batches}. costs: chunk {', '.join(c.chunk.label for c in plan.costs)}; "
             f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, host moves {first.host_gib_s:g} GiB/s, "
             + (f"ask {_ms(first.ask_s):g} ms " if not first.ask_samples else "ask ")
             + f"(its chunks x{first.ask_chunk_scale:g}), "
             + (f"a share read charged at most {first.charge.label}'s costs, " if first.charge is not None else "")
-            + (f"an ask's forward drawn from {len(first.ask_samples):,} measured (p50 {spread(first.ask_samples, scale=1000)['p50']:g}, "
-               f"p99 {spread(first.ask_samples, scale=1000)['p99']:g} ms), " if first.ask_samples else "")
+            + (f"an ask's forward drawn from {len(first.ask_samples):,} measured (p50 {forwards['p50']:g}, "
+               f"p99 {forwards['p99']:g} ms), " if first.ask_samples else "")
             + f"phrase {_ms(first.phrase_s):g} ms, tokenizer {_ms(first.tokenize_s_per_1k):g} ms/1k "
             "(defaults: measured, docs/FRESHNESS.md)")
 
@@ -513,25 +514,29 @@ def _detect(path: Path) -> str:
 def _table_from(path: Path, grid: int, label: str):
     """The chunk table of a `read-rate --json` output, and its batch table (None: no batch rows),
     both labelled `label`."""
-    from shadow.offline.costs import BatchTable, ChunkTable, read_rate_document
+    from shadow.offline.costs import BatchTable, ChunkTable
+
+    return _read_rate_file(path, lambda doc: (ChunkTable.from_read_rate(doc, grid, label),
+                                              BatchTable.from_read_rate(doc, grid, label)))
+
+
+def _read_rate_file(path: Path, use):
+    """`use` of a `read-rate --json` output's document; anything it cannot read or use refused as
+    bad input naming the file."""
+    from shadow.offline.costs import read_rate_document
 
     try:
         with collection_paused():
-            doc = read_rate_document(path.read_text())
-        return ChunkTable.from_read_rate(doc, grid, label), BatchTable.from_read_rate(doc, grid, label)
+            return use(read_rate_document(path.read_text()))
     except (OSError, IndexError, KeyError, ValueError, TypeError, OverflowError, RecursionError, UnicodeDecodeError) as e:
         raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__}: {e})") from None
 
 
 def _charge_from(path: Path, grid: int):
     """The costs a share read is charged at most, from a `read-rate --json`-shaped file."""
-    from shadow.offline.costs import known_costs, read_rate_document
+    from shadow.offline.costs import known_costs
 
-    try:
-        with collection_paused():
-            known = known_costs(read_rate_document(path.read_text()), grid, path.name)
-    except (OSError, IndexError, KeyError, ValueError, TypeError, OverflowError, RecursionError, UnicodeDecodeError) as e:
-        raise ShadowInputError(f"{path}: not a read-rate --json output ({type(e).__name__}: {e})") from None
+    known = _read_rate_file(path, lambda doc: known_costs(doc, grid, path.name))
     if len(known.chunks) < 2:  # past the deepest depth the charge follows the line through the two deepest
         raise ShadowInputError(f"{path}: --charge-json needs chunk costs at two depths at least")
     return known
@@ -541,7 +546,8 @@ MAX_FORWARD_MS = 3_600_000
 
 
 def _ask_samples_from(path: Path) -> tuple[float, ...]:
-    """An ask's forwards in seconds, from a JSON list of ms, each a finite number above 0."""
+    """An ask's forwards in seconds, from a JSON list of ms, each a number above 0 and at most
+    `MAX_FORWARD_MS`."""
     def read(p: Path):
         try:
             return json.loads(p.read_text())

@@ -514,15 +514,13 @@ class Reading:
         now = self.clock()
         sched = self.sched
         return {
-            "chunk_ms_by_depth": {str(d): round(s * 1000, 3) for d, s in sched.costs.table().items()},
-            "batch_ms_by_depth": {str(b): {str(d): round(s * 1000, 3) for d, s in costs.table().items()}
-                                  for b, costs in sorted(sched.batch_costs.items())},
+            "chunk_ms_by_depth": _ms_by_depth(sched.costs),
+            "batch_ms_by_depth": {str(b): _ms_by_depth(costs) for b, costs in sorted(sched.batch_costs.items())},
             # what a share read is charged (`--share-charge`), and at most under alone (the costs kept at load)
             "charge": sched.rule.charge,
-            "charge_ms_by_depth": None if sched.alone is None else
-            {str(d): round(s * 1000, 3) for d, s in sched.alone[0].table().items()},
+            "charge_ms_by_depth": None if sched.alone is None else _ms_by_depth(sched.alone[0]),
             "charge_batch_ms_by_depth": None if sched.alone is None else
-            {str(b): {str(d): round(s * 1000, 3) for d, s in costs.table().items()} for b, costs in sorted(sched.alone[1].items())},
+            {str(b): _ms_by_depth(costs) for b, costs in sorted(sched.alone[1].items())},
             "share_left_s": round(sched.share_left(now), 6), "share_used_s": round(sched.share_used, 6),
             "decoding": sched.decoding, "busy": sched.busy, "backlog": sched.has_backlog(),
             "questions": self.questions.names(),
@@ -548,3 +546,8 @@ class Reading:
         return {"alive": alive, "state": self.state if alive else dead,
                 "rounds": self.rounds, "errors": c.idle_errors, "last_error": c.idle_last_error,
                 "last_read_s_ago": None if self.last_read_at is None else round(self.clock() - self.last_read_at, 3)}
+
+
+def _ms_by_depth(costs) -> dict[str, float]:
+    """A `ChunkCosts` table as status shows it: ms by the depth of each bucket's first row."""
+    return {str(d): round(seconds * 1000, 3) for d, seconds in costs.table().items()}
