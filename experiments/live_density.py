@@ -45,7 +45,8 @@ Writes in `--out`: `live-density.json` (its last line too on stdout: settings, l
 replay, side by side, engine cost), `ledger.jsonl` (the density phase's requests), `costs.json`
 (the chunk costs the live service learned, charged by the replay), `charge.json` (what it charged a
 share read at most under `--share-charge alone`, charged so by the replay), `ask-forwards.json` (the
-asks' forwards, ms, each replayed ask drawing one), `sent.jsonl` and `asks.jsonl`
+asks' forwards, ms, each replayed ask drawing one), `host-rates.json` (the speed, GiB/s, of each move back from
+the host tier an ask made, each replayed move drawing one), `sent.jsonl` and `asks.jsonl`
 (every request and ask as the driver saw it), `journal.jsonl`, `status.json` (the last status),
 `metrics-density.txt` and `metrics.txt` (`/metrics` at the density phase's end and at the run's),
 `steady.jsonl` (the cost phase's streams), `replay.txt`, `engine.log`, `serve.log`, `table.txt`.
@@ -315,7 +316,7 @@ class Run:
             d = r.json() if r.status_code == 200 else {}
             self.asks.append(fig.Asked(kind, session, t, r.status_code, d.get("latency_ms"), d.get("behind"),
                                        d.get("read_chunks"), d.get("insertion"), held, d.get("device_wait_ms"),
-                                       d.get("device_busy_with"), d.get("parts_ms")))
+                                       d.get("device_busy_with"), d.get("parts_ms"), d.get("brought_back")))
         except (httpx.HTTPError, ValueError):
             self.asks.append(fig.Asked(kind, session, t, 0, held=held))
 
@@ -463,7 +464,8 @@ def replay_again(out: Path) -> dict:
     if (out / "metrics-density.txt").exists():  # the host tier's and the asks' live rates, charged as live
         settings.update(fig.live_rates((out / "metrics-density.txt").read_text()))
     settings["charge_json"] = write_charge(out, status)
-    settings["ask_forwards_json"] = write_ask_forwards(out, asks, doc["settings"]["duration"])
+    settings["ask_forwards_json"] = write_samples(out, "ask-forwards.json", fig.ask_forwards(asks, doc["settings"]["duration"]))
+    settings["host_rates_json"] = write_samples(out, "host-rates.json", fig.host_rates(asks, doc["settings"]["duration"]))
     fig.write_ledger(out / "ledger-again.jsonl", ledger)
     doc["live"].setdefault("density", {})["active_in_phase"] = round(fig.active_until(ledger, doc["settings"]["duration"]), 3)
     if fig.asks_at(asks, {r.session for r in ledger}, doc["settings"]["duration"], out / "asks-at.jsonl"):
@@ -563,14 +565,14 @@ def write_charge(out: Path, status: dict) -> str | None:
     return str(out / "charge.json")
 
 
-def write_ask_forwards(out: Path, asks: list, until: float) -> str | None:
-    """`ask-forwards.json` in `out`, the forwards of the asks answered before `until` (ms,
-    `live_figures.ask_forwards`); its path, or None (and no file) where none was answered."""
-    forwards = fig.ask_forwards(asks, until)
-    if not forwards:
+def write_samples(out: Path, name: str, samples: list[float]) -> str | None:
+    """`samples` as a JSON list in `out / name` (what the replay draws from: `ask-forwards.json`,
+    `live_figures.ask_forwards`; `host-rates.json`, `live_figures.host_rates`); its path, or None
+    (and no file) where there are none."""
+    if not samples:
         return None
-    (out / "ask-forwards.json").write_text(json.dumps(forwards))
-    return str(out / "ask-forwards.json")
+    (out / name).write_text(json.dumps(samples))
+    return str(out / name)
 
 
 def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict:
@@ -579,7 +581,8 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
     fig.write_ledger(out / "ledger.jsonl", requests)
     (out / "costs.json").write_text(json.dumps(fig.costs_document(run.status)))
     charge = write_charge(out, run.status)
-    forwards_json = write_ask_forwards(out, run.asks, a.duration)
+    forwards_json = write_samples(out, "ask-forwards.json", fig.ask_forwards(run.asks, a.duration))
+    rates_json = write_samples(out, "host-rates.json", fig.host_rates(run.asks, a.duration))
     (out / "metrics.txt").write_text(run.metrics)
     (out / "metrics-density.txt").write_text(run.metrics_density)
     live = fig.live(run.sent, run.asks, run.polls, journal, a.grid, a.duration)
@@ -598,6 +601,7 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
                 # the driver's streams open no status-line channel: a service that said no phrase is replayed without
                 "voice_share": 0.0 if not run.status.get("counters", {}).get("voice_s") else None,
                 "outputs_unseen": unseen, "charge_json": charge, "ask_forwards_json": forwards_json,
+                "host_rates_json": rates_json,
                 **fig.live_rates(run.metrics_density)}
     if fig.asks_at(run.asks, {r.session for r in requests}, a.duration, out / "asks-at.jsonl"):
         settings["asks_at"] = str(out / "asks-at.jsonl")  # the run's asks at their times, not a rate

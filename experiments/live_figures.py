@@ -53,8 +53,8 @@ class Asked:
     """One ask: `kind` 'turn' (sent at a turn start of a session with earlier turns) or 'random';
     `held` the ids the session held before that turn (turn asks; the answer's `insertion` above it
     means the new prompt was fed first: `raced`); of its latency, the wait for the device thread and
-    the kind of job the device ran when it came (the answer's `device_wait_ms`, `device_busy_with`)
-    and the whole split (`parts_ms`)."""
+    the kind of job the device ran when it came (the answer's `device_wait_ms`, `device_busy_with`),
+    the whole split (`parts_ms`) and what it brought back onto the device (`brought_back`)."""
 
     kind: str
     session: str
@@ -68,6 +68,7 @@ class Asked:
     device_wait_ms: float | None = None
     device_busy_with: str | None = None
     parts_ms: dict | None = None  # the answer's split of its latency (`Asking.ask`: device_wait, ..., forward, back)
+    brought_back: dict | None = None  # what the ask brought back onto the device: {"tier", "bytes"}, or None
 
     @property
     def raced(self) -> bool:
@@ -334,6 +335,21 @@ def ask_forwards(asks: list[Asked], until: float) -> list[float]:
             and isinstance(a.parts_ms.get("forward"), (int, float)) and a.parts_ms["forward"] > 0]
 
 
+def host_rates(asks: list[Asked], until: float) -> list[float]:
+    """GiB/s of every move back from the host tier that an ask answered before `until` made
+    (`brought_back`'s bytes over `parts_ms.restore`, which also holds the wait for the lock): what
+    the replay draws a move's speed from (`replay-ledger --host-rates-json`), the engine's work
+    beside it and all."""
+    out = []
+    for a in asks:
+        back, parts = a.brought_back, a.parts_ms or {}
+        ms = parts.get("restore")
+        if (a.time < until and a.status == 200 and isinstance(back, dict) and back.get("tier") == "host"
+                and isinstance(back.get("bytes"), int) and back["bytes"] > 0 and isinstance(ms, (int, float)) and ms > 0):
+            out.append(back["bytes"] / 2**30 / (ms / 1000))
+    return out
+
+
 def charge_document(status: dict) -> dict | None:
     """A `read-rate --json`-shaped document of what the live service charged a share read at most
     (`reading.charge_ms_by_depth` and `charge_batch_ms_by_depth`: the costs it kept at load under
@@ -410,7 +426,8 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
     `asks_per_hour`), ask_ms, seed, ids (`replay_ids`), voice_share (0 where the live service
     said no phrase; None: the replay's default), host_gib_s and ask_chunk_scale (`live_rates`;
     None: the replay's defaults), charge_json (`charge_document`'s file; None: a share read charged
-    its seconds), ask_forwards_json (`ask_forwards` as a file; None: every ask's forward `ask_ms`))
+    its seconds), ask_forwards_json (`ask_forwards` as a file; None: every ask's forward `ask_ms`),
+    host_rates_json (`host_rates` as a file; None: every move back at host_gib_s))
     and the live chunk costs; its `--json` document (the arm
     with the share). Its output goes to `out_dir / name`."""
     asks = ["--asks-at", settings["asks_at"]] if settings.get("asks_at") else \
@@ -435,6 +452,8 @@ def replay(ledger_path: Path, costs_path: Path, settings: dict, out_dir: Path, n
         cmd += ["--charge-json", settings["charge_json"]]
     if settings.get("ask_forwards_json"):  # the live asks' forwards (`ask_forwards`), one drawn an ask
         cmd += ["--ask-forwards-json", settings["ask_forwards_json"]]
+    if settings.get("host_rates_json"):  # the live asks' moves back from the host tier (`host_rates`), one drawn a move
+        cmd += ["--host-rates-json", settings["host_rates_json"]]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     (out_dir / name).write_text(done.stdout + done.stderr)
     if done.returncode not in (0, 1):  # 1: its monotone checks failed; the figures are still there

@@ -222,6 +222,12 @@ def test_the_service_reports_the_host_tier_in_status_and_metrics(tiny, tmp_path)
             assert r.status_code == 200
         status = client.get("/v1/shadow/status").json()
         metrics = client.get("/metrics").text
+        # an ask about a session in the tier says what it brought back: the bytes the move counted
+        assert "host-0" in service.store.host
+        moved = service.store.host.nbytes("host-0")
+        answer = client.post("/v1/shadow/ask", json={"session": "host-0", "question": "A or B?",
+                                                      "choices": ["A", "B"]}).json()
+    assert answer["brought_back"] == {"tier": "host", "bytes": moved} and moved > 0
     assert status["store"]["host_sessions"] >= 1 and status["store"]["host_bytes"] > 0
     assert re.search(r"^shadow_sessions_in_host[{ ]", metrics, re.M) and re.search(r"^shadow_to_host_total[{ ]", metrics, re.M)
     for name in ("sessions_moving", "moving_bytes", "sessions_staged", "staged_bytes", "write_behind_queue",

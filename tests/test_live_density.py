@@ -167,6 +167,9 @@ def test_the_replay_is_charged_as_the_live_service_charged_and_draws_its_asks_fo
     command = doc["replay"]["command"]
     assert f"--charge-json {out / 'charge.json'}" in command and f"--ask-forwards-json {out / 'ask-forwards.json'}" in command
     assert "a share read charged at most charge.json's costs" in (out / "replay.txt").read_text()
+    # a CPU serves no host tier: no move back to draw from, and the replay moves at its one speed
+    assert replay["host_rates_json"] is None and not (out / "host-rates.json").exists()
+    assert "--host-rates-json" not in command
 
 
 def test_engine_cost_pairs_an_off_window_with_an_on_window_at_a_steady_load(run):
@@ -377,6 +380,20 @@ def test_the_replay_draws_an_asks_forward_from_the_live_asks_forwards():
             f.Asked("random", "s", 5.0, 200, parts_ms={"forward": 0.0}),
             f.Asked("random", "s", 99.0, 200, parts_ms={"forward": 7.0})]  # after the density phase
     assert f.ask_forwards(asks, 10.0) == [12.5, 80.0]
+
+
+def test_the_replay_draws_a_move_back_from_the_live_asks_moves_back_from_the_host():
+    f = figures()
+    gib = 2**30
+    asks = [f.Asked("random", "s", 1.0, 200, parts_ms={"restore": 50.0}, brought_back={"tier": "host", "bytes": gib}),
+            f.Asked("turn", "s", 2.0, 200, parts_ms={"restore": 250.0}, brought_back={"tier": "host", "bytes": gib // 2}),
+            f.Asked("random", "s", 3.0, 200, parts_ms={"restore": 80.0}, brought_back={"tier": "disk", "bytes": gib}),
+            f.Asked("random", "s", 4.0, 200, parts_ms={"restore": 0.03}),  # resident: nothing brought back
+            f.Asked("random", "s", 5.0, 503, parts_ms={"restore": 9.0}, brought_back={"tier": "host", "bytes": gib}),
+            f.Asked("random", "s", 6.0, 200, parts_ms={"restore": 0.0}, brought_back={"tier": "host", "bytes": gib}),
+            f.Asked("random", "s", 99.0, 200, parts_ms={"restore": 9.0}, brought_back={"tier": "host", "bytes": gib})]
+    assert f.host_rates(asks, 10.0) == [20.0, 2.0]  # GiB/s: host moves answered in the phase only
+    assert f.host_rates([f.Asked("random", "s", 1.0, 200)], 10.0) == []  # an older run's asks say nothing of it
 
 
 def test_the_windows_alternate_with_each_on_window_between_two_off_windows():

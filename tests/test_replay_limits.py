@@ -233,6 +233,28 @@ def test_replay_ledger_draws_asks_forwards_from_a_file(tmp_path):
     assert "an ask's forward drawn from 100 measured (p50 8, p99 300 ms)" in result.output
 
 
+@pytest.mark.parametrize("content, says", [("[]", "non-empty JSON list"), ("[1, 0]", "each a number above 0"),
+                                           ("[1e6]", "at most 100,000"), ("[1, 2", "not a JSON list of GiB/s")])
+def test_replay_ledger_refuses_bad_host_rates_before_any_work(tmp_path, content, says):
+    bad, out = tmp_path / "rates.json", tmp_path / "out.ledger.jsonl"
+    bad.write_text(content)
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--host-rates-json", str(bad),
+                                      "--write-ledger", str(out)])
+    assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output
+    assert not out.exists()
+
+
+def test_replay_ledger_draws_moves_back_from_a_file(tmp_path):
+    rates = tmp_path / "rates.json"
+    rates.write_text(json.dumps([20.0] * 99 + [0.5]))
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--host-rates-json", str(rates),
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output.strip().splitlines()[-1])
+    assert doc["limits"]["host_rates"] == {"n": 100, "p1": 0.5, "p10": 20.0, "p50": 20.0, "max": 20.0}
+    assert "a move back from host memory drawn from 100 measured (p50 20, p1 0.5 GiB/s)" in " ".join(result.output.split())
+
+
 def test_asks_at_given_times_wait_for_the_device_and_are_tallied_by_kind():
     """Asks as a client sent them: the first (at 1.0 s) reads the session's 8 chunks (0.8 s), the
     second (at 1.05 s, another kind) waits for the device until the first is answered at 1.8 s."""
@@ -274,6 +296,32 @@ def test_an_asks_chunks_cost_their_scale_and_a_move_back_from_the_host_is_in_its
                           asks_at=((30.0, "a", "random"),))
     arm = replay(three, costs=costs, limits=limits, use_share=False)
     assert arm.from_host == 1 and arm.asks[0].wait_s == pytest.approx(0.1 + 0.01, rel=0.05)
+
+
+def test_a_move_back_from_the_host_is_drawn_from_the_measured_speeds_seeded():
+    """`host_rates`: each move back from the host tier takes its bytes at a speed drawn from a live
+    run's (seeded by the limits' seed), not at `host_gib_s`. The same three sessions as above, and
+    an ask about a (in the tier) every 20 s, each sending another to the tier: every move back is
+    about 0.1 s or 1.0 s (the speeds of one session in 0.1 and in 1.0 s), both come up, and the same seed
+    draws the same."""
+    size = StateSize.of(PRESETS["tiny"], 4)
+    one = size.resident(2048, 1)
+    three = [Request(name, 5.0 * k, 5.0 * k + 0.1, 5.0 * k + 0.2, 2048, 2048, 0) for k, name in enumerate("abc")]
+    base = CostTable(FLAT, restore_gib_s=math.inf, spill_gib_s=math.inf, host_gib_s=one / 2**30 / 0.1, ask_s=0.01,
+                     tokenize_s_per_1k=0.0)
+    drawn = replace(base, host_rates=(one / 2**30 / 0.1, one / 2**30 / 1.0))
+    asks = tuple((30.0 + 20.0 * k, "abc"[k % 3], "random") for k in range(24))
+
+    def waits(costs, seed):
+        arm = replay(three, costs=costs, use_share=False, limits=ReplayLimits(
+            cap_gib=(one + size.delta) / 2**30, state=size, host_cap_gib=1.0, asks_at=asks, seed=seed))
+        assert arm.from_host == len(asks)  # each ask brought its session back
+        return [a.wait_s - 0.01 for a in arm.asks]
+
+    speed = lambda w: next(x for x in (0.1, 1.0) if w == pytest.approx(x, rel=0.05))  # its state a little over `one`
+    plain, one_draw, again, other = waits(base, 0), waits(drawn, 0), waits(drawn, 0), waits(drawn, 1)
+    assert {speed(w) for w in plain} == {0.1}
+    assert {speed(w) for w in one_draw} == {0.1, 1.0} and one_draw == again and one_draw != other
 
 
 def test_probes_see_the_lag_and_the_wait():

@@ -104,6 +104,7 @@ def test_two_streamed_turns_are_read_exactly_and_asked(server):
     assert min(parts.values()) >= 0
     assert abs(sum(parts.values()) - answer["latency_ms"]) < 0.01 and parts["device_wait"] == answer["device_wait_ms"]
     assert parts["forward"] > 0
+    assert answer["brought_back"] is None  # resident: nothing brought back for it
     assert_exact(service, "s1")
     assert client.get("/v1/shadow/status").json()["last_answers"][-1]["label"] == answer["label"]
 

@@ -113,6 +113,7 @@ def replay_ledger(
     host_gib_s: Annotated[float, typer.Option(callback=bounds(gt=0), help="Speed of a move to or from the host tier, GiB/s (default: the host tier's measured moves, docs/STORE.md).")] = GPU_HOST_GIB_S,
     ask_ms: Annotated[float, typer.Option(callback=bounds(ge=0), help="One ask's forward, ms (default: measured on an H200 at depth).")] = H200_ASK_MS,
     ask_samples_json: Annotated[Path | None, typer.Option("--ask-forwards-json", callback=input_file, help="An ask's forward as a live run measured them: a JSON list of ms (a live density run's `ask-forwards.json`); each replayed ask draws one (seeded by --seed) instead of --ask-ms.")] = None,
+    host_rates_json: Annotated[Path | None, typer.Option(callback=input_file, help="A move back from the host tier as a live run measured them: a JSON list of GiB/s (a live density run's `host-rates.json`); each replayed move back draws one (seeded by --seed) instead of --host-gib-s.")] = None,
     ask_chunk_scale: Annotated[float, typer.Option(callback=bounds(gt=0, le=100), help="An ask's chunks cost this times the table's (a live run's asks' seconds per chunk over its share's: their reads meet another share of the engine's work).")] = 1.0,
     phrase_ms: Annotated[float, typer.Option(callback=bounds(gt=0), help="One voice phrase, ms (default: the median measured on an H200).")] = H200_PHRASE_MS,
     tokenize_ms_per_1k: Annotated[float, typer.Option(callback=bounds(ge=0), help="The proxy's template and tokenizer, ms per 1,000 prompt ids (--ids tokenizer, end, none; default: measured on a 2-core CPU).")] = CPU_TOKENIZE_MS_PER_1K,
@@ -168,11 +169,12 @@ def replay_ledger(
     pairs += [(table, batches or BatchTable.h200()) for table, batches in measured]
     pairs = pairs or [(ChunkTable.h200(grid), BatchTable.h200())]
     charge = _charge_from(charge_json, grid) if charge_json is not None else None
-    ask_samples = _ask_samples_from(ask_samples_json) if ask_samples_json is not None else ()
+    ask_samples = _samples_from(ask_samples_json, *FORWARDS) if ask_samples_json is not None else ()
+    host_rates = _samples_from(host_rates_json, *HOST_RATES) if host_rates_json is not None else ()
     costs = [CostTable(table, restore_gib_s=restore_gib_s, spill_gib_s=spill_gib_s, host_gib_s=host_gib_s,
                        ask_s=ask_ms / 1000, ask_chunk_scale=ask_chunk_scale,
                        phrase_s=phrase_ms / 1000, tokenize_s_per_1k=tokenize_ms_per_1k / 1000, batch=batches,
-                       charge=charge, ask_samples=ask_samples)
+                       charge=charge, ask_samples=ask_samples, host_rates=host_rates)
              for table, batches in pairs]
     cap_gib = settings.store.cap_for("cuda", proxy=True) or None  # serve's default beside an engine; 0: no cap
     limits = for_model(model, ids=ids, cap_gib=cap_gib, disk=disk,
@@ -190,7 +192,8 @@ def replay_ledger(
 
     files = _expand(inputs)
     read = {p.resolve() for p in [*files, *(read_rate_json or []), *([asks_at] if asks_at else []),
-                                  *([charge_json] if charge_json else []), *([ask_samples_json] if ask_samples_json else [])]}
+                                  *([charge_json] if charge_json else []), *([ask_samples_json] if ask_samples_json else []),
+                                  *([host_rates_json] if host_rates_json else [])]}
     for flag, out in (("--turns", turns_to), ("--write-ledger", write_ledger_to), ("--csv", csv), ("--plot", plot)):
         if out is not None and out.resolve() in read:
             raise ShadowInputError(f"{flag} {out} is a file this command reads: give another name")
@@ -310,6 +313,7 @@ def _document(plan: Plan, outcome, rows: list[dict], *, files: list[Path], model
                    "charge": first.charge.label if first.charge is not None else None,
                    "ask_forwards": {"n": len(first.ask_samples), **spread(first.ask_samples, scale=1000)}
                    if first.ask_samples else None,
+                   "host_rates": {"n": len(first.host_rates), **spread(first.host_rates, qs=(1, 10, 50))} if first.host_rates else None,
                    "tokenize_ms_per_1k": _ms(first.tokenize_s_per_1k), "samples": plan.samples, "seed": limits.seed},
         "density": {"active_per_engine": round(dens.active, 3), "new_tok_s_per_engine": round(dens.new_tok_s, 1),
                     "span_s": round(dens.span_s, 3)},
@@ -466,10 +470,13 @@ def _limits_line(plan: Plan) -> str:
     prefix = f"; prefix cache {limits.prefix_cache_gib:g} GiB ({limits.shared_prefix_tokens:,} ids of every first prompt " \
         "shared)" if limits.prefix_cache_gib else "; no prefix cache"
     asks = f"{len(limits.asks_at):,} as given" if limits.asks_at else f"{limits.asks_per_hour:g}/h a session"
-    forwards = spread(first.ask_samples, scale=1000)
+    forwards, rates = spread(first.ask_samples, scale=1000), spread(first.host_rates, qs=(1, 50))
     return (f"live limits: ids {limits.ids}; {cap}{prefix}; voice share {limits.voice_share:g}; label {_ms(limits.label_s):g} ms; "
             f"asks {asks}; {batches}. costs: chunk {', '.join(c.chunk.label for c in plan.costs)}; "
-            f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, host moves {first.host_gib_s:g} GiB/s, "
+            f"restore {first.restore_gib_s:g} GiB/s, spill {first.spill_gib_s:g} GiB/s, "
+            + (f"host moves {first.host_gib_s:g} GiB/s, " if not first.host_rates else
+               f"a move back from host memory drawn from {len(first.host_rates):,} measured (p50 {rates['p50']:g}, "
+               f"p1 {rates['p1']:g} GiB/s), ")
             + (f"ask {_ms(first.ask_s):g} ms " if not first.ask_samples else "ask ")
             + f"(its chunks x{first.ask_chunk_scale:g}), "
             + (f"a share read charged at most {first.charge.label}'s costs, " if first.charge is not None else "")
@@ -542,24 +549,26 @@ def _charge_from(path: Path, grid: int):
     return known
 
 
-MAX_FORWARD_MS = 3_600_000
+# what a samples file holds: (its values' name, their unit, the most one may be, its words, a scale to the replay's unit)
+FORWARDS = ("an ask's forwards", "ms", 3_600_000, "an hour", 1 / 1000)
+HOST_RATES = ("moves back from host memory", "GiB/s", 100_000, "100,000 GiB/s", 1.0)
 
 
-def _ask_samples_from(path: Path) -> tuple[float, ...]:
-    """An ask's forwards in seconds, from a JSON list of ms, each a number above 0 and at most
-    `MAX_FORWARD_MS`."""
+def _samples_from(path: Path, what: str, unit: str, most: float, most_words: str, scale: float) -> tuple[float, ...]:
+    """Measured samples the replay draws from, from a JSON list of numbers in `unit`, each above 0
+    and at most `most`; scaled to the replay's unit (seconds, GiB/s)."""
     def read(p: Path):
         try:
             return json.loads(p.read_text())
         except json.JSONDecodeError as e:
-            raise ShadowInputError(f"{p}: not a JSON list of ms ({e})") from None
+            raise ShadowInputError(f"{p}: not a JSON list of {unit} ({e})") from None
 
     values = user_text_file(path, read)
     if not isinstance(values, list) or not values or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_FORWARD_MS for v in values):
-        raise ShadowInputError(f"{path}: an ask's forwards are a non-empty JSON list of ms, each a number above 0 "
-                               f"and at most {MAX_FORWARD_MS:,} (an hour)")
-    return tuple(v / 1000 for v in values)
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= most for v in values):
+        raise ShadowInputError(f"{path}: {what} are a non-empty JSON list of {unit}, each a number above 0 "
+                               f"and at most {most:,} ({most_words})")
+    return tuple(v * scale for v in values)
 
 
 def _plot(path: Path, arms) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -254,8 +255,9 @@ class CostTable:
     did); `charge`, where given, the costs a share read is charged at most (as `serve --share-charge
     alone` keeps them at load: a live run's, beside its learned `chunk`), else its modelled seconds;
     `ask_samples`, where given, an ask's forward as a live run measured them (seconds), each ask
-    drawing one (seeded), else `ask_s` for every ask. The defaults are the H200's and this CPU's
-    measurements above."""
+    drawing one (seeded), else `ask_s` for every ask; `host_rates`, where given, the GiB/s of moves
+    back from the host tier as a live run measured them, each move back drawing one (`host_back_s`),
+    else `host_gib_s`. The defaults are the H200's and this CPU's measurements above."""
 
     chunk: ChunkTable
     restore_gib_s: float = H200_RESTORE_GIB_S
@@ -268,6 +270,7 @@ class CostTable:
     ask_chunk_scale: float = 1.0
     charge: KnownCosts | None = None
     ask_samples: tuple[float, ...] = ()
+    host_rates: tuple[float, ...] = ()
 
     def batch_s(self, depths: list[int], runs: list[bool] | None = None) -> float:
         """Seconds of one batched read of one chunk at each of `depths` (`runs`: whether each is
@@ -281,6 +284,13 @@ class CostTable:
     def host_s(self, nbytes: int) -> float:
         """Seconds of one move of `nbytes` to or from the host tier."""
         return nbytes / GIB / self.host_gib_s if math.isfinite(self.host_gib_s) else 0.0
+
+    def host_back_s(self, nbytes: int, draws: random.Random) -> float:
+        """Seconds of one move of `nbytes` back from the host tier: at a speed drawn from
+        `host_rates` where given (from `draws`), else as `host_s`."""
+        if not self.host_rates:
+            return self.host_s(nbytes)
+        return nbytes / GIB / draws.choice(self.host_rates)
 
     def spill_s(self, nbytes: int) -> float:
         return nbytes / GIB / self.spill_gib_s if math.isfinite(self.spill_gib_s) else 0.0

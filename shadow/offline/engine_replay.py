@@ -144,7 +144,8 @@ class EngineReplay:
             for size in batch_sizes(sched.rule.batch):
                 sched.warm_batch(size, depth, costs.batch_s([depth] * size))
         self.store = ModelledStore(g, costs, size=limits.state, cap=limits.cap_bytes,
-                                  disk=limits.disk, host_cap=limits.host_cap_bytes)
+                                  disk=limits.disk, host_cap=limits.host_cap_bytes,
+                                  draws=random.Random(f"host {limits.seed} {engine}"))  # from `costs.host_rates`
         self.req = dict(requests)
         self.heap: list[tuple] = []
         for i, r in requests:
@@ -341,7 +342,7 @@ class EngineReplay:
         if where not in ("host", "disk"):
             return
         start = max(t, self.io_free)
-        self.io_free = start + self.store.back_s(s)
+        self.io_free = start + self.store.move_back_s(s)
         self.ahead[s] = (self.io_free, where)
         self.tally.restores_ahead += 1
 

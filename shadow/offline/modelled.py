@@ -6,6 +6,7 @@ move to or from the host tier, restore, spill and drop costs what the cost table
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,11 +67,13 @@ class ModelledStore:
 
     def __init__(self, grid: int, costs: CostTable, *,
                  size: StateSize | None = None, cap: int | None = None, disk: bool = False,
-                 host_cap: int | None = None, max_checkpoints: int = MAX_CHECKPOINTS):
+                 host_cap: int | None = None, max_checkpoints: int = MAX_CHECKPOINTS,
+                 draws: random.Random | None = None):
         if cap is not None and size is None:
             raise ValueError("a cap needs the sessions' state sizes")
         self.grid, self.size, self.cap, self.disk, self.costs = grid, size, cap, disk, costs
         self.max_checkpoints = max_checkpoints
+        self.draws = draws or random.Random("host")  # a move back's speed, where `costs.host_rates` are given
         self.resident: OrderedDict[str, ModelledSession] = OrderedDict()
         self.files: dict[str, ModelledSession] = {}  # on disk: spilled, or dropped with its ids (committed 0)
         self.host_cap = host_cap or None
@@ -95,12 +98,19 @@ class ModelledStore:
         return "host" if name in self.host else "disk" if name in self.files else None
 
     def back_s(self, name: str) -> float:
-        """Seconds of bringing `name` back onto the device now: a move from the host tier or a
-        restore from disk (0 when it is resident, gone or new)."""
+        """Seconds of bringing `name` back onto the device now, by estimate: a move from the host
+        tier (at `host_gib_s`) or a restore from disk (0 when it is resident, gone or new)."""
         if name in self.host:
             return self.costs.host_s(self.host_bytes(self.host[name]))
         f = None if name in self.resident else self.files.get(name)
         return self.costs.restore_s(self._file_bytes(f)) if f is not None else 0.0
+
+    def move_back_s(self, name: str) -> float:
+        """Seconds the move back of `name` takes when it is made: as `back_s`, but a move from the
+        host tier at a speed drawn from the live run's (`CostTable.host_back_s`)."""
+        if name in self.host:
+            return self.costs.host_back_s(self.host_bytes(self.host[name]), self.draws)
+        return self.back_s(name)
 
     def holds(self, name: str) -> bool:
         """Resident, in the host tier, or a file of it on disk (a session dropped without a disk is gone)."""
@@ -114,7 +124,7 @@ class ModelledStore:
             h = self.host.pop(name)
             self.host_used -= self.host_bytes(h)  # its size as it moved in: nothing changes it in the tier
             h.capacity = self.size.capacity(h.committed) if self.size else 0  # a fresh state's buffers, as live
-            seconds = self.costs.host_s(self.host_bytes(h))
+            seconds = self.costs.host_back_s(self.host_bytes(h), self.draws)
             self.counts.from_host += 1
             self.counts.host_s += seconds
             self.resident[name] = h

@@ -29,8 +29,9 @@ class Asking:
     for the device: its `device_wait_ms`, with `device_busy_with`, the kind of job the device ran
     when the ask was handed in, or None), under the lock. Its `parts_ms` split the latency whole:
     `device_wait`, `in_flight` (a batched read under way, read to its end first), `restore` (the
-    lock, and the session brought back from the host tier or disk), `read` (reading the session to
-    the insertion point), `forward` (the fork's) and `back` (the device thread's hand-back). The
+    lock, and the session brought back from the host tier or disk: `brought_back`, its tier and
+    bytes, or None), `read` (reading the session to the insertion point), `forward` (the fork's)
+    and `back` (the device thread's hand-back). The
     store settles back within its cap after the answer, as the device thread's next job
     (`settle_after`)."""
 
@@ -72,16 +73,18 @@ class Asking:
                 self.reading.finish_in_flight()
                 in_flight = self.clock()
                 with self.lock:
+                    before = _moves(shadow.store.counters)
                     self.reading.get(shadow, name)  # resident from here (read_to_end's own get finds it so)
+                    brought = _brought_back(before, _moves(shadow.store.counters))
                 restored = self.clock()
                 s, behind, read = self.reading.read_to_end(shadow, name, timeout_s, started)
                 self._check_tail(s)
                 forward = self.clock()
                 probs = shadow.reader.ask(s, question, choice_ids).tolist()
             marks = (on, in_flight, restored, forward, self.clock())
-            return shadow, s, behind, read, probs, marks
+            return shadow, s, behind, read, probs, marks, brought
 
-        shadow, s, behind, read, probs, marks = self.device.run(on_device, "ask")
+        shadow, s, behind, read, probs, marks, brought = self.device.run(on_device, "ask")
         self.settle_after(shadow, name)
         on, in_flight, restored, forward, done = marks
         latency, waited = self.clock() - started, on - started
@@ -95,6 +98,7 @@ class Asking:
                 ("device_wait", waited), ("in_flight", in_flight - on), ("restore", restored - in_flight),
                 ("read", forward - restored), ("forward", done - forward),
                 ("back", started + latency - done))},
+            "brought_back": brought,
             "weights": shadow.weights,
             "weights_hash": shadow.weights_hash, "grid": shadow.grid, "arithmetic": shadow.store.identity.arithmetic,
             "insertion": len(s.ids), "prefix_crc": ids_crc(s.ids),
@@ -149,3 +153,21 @@ class Asking:
         return {"session": session, "read": name, "ids": out, "behind": behind, "weights": shadow.weights,
                 "latency_ms": round((self.clock() - started) * 1000, 3),
                 "decode_ms_per_token": round(decode_s * 1000 / max(1, len(out)), 3), **exact}
+
+
+def _moves(c) -> tuple[int, int, int, int, int]:
+    """The store's counters of sessions brought back (`StoreCounters`): moves from the host tier,
+    their bytes, those kept on the device (asked for while their copy out was in flight: no
+    copy back), restores from disk, their bytes."""
+    return c.from_host, c.bytes_from_host, c.moves_kept, c.restores, c.bytes_restored
+
+
+def _brought_back(before: tuple, after: tuple) -> dict | None:
+    """What one `get` brought back onto the device, from `_moves` before and after it under the
+    lock: {"tier": "host" or "disk", "bytes": n}, or None (resident, new, or kept while leaving)."""
+    from_host, host_bytes, kept, restores, disk_bytes = (b - a for a, b in zip(before, after))
+    if from_host and not kept:
+        return {"tier": "host", "bytes": host_bytes}
+    if restores and not kept:
+        return {"tier": "disk", "bytes": disk_bytes}
+    return None
