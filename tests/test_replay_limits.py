@@ -206,14 +206,21 @@ def test_an_asks_forward_is_drawn_from_the_measured_forwards_seeded():
     assert {round(w, 3) for w in one} == {0.005, 0.006, 0.2}  # 39 draws of three: each came up
 
 
-@pytest.mark.parametrize("content, says", [("[]", "non-empty JSON list"), ("[1, -2]", "each a number above 0"),
-                                           ('{"ms": [1]}', "non-empty JSON list"), ("[1, true]", "each a number above 0"),
-                                           ("[1, 2", "not a JSON list of ms"), ("[1e400]", "at most 3,600,000"),
-                                           ("[" + "9" * 400 + "]", "at most 3,600,000"), ("[NaN]", "each a number above 0")])
-def test_replay_ledger_refuses_bad_ask_forwards_before_any_work(tmp_path, content, says):
-    bad, out = tmp_path / "forwards.json", tmp_path / "out.ledger.jsonl"
+FORWARDS, RATES = "--ask-forwards-json", "--host-rates-json"
+
+
+@pytest.mark.parametrize("flag, content, says", [
+    (FORWARDS, "[]", "non-empty JSON list"), (FORWARDS, "[1, -2]", "each a number above 0"),
+    (FORWARDS, '{"ms": [1]}', "non-empty JSON list"), (FORWARDS, "[1, true]", "each a number above 0"),
+    (FORWARDS, "[1, 2", "not a JSON list of ms"), (FORWARDS, "[1e400]", "at most 3,600,000"),
+    (FORWARDS, "[" + "9" * 400 + "]", "at most 3,600,000"), (FORWARDS, "[NaN]", "each a number above 0"),
+    (RATES, "[]", "non-empty JSON list"), (RATES, "[1, 0]", "each a number above 0"),
+    (RATES, "[1e6]", "at most 100,000"), (RATES, "[1, 2", "not a JSON list of GiB/s")])
+def test_replay_ledger_refuses_bad_samples_before_any_work(tmp_path, flag, content, says):
+    """An ask's forwards (ms) or moves back from host memory (GiB/s) as a live run measured them."""
+    bad, out = tmp_path / "samples.json", tmp_path / "out.ledger.jsonl"
     bad.write_text(content)
-    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--ask-forwards-json", str(bad),
+    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), flag, str(bad),
                                       "--write-ledger", str(out)])
     assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output
     assert not out.exists()
@@ -231,17 +238,6 @@ def test_replay_ledger_draws_asks_forwards_from_a_file(tmp_path):
     doc = json.loads(result.output.strip().splitlines()[-1])
     assert doc["limits"]["ask_forwards"] == {"n": 100, "p50": 8.0, "p90": 8.0, "p99": 300.0, "max": 400.0}
     assert "an ask's forward drawn from 100 measured (p50 8, p99 300 ms)" in result.output
-
-
-@pytest.mark.parametrize("content, says", [("[]", "non-empty JSON list"), ("[1, 0]", "each a number above 0"),
-                                           ("[1e6]", "at most 100,000"), ("[1, 2", "not a JSON list of GiB/s")])
-def test_replay_ledger_refuses_bad_host_rates_before_any_work(tmp_path, content, says):
-    bad, out = tmp_path / "rates.json", tmp_path / "out.ledger.jsonl"
-    bad.write_text(content)
-    result = CliRunner().invoke(app, ["replay-ledger", str(ledger_file(tmp_path)), "--host-rates-json", str(bad),
-                                      "--write-ledger", str(out)])
-    assert result.exit_code == 2 and says in result.output and "Traceback" not in result.output
-    assert not out.exists()
 
 
 def test_replay_ledger_draws_moves_back_from_a_file(tmp_path):
