@@ -57,6 +57,34 @@ def stream_chat(client: httpx.Client, session: str, messages: list[dict], max_to
     return chunks, text
 
 
+def test_an_ask_about_a_session_whose_first_turn_is_under_way_waits_for_it(server):
+    """A request names a new session; while its prompt cannot be read (the device held), an ask about
+    it waits, where it was refused as unknown; past its timeout_s it is unavailable (503), and once
+    the turn is read it is answered. A session no request named stays unknown (400) at once."""
+    client, service = server
+    ask = {"question": "A or B?", "choices": ["A", "B"]}
+    with ThreadPoolExecutor(2) as pool:
+        with service.device.hold():  # the turn's prompt waits for the device
+            turn = pool.submit(stream_chat, client, "first", [{"role": "user", "content": long_text(7)}])
+            deadline = time.monotonic() + 30
+            while not any(t.requested == "first" for t in service.turns) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not service.known("first")
+            late = client.post("/v1/shadow/ask", json={"session": "first", **ask, "timeout_s": 0.3})
+            assert late.status_code == 503 and "first turn under way" in late.text
+            started = time.monotonic()
+            unknown = client.post("/v1/shadow/ask", json={"session": "nobody", **ask, "timeout_s": 5})
+            assert unknown.status_code == 400 and "unknown session" in unknown.text
+            assert time.monotonic() - started < 2  # refused at once, not after its timeout
+            asked = pool.submit(client.post, "/v1/shadow/ask", json={"session": "first", **ask, "timeout_s": 60})
+            time.sleep(0.2)
+            assert not asked.done()  # waiting for the turn
+        turn.result(timeout=120)
+        answer = asked.result(timeout=120)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["insertion"] > 0  # the turn's prompt was read before the answer
+
+
 def test_an_embedded_stream_ends_with_its_usage_when_asked_as_openai_does(server):
     client, _ = server
     for chat in (True, False):

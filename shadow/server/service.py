@@ -33,7 +33,7 @@ from shadow.core.reader import common_prefix
 from shadow.core.schedule import ReadScheduler
 from shadow.core.store import SessionStore
 from shadow.engines.idcheck import SessionChecks, TurnCheck, TurnIds
-from shadow.errors import ShadowInputError, ShadowNotExact
+from shadow.errors import ShadowInputError, ShadowNotExact, ShadowUnavailable
 from shadow.model.config import ModelConfig
 from shadow.server import gcpauses
 from shadow.server.asking import Asking
@@ -52,6 +52,7 @@ from shadow.voice.voice import VoiceBudget
 
 T = TypeVar("T")
 log = logging.getLogger("shadow.serve")
+RESOLVE_POLL_S = 0.01  # how often an ask about a session whose first turn is under way looks again
 
 
 class ShadowService:
@@ -587,6 +588,11 @@ class ShadowService:
             return session in self.names.recent or session in self.checks or (
                 shadow is not None and session in shadow.store.names())
 
+    def _turn_names(self, session: str) -> bool:
+        """Whether a turn in the table (in flight, or its end not yet fed) names `session`."""
+        with self.state_lock:
+            return any(session in (t.requested, t.session) for t in self.turns)
+
     def _length(self, name: str) -> int:
         """Ids the session holds (resident, or by its file's header); the caller holds the lock."""
         shadow = self.host.shadow
@@ -691,10 +697,18 @@ class ShadowService:
     # questions --------------------------------------------------------------------------
 
     def resolve(self, session: str, timeout_s: float) -> tuple[str, dict]:
-        """The store name an ask about `session` reads and its exactness (refused when required)."""
+        """The store name an ask about `session` reads and its exactness (refused when required).
+        A session whose first turn is under way (named by a request, its prompt not yet read) is
+        waited for, within timeout_s: unavailable past it; one no turn named is unknown."""
+        started = self.clock()
         self.host.wait_ready(timeout_s)
-        if not self.known(session):
-            raise ShadowInputError(f"unknown session {session!r}")
+        while not self.known(session):
+            if not self._turn_names(session):
+                raise ShadowInputError(f"unknown session {session!r}")
+            if self.clock() - started >= timeout_s:
+                raise ShadowUnavailable(f"session {session!r} has its first turn under way and not yet read: "
+                                        "ask again, or with a longer timeout_s")
+            time.sleep(RESOLVE_POLL_S)
         name = self.main_branch(session)
         exact = self.exactness(name)
         if self.settings.require_exact and not exact["exact"]:
