@@ -172,11 +172,12 @@ for step in "$@"; do
              # and the gguf==0.19.0 wheel in .whl. The CUDA build took 310 s on a lent H100 (2026-12-06, -j16);
              # carried and checked, 6 s (2026-12-07).
              # In one call (9 min): the GGUF, engine and shadow up in about 120 s, DENSITY_S (120) of density,
-             # then the engine's cost at a steady load (a stream a slot of STEADY_PROMPT ids, 8192; up to SETTLE_S,
-             # 60, for them all to decode; PAIRS x 2 + 1 windows of WINDOW_S, 7 x 15 s, off, on, ..., off), the engine's tokenization
+             # then the engine's cost at a density-like load (each slot turn after turn from STEADY_PROMPT ids, 8192,
+             # each turn 1,024 ids more and about 128 out: --cost-load turns; up to SETTLE_S, 60, for them all to decode;
+             # PAIRS x 2 + 1 windows of WINDOW_S, 7 x 15 s, off, on, ..., off), the engine's tokenization
              # and the replay in about 30 s;
              # the driver shortens the density phase to be done FINISH_BY (525) s after the step began (--finish-by)
-             # and is stopped 45 s later.
+             # and is stopped 45 s later. DENSITY_S=0: the cost phase alone, its pairs shortened to fit instead.
              # DETACH=1: the driver runs in a process session of its own, which outlives the call while the machine
              # stays warm (a later call within its idle window), from a copy of the tree in /tmp/density-tree; the
              # step returns at once and `densitywait` collects it (FINISH_BY bounds it then, from the step's start).

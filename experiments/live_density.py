@@ -24,17 +24,22 @@ The engine is llama-server (`--llama-server`, default the CPU build of
 context of N x the longest session (prompt and output in Qwen3.5 ids), serving a random-weight GGUF
 of `shadow/engines/gguf.py` (`--hidden`, `--layers`).
 
-The engine's cost comes after the density phase, at a steady load: no request or ask starts after
-`--duration` s; each slot, once its last response is over, streams one long response of a session
-of its own (`steady.sK`: a trajectory's prompt nearest `--steady-prompt` ids, made unique by a
-line of its own, `max_tokens` as many as its slot holds, `ignore_eos`), so the N streams decode
-together and the shadow has their new prompts to read in its share. Once every steady stream
-decodes (at most `--settle` s), `--pairs` K pairs of windows of `--window` s switch the shadow off
-and on (`/v1/shadow/switch`), in the order off, on, off, ..., on, off (`--order alternate`, 2K + 1
-windows) or off-on, on-off, ... (`--order abba`); then the steady streams are cut. The engine's speed
-drifts as its streams deepen: `live_figures.drift_fit` takes the drift out. Each window's decode tokens/s and
-inter-token gaps (the steady streams'), the share charged in it, and llama-server's own counters
-(`--metrics`) at its ends (`live_figures.engine_cost`); each pair's change with the shadow on.
+The engine's cost comes after the density phase (or alone, with `--duration 0`): no request or ask
+of the density phase starts after `--duration` s; each slot, once its last response is over, carries
+the cost phase's load in sessions of its own (`steady.sK`, from a trajectory's prompt nearest
+`--steady-prompt` ids, made unique by a line of its own). Under `--cost-load turns` (the default) a
+slot sends turn after turn, each as the last ends: the last prompt, its output's text and a user
+message of about `--cost-grow` ids, decoding 1/2 to 3/2 of `--cost-output` tokens (seeded) with
+`ignore_eos`, so the engine reads and decodes as at density and the shadow has new ids to read in its share all along (a session
+that would outgrow the slot is followed by a new one). Under `--cost-load streams` a slot streams one
+long response (`max_tokens` as many as the slot holds), whose prompt the shadow reads before the
+windows. Once every slot's load decodes (at most `--settle` s), `--pairs` K pairs of windows of
+`--window` s switch the shadow off and on (`/v1/shadow/switch`), in the order off, on, off, ..., on,
+off (`--order alternate`, 2K + 1 windows) or off-on, on-off, ... (`--order abba`); then the load is
+cut. The engine's speed drifts as its sessions deepen: `live_figures.drift_fit` takes the drift out.
+Each window's decode tokens/s and inter-token gaps (the load's streams'), the share charged in it,
+and llama-server's own counters (`--metrics`) at its ends (`live_figures.engine_cost`); each pair's
+change with the shadow on. `--finish-by` shortens the density phase, or with none the pairs, to fit.
 
 The replay charges what the run measured: the chunk costs the service learned, its moves to and
 from host memory and its asks' cost a chunk against the share's (`live_figures.live_rates`, from
@@ -49,7 +54,9 @@ asks' forwards, ms, each replayed ask drawing one), `host-rates.json` (the speed
 the host tier an ask made, each replayed move drawing one), `sent.jsonl` and `asks.jsonl`
 (every request and ask as the driver saw it), `journal.jsonl`, `status.json` (the last status),
 `metrics-density.txt` and `metrics.txt` (`/metrics` at the density phase's end and at the run's),
-`steady.jsonl` (the cost phase's streams), `replay.txt`, `engine.log`, `serve.log`, `table.txt`.
+`steady.jsonl` (the cost phase's requests), `replay.txt`, `engine.log`, `serve.log`, `table.txt`.
+A run of the cost phase alone writes `live-density.json` (settings, engine cost), `steady.jsonl`,
+`costs.json`, `status.json`, `metrics.txt`, `journal.jsonl`, the logs and `table.txt`.
 """
 
 from __future__ import annotations
@@ -136,6 +143,15 @@ def load_trajectory(path: Path, tokenizer) -> Trajectory:
     return Trajectory(conv.name, turns, prompt_ids(len(turns) - 1) + turns[-1].output_tokens, prompt_ids)
 
 
+def cost_blocks(trajectory: Trajectory, tokenizer, ids: int, count: int = 64) -> list[str]:
+    """Up to `count` user messages of about `ids` Qwen3.5 ids each for `--cost-load turns`: the
+    trajectory's last prompt's messages, read in order and cut at every `ids` ids."""
+    text = "\n".join(str(m.get("content") or "") for m in trajectory.turns[-1].messages)
+    tokens = tokenizer.encode(text)
+    blocks = [tokenizer.decode(tokens[i:i + ids]) for i in range(0, len(tokens) - ids + 1, ids)][:count]
+    return blocks or [tokenizer.decode(tokens)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -157,8 +173,11 @@ def wait_up(url: str, proc: subprocess.Popen, timeout: float, ready=lambda r: r.
 class Run:
     """One run: the engine and the service already up at `url`; drives the sessions and records."""
 
-    def __init__(self, args, url: str, trajectories: list[Trajectory], engine_url: str):
+    def __init__(self, args, url: str, trajectories: list[Trajectory], engine_url: str,
+                 blocks: list[list[str]] = ()):
         self.args, self.url, self.trajectories, self.engine_url = args, url, trajectories, engine_url
+        self.blocks = blocks  # a trajectory's user messages of about --cost-grow ids (`cost_blocks`), by its index
+        self.first_load: dict[int, fig.Sent] = {}  # each slot's first request of the cost phase
         self.rng = random.Random(args.seed)
         self.sent: list[fig.Sent] = []
         self.asks: list[fig.Asked] = []
@@ -206,10 +225,11 @@ class Run:
     # the sessions -------------------------------------------------------------------------------
 
     async def slot(self, k: int) -> None:
-        """Slot k: its trajectories' turns until the density phase ends, then its steady stream."""
-        await self.density_turns(k)
+        """Slot k: its trajectories' turns until the density phase ends, then its load of the cost phase."""
+        if self.args.duration > 0:
+            await self.density_turns(k)
         if self.args.pairs:
-            await self.steady_stream(k)
+            await (self.cost_turns(k) if self.args.cost_load == "turns" else self.steady_stream(k))
 
     async def density_turns(self, k: int) -> None:
         first, copy = True, 0
@@ -242,21 +262,31 @@ class Run:
         rec = fig.Sent(name, i, self.now(), turn.messages)
         self.sent.append(rec)
         self.active.add(name)
+        await self.stream(rec, body)
+        self.held[name] = rec.prompt_tokens + rec.output_tokens
+        return rec.error is None
+
+    async def stream(self, rec: fig.Sent, body: dict, cut: bool = False) -> str:
+        """POST `body` as `rec`'s session and read its stream into `rec` (statuses, ids, times, usage,
+        errors); the output's text. `cut`: stop reading once the cost phase's windows are over (the
+        response closes, the proxy ends the engine's request)."""
+        text = []
         try:
             async with self.client.stream("POST", "/v1/chat/completions", json=body,
-                                          headers={"x-session-id": name}) as r:
+                                          headers={"x-session-id": rec.session}) as r:
                 rec.status = r.status_code
                 if r.status_code != 200:
                     rec.error = (await r.aread()).decode("utf-8", "replace")[:300]
                 else:
                     async for line in r.aiter_lines():
+                        if cut and self.steady_over.is_set():
+                            break
                         if line.startswith("data: {"):
-                            self.event(rec, json.loads(line[len("data: "):]))
+                            text.append(self.event(rec, json.loads(line[len("data: "):])))
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:  # the connection, or an event not as expected
             rec.error = f"{type(e).__name__}: {e}"
         rec.end = self.now()
-        self.held[name] = rec.prompt_tokens + rec.output_tokens
-        return rec.error is None
+        return "".join(text)
 
     async def steady_stream(self, k: int) -> None:
         """Slot k's stream of the cost phase: a prompt of its own, decoding until the windows are over."""
@@ -271,25 +301,50 @@ class Run:
                 "stream": True, "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True, "temperature": 0}
         rec = fig.Sent(f"steady.s{k}", -1, self.now(), messages)
         self.steady.append(rec)
-        try:
-            async with self.client.stream("POST", "/v1/chat/completions", json=body,
-                                          headers={"x-session-id": rec.session}) as r:
-                rec.status = r.status_code
-                if r.status_code != 200:
-                    rec.error = (await r.aread()).decode("utf-8", "replace")[:300]
-                else:
-                    async for line in r.aiter_lines():
-                        if self.steady_over.is_set():
-                            break  # cut: the response closes, the proxy ends the engine's request
-                        if line.startswith("data: {"):
-                            self.event(rec, json.loads(line[len("data: "):]))
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-            rec.error = f"{type(e).__name__}: {e}"
-        rec.end = self.now()
+        self.first_load[k] = rec
+        await self.stream(rec, body, cut=True)
 
-    def event(self, rec: fig.Sent, event: dict) -> None:
-        """One streamed event: its output ids (beside the logprobs) and their time, the usage, an error."""
+    async def cost_turns(self, k: int) -> None:
+        """Slot k's load of the cost phase under `--cost-load turns`: turn after turn, each sent as
+        the last ends, so the shadow has new ids to read in its share all along. A session starts
+        from a trajectory's prompt nearest `--steady-prompt` ids (made unique by a line of its own);
+        each next turn is the last prompt, its output's text and a user message of about
+        `--cost-grow` ids, decoding 1/2 to 3/2 of `--cost-output` tokens (`ignore_eos`; seeded, so
+        that the slots' turns fall out of step and the engine decodes all along). A session that would
+        outgrow the slot's context is followed by a new one (`steady.sK`, `steady.sK.2`, ...)."""
+        a = self.args
+        traj = self.trajectories[k % len(self.trajectories)]
+        at = traj.turn_near(a.steady_prompt)
+        first, *rest = traj.turns[at].messages
+        start = [{**first, "content": STEADY_LINE.format(k=k) + "\n" + first["content"]}, *rest]
+        room = max(t.longest for t in self.trajectories) - 256  # a slot's context holds the session
+        blocks = self.blocks[k % len(self.blocks)]
+        body = {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True, "temperature": 0}
+        rng = random.Random(f"{a.seed} cost {k}")  # outputs of 1/2 to 3/2 --cost-output: the slots' turns fall out of step
+        n, b = 0, k  # sessions of this slot; its next user block
+        while not self.steady_over.is_set():
+            n, turn = n + 1, 0
+            name, messages, held = f"steady.s{k}" + (f".{n}" if n > 1 else ""), list(start), traj.prompt_ids(at)
+            while not self.steady_over.is_set() and held + 2 * (a.cost_grow + a.cost_output) < room:
+                rec = fig.Sent(name, turn, self.now(), list(messages))
+                self.steady.append(rec)
+                self.first_load.setdefault(k, rec)
+                tokens = rng.randint(max(1, a.cost_output // 2), a.cost_output + a.cost_output // 2)
+                text = await self.stream(rec, {**body, "messages": messages, "max_tokens": tokens}, cut=True)
+                if rec.error is not None and not self.steady_over.is_set():
+                    return  # a failed turn ends the slot's load (its record says why)
+                messages = [*messages, {"role": "assistant", "content": text},
+                            {"role": "user", "content": blocks[b % len(blocks)]}]
+                b, turn = b + 1, turn + 1
+                held = rec.prompt_tokens + rec.output_tokens + a.cost_grow
+
+    def event(self, rec: fig.Sent, event: dict) -> str:
+        """One streamed event into `rec`: its output ids (beside the logprobs) and their time, the
+        usage, an error; its text."""
+        text = ""
         for choice in event.get("choices") or ():
+            text += (choice.get("delta") or {}).get("content") or ""
             ids = [t["id"] for t in ((choice.get("logprobs") or {}).get("content") or ()) if "id" in t]
             if ids:
                 t = self.now()
@@ -301,6 +356,7 @@ class Run:
             rec.output_tokens = event["usage"].get("completion_tokens", 0)
         if event.get("error"):
             rec.error = json.dumps(event["error"])[:300]
+        return text
 
     # asks, polls, switches ----------------------------------------------------------------------
 
@@ -357,11 +413,11 @@ class Run:
             return
         try:
             began = self.now()
-            while self.now() < began + a.settle and not (
-                    len(self.steady) == a.sessions and all(r.first_token is not None for r in self.steady)):
+            while self.now() < began + a.settle and self.slots_begun() < a.sessions:  # every slot's load decoding
                 await asyncio.sleep(0.25)
             self.settled = {"waited_s": round(self.now() - began, 3),
                             "steady_decoding": sum(r.first_token is not None and r.end is None for r in self.steady),
+                            "slots_begun": self.slots_begun(),
                             "density_in_flight": sum(r.end is None for r in self.sent)}
             for on in window_order(a.pairs, a.order):
                 start = self.now()
@@ -378,6 +434,10 @@ class Run:
             self.steady_over.set()
             with contextlib.suppress(httpx.HTTPError):  # the shadow left on, as it ran
                 await self.client.post("/v1/shadow/switch", json={"on": True})
+
+    def slots_begun(self) -> int:
+        """The slots whose load of the cost phase has decoded its first token."""
+        return sum(r.first_token is not None for r in self.first_load.values())
 
     async def gpu_samples(self) -> None:
         """The GPU's busy %, every 250 ms where `nvidia-smi` is (`utilization.gpu`: the share of its
@@ -455,6 +515,9 @@ def replay_again(out: Path) -> dict:
     from shadow.offline.ledger import read_ledger
 
     doc = json.loads((out / "live-density.json").read_text())
+    if not doc["settings"]["duration"]:
+        print(f"live_density.py: error: {out} holds a run of the cost phase alone: no density phase to replay", file=sys.stderr)
+        raise SystemExit(2)
     status = json.loads((out / "status.json").read_text())
     settings = {**doc["settings"]["replay"], "ids": fig.replay_ids(out / "journal.jsonl"), "disk": fig.service_disk(status),
                 "voice_share": 0.0 if not status.get("counters", {}).get("voice_s") else None, "asks_at": None}
@@ -525,18 +588,31 @@ def main(argv: list[str] | None = None) -> dict:
                      *a.serve_arg]
         serve = start(stack, serve_cmd, out / "serve.log", env)
         wait_up(f"{url}/v1/shadow/status", serve, 900, ready=lambda r: r.status_code == 200 and r.json()["ready"])
-        if a.finish_by:  # what is left after the setup, less the windows and the work after the run
-            cost = (a.settle + len(window_order(a.pairs, a.order)) * a.window) if a.pairs else 0.0
-            left = a.finish_by - (time.monotonic() - began) - cost - AFTER_RUN_S
-            if left < a.duration:
-                a.asked_duration, a.duration = a.duration, max(MIN_DURATION_S, round(left, 1))
-        run = Run(a, url, trajectories, engine_url)
+        if a.finish_by:
+            fit_to(a, a.finish_by - (time.monotonic() - began))
+        blocks = [cost_blocks(t, tokenizer, a.cost_grow) for t in trajectories] if a.pairs and a.cost_load == "turns" else []
+        run = Run(a, url, trajectories, engine_url, blocks)
         started = time.time()
         asyncio.run(run.main())
         wall = time.time() - started
         tokenize_prompts(engine_url, [r for r in run.sent if r.start < a.duration])
     (out / "status.json").write_text(json.dumps(run.status, indent=1))
+    if a.duration == 0:
+        return report_cost(a, run, out, ctx, wall)
     return report(a, run, out, journal, ctx, wall)
+
+
+def fit_to(a: argparse.Namespace, left: float) -> None:
+    """Shorten the run to end within `left` s, the work after it (`AFTER_RUN_S`) kept: the density
+    phase (to `MIN_DURATION_S` at least), or with none (`--duration 0`) the pairs of windows (to one
+    at least). What was asked stays as `asked_duration` or `asked_pairs`."""
+    cost = (a.settle + len(window_order(a.pairs, a.order)) * a.window) if a.pairs else 0.0
+    if a.duration > 0 and left - cost - AFTER_RUN_S < a.duration:
+        a.asked_duration, a.duration = a.duration, max(MIN_DURATION_S, round(left - cost - AFTER_RUN_S, 1))
+    elif a.duration == 0 and left - cost - AFTER_RUN_S < 0:
+        pairs = next((p for p in range(a.pairs, 0, -1)
+                      if a.settle + len(window_order(p, a.order)) * a.window + AFTER_RUN_S <= left), 1)
+        a.asked_pairs, a.pairs = a.pairs, pairs
 
 
 def start(stack: contextlib.ExitStack, cmd: list[str], log: Path, env: dict) -> subprocess.Popen:
@@ -613,19 +689,44 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
                                                       "request_hours": round(hours, 4)},
            "live": live, "replay": replayed, "side_by_side": fig.side_by_side(live, replayed, requests),
            "turn_by_turn": fig.turn_by_turn([r for r in run.sent if r.start < a.duration], journal, turns, a.grid),
-           "engine": {**fig.engine_cost(run.steady, run.windows, run.polls, run.engine_windows, others=run.sent,
-                                        gpu=run.gpu),
-                      "gpu_busy_pct_density": fig.gpu_busy(run.gpu, 0.0, a.duration),
-                      "settled": run.settled, "switch_error": run.switch_error},
+           "engine": engine_document(run),
            "sent": {"requests": len(run.sent), "asks": len(run.asks), "steady": len(run.steady),
                     "sessions": sorted({r.session for r in [*run.sent, *run.steady]})}}
     (out / "table.txt").write_text(fig.table(doc) + "\n")
     (out / "live-density.json").write_text(json.dumps(doc, indent=1))
     (out / "asks.jsonl").write_text("".join(json.dumps(asdict(x)) + "\n" for x in run.asks))
-    for name, records in (("sent.jsonl", run.sent), ("steady.jsonl", run.steady)):
-        (out / name).write_text("".join(json.dumps({k: v for k, v in asdict(r).items()
-                                                    if k not in ("messages", "output_ids", "prompt_ids", "token_times")})
-                                        + "\n" for r in records))
+    records(out, "sent.jsonl", run.sent)
+    records(out, "steady.jsonl", run.steady)
+    return doc
+
+
+def engine_document(run: Run) -> dict:
+    """The engine's cost (`live_figures.engine_cost`) of the cost phase's load, with how it began."""
+    return {**fig.engine_cost(run.steady, run.windows, run.polls, run.engine_windows, others=run.sent, gpu=run.gpu),
+            "gpu_busy_pct_density": fig.gpu_busy(run.gpu, 0.0, run.args.duration) if run.args.duration else None,
+            "settled": run.settled, "switch_error": run.switch_error}
+
+
+def records(out: Path, name: str, sent: list[fig.Sent]) -> None:
+    """`sent` into `out / name`, a JSON line each, without messages, ids and token times."""
+    (out / name).write_text("".join(json.dumps({k: v for k, v in asdict(r).items()
+                                                if k not in ("messages", "output_ids", "prompt_ids", "token_times")})
+                                    + "\n" for r in sent))
+
+
+def report_cost(a, run: Run, out: Path, ctx: int, wall: float) -> dict:
+    """A run of the cost phase alone (`--duration 0`): the engine's cost and the requests into `out`; the document."""
+    (out / "costs.json").write_text(json.dumps(fig.costs_document(run.status)))
+    (out / "metrics.txt").write_text(run.metrics)
+    doc = {"experiment": "live-density", "settings": {**{k: v for k, v in vars(a).items() if k != "trajectories"},
+                                                      "trajectories": [t.name for t in run.trajectories],
+                                                      "context": ctx, "wall_s": round(wall, 1)},
+           "live": {"service": fig.scraped(run.metrics)}, "side_by_side": {}, "engine": engine_document(run),
+           "sent": {"requests": 0, "asks": 0, "steady": len(run.steady),
+                    "sessions": sorted({r.session for r in run.steady})}}
+    (out / "table.txt").write_text(fig.table(doc) + "\n")
+    (out / "live-density.json").write_text(json.dumps(doc, indent=1))
+    records(out, "steady.jsonl", run.steady)
     return doc
 
 
@@ -641,7 +742,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=float, default=30.0, help="seconds of each off or on window")
     p.add_argument("--order", choices=("alternate", "abba"), default="alternate",
                    help="the windows' order: off, on, off, ..., off (2 x pairs + 1 windows), or off-on, on-off, ...")
-    p.add_argument("--steady-prompt", type=int, default=8192, help="the steady streams' prompts, about this many ids")
+    p.add_argument("--cost-load", choices=("turns", "streams"), default="turns",
+                   help="the cost phase's load a slot: turn after turn, each a few seconds (the shadow reads all along), "
+                        "or one long stream (the shadow reads its prompt before the windows)")
+    p.add_argument("--cost-grow", type=int, default=1024, help="turns: each turn's new user message, about this many ids")
+    p.add_argument("--cost-output", type=int, default=128, help="turns: each turn's output tokens, on average (1/2 to 3/2 of it)")
+    p.add_argument("--steady-prompt", type=int, default=8192, help="the cost phase's first prompts, about this many ids")
     p.add_argument("--settle", type=float, default=60.0, help="the longest wait for every steady stream to decode")
     p.add_argument("--pace", type=float, default=1.0, help="recorded gaps between a session's requests times this")
     p.add_argument("--start", choices=("random", "first"), default="random", help="a slot's first trajectory's first turn")
@@ -671,8 +777,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replay-again", action="store_true",
                    help="drive nothing: replay the finished run in --out again with this build's replay settings")
     a = p.parse_args(argv)
-    if a.sessions < 1 or a.duration <= 0 or a.pairs < 0 or a.window <= 0 or a.pace <= 0:
-        p.error("--sessions, --duration, --window and --pace are positive, --pairs at least 0")
+    if a.sessions < 1 or a.duration < 0 or a.pairs < 0 or a.window <= 0 or a.pace <= 0:
+        p.error("--sessions, --window and --pace are positive, --duration and --pairs at least 0")
+    if a.duration == 0 and not a.pairs:
+        p.error("--duration 0 (the cost phase alone) needs --pairs")
+    if a.cost_grow < 1 or a.cost_output < 1:
+        p.error("--cost-grow and --cost-output are positive numbers of ids")
     if a.steady_prompt < 1 or not 0 <= a.settle < float("inf"):
         p.error("--steady-prompt is a positive number of ids, --settle a finite number of seconds, at least 0")
     return a

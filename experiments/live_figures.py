@@ -673,21 +673,23 @@ def _pairs_summary(pairs: list[dict]) -> dict | None:
 
 def _engine_window(ends: tuple[dict, dict], seconds: float) -> dict | None:
     """llama-server's counters over one window: decode calls (and a second: with every slot decoding,
-    its step rate), and the tokens predicted by the requests that ended in it (llama-server counts a
-    request's tokens when it ends) with their ratio to the calls (None where none ended)."""
+    its step rate), the tokens predicted by the requests that ended in it (llama-server counts a
+    request's tokens when it ends) with their ratio to the calls (None where none ended), and the
+    prompt tokens of those requests it read."""
     before, after = ends
     if "llamacpp:tokens_predicted_total" not in before or "llamacpp:tokens_predicted_total" not in after:
         return None
     tokens = after["llamacpp:tokens_predicted_total"] - before["llamacpp:tokens_predicted_total"]
     decodes = after.get("llamacpp:n_decode_total", 0.0) - before.get("llamacpp:n_decode_total", 0.0)
-    return {"tokens_predicted": int(tokens), "decodes": int(decodes),
+    prompt = after.get("llamacpp:prompt_tokens_total", 0.0) - before.get("llamacpp:prompt_tokens_total", 0.0)
+    return {"tokens_predicted": int(tokens), "prompt_tokens": int(prompt), "decodes": int(decodes),
             "decodes_per_s": _round(decodes / seconds) if seconds > 0 else None,
             "tokens_per_decode": _round(tokens / decodes) if decodes and tokens else None}
 
 
 def table(doc: dict) -> str:
     """The short table: live beside replayed, then the engine's pairs."""
-    lines = [f"{'figure':42} {'live':>14} {'replay':>14}"]
+    lines = [f"{'figure':42} {'live':>14} {'replay':>14}"] if doc["side_by_side"] else []  # none: the cost phase alone
     for name, v in doc["side_by_side"].items():
         lines.append(f"{name:42} {_fmt(v['live']):>14} {_fmt(v['replay']):>14}")
     dens = doc.get("live", {}).get("density") or {}

@@ -35,6 +35,24 @@ def run(tmp_path_factory):
                              "--steady-prompt", "1024", "--settle", "30",
                              "--template", str(shared_file("templates", "qwen3.5.jinja")),
                              "--cap-gib", "0.008", "--disk", str(out / "disk"), "--serve-arg=--share-charge=alone",
+                             "--cost-load", "streams", "--trajectories", *trajectories])
+    return doc, out
+
+
+@pytest.fixture(scope="module")
+def cost_run(tmp_path_factory):
+    """The cost phase alone (`--duration 0`) under `--cost-load turns`: three slots, turn after turn,
+    a share of 20 % (a CPU chunk at 8k ids takes about 90 ms: 2 % would read one after 4.5 s of decode)."""
+    exe = require_binary()
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import live_density
+
+    trajectories = [str(shared_file("trajectories", "mini-swe-agent", f"{name}.traj.json")) for name in SHORT]
+    out = tmp_path_factory.mktemp("cost")
+    doc = live_density.main(["--out", str(out), "--llama-server", str(exe), "--sessions", "3", "--duration", "0",
+                             "--pairs", "1", "--window", "8", "--threads", "2", "--steady-prompt", "1024",
+                             "--cost-grow", "600", "--cost-output", "16", "--settle", "60", "--share", "0.2",
+                             "--template", str(shared_file("templates", "qwen3.5.jinja")),
                              "--trajectories", *trajectories])
     return doc, out
 
@@ -189,6 +207,46 @@ def test_engine_cost_pairs_an_off_window_with_an_on_window_at_a_steady_load(run)
     steady = [json.loads(line) for line in (out / "steady.jsonl").read_text().splitlines()]
     assert {s["session"] for s in steady} == {"steady.s0", "steady.s1", "steady.s2"}
     assert all(s["first_token"] < windows[0]["start"] and s["end"] >= windows[-1]["end"] for s in steady)
+
+
+def test_the_cost_phase_alone_loads_the_engine_turn_after_turn_and_the_shadow_reads_in_its_share(cost_run):
+    doc, out = cost_run
+    assert doc["settings"]["duration"] == 0 and doc["sent"]["requests"] == 0 and doc["side_by_side"] == {}
+    assert not (out / "ledger.jsonl").exists()  # no density phase: nothing to replay
+    steady = [json.loads(line) for line in (out / "steady.jsonl").read_text().splitlines()]
+    assert doc["sent"]["steady"] == len(steady) and not [s for s in steady if s["error"]]
+    by_session = {}
+    for s in steady:
+        by_session.setdefault(s["session"], []).append(s)
+    assert {"steady.s0", "steady.s1", "steady.s2"} <= set(by_session)
+    for turns in by_session.values():
+        assert [t["turn"] for t in turns] == list(range(len(turns)))
+        # each turn was sent once the last ended, its prompt the last's with its output and about 600 ids more
+        for last, t in zip(turns, turns[1:]):
+            assert t["start"] >= last["end"]
+            if t["prompt_tokens"]:  # not cut before its usage came
+                assert 500 <= t["prompt_tokens"] - last["prompt_tokens"] - last["output_tokens"] <= 700
+        assert all(8 <= t["output_tokens"] <= 24 for t in turns if t["prompt_tokens"])
+    assert max(len(turns) for turns in by_session.values()) >= 3
+    windows = doc["engine"]["windows"]
+    assert [w["shadow"] for w in windows] == ["off", "on", "off"] and doc["engine"]["settled"]["slots_begun"] == 3
+    for w in windows:
+        assert w["tokens"] > 0 and w["tok_s"] > 0
+        assert w["engine"]["prompt_tokens"] > 0  # the engine read new prompts in every window
+    # the share read in the on window (a backlog to read: every turn brings 600 ids and more), and while off
+    # less (only a read under way at the switch ends: a CPU chunk holds two cores for 0.1 to 0.3 s)
+    assert windows[1]["share_read_pct"] > max(windows[0]["share_read_pct"], windows[2]["share_read_pct"])
+    # every turn is a turn in the service's journal
+    turns = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
+    assert sum(t.get("kind") == "turn" for t in turns) == len(steady)
+    assert "pair 1 (off-on)" in (out / "table.txt").read_text()
+
+
+def test_a_run_of_the_cost_phase_alone_is_not_replayed_again(cost_run, capsys):
+    _, out = cost_run
+    with pytest.raises(SystemExit) as e:
+        driver().main(["--out", str(out), "--replay-again"])
+    assert e.value.code == 2 and "cost phase alone" in capsys.readouterr().err
 
 
 # the figures' own rules, on records made by hand (no servers)
@@ -396,6 +454,21 @@ def test_the_replay_draws_a_move_back_from_the_live_asks_moves_back_from_the_hos
     assert f.host_rates([f.Asked("random", "s", 1.0, 200)], 10.0) == []  # an older run's asks say nothing of it
 
 
+def test_finish_by_shortens_the_density_phase_or_with_none_the_pairs():
+    d = driver()
+    a = d.parse(["--out", "x", "--duration", "300", "--pairs", "2", "--window", "15", "--settle", "30"])
+    d.fit_to(a, 300)  # 300 s left: 30 of settle, 5 windows of 15 and the 60 after the run leave 135 of density
+    assert (a.duration, a.asked_duration, a.pairs) == (135.0, 300.0, 2)
+    a = d.parse(["--out", "x", "--duration", "0", "--pairs", "20", "--window", "15", "--settle", "30"])
+    d.fit_to(a, 500)  # 410 s for windows: 27 of them, 13 pairs
+    assert (a.duration, a.pairs, a.asked_pairs) == (0.0, 13, 20)
+    d.fit_to(a, 10)  # never fewer than one pair
+    assert a.pairs == 1
+    a = d.parse(["--out", "x", "--duration", "0", "--pairs", "3", "--window", "15"])
+    d.fit_to(a, 1000)  # room enough: nothing changes
+    assert (a.pairs, hasattr(a, "asked_pairs")) == (3, False)
+
+
 def test_the_windows_alternate_with_each_on_window_between_two_off_windows():
     d = driver()
     assert d.window_order(3, "alternate") == [False, True, False, True, False, True, False]
@@ -432,7 +505,8 @@ def test_the_drift_fit_takes_a_deepening_engines_slowdown_out_of_the_shadows_cos
     assert "drift fit over 21 windows" in f.table({"side_by_side": {}, "engine": {"pairs": [], "drift": d}})
 
 
-@pytest.mark.parametrize("bad", [["--steady-prompt", "0"], ["--settle", "-1"], ["--settle", "nan"], ["--pairs", "-1"]])
+@pytest.mark.parametrize("bad", [["--steady-prompt", "0"], ["--settle", "-1"], ["--settle", "nan"], ["--pairs", "-1"],
+                                 ["--duration", "0"], ["--duration", "-1"], ["--cost-grow", "0"], ["--cost-output", "0"]])
 def test_a_bad_option_is_refused_with_one_line_before_anything_is_written(bad, tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "experiments"))
     import live_density
