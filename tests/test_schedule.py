@@ -552,3 +552,17 @@ def test_a_second_load_keeps_its_own_costs_and_the_charge_is_what_the_busy_windo
     s.first_token("t", 1.0)
     assert s.read_done(Read("a", 1, "share", 0, 0.02), 1, 0.5, 2.0) == pytest.approx(0.02)
     assert s._share_used_recently == pytest.approx(0.02) and s.share_used == pytest.approx(0.02)
+
+
+def test_a_restarted_stretch_banks_no_share_and_keeps_the_decoded_seconds():
+    s = scheduler(share=0.02)
+    s.restart_stretch(1.0)  # no stretch: nothing to restart
+    assert s.stretch_start is None and s.decoded_s(1.0) == 0.0
+    s.turn_started("t", "a", 0.0)
+    s.first_token("t", 0.0)
+    assert s.share_left(10.0) == pytest.approx(0.2)  # 2 % of 10 s decoded
+    s.restart_stretch(10.0)  # a shadow switched back on at 10 s: the share of the 10 s before is gone
+    assert s.share_left(10.0) == 0.0 and s.share_left(15.0) == pytest.approx(0.1)
+    assert s.decoded_s(15.0) == pytest.approx(15.0)  # the engine's decode seconds run on
+    s.turn_ended("t", 20.0)
+    assert s.stretch_start is None and s.decode_s == pytest.approx(20.0)

@@ -870,3 +870,28 @@ def test_an_answer_goes_back_before_the_store_settles_and_a_failed_settle_is_cou
     reading = client.get("/v1/shadow/status").json()["idle_reader"]
     assert reading["errors"] == 1 and reading["last_error"] == "a settle after an ask: OSError: disk full"
     assert client.post("/v1/shadow/ask", json=ask, timeout=30).status_code == 200
+
+
+def test_a_shadow_switched_back_on_reads_at_its_share_from_then_not_the_share_banked_while_off(tiny):
+    def load():
+        _, reader = open_reader("tiny", grid=GRID)
+        return Shadow(reader, SessionStore(reader, tiny.weights_hash, cap_gib=None), tiny.weights_label)
+
+    with running() as (engine, _):
+        with proxy_loading_in_background(str(engine.base_url).rstrip("/") + "/v1", load) as (proxy, service):
+            settled(service)
+            sched = service.sched
+            with service.state_lock:  # a turn decoding from now (as the proxy tells its first token)
+                sched.turn_started("decoding", "s", service.clock())
+                sched.first_token("decoding", service.clock())
+            assert proxy.post("/v1/shadow/switch", json={"on": False}).json() == {"on": False, "voice": False}
+            time.sleep(0.5)
+            with service.state_lock:
+                banked = sched.share_left(service.clock())
+            assert banked > 0  # the stretch went on earning share while the shadow was off ...
+            before = service.clock()
+            assert proxy.post("/v1/shadow/switch", json={"on": True}).json() == {"on": True, "voice": True}
+            with service.state_lock:  # ... and switched on, the share starts afresh
+                assert sched.stretch_start >= before and sched.share_left(service.clock()) < banked
+                assert sched.decoded_s(service.clock()) >= 0.5  # the engine's decode seconds run on
+                sched.turn_ended("decoding", service.clock())

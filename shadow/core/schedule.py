@@ -503,6 +503,15 @@ class ReadScheduler:
                 self.decode_s += max(0.0, now - self.stretch_start)
                 self.stretch_start, self.share_used = None, 0.0
 
+    def restart_stretch(self, now: float) -> None:
+        """Start the current decode stretch's share afresh at `now` (its budget 0, its seconds kept in
+        `decode_s`): a shadow switched back on reads at its share from then on, not also the share of
+        the time it was off."""
+        if self.stretch_start is not None:
+            self.decode_s += max(0.0, now - self.stretch_start)
+            self.stretch_start, self.share_used = now, 0.0
+            self.changes += 1
+
     def _stop_running(self, session: str, now: float) -> None:
         self._running[session] -= 1
         if not self._running[session]:

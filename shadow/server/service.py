@@ -215,6 +215,17 @@ class ShadowService:
         with self.state_lock:
             return sum(t.embedded for t in self.turns)
 
+    def switch(self, on: bool, voice: bool | None = None) -> dict:
+        """Turn the shadow (and the voice: as the shadow unless given) off or on. Off, it feeds and
+        reads nothing; switched back on, its share starts afresh (`ReadScheduler.restart_stretch`)."""
+        switch = self.shared.switch
+        with self.state_lock:
+            if on and not switch.shadow:
+                self.sched.restart_stretch(self.clock())
+            switch.shadow = on
+            switch.voice = on if voice is None else voice
+            return {"on": switch.shadow, "voice": switch.voice}
+
     def count_upstream_error(self, kind: str) -> None:
         """One more error of the engine behind the proxy, of `kind` (unreachable, status_4xx,
         status_5xx, broke_off, timeout: past a time limit, refused_added_fields)."""

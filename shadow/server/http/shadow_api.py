@@ -62,11 +62,9 @@ def shadow_routes(service: ShadowService, tokenizer: Tokenizer, eos: list[int], 
 
     @router.post("/switch")
     async def switch(req: SwitchRequest):
-        """Turn the shadow (and the voice) off or on (for A/B runs): off, it feeds and reads nothing."""
-        switch = service.shared.switch
-        switch.shadow = req.on
-        switch.voice = req.on if req.voice is None else req.voice
-        return {"on": switch.shadow, "voice": switch.voice}
+        """Turn the shadow (and the voice) off or on (for A/B runs): off, it feeds and reads nothing,
+        and its share starts afresh when it is switched back on."""
+        return await asyncio.to_thread(service.switch, req.on, req.voice)
 
     @router.get("/status")
     async def status():
