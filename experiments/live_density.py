@@ -33,7 +33,7 @@ message of about `--cost-grow` ids, decoding 1/2 to 3/2 of `--cost-output` token
 `ignore_eos`, so the engine reads and decodes as at density and the shadow has new ids to read in its share all along (a session
 that would outgrow the slot is followed by a new one). Under `--cost-load streams` a slot streams one
 long response (`max_tokens` as many as the slot holds), whose prompt the shadow reads before the
-windows. Once every slot's load decodes (at most `--settle` s), `--pairs` K pairs of windows of
+windows. Once every slot's first request of the load has its first token (at most `--settle` s), `--pairs` K pairs of windows of
 `--window` s switch the shadow off and on (`/v1/shadow/switch`), in the order off, on, off, ..., on,
 off (`--order alternate`, 2K + 1 windows) or off-on, on-off, ... (`--order abba`); then the load is
 cut. The engine's speed drifts as its sessions deepen: `live_figures.drift_fit` takes the drift out.
@@ -150,6 +150,32 @@ def cost_blocks(trajectory: Trajectory, tokenizer, ids: int, count: int = 64) ->
     tokens = tokenizer.encode(text)
     blocks = [tokenizer.decode(tokens[i:i + ids]) for i in range(0, len(tokens) - ids + 1, ids)][:count]
     return blocks or [tokenizer.decode(tokens)]
+
+
+def cost_room(trajectories: list[Trajectory]) -> int:
+    """The ids a session of the cost phase may hold: a slot's context (the longest trajectory's) less
+    a margin for the template."""
+    return max(t.longest for t in trajectories) - 256
+
+
+def cost_fits(held: int, a: argparse.Namespace, room: int) -> bool:
+    """Whether a session of the cost phase holding `held` ids takes another turn (`--cost-load turns`):
+    two turns' growth (`--cost-grow` and `--cost-output`) must still fit in `room`."""
+    return held + 2 * (a.cost_grow + a.cost_output) < room
+
+
+def cost_fits_every_slot(a: argparse.Namespace, trajectories: list[Trajectory]) -> str | None:
+    """Why the cost phase's turns cannot run (a slot's first prompt leaves no room for a turn in its
+    context), or None."""
+    if not a.pairs or a.cost_load != "turns":
+        return None
+    room = cost_room(trajectories)
+    for t in trajectories[:a.sessions]:
+        held = t.prompt_ids(t.turn_near(a.steady_prompt))
+        if not cost_fits(held, a, room):
+            return (f"{t.name}: a first prompt of {held:,} ids and two turns of --cost-grow {a.cost_grow} and "
+                    f"--cost-output {a.cost_output} do not fit a slot's {room:,} ids: lower --steady-prompt or --cost-grow")
+    return None
 
 
 def free_port() -> int:
@@ -316,8 +342,7 @@ class Run:
         traj = self.trajectories[k % len(self.trajectories)]
         at = traj.turn_near(a.steady_prompt)
         first, *rest = traj.turns[at].messages
-        start = [{**first, "content": STEADY_LINE.format(k=k) + "\n" + first["content"]}, *rest]
-        room = max(t.longest for t in self.trajectories) - 256  # a slot's context holds the session
+        room = cost_room(self.trajectories)
         blocks = self.blocks[k % len(self.blocks)]
         body = {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
                 "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True, "temperature": 0}
@@ -325,8 +350,12 @@ class Run:
         n, b = 0, k  # sessions of this slot; its next user block
         while not self.steady_over.is_set():
             n, turn = n + 1, 0
-            name, messages, held = f"steady.s{k}" + (f".{n}" if n > 1 else ""), list(start), traj.prompt_ids(at)
-            while not self.steady_over.is_set() and held + 2 * (a.cost_grow + a.cost_output) < room:
+            name = f"steady.s{k}" + (f".{n}" if n > 1 else "")
+            messages = [{**first, "content": STEADY_LINE.format(k=name[len("steady.s"):]) + "\n" + first["content"]}, *rest]
+            held = traj.prompt_ids(at)
+            if not cost_fits(held, a, room):  # refused before the run (`cost_fits_every_slot`): never spin here
+                return
+            while not self.steady_over.is_set() and cost_fits(held, a, room):
                 rec = fig.Sent(name, turn, self.now(), list(messages))
                 self.steady.append(rec)
                 self.first_load.setdefault(k, rec)
@@ -337,7 +366,9 @@ class Run:
                 messages = [*messages, {"role": "assistant", "content": text},
                             {"role": "user", "content": blocks[b % len(blocks)]}]
                 b, turn = b + 1, turn + 1
-                held = rec.prompt_tokens + rec.output_tokens + a.cost_grow
+                # what the slot holds: the usage's counts, else (a response cut before its usage) the last
+                # count and the ids streamed
+                held = (rec.prompt_tokens or held) + (rec.output_tokens or len(rec.output_ids)) + a.cost_grow
 
     def event(self, rec: fig.Sent, event: dict) -> str:
         """One streamed event into `rec`: its output ids (beside the logprobs) and their time, the
@@ -420,12 +451,12 @@ class Run:
                             "slots_begun": self.slots_begun(),
                             "density_in_flight": sum(r.end is None for r in self.sent)}
             for on in window_order(a.pairs, a.order):
-                start = self.now()
                 try:
                     (await self.client.post("/v1/shadow/switch", json={"on": on})).raise_for_status()
                 except httpx.HTTPError as e:  # no window then: the pairs stop, the density figures stay
                     self.switch_error = f"{type(e).__name__}: {e}"
                     return
+                start = self.now()  # the window begins once the service has switched
                 before = await self.engine_counters()
                 await asyncio.sleep(max(0.0, start + a.window - self.now()))
                 self.windows.append(("on" if on else "off", start, self.now()))
@@ -561,6 +592,9 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         trajectories = [load_trajectory(p, tokenizer) for p in trajectory_paths(a.trajectories)]
         template = Path(a.template).read_text()
+        unfit = cost_fits_every_slot(a, trajectories)
+        if unfit is not None:
+            raise ShadowInputError(unfit)
     except (ShadowInputError, OSError) as e:  # before anything is written
         print(f"live_density.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -704,7 +738,9 @@ def engine_document(run: Run) -> dict:
     """The engine's cost (`live_figures.engine_cost`) of the cost phase's load, with how it began."""
     return {**fig.engine_cost(run.steady, run.windows, run.polls, run.engine_windows, others=run.sent, gpu=run.gpu),
             "gpu_busy_pct_density": fig.gpu_busy(run.gpu, 0.0, run.args.duration) if run.args.duration else None,
-            "settled": run.settled, "switch_error": run.switch_error}
+            "settled": run.settled, "switch_error": run.switch_error,
+            # a failed request of the load ends its slot's load for the rest of the windows
+            "load_failed": sum(r.error is not None for r in run.steady)}
 
 
 def records(out: Path, name: str, sent: list[fig.Sent]) -> None:

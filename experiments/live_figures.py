@@ -675,7 +675,7 @@ def _engine_window(ends: tuple[dict, dict], seconds: float) -> dict | None:
     """llama-server's counters over one window: decode calls (and a second: with every slot decoding,
     its step rate), the tokens predicted by the requests that ended in it (llama-server counts a
     request's tokens when it ends) with their ratio to the calls (None where none ended), and the
-    prompt tokens of those requests it read."""
+    prompt tokens it read (counted at a request's first token, its ids served from its cache left out)."""
     before, after = ends
     if "llamacpp:tokens_predicted_total" not in before or "llamacpp:tokens_predicted_total" not in after:
         return None

@@ -517,6 +517,15 @@ def test_a_bad_option_is_refused_with_one_line_before_anything_is_written(bad, t
     assert not (tmp_path / "out").exists()
 
 
+def test_a_cost_phase_whose_first_prompt_leaves_no_room_for_a_turn_is_refused_before_anything_is_written(tmp_path, capsys):
+    trajectory = str(shared_file("trajectories", "mini-swe-agent", f"{SHORT[0]}.traj.json"))
+    with pytest.raises(SystemExit) as e:
+        driver().main(["--out", str(tmp_path / "out"), "--pairs", "1", "--cost-grow", "100000", "--trajectories", trajectory])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "do not fit a slot's" in err and "--cost-grow" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_outputs_the_engine_gave_no_ids_for_are_marked_from_the_journal(tmp_path):
     f = figures()
     from shadow.offline.ledger import Request

@@ -894,4 +894,9 @@ def test_a_shadow_switched_back_on_reads_at_its_share_from_then_not_the_share_ba
             with service.state_lock:  # ... and switched on, the share starts afresh
                 assert sched.stretch_start >= before and sched.share_left(service.clock()) < banked
                 assert sched.decoded_s(service.clock()) >= 0.5  # the engine's decode seconds run on
+                started = sched.stretch_start
+            time.sleep(0.1)
+            assert proxy.post("/v1/shadow/switch", json={"on": True}).json()["on"] is True
+            with service.state_lock:  # on again while on: nothing restarts, the share earned stays
+                assert sched.stretch_start == started and sched.share_left(service.clock()) > 0
                 sched.turn_ended("decoding", service.clock())
