@@ -33,7 +33,9 @@ message of about `--cost-grow` ids, decoding 1/2 to 3/2 of `--cost-output` token
 `ignore_eos`, so the engine reads and decodes as at density and the shadow has new ids to read in its share all along (a session
 that would outgrow the slot is followed by a new one). Under `--cost-load streams` a slot streams one
 long response (`max_tokens` as many as the slot holds), whose prompt the shadow reads before the
-windows. Once every slot's first request of the load has its first token (at most `--settle` s), `--pairs` K pairs of windows of
+windows. `--cost-backlog` IDS first has each slot send about IDS / N ids of trajectories' prompts
+with one token out each (`backlog.sK.J`): the engine reads them before the windows, the shadow in
+its share through them, so the windows hold the engine's decode and the shadow's reads. Once every slot's first request of the load has its first token (at most `--settle` s), `--pairs` K pairs of windows of
 `--window` s switch the shadow off and on (`/v1/shadow/switch`), in the order off, on, off, ..., on,
 off (`--order alternate`, 2K + 1 windows) or off-on, on-off, ... (`--order abba`); then the load is
 cut. The engine's speed drifts as its sessions deepen: `live_figures.drift_fit` takes the drift out.
@@ -55,8 +57,9 @@ the host tier an ask made, each replayed move drawing one), `sent.jsonl` and `as
 (every request and ask as the driver saw it), `journal.jsonl`, `status.json` (the last status),
 `metrics-density.txt` and `metrics.txt` (`/metrics` at the density phase's end and at the run's),
 `steady.jsonl` (the cost phase's requests), `replay.txt`, `engine.log`, `serve.log`, `table.txt`.
-A run of the cost phase alone writes `live-density.json` (settings, engine cost), `steady.jsonl`,
-`costs.json`, `status.json`, `metrics.txt`, `journal.jsonl`, the logs and `table.txt`.
+`backlog.jsonl` (the backlog's requests, where there were any). A run of the cost phase alone writes
+`live-density.json` (settings, engine cost), `steady.jsonl`, `backlog.jsonl`, `costs.json`,
+`status.json`, `metrics.txt`, `journal.jsonl`, the logs and `table.txt`.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ from shadow.errors import ShadowInputError  # noqa: E402
 
 QUESTION = {"question": "Is the agent about to finish the task? A: yes, B: no.", "choices": ["A", "B"]}
 STEADY_LINE = "(steady stream {k}: a load for the engine's cost, not a recorded turn)"
+BACKLOG_LINE = "(backlog {k}: ids for the shadow to read in the engine's cost phase, not a recorded turn)"
 AFTER_RUN_S = 60.0  # --finish-by keeps this for the last responses, the engine's tokenization, the replay and the files
 MIN_DURATION_S = 20.0
 SENT_FIELDS = ("session", "turn", "start", "first_token", "end", "prompt_tokens", "output_tokens", "status", "error")
@@ -223,6 +227,7 @@ class Run:
         self.steady_over = asyncio.Event()  # set when the windows are over: the steady streams are cut
         self.gpu: list[tuple[float, float]] = []  # (seconds, the GPU's busy %), where nvidia-smi is
         self.settled: dict = {}  # how the cost phase began: the wait for the steady streams, strays in flight
+        self.backlog: list[fig.Sent] = []  # the cost phase's backlog: prompts read by the engine before its load
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -255,7 +260,32 @@ class Run:
         if self.args.duration > 0:
             await self.density_turns(k)
         if self.args.pairs:
+            if self.args.cost_backlog:
+                await self.backlog_prompts(k)
             await (self.cost_turns(k) if self.args.cost_load == "turns" else self.steady_stream(k))
+
+    async def backlog_prompts(self, k: int) -> None:
+        """Slot k's share of `--cost-backlog` before its load: trajectories' prompts (`backlog.sK.J`,
+        each made unique by a line of its own, at most a slot's context), one token out each, one
+        after another, until the slot has sent about `--cost-backlog` / N ids. The engine reads them
+        before the windows; the shadow has them to read in its share through the on windows."""
+        a = self.args
+        quota, sent, j = a.cost_backlog // a.sessions, 0, 0
+        room = cost_room(self.trajectories)
+        while sent < quota and not self.steady_over.is_set():
+            traj = self.trajectories[(k + j) % len(self.trajectories)]
+            at = traj.turn_near(min(quota - sent, room))
+            first, *rest = traj.turns[at].messages
+            name = f"backlog.s{k}.{j + 1}"
+            messages = [{**first, "content": BACKLOG_LINE.format(k=name[len("backlog.s"):]) + "\n" + first["content"]}, *rest]
+            rec = fig.Sent(name, 0, self.now(), messages)
+            self.backlog.append(rec)
+            await self.stream(rec, {"messages": messages, "max_tokens": 1, "stream": True, "temperature": 0,
+                                    "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 1,
+                                    "post_sampling_probs": True})
+            if rec.error is not None:
+                return  # the slot goes on to its load; the record says why
+            sent, j = sent + (rec.prompt_tokens or traj.prompt_ids(at)), j + 1
 
     async def density_turns(self, k: int) -> None:
         first, copy = True, 0
@@ -731,16 +761,21 @@ def report(a, run: Run, out: Path, journal: Path, ctx: int, wall: float) -> dict
     (out / "asks.jsonl").write_text("".join(json.dumps(asdict(x)) + "\n" for x in run.asks))
     records(out, "sent.jsonl", run.sent)
     records(out, "steady.jsonl", run.steady)
+    if run.backlog:
+        records(out, "backlog.jsonl", run.backlog)
     return doc
 
 
 def engine_document(run: Run) -> dict:
     """The engine's cost (`live_figures.engine_cost`) of the cost phase's load, with how it began."""
-    return {**fig.engine_cost(run.steady, run.windows, run.polls, run.engine_windows, others=run.sent, gpu=run.gpu),
+    return {**fig.engine_cost(run.steady, run.windows, run.polls, run.engine_windows, others=[*run.sent, *run.backlog],
+                              gpu=run.gpu),
             "gpu_busy_pct_density": fig.gpu_busy(run.gpu, 0.0, run.args.duration) if run.args.duration else None,
             "settled": run.settled, "switch_error": run.switch_error,
             # a failed request of the load ends its slot's load for the rest of the windows
-            "load_failed": sum(r.error is not None for r in run.steady)}
+            "load_failed": sum(r.error is not None for r in run.steady),
+            "backlog": {"requests": len(run.backlog), "failed": sum(r.error is not None for r in run.backlog),
+                        "prompt_ids": sum(r.prompt_tokens for r in run.backlog)}}
 
 
 def records(out: Path, name: str, sent: list[fig.Sent]) -> None:
@@ -763,6 +798,8 @@ def report_cost(a, run: Run, out: Path, ctx: int, wall: float) -> dict:
     (out / "table.txt").write_text(fig.table(doc) + "\n")
     (out / "live-density.json").write_text(json.dumps(doc, indent=1))
     records(out, "steady.jsonl", run.steady)
+    if run.backlog:
+        records(out, "backlog.jsonl", run.backlog)
     return doc
 
 
@@ -781,6 +818,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cost-load", choices=("turns", "streams"), default="turns",
                    help="the cost phase's load a slot: turn after turn, each a few seconds (the shadow reads all along), "
                         "or one long stream (the shadow reads its prompt before the windows)")
+    p.add_argument("--cost-backlog", type=int, default=0,
+                   help="ids of prompts the engine reads before the cost phase's load (one token out each), for the "
+                        "shadow to read through the windows (0: none)")
     p.add_argument("--cost-grow", type=int, default=1024, help="turns: each turn's new user message, about this many ids")
     p.add_argument("--cost-output", type=int, default=128, help="turns: each turn's output tokens, on average (1/2 to 3/2 of it)")
     p.add_argument("--steady-prompt", type=int, default=8192, help="the cost phase's first prompts, about this many ids")
@@ -817,8 +857,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         p.error("--sessions, --window and --pace are positive, --duration and --pairs at least 0")
     if a.duration == 0 and not a.pairs:
         p.error("--duration 0 (the cost phase alone) needs --pairs")
-    if a.cost_grow < 1 or a.cost_output < 1:
-        p.error("--cost-grow and --cost-output are positive numbers of ids")
+    if a.cost_grow < 1 or a.cost_output < 1 or a.cost_backlog < 0:
+        p.error("--cost-grow and --cost-output are positive numbers of ids, --cost-backlog at least 0")
     if a.steady_prompt < 1 or not 0 <= a.settle < float("inf"):
         p.error("--steady-prompt is a positive number of ids, --settle a finite number of seconds, at least 0")
     return a

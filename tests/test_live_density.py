@@ -41,7 +41,8 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cost_run(tmp_path_factory):
-    """The cost phase alone (`--duration 0`) under `--cost-load turns`: three slots, turn after turn,
+    """The cost phase alone (`--duration 0`) under `--cost-load turns` after a backlog of 6,000 ids:
+    three slots, turn after turn,
     a share of 20 % (a CPU chunk at 8k ids takes about 90 ms: 2 % would read one after 4.5 s of decode)."""
     exe = require_binary()
     sys.path.insert(0, str(ROOT / "experiments"))
@@ -52,6 +53,7 @@ def cost_run(tmp_path_factory):
     doc = live_density.main(["--out", str(out), "--llama-server", str(exe), "--sessions", "3", "--duration", "0",
                              "--pairs", "1", "--window", "8", "--threads", "2", "--steady-prompt", "1024",
                              "--cost-grow", "600", "--cost-output", "16", "--settle", "60", "--share", "0.2",
+                             "--cost-backlog", "6000",
                              "--template", str(shared_file("templates", "qwen3.5.jinja")),
                              "--trajectories", *trajectories])
     return doc, out
@@ -236,9 +238,15 @@ def test_the_cost_phase_alone_loads_the_engine_turn_after_turn_and_the_shadow_re
     # the share read in the on window (a backlog to read: every turn brings 600 ids and more), and while off
     # less (only a read under way at the switch ends: a CPU chunk holds two cores for 0.1 to 0.3 s)
     assert windows[1]["share_read_pct"] > max(windows[0]["share_read_pct"], windows[2]["share_read_pct"])
-    # every turn is a turn in the service's journal
+    # the backlog: about 2,000 ids of prompts a slot, one token out each, all read by the engine before the windows
+    backlog = [json.loads(line) for line in (out / "backlog.jsonl").read_text().splitlines()]
+    assert doc["engine"]["backlog"]["requests"] == len(backlog) and doc["engine"]["backlog"]["failed"] == 0
+    assert {b["session"].split(".")[1] for b in backlog} == {"s0", "s1", "s2"} and len({b["session"] for b in backlog}) == len(backlog)
+    assert all(b["output_tokens"] == 1 and b["end"] < windows[0]["start"] for b in backlog)
+    assert doc["engine"]["backlog"]["prompt_ids"] == sum(b["prompt_tokens"] for b in backlog) >= 3 * 1500
+    # every request is a turn in the service's journal
     turns = [json.loads(line) for line in (out / "journal.jsonl").read_text().splitlines()]
-    assert sum(t.get("kind") == "turn" for t in turns) == len(steady)
+    assert sum(t.get("kind") == "turn" for t in turns) == len(steady) + len(backlog)
     assert "pair 1 (off-on)" in (out / "table.txt").read_text()
 
 
@@ -506,7 +514,8 @@ def test_the_drift_fit_takes_a_deepening_engines_slowdown_out_of_the_shadows_cos
 
 
 @pytest.mark.parametrize("bad", [["--steady-prompt", "0"], ["--settle", "-1"], ["--settle", "nan"], ["--pairs", "-1"],
-                                 ["--duration", "0"], ["--duration", "-1"], ["--cost-grow", "0"], ["--cost-output", "0"]])
+                                 ["--duration", "0"], ["--duration", "-1"], ["--cost-grow", "0"], ["--cost-output", "0"],
+                                 ["--cost-backlog", "-1"]])
 def test_a_bad_option_is_refused_with_one_line_before_anything_is_written(bad, tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "experiments"))
     import live_density
