@@ -22,41 +22,35 @@ ROOT = Path(__file__).resolve().parents[1]
 SHORT = ("pydata__xarray-4629", "django__django-14559", "scikit-learn__scikit-learn-13135")  # the shortest contexts
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def drive(tmp_path_factory, name: str, *args: str) -> tuple[dict, Path]:
+    """`live_density.py` over the three shortest trajectories with three slots, beside the CPU
+    llama-server (skipped where it is not built), and `args`; its document and its folder."""
     exe = require_binary()
     sys.path.insert(0, str(ROOT / "experiments"))
     import live_density
 
-    trajectories = [str(shared_file("trajectories", "mini-swe-agent", f"{name}.traj.json")) for name in SHORT]
-    out = tmp_path_factory.mktemp("density")
-    doc = live_density.main(["--out", str(out), "--llama-server", str(exe), "--sessions", "3", "--duration", "45",
-                             "--pairs", "1", "--window", "6", "--max-output", "16", "--threads", "2",
-                             "--steady-prompt", "1024", "--settle", "30",
-                             "--template", str(shared_file("templates", "qwen3.5.jinja")),
-                             "--cap-gib", "0.008", "--disk", str(out / "disk"), "--serve-arg=--share-charge=alone",
-                             "--cost-load", "streams", "--trajectories", *trajectories])
+    trajectories = [str(shared_file("trajectories", "mini-swe-agent", f"{t}.traj.json")) for t in SHORT]
+    out = tmp_path_factory.mktemp(name)
+    doc = live_density.main(["--out", str(out), "--llama-server", str(exe), "--sessions", "3", "--threads", "2",
+                             "--steady-prompt", "1024", "--template", str(shared_file("templates", "qwen3.5.jinja")),
+                             *(a.replace("{out}", str(out)) for a in args), "--trajectories", *trajectories])
     return doc, out
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return drive(tmp_path_factory, "density", "--duration", "45", "--pairs", "1", "--window", "6", "--max-output", "16",
+                 "--settle", "30", "--cap-gib", "0.008", "--disk", "{out}/disk", "--serve-arg=--share-charge=alone",
+                 "--cost-load", "streams")
 
 
 @pytest.fixture(scope="module")
 def cost_run(tmp_path_factory):
     """The cost phase alone (`--duration 0`) under `--cost-load turns` after a backlog of 6,000 ids:
-    three slots, turn after turn,
-    a share of 20 % (a CPU chunk at 8k ids takes about 90 ms: 2 % would read one after 4.5 s of decode)."""
-    exe = require_binary()
-    sys.path.insert(0, str(ROOT / "experiments"))
-    import live_density
-
-    trajectories = [str(shared_file("trajectories", "mini-swe-agent", f"{name}.traj.json")) for name in SHORT]
-    out = tmp_path_factory.mktemp("cost")
-    doc = live_density.main(["--out", str(out), "--llama-server", str(exe), "--sessions", "3", "--duration", "0",
-                             "--pairs", "1", "--window", "8", "--threads", "2", "--steady-prompt", "1024",
-                             "--cost-grow", "600", "--cost-output", "16", "--settle", "60", "--share", "0.2",
-                             "--cost-backlog", "6000",
-                             "--template", str(shared_file("templates", "qwen3.5.jinja")),
-                             "--trajectories", *trajectories])
-    return doc, out
+    three slots, turn after turn, a share of 20 % (a CPU chunk at 8k ids takes about 90 ms: 2 % would
+    read one after 4.5 s of decode)."""
+    return drive(tmp_path_factory, "cost", "--duration", "0", "--pairs", "1", "--window", "8", "--cost-grow", "600",
+                 "--cost-output", "16", "--settle", "60", "--share", "0.2", "--cost-backlog", "6000")
 
 
 def test_the_ledger_holds_the_driven_sessions_and_the_journal_every_request(run):
