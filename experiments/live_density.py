@@ -69,6 +69,7 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import os
 import random
 import shutil
@@ -92,6 +93,9 @@ from shadow.errors import ShadowInputError  # noqa: E402
 QUESTION = {"question": "Is the agent about to finish the task? A: yes, B: no.", "choices": ["A", "B"]}
 STEADY_LINE = "(steady stream {k}: a load for the engine's cost, not a recorded turn)"
 BACKLOG_LINE = "(backlog {k}: ids for the shadow to read in the engine's cost phase, not a recorded turn)"
+# every request the driver sends: streamed with its usage, greedy, each output id beside its logprob (after sampling)
+STREAMED = {"stream": True, "stream_options": {"include_usage": True}, "temperature": 0,
+            "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True}
 AFTER_RUN_S = 60.0  # --finish-by keeps this for the last responses, the engine's tokenization, the replay and the files
 MIN_DURATION_S = 20.0
 SENT_FIELDS = ("session", "turn", "start", "first_token", "end", "prompt_tokens", "output_tokens", "status", "error")
@@ -280,9 +284,7 @@ class Run:
             messages = [{**first, "content": BACKLOG_LINE.format(k=name[len("backlog.s"):]) + "\n" + first["content"]}, *rest]
             rec = fig.Sent(name, 0, self.now(), messages)
             self.backlog.append(rec)
-            await self.stream(rec, {"messages": messages, "max_tokens": 1, "stream": True, "temperature": 0,
-                                    "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 1,
-                                    "post_sampling_probs": True})
+            await self.stream(rec, {**STREAMED, "messages": messages, "max_tokens": 1})
             if rec.error is not None:
                 return  # the slot goes on to its load; the record says why
             sent, j = sent + (rec.prompt_tokens or traj.prompt_ids(at)), j + 1
@@ -312,9 +314,8 @@ class Run:
 
     async def request(self, name: str, i: int, turn: Turn) -> bool:
         a = self.args
-        body = {"messages": turn.messages, "max_tokens": max(1, min(turn.output_tokens, a.max_output)),
-                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True, "temperature": 0}
+        body = {**STREAMED, "messages": turn.messages, "max_tokens": max(1, min(turn.output_tokens, a.max_output)),
+                "ignore_eos": True}
         rec = fig.Sent(name, i, self.now(), turn.messages)
         self.sent.append(rec)
         self.active.add(name)
@@ -353,8 +354,7 @@ class Run:
         first, *rest = traj.turns[at].messages
         messages = [{**first, "content": STEADY_LINE.format(k=k) + "\n" + first["content"]}, *rest]
         room = max(t.longest for t in self.trajectories) - traj.prompt_ids(at) - 256  # a slot's context holds it
-        body = {"messages": messages, "max_tokens": max(256, room), "ignore_eos": True,  # as long as the windows go on
-                "stream": True, "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True, "temperature": 0}
+        body = {**STREAMED, "messages": messages, "max_tokens": max(256, room), "ignore_eos": True}  # as long as the windows go on
         rec = fig.Sent(f"steady.s{k}", -1, self.now(), messages)
         self.steady.append(rec)
         self.first_load[k] = rec
@@ -374,8 +374,7 @@ class Run:
         first, *rest = traj.turns[at].messages
         room = cost_room(self.trajectories)
         blocks = self.blocks[k % len(self.blocks)]
-        body = {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                "logprobs": True, "top_logprobs": 1, "post_sampling_probs": True, "temperature": 0}
+        body = {**STREAMED, "ignore_eos": True}
         rng = random.Random(f"{a.seed} cost {k}")  # outputs of 1/2 to 3/2 --cost-output: the slots' turns fall out of step
         n, b = 0, k  # sessions of this slot; its next user block
         while not self.steady_over.is_set():
@@ -853,6 +852,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replay-again", action="store_true",
                    help="drive nothing: replay the finished run in --out again with this build's replay settings")
     a = p.parse_args(argv)
+    if not all(math.isfinite(v) for v in (a.duration, a.window, a.pace)):
+        p.error("--duration, --window and --pace are finite numbers of seconds")
     if a.sessions < 1 or a.duration < 0 or a.pairs < 0 or a.window <= 0 or a.pace <= 0:
         p.error("--sessions, --window and --pace are positive, --duration and --pairs at least 0")
     if a.duration == 0 and not a.pairs:

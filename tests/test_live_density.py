@@ -509,7 +509,7 @@ def test_the_drift_fit_takes_a_deepening_engines_slowdown_out_of_the_shadows_cos
 
 @pytest.mark.parametrize("bad", [["--steady-prompt", "0"], ["--settle", "-1"], ["--settle", "nan"], ["--pairs", "-1"],
                                  ["--duration", "0"], ["--duration", "-1"], ["--cost-grow", "0"], ["--cost-output", "0"],
-                                 ["--cost-backlog", "-1"]])
+                                 ["--cost-backlog", "-1"], ["--duration", "nan"], ["--window", "inf"], ["--pace", "nan"]])
 def test_a_bad_option_is_refused_with_one_line_before_anything_is_written(bad, tmp_path, capsys):
     sys.path.insert(0, str(ROOT / "experiments"))
     import live_density
