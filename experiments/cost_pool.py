@@ -33,8 +33,12 @@ class PoolError(ValueError):
     """A run that cannot be pooled: why, in one line."""
 
 
-def charge_of(serve_args: list[str]) -> str:
-    """The `--share-charge` a run's service was given (`--serve-arg`), else the service's default."""
+def charge_of(serve_args: list[str], said: str | None = None) -> str:
+    """The `--share-charge` a run's service had: as its status said (`said`, the driver's
+    `engine.charge`), else as it was given (`--serve-arg`), else `wall`, the default of the builds
+    whose runs did not say."""
+    if said:
+        return said
     for i, arg in enumerate(serve_args):
         if arg.startswith("--share-charge="):
             return arg.split("=", 1)[1]
@@ -49,7 +53,7 @@ def run_cost(folder: Path) -> dict:
     try:
         doc = json.loads(path.read_text())
         settings, windows = doc["settings"], doc["engine"]["windows"]
-        key = {k: settings[k] for k in SAME if k != "charge"} | {"charge": charge_of(list(settings.get("serve_arg") or []))}
+        key = {k: settings[k] for k in SAME if k != "charge"} | {"charge": charge_of(list(settings.get("serve_arg") or []), doc["engine"].get("charge"))}
     except OSError as e:
         raise PoolError(f"{path}: {e.strerror or e}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -771,6 +771,7 @@ def engine_document(run: Run) -> dict:
                               gpu=run.gpu),
             "gpu_busy_pct_density": fig.gpu_busy(run.gpu, 0.0, run.args.duration) if run.args.duration else None,
             "settled": run.settled, "switch_error": run.switch_error,
+            "charge": (run.status.get("reading") or {}).get("charge"),  # the service's --share-charge in force
             # a failed request of the load ends its slot's load for the rest of the windows
             "load_failed": sum(r.error is not None for r in run.steady),
             "backlog": {"requests": len(run.backlog), "failed": sum(r.error is not None for r in run.backlog),

@@ -83,3 +83,13 @@ def test_the_share_charge_a_run_was_given_is_read_from_its_serve_args():
     assert cost_pool.charge_of([]) == "wall"
     assert cost_pool.charge_of(["--share-charge=alone"]) == "alone"
     assert cost_pool.charge_of(["--batch", "8", "--share-charge", "alone"]) == "alone"
+
+
+def test_the_charge_the_service_said_it_ran_wins_over_its_arguments(tmp_path):
+    assert cost_pool.charge_of([], "alone") == "alone" and cost_pool.charge_of(["--share-charge=alone"], "wall") == "wall"
+    a = write_run(tmp_path / "a", 2.0, NOISE_A, charge=None)  # no --share-charge given ...
+    doc = json.loads((a / "live-density.json").read_text())
+    doc["engine"]["charge"] = "alone"  # ... and the service's status said alone (its default)
+    (a / "live-density.json").write_text(json.dumps(doc))
+    b = write_run(tmp_path / "b", 2.0, NOISE_B)
+    assert cost_pool.main([str(a), str(b)])["differ"] == []

@@ -226,6 +226,7 @@ def test_the_cost_phase_alone_loads_the_engine_turn_after_turn_and_the_shadow_re
     assert max(len(turns) for turns in by_session.values()) >= 3
     windows = doc["engine"]["windows"]
     assert [w["shadow"] for w in windows] == ["off", "on", "off"] and doc["engine"]["settled"]["slots_begun"] == 3
+    assert doc["engine"]["charge"] == "alone"  # no --share-charge given: the service's default, as its status said
     for w in windows:
         assert w["tokens"] > 0 and w["tok_s"] > 0
         assert w["engine"]["prompt_tokens"] > 0  # the engine read new prompts in every window

@@ -126,10 +126,10 @@ class BandwidthRule:
     batch_busy: float = 0.4  # the share's use over the last busy_window_s, of its income there, that makes it busy
     busy_window_s: float = 10.0
     batch_bank_s: float = 4.0  # ... with less than this left in the stretch's budget (more: it can afford to read at once)
-    # what a share read charges its stretch: "wall", its device-synchronised seconds; "alone", the lesser of
-    # those and its cost as measured at load (`ReadScheduler.keep_alone`; beside an engine in another process,
-    # a read's seconds hold the engine's own work on the GPU too)
-    charge: str = "wall"
+    # what a share read charges its stretch: "alone", the lesser of its device-synchronised seconds and its
+    # cost as measured at load (`ReadScheduler.keep_alone`; beside an engine in another process, a read's
+    # seconds hold the engine's own work on the GPU too); "wall", those seconds
+    charge: str = "alone"
 
     @property
     def share_batch_s(self) -> float:

@@ -254,9 +254,9 @@ SCHEDULE = {
         "waits up to this long for them, ms (0: never wait).")),
     "charge": Option(flag="--share-charge", name="share_charge", allowed=("wall", "alone"), says="is wall or alone",
                      panel=READING, help=(
-        "What a read in the share charges the decode stretch: wall (default), its own device-synchronised seconds; "
-        "alone, the lesser of those and its cost as measured at load (beside an engine in another process on the "
-        "same GPU, a read's seconds hold the engine's own work too).")),
+        "What a read in the share charges the decode stretch: alone (default), the lesser of its own "
+        "device-synchronised seconds and its cost as measured at load (beside an engine in another process on the "
+        "same GPU, a read's seconds hold the engine's own work too); wall, those seconds.")),
     "batch_busy": Option(gt=0, le=1, panel=READING, help=(
         f"With --batch-wait-ms: the share is busy when its reads of the last {BandwidthRule.busy_window_s:g} s used at "
         f"least this part of the share of those seconds and less than {BandwidthRule.batch_bank_s:g} s of its budget "
