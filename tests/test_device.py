@@ -69,3 +69,31 @@ def test_jobs_after_close_are_refused_not_left_waiting():
     device.close()  # twice is fine
     with pytest.raises(RuntimeError, match="stopped"):
         device.run(lambda: 2)
+
+
+def test_each_kind_of_job_is_timed_and_a_job_run_in_place_counts_in_its_callers(device):
+    device.run(lambda: time.sleep(0.03), "ask")
+    for _ in range(3):
+        device.run(lambda: time.sleep(0.001), "reader")
+    device.run(lambda: device.run(lambda: time.sleep(0.02), "settle"), "turn")  # in place: the turn's time
+    with pytest.raises(ZeroDivisionError):
+        device.run(lambda: 1 / 0, "predict")  # a job that failed is timed too
+    times = device.times.status()
+    assert set(times) == {"ask", "reader", "turn", "predict"}
+    assert times["reader"]["count"] == 3 and times["ask"]["count"] == times["turn"]["count"] == 1
+    assert 30 <= times["ask"]["max_ms"] == times["ask"]["p50_ms"] == times["ask"]["p99_ms"] == times["ask"]["mean_ms"]
+    assert times["turn"]["max_ms"] >= 20
+    r = times["reader"]
+    assert 1 <= r["p50_ms"] <= r["p99_ms"] == r["max_ms"] and r["seconds"] == pytest.approx(3 * r["mean_ms"] / 1000, abs=1e-5)
+
+
+def test_the_quantiles_are_of_the_last_jobs_kept_and_the_counts_of_all():
+    from shadow.server.device import JobTimes
+
+    t = JobTimes(keep=4)
+    for ms in (100, 1, 2, 3, 4):
+        t.add("reader", ms / 1000)
+    s = t.status()["reader"]
+    assert s["count"] == 5 and s["max_ms"] == 100 and s["mean_ms"] == 22  # all five
+    assert s["p50_ms"] == 2 and s["p99_ms"] == 4  # the last four: 1, 2, 3, 4 (nearest rank)
+    assert JobTimes().status() == {}

@@ -134,7 +134,10 @@ def test_two_streamed_turns_are_read_exactly_and_asked(server):
     assert parts["forward"] > 0
     assert answer["brought_back"] is None  # resident: nothing brought back for it
     assert_exact(service, "s1")
-    assert client.get("/v1/shadow/status").json()["last_answers"][-1]["label"] == answer["label"]
+    status = client.get("/v1/shadow/status").json()
+    assert status["last_answers"][-1]["label"] == answer["label"]
+    jobs = status["device_jobs"]  # the device thread's jobs by kind: the turns fed, the ask, its settle
+    assert jobs["turn"]["count"] >= 2 and jobs["ask"]["count"] >= 1 and jobs["ask"]["max_ms"] >= parts["forward"]
 
     # an ask that comes while the device runs another job says what it waited behind, and how long
     held_s = 0.3

@@ -9,8 +9,11 @@ runs it in place.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -19,12 +22,48 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+class JobTimes:
+    """How long the device thread's jobs took, by kind: each kind's count, seconds and longest
+    since start, and its last `keep` jobs' seconds for their median and p99 (nearest rank).
+    `add` is O(1); `status` copies under a lock held for no job."""
+
+    def __init__(self, keep: int = 2048):
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._kinds: dict[str, list] = {}  # kind -> [count, seconds, longest, deque of the last seconds]
+
+    def add(self, kind: str, seconds: float) -> None:
+        with self._lock:
+            k = self._kinds.get(kind)
+            if k is None:
+                k = self._kinds[kind] = [0, 0.0, 0.0, deque(maxlen=self._keep)]
+            k[0] += 1
+            k[1] += seconds
+            k[2] = max(k[2], seconds)
+            k[3].append(seconds)
+
+    def status(self) -> dict[str, dict]:
+        """{kind: {count, seconds, mean_ms, p50_ms, p99_ms (of the last jobs kept), max_ms}}."""
+        with self._lock:
+            kinds = {kind: (n, total, longest, sorted(recent)) for kind, (n, total, longest, recent) in self._kinds.items()}
+        return {kind: {"count": n, "seconds": round(total, 6), "mean_ms": round(total / n * 1000, 3),
+                       "p50_ms": round(_rank(recent, 0.50) * 1000, 3), "p99_ms": round(_rank(recent, 0.99) * 1000, 3),
+                       "max_ms": round(longest * 1000, 3)}
+                for kind, (n, total, longest, recent) in sorted(kinds.items())}
+
+
+def _rank(ordered: list[float], q: float) -> float:
+    """The nearest-rank q quantile of a non-empty ascending list."""
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
 class DeviceThread:
     def __init__(self, name: str = "shadow-device"):
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._pending = 0  # jobs handed in and not finished
         self.running: str | None = None  # the kind of the job running ("reader", "turn", "ask", ...)
+        self.times = JobTimes()  # how long each kind of job took (a job run in place counts in its caller's)
         self.closed = False
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -36,6 +75,7 @@ class DeviceThread:
                 return
             fn, kind, future = job
             self.running = kind
+            began = time.perf_counter()
             try:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -44,6 +84,7 @@ class DeviceThread:
                         future.set_exception(e)
             finally:
                 self.running = None
+                self.times.add(kind, time.perf_counter() - began)
                 with self._lock:
                     self._pending -= 1
 

@@ -826,6 +826,7 @@ class ShadowService:
                 "last_answers": list(c.last_answers),
                 "gc": None if gcpauses.installed() is None else gcpauses.installed().status(),
                 "gaps": c.gaps.status(),
+                "device_jobs": self.device.times.status(),
             }
 
 
