@@ -783,6 +783,7 @@ class ShadowService:
         return out
 
     def status(self) -> dict:
+        jobs = self.device.times.status()  # sorted outside the state lock, which the rounds take
         with self.state_lock:
             c = self.counters
             shadow = self.host.shadow
@@ -826,7 +827,7 @@ class ShadowService:
                 "last_answers": list(c.last_answers),
                 "gc": None if gcpauses.installed() is None else gcpauses.installed().status(),
                 "gaps": c.gaps.status(),
-                "device_jobs": self.device.times.status(),
+                "device_jobs": jobs,
             }
 
 
