@@ -20,6 +20,7 @@ from scripted import quiet_engine, renderer
 from serving import free_port, long_text, service_for, serving, settings_for, settled
 from shadow.core.reader import open_reader
 from shadow.core.store import SessionStore
+from shadow.server.device import KINDS as DEVICE_JOBS
 from shadow.server.http.app import ShadowApp
 from shadow.server.journaled import JournalCounts
 from shadow.server.settings import Access
@@ -182,6 +183,10 @@ def test_a_real_prometheus_finds_the_shadow_series_status_reports(tiny, tmp_path
                 assert want[("shadow_turn_parts_total", ("part", "output"), ("result", "not_read"))] == 2
                 assert want[("shadow_turn_parts_total", ("part", "prompt"), ("result", "unverified"))] == 2
                 assert want[("shadow_status_lines_total", ("kind", "reading"))] >= 2
+                # the device thread's jobs by kind, each known kind from the start: the ask among them
+                assert {("shadow_device_jobs_total", ("kind", k)) for k in DEVICE_JOBS} <= set(have)
+                assert have[("shadow_device_jobs_total", ("kind", "ask"))] >= 1
+                assert have[("shadow_device_job_seconds_total", ("kind", "ask"))] > 0
                 _dashboard_runs(prom, {k[0] for k in have})
                 _alerts_evaluate(prom)
 

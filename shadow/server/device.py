@@ -20,6 +20,9 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 T = TypeVar("T")
+# the kinds of job the service hands in (a metric's labels from the start); others are counted as they come
+KINDS = ("reader", "turn", "end turn", "ask", "settle", "predict", "label", "voice", "load", "save", "unload", "stop",
+         "hold")
 
 
 class JobTimes:

@@ -28,6 +28,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 
+from shadow.server.device import KINDS as DEVICE_JOBS
 from shadow.server.journaled import JournalCounts
 from shadow.server.service import ShadowService
 from shadow.server.timings import Histogram
@@ -68,6 +69,7 @@ class ShadowCollector:
         self._store(out, status, held)
         self._prefix_cache(out, status)
         self._reading(out, status, service.settings.schedule.share)
+        self._device(out, status)
         self._checks(out, status, held)
         self._asks(out, status, held)
         self._journaled(out, status)
@@ -222,6 +224,17 @@ class ShadowCollector:
                               "row", ["depth"])
         for depth, ms in r["chunk_ms_by_depth"].items():
             estimate.add(depth, value=ms / 1000)
+
+    @staticmethod
+    def _device(out: "Families", status: dict) -> None:
+        jobs = status["device_jobs"]
+        count = out.family("device_jobs", "Jobs the device thread ran, by kind", ["kind"], CounterMetricFamily)
+        seconds = out.family("device_job_seconds", "Seconds the device thread's jobs took, by kind", ["kind"],
+                             CounterMetricFamily)
+        for kind in dict.fromkeys((*DEVICE_JOBS, *jobs)):
+            job = jobs.get(kind, {"count": 0, "seconds": 0.0})
+            count.add(kind, value=job["count"])
+            seconds.add(kind, value=job["seconds"])
 
     @staticmethod
     def _checks(out: "Families", status: dict, held: dict) -> None:
