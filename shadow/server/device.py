@@ -28,7 +28,7 @@ KINDS = ("reader", "turn", "end turn", "ask", "settle", "predict", "label", "voi
 class JobTimes:
     """How long the device thread's jobs took, by kind: each kind's count, seconds and longest
     since start, and its last `keep` jobs' seconds for their median and p99 (nearest rank).
-    `add` is O(1); `status` copies under a lock held for no job."""
+    `add` is O(1); `status` copies under the same short lock and sorts outside it."""
 
     def __init__(self, keep: int = 2048):
         self._keep = keep
@@ -48,7 +48,9 @@ class JobTimes:
     def status(self) -> dict[str, dict]:
         """{kind: {count, seconds, mean_ms, p50_ms, p99_ms (of the last jobs kept), max_ms}}."""
         with self._lock:
-            kinds = {kind: (n, total, longest, sorted(recent)) for kind, (n, total, longest, recent) in self._kinds.items()}
+            kinds = {kind: (n, total, longest, list(recent)) for kind, (n, total, longest, recent) in self._kinds.items()}
+        for *_, recent in kinds.values():
+            recent.sort()
         return {kind: {"count": n, "seconds": round(total, 6), "mean_ms": round(total / n * 1000, 3),
                        "p50_ms": round(_rank(recent, 0.50) * 1000, 3), "p99_ms": round(_rank(recent, 0.99) * 1000, 3),
                        "max_ms": round(longest * 1000, 3)}
