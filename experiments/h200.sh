@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs on the H200: install the carried wheels, then each named step in order.
 #   bash experiments/h200.sh sanity tests batchtests gentest sweep convsweep pins profile rate512 verify rate attention generator genprofile
-#     timeline abdefault abalone abzero abbatch abdense abtiers abtierspinned proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch attnkernels verifybatch ratebatch
+#     timeline abdefault abalone abwall abzero abbatch abdense abtiers abtierspinned proxy restore voice abvoice phrasesteps doctor verifyspill batchrate attnbatch attnkernels verifybatch ratebatch
 #     density densitywait enginestep llamabin pinstall pincopies kernelsurvey
 # Needs .whl/ (../shared/tools/device-wheels.sh) and .carry/data/*.traj.json (or .carry/data.tar.xz) carried. TAR=1: one results file.
 set -uo pipefail
@@ -100,7 +100,8 @@ for step in "$@"; do
             --grid 4096 --contexts 0,16384,65536,100352 --repeats 7 --plot "$OUT/read-rate-h200.png" \
             --csv "$OUT/read-rate-h200.csv" --json > "$OUT/read-rate-h200.txt" 2>&1; tail -c 1500 "$OUT/read-rate-h200.txt" ;;
     abdefault) ab_run share2 "" ;;
-    abalone) ab_run alone "" "--share-charge alone" ;;  # the defaults but a share read charged at most its cost alone
+    abalone) ab_run alone "" "--share-charge alone" ;;  # a share read charged at most its cost alone (the default)
+    abwall) ab_run wall "" "--share-charge wall" ;;  # the defaults but a share read charged its own seconds
     abzero) ab_run share0 0.0001 ;;
     abbatch) ab_run batch8 "" "--batch 8" ;;
     abdense) ab_run dense "" "--batch 8 --batch-read-ms 50 --batch-wait-ms 1000" ;;
