@@ -210,7 +210,7 @@ class ShadowCollector:
                 seconds.add(window, value=value)
         if c.get("share_s") is not None:
             out.counter("share_charged_seconds", "Seconds the share's reads charged the engine's decodes "
-                        "(--share-charge: their own seconds, or at most their cost at load)", c["share_s"])
+                        "(--share-charge: at most their cost at load, the default, or their own seconds)", c["share_s"])
         if c.get("decode_s") is not None:
             out.counter("decode_seconds", "Seconds of the engine's decode stretches (the share's base)", c["decode_s"])
         out.gauge("share_fraction", "The in-turn share the rule grants (--share)", share)
