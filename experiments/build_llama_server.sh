@@ -11,7 +11,8 @@
 #   bash experiments/build_llama_server.sh cuda-cross [TAR]      # the CUDA build (sm_90) on a machine with no GPU or
 #                                                     #   CUDA, from NVIDIA's PyPI wheels (cuda_toolkit_from_wheels.sh):
 #                                                     #   the runtime linked in, cuBLAS and the driver needed where
-#                                                     #   it runs (about 40 min on 2 cores beside other work: 2,374 and 2,438 s)
+#                                                     #   it runs (about 40 min on 2 cores beside other work: its last line said 2,374 s on 2026-12-08,
+#                                                     #   2,438 s in docs/BENCHMARKS.md)
 #
 # Idempotent: when $SHADOW_LLAMA_HOME/bin/llama-server already runs (`--version`), nothing is built.
 # SHADOW_LLAMA_HOME defaults to ~/.cache/shadow/engines/llama-server-VERSION (CPU) and

@@ -52,12 +52,15 @@ def run_cost(folder: Path) -> dict:
     path = folder / "live-density.json"
     try:
         doc = json.loads(path.read_text())
-        settings, windows = doc["settings"], doc["engine"]["windows"]
-        key = {k: settings[k] for k in SAME if k != "charge"} | {"charge": charge_of(list(settings.get("serve_arg") or []), doc["engine"].get("charge"))}
+        settings, windows, engine = doc["settings"], doc["engine"]["windows"], doc["engine"]
+        said = engine.get("charge")
+        key = {k: settings[k] for k in SAME if k != "charge"} | {"charge": charge_of(list(settings.get("serve_arg") or []), said)}
     except OSError as e:
         raise PoolError(f"{path}: {e.strerror or e}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise PoolError(f"{path}: not a live density run's document ({type(e).__name__}: {e})") from None
+    if "charge" in engine and not said:  # a build that records it, whose service's status was never read
+        raise PoolError(f"{path}: the run did not learn its service's --share-charge (no status was read)")
     try:
         fit = fig.drift_fit(windows)
     except (KeyError, TypeError, ValueError) as e:

@@ -99,7 +99,7 @@ for step in "$@"; do
     rate) timeout 300 shadow read-rate --model qwen3.5-0.8b --device cuda --grid 512 --grid 256 --grid 1024 --grid 2048 \
             --grid 4096 --contexts 0,16384,65536,100352 --repeats 7 --plot "$OUT/read-rate-h200.png" \
             --csv "$OUT/read-rate-h200.csv" --json > "$OUT/read-rate-h200.txt" 2>&1; tail -c 1500 "$OUT/read-rate-h200.txt" ;;
-    abdefault) ab_run share2 "" ;;
+    abdefault) ab_run share2 "" ;;  # the defaults (results of 2026-12-07 and before: the share charged under wall)
     abalone) ab_run alone "" "--share-charge alone" ;;  # a share read charged at most its cost alone (the default)
     abwall) ab_run wall "" "--share-charge wall" ;;  # the defaults but a share read charged its own seconds
     abzero) ab_run share0 0.0001 ;;

@@ -55,7 +55,7 @@ def test_runs_pool_by_inverse_variance_beside_the_share_charged(tmp_path, capsys
 
 def test_runs_of_another_charge_pool_only_when_mixed_and_say_so(tmp_path, capsys):
     a = write_run(tmp_path / "a", 2.0, NOISE_A)
-    b = write_run(tmp_path / "b", 2.0, NOISE_B, charge=None)  # the service's default: wall
+    b = write_run(tmp_path / "b", 2.0, NOISE_B, charge=None)  # a run that did not say: the earlier default, wall
     with pytest.raises(SystemExit) as e:
         cost_pool.main([str(a), str(b)])
     assert e.value.code == 2 and "differ in charge" in capsys.readouterr().err
@@ -93,3 +93,14 @@ def test_the_charge_the_service_said_it_ran_wins_over_its_arguments(tmp_path):
     (a / "live-density.json").write_text(json.dumps(doc))
     b = write_run(tmp_path / "b", 2.0, NOISE_B)
     assert cost_pool.main([str(a), str(b)])["differ"] == []
+
+
+def test_a_run_that_never_read_its_services_charge_is_refused_not_taken_for_wall(tmp_path, capsys):
+    a = write_run(tmp_path / "a", 2.0, NOISE_A, charge=None)
+    doc = json.loads((a / "live-density.json").read_text())
+    doc["engine"]["charge"] = None  # the driver recorded the charge, but no status came
+    (a / "live-density.json").write_text(json.dumps(doc))
+    with pytest.raises(SystemExit) as e:
+        cost_pool.main([str(a), str(write_run(tmp_path / "b", 2.0, NOISE_B))])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "did not learn its service's --share-charge" in err and err.count("\n") == 1

@@ -21,8 +21,8 @@ from typing import TypeVar
 
 T = TypeVar("T")
 # the kinds of job the service hands in (a metric's labels from the start); others are counted as they come
-KINDS = ("reader", "turn", "end turn", "ask", "settle", "predict", "label", "voice", "load", "save", "unload", "stop",
-         "hold")
+KINDS = ("reader", "turn", "end turn", "ask", "settle", "predict", "label", "voice", "health", "load", "save", "unload",
+         "stop", "hold")
 
 
 class JobTimes:
@@ -80,16 +80,20 @@ class DeviceThread:
                 return
             fn, kind, future = job
             self.running = kind
-            began = time.perf_counter()
             try:
                 if future.set_running_or_notify_cancel():
+                    began = time.perf_counter()
                     try:
-                        future.set_result(fn())
+                        result, error = fn(), None
                     except BaseException as e:  # the caller gets it
-                        future.set_exception(e)
+                        result, error = None, e
+                    self.times.add(kind, time.perf_counter() - began)  # counted before the caller has its result
+                    if error is None:
+                        future.set_result(result)
+                    else:
+                        future.set_exception(error)
             finally:
                 self.running = None
-                self.times.add(kind, time.perf_counter() - began)
                 with self._lock:
                     self._pending -= 1
 
