@@ -9,7 +9,6 @@ runs it in place.
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -18,6 +17,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import TypeVar
+
+from shadow.offline.metrics import pct
 
 T = TypeVar("T")
 # the kinds of job the service hands in (a metric's labels from the start); others are counted as they come
@@ -49,17 +50,10 @@ class JobTimes:
         """{kind: {count, seconds, mean_ms, p50_ms, p99_ms (of the last jobs kept), max_ms}}."""
         with self._lock:
             kinds = {kind: (n, total, longest, list(recent)) for kind, (n, total, longest, recent) in self._kinds.items()}
-        for *_, recent in kinds.values():
-            recent.sort()
         return {kind: {"count": n, "seconds": round(total, 6), "mean_ms": round(total / n * 1000, 3),
-                       "p50_ms": round(_rank(recent, 0.50) * 1000, 3), "p99_ms": round(_rank(recent, 0.99) * 1000, 3),
+                       "p50_ms": round(pct(recent, 50) * 1000, 3), "p99_ms": round(pct(recent, 99) * 1000, 3),
                        "max_ms": round(longest * 1000, 3)}
                 for kind, (n, total, longest, recent) in sorted(kinds.items())}
-
-
-def _rank(ordered: list[float], q: float) -> float:
-    """The nearest-rank q quantile of a non-empty ascending list."""
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 class DeviceThread:
